@@ -1,0 +1,34 @@
+// Op registration for the ulysses_kernels CUDA extension.
+//
+// The library namespace is defined here once (TORCH_LIBRARY); every other file adds its
+// ops with TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL so each kernel stays in its own
+// file. Fake (meta) implementations live in Python (ulysses_kernels/_ops.py), which
+// keeps shape logic next to the reference path it must agree with.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <cuda.h>
+#include <nccl.h>
+
+#include <string>
+
+namespace ulysses_kernels {
+
+// Versions this binary was compiled against: doctor compares them with the runtime ones.
+std::string build_info() {
+  std::string info = "cuda=" + std::to_string(CUDA_VERSION / 1000) + "." +
+                     std::to_string((CUDA_VERSION % 1000) / 10);
+  info += " nccl=" + std::to_string(NCCL_MAJOR) + "." + std::to_string(NCCL_MINOR) + "." +
+          std::to_string(NCCL_PATCH);
+  return info;
+}
+
+}  // namespace ulysses_kernels
+
+TORCH_LIBRARY(ulysses_kernels, m) {
+  m.def("build_info() -> str", &ulysses_kernels::build_info);
+}
+
+// A Python module so `import ulysses_kernels._C` loads the library and runs the
+// registrations above; all functionality is reached through torch.ops.ulysses_kernels.
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,0 +1,150 @@
+"""Build for ulysses-kernels.
+
+The package is pure Python plus an optional CUDA extension (`ulysses_kernels._C`) built
+from `csrc/`. The extension is compiled when a CUDA-enabled torch and nvcc are present;
+otherwise the install is pure Python and one line on stderr says why (the same reason is
+recorded in `ulysses_kernels/_build_info.py` and shown by `ulysses-kernels doctor`).
+
+Environment variables:
+  ULYSSES_KERNELS_SKIP_CUDA_BUILD=1   never build the extension
+  ULYSSES_KERNELS_FORCE_CUDA_BUILD=1  fail the install if the extension cannot be built
+  TORCH_CUDA_ARCH_LIST                arches to compile for (default "8.0;9.0" when no GPU
+                                      is visible, else torch's own detection)
+  CUDA_HOME                           CUDA toolkit (default: the one holding `nvcc` on PATH,
+                                      else /usr/local/cuda)
+  MAX_JOBS                            parallel compile jobs (ninja)
+
+Install with `pip install --no-build-isolation -e .` so the build sees your torch.
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCH_LIST = "8.0;9.0"
+BUILD_INFO = os.path.join(HERE, "ulysses_kernels", "_build_info.py")
+
+
+def _env_flag(name):
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _find_cuda_home():
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    if os.path.exists("/usr/local/cuda/bin/nvcc"):
+        return "/usr/local/cuda"
+    return None
+
+
+def _nvidia_wheel_dirs(torch_cuda_major):
+    """Header and library folders shipped by the nvidia-* wheels torch depends on.
+
+    cu13 wheels put the toolkit headers under nvidia/cu13/include, cu12 wheels under
+    nvidia/cuda_runtime/include etc.; NCCL lives in nvidia/nccl for both.
+    """
+    includes, libs = [], []
+    for site in sys.path:
+        root = os.path.join(site, "nvidia")
+        if not os.path.isdir(root):
+            continue
+        candidates = [os.path.join(root, f"cu{torch_cuda_major}", "include")]
+        candidates += glob.glob(os.path.join(root, "cuda_*", "include"))
+        includes += [c for c in candidates if os.path.isdir(c)]
+        nccl_inc = os.path.join(root, "nccl", "include")
+        nccl_lib = os.path.join(root, "nccl", "lib")
+        if os.path.exists(os.path.join(nccl_inc, "nccl.h")):
+            includes.insert(0, nccl_inc)
+            libs.append(nccl_lib)
+        if includes:
+            break
+    return includes, libs
+
+
+def _cuda_extension_or_reason():
+    """Return (list_of_extensions, cmdclass, reason_if_skipped)."""
+    if _env_flag("ULYSSES_KERNELS_SKIP_CUDA_BUILD"):
+        return [], {}, "ULYSSES_KERNELS_SKIP_CUDA_BUILD is set"
+    try:
+        import torch
+    except ImportError:
+        return [], {}, "torch is not importable at build time (install torch first and use --no-build-isolation)"
+    if torch.version.cuda is None:
+        return [], {}, f"torch {torch.__version__} is a CPU-only build"
+    cuda_home = _find_cuda_home()
+    if cuda_home is None or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
+        return [], {}, "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    # cpp_extension reads CUDA_HOME when it is imported.
+    os.environ["CUDA_HOME"] = cuda_home
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        if not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    cuda_major = torch.version.cuda.split(".")[0]
+    wheel_includes, nccl_libs = _nvidia_wheel_dirs(cuda_major)
+    if not nccl_libs:
+        return [], {}, "NCCL headers not found (expected the nvidia-nccl wheel that torch depends on)"
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
+    nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+                  "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                  "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
+    ext = CUDAExtension(
+        name="ulysses_kernels._C",
+        sources=sources,
+        include_dirs=[os.path.join(HERE, "csrc")] + wheel_includes,
+        library_dirs=nccl_libs,
+        # libnccl.so.2 is what torch itself loads; link the soname so both share one copy.
+        extra_link_args=[f"-Wl,-rpath,{d}" for d in nccl_libs] + ["-l:libnccl.so.2"],
+        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+    )
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, None
+
+
+def _write_build_info(reason):
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    with open(BUILD_INFO, "w") as f:
+        f.write("# Written by setup.py; read by `ulysses-kernels doctor`.\n")
+        f.write(f"CUDA_EXTENSION_SKIPPED_REASON = {reason!r}\n")
+        f.write(f"TORCH_CUDA_ARCH_LIST = {arch!r}\n")
+
+
+ext_modules, cmdclass, skip_reason = _cuda_extension_or_reason()
+if skip_reason is not None:
+    if _env_flag("ULYSSES_KERNELS_FORCE_CUDA_BUILD"):
+        raise RuntimeError(f"ulysses-kernels: cannot build the CUDA extension: {skip_reason}")
+    print(f"ulysses-kernels: CUDA extension skipped: {skip_reason}; installing pure Python "
+          "(reference and Triton paths only)", file=sys.stderr)
+else:
+    print(f"ulysses-kernels: building CUDA extension for TORCH_CUDA_ARCH_LIST="
+          f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '(torch default)')}", file=sys.stderr)
+_write_build_info(skip_reason)
+
+setup(
+    name="ulysses-kernels",
+    version="0.1.0",
+    description="Ulysses sequence parallelism for PyTorch with fused communication and "
+                "Triton attention over the head-sharded layout",
+    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["ulysses_kernels", "ulysses_kernels.triton"],
+    package_dir={"ulysses_kernels": "ulysses_kernels", "ulysses_kernels.triton": "triton_kernels"},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    install_requires=["torch>=2.4", "triton>=3.6; platform_system == 'Linux'"],
+    extras_require={
+        "test": ["pytest>=7", "numpy"],
+        "hf": ["transformers>=4.48", "accelerate"],
+        "bench": ["matplotlib", "numpy"],
+    },
+    entry_points={"console_scripts": ["ulysses-kernels=ulysses_kernels.cli:main"]},
+    zip_safe=False,
+)

@@ -1,0 +1,20 @@
+"""ulysses-kernels: Ulysses sequence parallelism for PyTorch.
+
+Each rank of a sequence-parallel group holds a contiguous slice of the sequence; one
+all-to-all trades it for a head shard of the whole sequence, attention runs exactly, and
+a second all-to-all trades it back. See DESIGN.md for the contract.
+"""
+
+from ._layout import HeadPlan, split_lengths
+from .attention import UlyssesAttention, flash_attention, ulysses_attention
+from .comm import gather_sequence, heads_to_seq, qkv_seq_to_heads, seq_to_heads, shard_sequence
+from .groups import ParallelGroups, init_sequence_parallel
+from .reference import reference_attention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ulysses_attention", "UlyssesAttention", "flash_attention", "reference_attention",
+    "seq_to_heads", "heads_to_seq", "qkv_seq_to_heads", "shard_sequence", "gather_sequence",
+    "init_sequence_parallel", "ParallelGroups", "split_lengths", "HeadPlan",
+]

@@ -1,0 +1,111 @@
+"""Which execution path runs a call, and optional loading of the compiled extension.
+
+Paths (DESIGN.md): "reference" (torch ops + torch.distributed, always available),
+"triton" (Triton attention kernels; on CPU tensors only under TRITON_INTERPRET=1),
+"fused" (CUDA extension: pack kernels + NCCL engine + Triton attention).
+`backend=None` means `ULYSSES_KERNELS_BACKEND` if set, else automatic: fused on CUDA when
+the extension is built, else Triton on CUDA, else reference.
+"""
+
+import functools
+import importlib
+import os
+from typing import Optional, Tuple
+
+import torch
+
+BACKENDS = ("reference", "triton", "fused")
+ENV_VAR = "ULYSSES_KERNELS_BACKEND"
+
+
+@functools.lru_cache(maxsize=None)
+def load_extension() -> Tuple[Optional[object], Optional[str]]:
+    """Import `ulysses_kernels._C` once; returns (module, None) or (None, why not).
+
+    Like xformers, a missing or broken build never breaks `import ulysses_kernels`: the
+    reason is kept for `ulysses-kernels doctor` and for the error of a forced fused path.
+    """
+    try:
+        module = importlib.import_module("ulysses_kernels._C")
+    except ImportError as exc:
+        reason = str(exc)
+        try:
+            from . import _build_info
+            if _build_info.CUDA_EXTENSION_SKIPPED_REASON:
+                reason = f"not built: {_build_info.CUDA_EXTENSION_SKIPPED_REASON}"
+        except ImportError:
+            pass
+        if "undefined symbol" in reason or "cannot open shared object" in reason:
+            reason = (f"built against a different torch/CUDA than the one installed "
+                      f"(torch {torch.__version__}); rebuild with "
+                      f"`pip install --no-build-isolation -e .`: {reason}")
+        return None, reason
+    return module, None
+
+
+def extension_has(op_name: str) -> bool:
+    module, _ = load_extension()
+    return module is not None and hasattr(torch.ops.ulysses_kernels, op_name)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_kernels() -> Tuple[Optional[object], Optional[str]]:
+    """Import the Triton attention kernels; returns (module, None) or (None, why not)."""
+    try:
+        module = importlib.import_module("ulysses_kernels.triton")
+    except Exception as exc:  # triton missing, or incompatible
+        return None, f"{type(exc).__name__}: {exc}"
+    if not hasattr(module, "flash_attention"):
+        return None, "ulysses_kernels.triton has no flash_attention kernels in this build"
+    return module, None
+
+
+def fused_available() -> Tuple[bool, Optional[str]]:
+    module, reason = load_extension()
+    if module is None:
+        return False, f"the CUDA extension is unavailable ({reason})"
+    try:
+        from . import fused  # noqa: F401  (Python side of the fused path)
+    except ImportError as exc:
+        return False, f"the fused path is not in this build ({exc})"
+    if not fused.is_supported():
+        return False, "the CUDA extension was built without the fused exchange ops"
+    return True, None
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def requested_backend(backend: Optional[str]) -> str:
+    name = backend if backend is not None else os.environ.get(ENV_VAR, "").strip() or "auto"
+    if name not in BACKENDS + ("auto",):
+        source = "backend" if backend is not None else ENV_VAR
+        raise ValueError(f"{source}={name!r} is not a backend; choose one of "
+                         f"{', '.join(BACKENDS)} (or None / 'auto')")
+    return name
+
+
+def resolve_backend(backend: Optional[str], device: torch.device, *, distributed: bool) -> str:
+    """Pick the path for tensors on `device`; a forced path that cannot run raises."""
+    name = requested_backend(backend)
+    if name == "auto":
+        if device.type != "cuda":
+            return "reference"
+        if distributed and fused_available()[0]:
+            return "fused"
+        return "triton" if triton_kernels()[0] is not None else "reference"
+    if name == "triton":
+        module, reason = triton_kernels()
+        if module is None:
+            raise RuntimeError(f"backend='triton' requested but the Triton kernels cannot be used: {reason}")
+        if device.type != "cuda" and not interpreter_enabled():
+            raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set "
+                               "TRITON_INTERPRET=1 before importing ulysses_kernels")
+    if name == "fused":
+        if device.type != "cuda":
+            raise RuntimeError(f"backend='fused' needs CUDA tensors, got tensors on {device}")
+        ok, reason = fused_available()
+        if not ok:
+            raise RuntimeError(f"backend='fused' requested but {reason}")
+    return name

@@ -1,0 +1,591 @@
+"""Fused Ulysses attention: CUDA pack/unpack kernels + NCCL engine + Triton attention.
+
+Data flow of one call (DESIGN.md, "Data flow"), per chunk c of every destination's heads:
+
+  comm stream:    pack q,k,v -> send_c ; all-to-all send_c -> recv_c ; (event ready_c)
+  compute stream: wait ready_c ; Triton attention reads q/k/v straight from recv_c and
+                  writes its output straight into osend_c ; (event done_c)
+  comm stream:    wait done_c ; all-to-all osend_c -> orecv_c ; unpack into out
+
+so chunk c+1's pack and exchange run while chunk c's attention runs, and chunk c's
+reverse exchange runs while chunk c+1's attention runs. The backward mirrors it (dO is
+packed and exchanged per chunk, the attention backward writes dq/dk/dv into the reverse
+send buffer, unpack sums the gradients of replicated KV heads).
+
+Chunks. Chunk c owns local query heads `[c*Hqc, (c+1)*Hqc)` of every destination
+(`Hqc = Hl_q / C`); a KV head travels with the first chunk whose query heads use it and
+its gradient with the last. C must divide Hl_q and either Hqc is a multiple of the local
+GQA group g = Hl_q / Hl_kv (each chunk has its own KV heads) or g a multiple of Hqc
+(several chunks share one KV head; its dK/dV are accumulated in fp32 across them). The
+count is automatic (by bytes moved per rank) or set by `num_chunks=` /
+`ULYSSES_KERNELS_NUM_CHUNKS`; an invalid request is lowered to the largest valid count.
+
+Buffers. Each engine (one per (group, device)) keeps grow-only buffers for the transient
+send/receive regions, so steady-state calls allocate nothing but their results. The two
+buffers the backward needs (the q/k/v receive buffer and the attention output) are per-call
+tensors when a gradient is required (they are saved activations), engine buffers otherwise.
+
+Streams. Every call starts with the comm stream waiting on the compute (current) stream
+and ends with the compute stream waiting on the comm stream, so the caller sees ordinary
+stream semantics. With `seq_lens` given there is no host synchronisation, so the call can
+be captured in a CUDA graph (create the engine with one eager call first).
+
+Errors. The NCCL communicator is non-blocking; init and enqueue are polled with a timeout
+(`ULYSSES_KERNELS_NCCL_TIMEOUT`, seconds, default 600) and raise instead of hanging. With
+`ULYSSES_KERNELS_NCCL_CHECK=1` every call also waits (host side, with the same timeout)
+for its exchanges to finish, turning a hang inside NCCL into an exception.
+"""
+
+import atexit
+import os
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _backend
+from ._layout import split_lengths
+
+ENV_CHUNKS = "ULYSSES_KERNELS_NUM_CHUNKS"
+ENV_TIMEOUT = "ULYSSES_KERNELS_NCCL_TIMEOUT"
+ENV_CHECK = "ULYSSES_KERNELS_NCCL_CHECK"
+ENV_TRANSPORT = "ULYSSES_KERNELS_FUSED_TRANSPORT"
+
+FUSED_OPS = ("pack", "pack_into", "unpack", "unpack_into", "nccl_unique_id", "nccl_comm_create",
+             "nccl_comm_destroy", "nccl_all_to_all", "nccl_comm_wait")
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ALIGN_BYTES = 256
+
+
+def is_supported() -> bool:
+    """True when the CUDA extension is loaded and has every op of the fused path."""
+    module, _ = _backend.load_extension()
+    if module is None:
+        return False
+    try:
+        from . import _ops
+        _ops.register_fakes()
+    except Exception:  # noqa: BLE001 - a broken build must read as "not supported"
+        return False
+    return all(hasattr(torch.ops.ulysses_kernels, name) for name in FUSED_OPS)
+
+
+def _ops():
+    return torch.ops.ulysses_kernels
+
+
+# ------------------------------------------------------------------------ chunk plan
+
+@dataclass(frozen=True)
+class Chunk:
+    q_off: int      # first local query head of this chunk
+    q_cnt: int
+    kv_off: int     # KV heads sent with this chunk (forward): [kv_off, kv_off + kv_cnt)
+    kv_cnt: int
+    kv_src: int     # chunk whose receive buffer holds the KV heads this chunk's attention uses
+    kv_lo: int      # ... at this index among that chunk's KV heads
+    kv_use: int     # number of KV heads this chunk's attention uses
+    g_off: int      # KV heads whose gradients are complete after this chunk (backward)
+    g_cnt: int
+    shared: bool    # this chunk's KV head is shared with other chunks (accumulate dK/dV)
+
+    @property
+    def channels(self) -> int:
+        return self.q_cnt + 2 * self.kv_cnt
+
+    @property
+    def grad_channels(self) -> int:
+        return self.q_cnt + 2 * self.g_cnt
+
+
+def _valid_chunks(hl_q: int, hl_kv: int, c: int) -> bool:
+    if c < 1 or hl_q % c:
+        return False
+    hqc, g = hl_q // c, hl_q // hl_kv
+    return hqc % g == 0 or g % hqc == 0
+
+
+def valid_num_chunks(hl_q: int, hl_kv: int, requested: int) -> int:
+    """Largest valid chunk count <= requested (1 is always valid)."""
+    for c in range(min(max(1, int(requested)), hl_q), 0, -1):
+        if _valid_chunks(hl_q, hl_kv, c):
+            return c
+    return 1
+
+
+def plan_chunks(hl_q: int, hl_kv: int, num_chunks: int) -> List[Chunk]:
+    """Chunk plan for Hl_q local query heads and Hl_kv local KV heads (see module doc)."""
+    if hl_q % hl_kv:
+        raise ValueError(f"local query heads {hl_q} not a multiple of local KV heads {hl_kv}")
+    c_total = valid_num_chunks(hl_q, hl_kv, num_chunks)
+    hqc, g = hl_q // c_total, hl_q // hl_kv
+    first = [(k * g) // hqc for k in range(hl_kv)]            # chunk that sends KV head k
+    last = [((k + 1) * g - 1) // hqc for k in range(hl_kv)]   # chunk after which dK/dV are done
+    sent_lo: Dict[int, int] = {}
+    for k in range(hl_kv):
+        sent_lo.setdefault(first[k], k)
+    plan = []
+    for c in range(c_total):
+        qs, qe = c * hqc, (c + 1) * hqc
+        need_lo, need_hi = qs // g, (qe - 1) // g + 1
+        sent = [k for k in range(hl_kv) if first[k] == c]
+        done = [k for k in range(hl_kv) if last[k] == c]
+        src = first[need_lo]
+        assert all(first[k] == src for k in range(need_lo, need_hi)), "chunk plan: KV heads span chunks"
+        plan.append(Chunk(q_off=qs, q_cnt=hqc,
+                          kv_off=sent[0] if sent else 0, kv_cnt=len(sent),
+                          kv_src=src, kv_lo=need_lo - sent_lo[src], kv_use=need_hi - need_lo,
+                          g_off=done[0] if done else 0, g_cnt=len(done),
+                          shared=hqc < g))
+    return plan
+
+
+def auto_num_chunks(world: int, hl_q: int, hl_kv: int, recv_bytes: int) -> int:
+    """Chunks for overlap: none at P == 1 (nothing to hide) or for small exchanges."""
+    if world == 1 or recv_bytes < (8 << 20):
+        return 1
+    want = 2 if recv_bytes < (64 << 20) else 4
+    return valid_num_chunks(hl_q, hl_kv, want)
+
+
+def resolve_num_chunks(num_chunks: Optional[int], world: int, hl_q: int, hl_kv: int, recv_bytes: int) -> int:
+    if num_chunks is None:
+        env = os.environ.get(ENV_CHUNKS, "").strip()
+        if env:
+            try:
+                num_chunks = int(env)
+            except ValueError:
+                raise ValueError(f"{ENV_CHUNKS}={env!r} is not an integer") from None
+    if num_chunks is None or num_chunks <= 0:
+        return auto_num_chunks(world, hl_q, hl_kv, recv_bytes)
+    return valid_num_chunks(hl_q, hl_kv, num_chunks)
+
+
+# --------------------------------------------------------------------------- transports
+
+def _timeout() -> float:
+    return float(os.environ.get(ENV_TIMEOUT, "600"))
+
+
+class NcclTransport:
+    """Own NCCL communicator for one SP group, bootstrapped through that group."""
+
+    name = "nccl"
+
+    def __init__(self, group, world: int, rank: int, device: torch.device):
+        self.world, self.rank, self.device = world, rank, device
+        uid = _ops().nccl_unique_id() if rank == 0 else None
+        if world > 1:
+            obj = [bytes(uid.numpy().tobytes()) if rank == 0 else None]
+            src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
+            bcast_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            dist.broadcast_object_list(obj, src=src, group=group, device=bcast_device)
+            uid = torch.frombuffer(bytearray(obj[0]), dtype=torch.uint8).clone()
+        self.handle = _ops().nccl_comm_create(uid, world, rank, device.index, _timeout())
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        _ops().nccl_all_to_all(self.handle, send, recv, send_counts, recv_counts)
+
+    def check(self):
+        if os.environ.get(ENV_CHECK, "0") not in ("", "0") and not torch.cuda.is_current_stream_capturing():
+            _ops().nccl_comm_wait(self.handle, _timeout())
+
+    def close(self):
+        if self.handle is not None:
+            _ops().nccl_comm_destroy(self.handle)
+            self.handle = None
+
+
+class HostTransport:
+    """Test-only transport: the exchange goes through host memory over a gloo group.
+
+    NCCL refuses two ranks on one GPU, so multi-rank tests on a single GPU run every
+    CUDA part of the fused path (pack/unpack kernels, chunking, streams, the attention
+    reading the receive buffers in place) and replace only the NCCL call by a gloo
+    `all_to_all_single` of the same bytes. It synchronises the comm stream; it is for
+    correctness tests, never for speed.
+    """
+
+    name = "host"
+
+    def __init__(self, group, world: int, rank: int, device: torch.device):
+        self.group, self.world, self.rank, self.device = group, world, rank, device
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        esize = send.element_size()
+        s = send.reshape(-1)[:sum(send_counts)].view(torch.uint8).cpu()
+        r = torch.empty(sum(recv_counts) * esize, dtype=torch.uint8)
+        if self.group is None and not dist.is_initialized():
+            r.copy_(s)
+        else:
+            dist.all_to_all_single(r, s, [n * esize for n in recv_counts], [n * esize for n in send_counts],
+                                   group=self.group)
+        recv.reshape(-1)[:sum(recv_counts)].view(torch.uint8).copy_(r)
+
+    def check(self):
+        pass
+
+    def close(self):
+        pass
+
+
+_TRANSPORTS = {"nccl": NcclTransport, "host": HostTransport}
+_transport_override: Dict[int, str] = {}
+
+
+def use_transport(group, name: str) -> None:
+    """Select the transport for `group` (None = default / single process): "nccl" (the
+    engine's own communicator, the default) or "host" (test-only, see HostTransport).
+    Drops a cached engine of that group so the next call uses the new transport."""
+    if name not in _TRANSPORTS:
+        raise ValueError(f"transport {name!r} is not one of {sorted(_TRANSPORTS)}")
+    _transport_override[_group_key(group)] = name
+    with _engines_lock:
+        for key in [k for k in _engines if k[0] == _group_key(group)]:
+            _engines.pop(key).close()
+
+
+# ------------------------------------------------------------------------------ engine
+
+class Engine:
+    """Per (group, device): transport, comm stream, reusable buffers."""
+
+    def __init__(self, group, world: int, rank: int, device: torch.device, transport: str):
+        self.group, self.world, self.rank, self.device = group, world, rank, device
+        self.transport = _TRANSPORTS[transport](group, world, rank, device)
+        self.stream = torch.cuda.Stream(device=device)
+        self._buffers: Dict[str, torch.Tensor] = {}
+
+    def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Flat `numel`-element view of a grow-only byte buffer (allocated on the current stream)."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        nbytes = max(int(numel) * esize, 1)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                buf.record_stream(self.stream)  # in-flight comm work may still use the old one
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._buffers[name] = buf
+        return buf[:int(numel) * esize].view(dtype)
+
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self._buffers.values())
+
+    def close(self):
+        self._buffers.clear()
+        self.transport.close()
+
+
+_engines: Dict[Tuple[int, int], Engine] = {}
+_engines_lock = threading.Lock()
+
+
+def _group_key(group) -> int:
+    return 0 if group is None else id(group)
+
+
+def get_engine(group, world: int, rank: int, device: torch.device) -> Engine:
+    key = (_group_key(group), device.index)
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None or engine.world != world or engine.rank != rank:
+            name = _transport_override.get(key[0]) or os.environ.get(ENV_TRANSPORT, "").strip() or "nccl"
+            if name not in _TRANSPORTS:
+                raise ValueError(f"{ENV_TRANSPORT}={name!r} is not one of {sorted(_TRANSPORTS)}")
+            engine = Engine(group, world, rank, device, name)
+            _engines[key] = engine
+        return engine
+
+
+def close() -> None:
+    """Destroy every engine (communicators and buffers). Also runs at interpreter exit."""
+    with _engines_lock:
+        engines = list(_engines.values())
+        _engines.clear()
+    for engine in engines:
+        try:
+            engine.close()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+
+
+atexit.register(close)
+
+
+# ------------------------------------------------------------------------ buffer layout
+
+def _regions(sizes: Sequence[int], dtype: torch.dtype) -> Tuple[List[int], int]:
+    """Element offsets of consecutive regions, each aligned to 256 bytes, and the total."""
+    align = _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size()
+    offsets, acc = [], 0
+    for n in sizes:
+        offsets.append(acc)
+        acc += (int(n) + align - 1) // align * align
+    return offsets, acc
+
+
+def _attn_view(region: torch.Tensor, rows: int, channels: int, lo: int, n: int, geo) -> torch.Tensor:
+    """Heads [lo, lo+n) of a `[rows, channels, D]` block buffer, in the attention layout."""
+    B, S, D, P = geo
+    x = region[:rows * channels * D].view(rows, channels, D)[:, lo:lo + n]
+    if P == 1 or B == 1:  # blocks concatenated are plain [B, S] order
+        return x.view(B, S, n, D)
+    return x
+
+
+def _attn_kwargs(geo):
+    B, S, D, P = geo
+    if P == 1 or B == 1:
+        return dict(seq_splits=1, batch=None)
+    return dict(seq_splits=P, batch=B)
+
+
+def _event(stream) -> torch.cuda.Event:
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
+
+
+# ------------------------------------------------------------------------- pipelines
+
+def _forward(engine: Engine, q, k, v, lens, rank, causal, scale, cu_seqlens, plan, save):
+    from .triton import flash_attention_forward  # lazy: CPU-only import must not need it
+
+    P = engine.world
+    B, Sp, Hq, D = q.shape
+    S = sum(lens)
+    rows = B * S
+    dtype = q.dtype
+    geo = (B, S, D, P)
+    ops = _ops()
+
+    send_off, send_total = _regions([P * B * Sp * c.channels * D for c in plan], dtype)
+    recv_off, recv_total = _regions([rows * c.channels * D for c in plan], dtype)
+    osend_off, osend_total = _regions([rows * c.q_cnt * D for c in plan], dtype)
+    orecv_off, orecv_total = _regions([P * B * Sp * c.q_cnt * D for c in plan], dtype)
+    send = engine.buffer("fwd_send", send_total, dtype)
+    if save:
+        recv = torch.empty(recv_total, dtype=dtype, device=q.device)
+        osend = torch.empty(osend_total, dtype=dtype, device=q.device)
+    else:
+        recv = engine.buffer("fwd_recv", recv_total, dtype)
+        osend = engine.buffer("fwd_osend", osend_total, dtype)
+    orecv = engine.buffer("fwd_orecv", orecv_total, dtype)
+    out = torch.empty(B, Sp, Hq, D, dtype=dtype, device=q.device)
+
+    compute, comm = torch.cuda.current_stream(q.device), engine.stream
+    comm.wait_event(_event(compute))
+    ready = []
+    with torch.cuda.stream(comm):
+        for i, c in enumerate(plan):
+            ch = c.channels
+            s_c = send[send_off[i]:send_off[i] + P * B * Sp * ch * D].view(P, B, Sp, ch, D)
+            r_c = recv[recv_off[i]:recv_off[i] + rows * ch * D]
+            ops.pack_into([q, k, v], s_c, [c.q_off, c.kv_off, c.kv_off], [c.q_cnt, c.kv_cnt, c.kv_cnt])
+            engine.transport.all_to_all(s_c, r_c, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
+            ready.append(_event(comm))
+    lses = []
+    kw = _attn_kwargs(geo)
+    for i, c in enumerate(plan):
+        compute.wait_event(ready[i])
+        src = plan[c.kv_src]
+        r_q = recv[recv_off[i]:]
+        r_kv = recv[recv_off[c.kv_src]:]
+        qv = _attn_view(r_q, rows, c.channels, 0, c.q_cnt, geo)
+        kv_base = src.q_cnt + c.kv_lo
+        kview = _attn_view(r_kv, rows, src.channels, kv_base, c.kv_use, geo)
+        vview = _attn_view(r_kv, rows, src.channels, kv_base + src.kv_cnt, c.kv_use, geo)
+        o_c = _attn_view(osend[osend_off[i]:], rows, c.q_cnt, 0, c.q_cnt, geo)
+        _, lse = flash_attention_forward(qv, kview, vview, causal=causal, softmax_scale=scale,
+                                         cu_seqlens=cu_seqlens, out=o_c, **kw)
+        lses.append(lse)
+        done = _event(compute)
+        with torch.cuda.stream(comm):
+            comm.wait_event(done)
+            n = c.q_cnt
+            os_c = osend[osend_off[i]:osend_off[i] + rows * n * D]
+            or_c = orecv[orecv_off[i]:orecv_off[i] + P * B * Sp * n * D]
+            engine.transport.all_to_all(os_c, or_c, [B * m * n * D for m in lens], [B * Sp * n * D] * P)
+            ops.unpack_into(or_c.view(P, B, Sp, n, D), [out], [c.q_off], [n])
+    with torch.cuda.stream(comm):
+        engine.transport.check()
+    compute.wait_event(_event(comm))
+    state = None
+    if save:
+        state = dict(recv=recv, recv_off=recv_off, osend=osend, osend_off=osend_off, lses=lses)
+    return out, state
+
+
+def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale, cu_seqlens, plan, state):
+    from .triton import flash_attention_backward
+
+    P = engine.world
+    B, Sp, Hq, D = q_shape
+    S = sum(lens)
+    rows = B * S
+    dtype = dout.dtype
+    device = dout.device
+    geo = (B, S, D, P)
+    ops = _ops()
+    recv, recv_off, osend, osend_off, lses = (state[k] for k in ("recv", "recv_off", "osend", "osend_off", "lses"))
+
+    dsend_off, dsend_total = _regions([P * B * Sp * c.q_cnt * D for c in plan], dtype)
+    drecv_off, drecv_total = _regions([rows * c.q_cnt * D for c in plan], dtype)
+    gsend_off, gsend_total = _regions([rows * c.grad_channels * D for c in plan], dtype)
+    grecv_off, grecv_total = _regions([P * B * Sp * c.grad_channels * D for c in plan], dtype)
+    dsend = engine.buffer("bwd_dsend", dsend_total, dtype)
+    drecv = engine.buffer("bwd_drecv", drecv_total, dtype)
+    gsend = engine.buffer("bwd_gsend", gsend_total, dtype)
+    grecv = engine.buffer("bwd_grecv", grecv_total, dtype)
+    dq = torch.empty(B, Sp, Hq, D, dtype=dtype, device=device)
+    dk = torch.empty(B, Sp, kv_heads, D, dtype=dtype, device=device)
+    dv = torch.empty(B, Sp, kv_heads, D, dtype=dtype, device=device)
+    acc: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    compute, comm = torch.cuda.current_stream(device), engine.stream
+    comm.wait_event(_event(compute))
+    ready = []
+    with torch.cuda.stream(comm):
+        for i, c in enumerate(plan):
+            n = c.q_cnt
+            s_c = dsend[dsend_off[i]:dsend_off[i] + P * B * Sp * n * D].view(P, B, Sp, n, D)
+            r_c = drecv[drecv_off[i]:drecv_off[i] + rows * n * D]
+            ops.pack_into([dout], s_c, [c.q_off], [n])
+            engine.transport.all_to_all(s_c, r_c, [B * Sp * n * D] * P, [B * m * n * D for m in lens])
+            ready.append(_event(comm))
+    kw = _attn_kwargs(geo)
+    for i, c in enumerate(plan):
+        compute.wait_event(ready[i])
+        src = plan[c.kv_src]
+        r_q = recv[recv_off[i]:]
+        r_kv = recv[recv_off[c.kv_src]:]
+        qv = _attn_view(r_q, rows, c.channels, 0, c.q_cnt, geo)
+        kv_base = src.q_cnt + c.kv_lo
+        kview = _attn_view(r_kv, rows, src.channels, kv_base, c.kv_use, geo)
+        vview = _attn_view(r_kv, rows, src.channels, kv_base + src.kv_cnt, c.kv_use, geo)
+        o_c = _attn_view(osend[osend_off[i]:], rows, c.q_cnt, 0, c.q_cnt, geo)
+        do_c = _attn_view(drecv[drecv_off[i]:], rows, c.q_cnt, 0, c.q_cnt, geo)
+        gc = c.grad_channels
+        g_base = gsend[gsend_off[i]:]
+        dq_c = _attn_view(g_base, rows, gc, 0, c.q_cnt, geo)
+        if not c.shared:
+            # This chunk alone uses its KV heads: dK/dV go straight into the send buffer.
+            assert c.g_cnt == c.kv_use
+            dk_c = _attn_view(g_base, rows, gc, c.q_cnt, c.g_cnt, geo)
+            dv_c = _attn_view(g_base, rows, gc, c.q_cnt + c.g_cnt, c.g_cnt, geo)
+            flash_attention_backward(do_c, qv, kview, vview, o_c, lses[i], causal=causal, softmax_scale=scale,
+                                     cu_seqlens=cu_seqlens, dq=dq_c, dk=dk_c, dv=dv_c, **kw)
+        else:
+            # One KV head shared by several chunks: accumulate its dK/dV in fp32 and write
+            # them into the send buffer of the last chunk that uses it.
+            dk_t, dv_t = flash_attention_backward(do_c, qv, kview, vview, o_c, lses[i], causal=causal,
+                                                  softmax_scale=scale, cu_seqlens=cu_seqlens, dq=dq_c, **kw)
+            key = c.kv_src * 1_000_000 + c.kv_lo
+            if key in acc:
+                acc[key][0].add_(dk_t)
+                acc[key][1].add_(dv_t)
+            else:
+                acc[key] = (dk_t.float(), dv_t.float())
+            if c.g_cnt:
+                a_k, a_v = acc.pop(key)
+                _attn_view(g_base, rows, gc, c.q_cnt, 1, geo).copy_(a_k)
+                _attn_view(g_base, rows, gc, c.q_cnt + 1, 1, geo).copy_(a_v)
+        done = _event(compute)
+        with torch.cuda.stream(comm):
+            comm.wait_event(done)
+            gs_c = gsend[gsend_off[i]:gsend_off[i] + rows * gc * D]
+            gr_c = grecv[grecv_off[i]:grecv_off[i] + P * B * Sp * gc * D]
+            engine.transport.all_to_all(gs_c, gr_c, [B * m * gc * D for m in lens], [B * Sp * gc * D] * P)
+            ops.unpack_into(gr_c.view(P, B, Sp, gc, D), [dq, dk, dv], [c.q_off, c.g_off, c.g_off],
+                            [c.q_cnt, c.g_cnt, c.g_cnt])
+    with torch.cuda.stream(comm):
+        engine.transport.check()
+    compute.wait_event(_event(comm))
+    return dq, dk, dv
+
+
+# ------------------------------------------------------------------ autograd + entry
+
+class _FusedUlyssesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, engine, lens, rank, causal, scale, cu_seqlens, plan):
+        save = any(ctx.needs_input_grad[:3])
+        out, state = _forward(engine, q, k, v, lens, rank, causal, scale, cu_seqlens, plan, save)
+        if save:
+            ctx.engine, ctx.lens, ctx.rank, ctx.causal, ctx.scale = engine, lens, rank, causal, scale
+            ctx.cu_seqlens, ctx.plan, ctx.state = cu_seqlens, plan, state
+            ctx.q_shape, ctx.kv_heads = tuple(q.shape), k.shape[2]
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        dq, dk, dv = _backward(ctx.engine, dout, ctx.q_shape, ctx.kv_heads, ctx.lens, ctx.rank, ctx.causal,
+                               ctx.scale, ctx.cu_seqlens, ctx.plan, ctx.state)
+        ctx.state = None  # free the saved buffers (retain_graph is not supported)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, rank: int,
+                      seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
+                      num_chunks: Optional[int] = None) -> torch.Tensor:
+    """Fused Ulysses attention (differentiable). Called by `ulysses_kernels.ulysses_attention`
+    after it validated the inputs: `seq_lens` is every rank's local length, `group` None
+    means the default group (or a single process when torch.distributed is not initialised).
+    """
+    if not is_supported():
+        _, reason = _backend.load_extension()
+        raise RuntimeError(f"the fused path is unavailable: {reason or 'the extension lacks the fused ops'}")
+    if not (q.is_cuda and k.is_cuda and v.is_cuda):
+        raise RuntimeError("the fused path needs CUDA tensors")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise RuntimeError(f"the fused path supports bfloat16, float16 and float32 inputs of one dtype, got "
+                           f"{q.dtype}/{k.dtype}/{v.dtype}; use backend='triton' or 'reference'")
+    lens = [int(n) for n in seq_lens]
+    world = len(lens)
+    B, Sp, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if B > 1 and world > 1 and lens != split_lengths(sum(lens), world):
+        raise ValueError(f"fused ulysses_attention: local lengths {lens} are not the torch.tensor_split "
+                         f"of {sum(lens)} over {world} ranks")
+    hl_q = Hq // world
+    hl_kv = Hkv // world if Hkv % world == 0 else 1
+    recv_bytes = B * sum(lens) * (hl_q + 2 * hl_kv) * D * q.element_size()
+    chunks = resolve_num_chunks(num_chunks, world, hl_q, hl_kv, recv_bytes)
+    plan = plan_chunks(hl_q, hl_kv, chunks)
+    engine = get_engine(group, world, rank, q.device)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return _FusedUlyssesAttention.apply(q, k, v, engine, lens, rank, bool(causal), float(softmax_scale),
+                                        cu_seqlens, tuple(plan))
+
+
+def split_packed_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
+    """Views q, k, v of a packed projection output `[B, S, (Hq + 2*Hkv) * D]` (no copy);
+    the pack kernel reads them through their strides."""
+    B, S, width = qkv.shape
+    heads = num_q_heads + 2 * num_kv_heads
+    if width % heads:
+        raise ValueError(f"packed qkv width {width} is not a multiple of {heads} heads")
+    x = qkv.view(B, S, heads, width // heads)
+    return (x[:, :, :num_q_heads], x[:, :, num_q_heads:num_q_heads + num_kv_heads],
+            x[:, :, num_q_heads + num_kv_heads:])
+
+
+def qkv_exchange(q, k, v, engine: Engine, lens: Sequence[int]) -> torch.Tensor:
+    """One fused seq->heads exchange of q, k, v (no chunks, no autograd): returns the flat
+    receive buffer (source-major `[B, S_i, Hl_q + 2*Hl_kv, D]` blocks). Used by benchmarks."""
+    P = engine.world
+    B, Sp, Hq, D = q.shape
+    plan = plan_chunks(Hq // P, k.shape[2] // P if k.shape[2] % P == 0 else 1, 1)
+    ch = plan[0].channels
+    send = engine.buffer("x_send", P * B * Sp * ch * D, q.dtype).view(P, B, Sp, ch, D)
+    recv = torch.empty(B * sum(lens) * ch * D, dtype=q.dtype, device=q.device)
+    compute, comm = torch.cuda.current_stream(q.device), engine.stream
+    comm.wait_event(_event(compute))
+    with torch.cuda.stream(comm):
+        _ops().pack_into([q, k, v], send, [0, 0, 0], [plan[0].q_cnt, plan[0].kv_cnt, plan[0].kv_cnt])
+        engine.transport.all_to_all(send, recv, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
+    compute.wait_event(_event(comm))
+    return recv

@@ -1,0 +1,47 @@
+"""Process groups for data parallelism x sequence parallelism."""
+
+from typing import NamedTuple, Optional
+
+import torch.distributed as dist
+
+
+class ParallelGroups(NamedTuple):
+    """The groups a rank belongs to on a `(dp, sp)` mesh of the world.
+
+    Ranks `[d * sp_size, (d + 1) * sp_size)` form SP group d (consecutive ranks, so an SP
+    group stays inside a node when sp_size divides the GPUs per node); ranks with the same
+    SP rank form a DP group.
+    """
+
+    sp_group: object
+    dp_group: object
+    sp_rank: int
+    sp_size: int
+    dp_rank: int
+    dp_size: int
+    mesh: Optional[object]  # torch DeviceMesh with dims ("dp", "sp"), for FSDP2 / DTensor
+
+
+def init_sequence_parallel(sp_size: int, *, device_type: Optional[str] = None) -> ParallelGroups:
+    """Split the initialised world into DP x SP groups (collective: every rank must call it).
+
+    device_type: "cuda" or "cpu" for the DeviceMesh; default from the default group's
+    backend (NCCL -> cuda, otherwise cpu).
+    """
+    if not dist.is_initialized():
+        raise ValueError("init_sequence_parallel: torch.distributed is not initialized "
+                         "(call torch.distributed.init_process_group first)")
+    world = dist.get_world_size()
+    if sp_size < 1 or world % sp_size != 0:
+        raise ValueError(f"init_sequence_parallel: sp_size={sp_size} must be >= 1 and divide the "
+                         f"world size {world}")
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()).lower() else "cpu"
+    dp_size = world // sp_size
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    rank = dist.get_rank()
+    return ParallelGroups(sp_group=mesh.get_group("sp"), dp_group=mesh.get_group("dp"),
+                          sp_rank=rank % sp_size, sp_size=sp_size,
+                          dp_rank=rank // sp_size, dp_size=dp_size, mesh=mesh)

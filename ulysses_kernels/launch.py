@@ -1,0 +1,100 @@
+"""Run a function on N local ranks with a process group, with a deadline.
+
+Used by the CLI demo and the test-suite. A rank that hangs (for example in a collective
+its peers never entered) makes `spawn` raise `TimeoutError` after `timeout` seconds
+instead of blocking forever; a rank that raises makes it raise `RankError` with every
+failing rank's traceback.
+"""
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List, Sequence
+
+import multiprocessing as mp
+
+
+class RankError(RuntimeError):
+    """One or more ranks raised; `.errors` maps rank -> formatted traceback."""
+
+    def __init__(self, errors):
+        self.errors = errors
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        super().__init__(f"{len(errors)} rank(s) failed:\n{text}")
+
+
+def _worker(fn, rank, world_size, args, backend, init_file, timeout, threads, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        # Plain pickle: tensors travel by value (torch's queue reducers would use shared
+        # memory that disappears when this process exits).
+        queue.put((rank, True, pickle.dumps(result)))
+    except BaseException:  # report everything, including KeyboardInterrupt in a child
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn: Callable, world_size: int, *, args: Sequence[Any] = (), backend: str = "gloo",
+          timeout: float = 120.0, threads: int = 1, start_method: str = "spawn") -> List[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` processes; return their results.
+
+    `fn` must be importable (a module-level function). Raises `TimeoutError` if any rank
+    has not finished after `timeout` seconds (all ranks are then killed) and `RankError`
+    if any rank raised.
+    """
+    ctx = mp.get_context(start_method)
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="ulysses_kernels_init_")
+    os.close(fd)
+    os.unlink(init_file)  # FileStore wants a path it creates itself
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, r, world_size, tuple(args), backend, init_file, timeout, threads, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f}s "
+                                   f"(a hang?); finished: {sorted(results)}, failed: {sorted(errors)}")
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty: check that nobody died silently
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and r not in results and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} without reporting"
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    if errors:
+        raise RankError(errors)
+    return [results[r] for r in range(world_size)]

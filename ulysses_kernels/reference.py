@@ -1,0 +1,86 @@
+"""Pure-torch attention: the semantics every faster path is tested against.
+
+Conventions (shared with the Triton kernels):
+- q `[B, Sq, Hq, D]`, k/v `[B, Sk, Hkv, D]`, `Hq % Hkv == 0`; query head h reads KV head
+  `h // (Hq / Hkv)`.
+- causal masks are bottom-right aligned (FlashAttention >= 2.1): query i sees key j iff
+  `j <= i + Sk - Sq`, so rows with `i + Sk - Sq < 0` see nothing.
+- `cu_seqlens` (B == 1, Sq == Sk): packed documents; a query sees only keys of its own
+  document (and, if causal, not after itself).
+- a row that sees no key outputs zeros and has LSE = -inf (no NaN anywhere).
+- softmax is computed in float32 for 16-bit inputs and in float64 for float64 inputs;
+  the LSE is natural-log, `[B, Hq, Sq]`.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+# Bound the transient [chunk, Sk] score matrix to about this many elements per head.
+_SCORE_ELEMENTS = 1 << 24
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
+    """Document index of every position of a packed sequence."""
+    positions = torch.arange(total, device=device)
+    bounds = cu_seqlens.to(device=device, dtype=torch.int64)[1:]
+    return torch.searchsorted(bounds, positions, right=True)
+
+
+def attention_mask(sq: int, sk: int, q_start: int, causal: bool, doc_q=None, doc_k=None, device=None):
+    """Boolean `[rows, Sk]` mask for query rows `[q_start, q_start + rows)`; None = all visible."""
+    mask = None
+    rows = (doc_q.shape[0] if doc_q is not None else sq)
+    if causal:
+        i = torch.arange(q_start, q_start + rows, device=device)[:, None]
+        j = torch.arange(sk, device=device)[None, :]
+        mask = j <= i + (sk - sq)
+    if doc_q is not None:
+        same = doc_q[:, None] == doc_k[None, :]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                        softmax_scale: Optional[float] = None,
+                        cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention with autograd; returns (out `[B, Sq, Hq, D]`, lse `[B, Hq, Sq]`).
+
+    Memory is O(chunk * Sk) per head in the forward; autograd keeps the probabilities, so
+    the backward is O(Sq * Sk): this path is for correctness, not for long sequences.
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = Hq // Hkv
+    qc = q.to(compute).permute(0, 2, 1, 3)  # [B, Hq, Sq, D]
+    kc = k.to(compute).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    vc = v.to(compute).permute(0, 2, 1, 3).repeat_interleave(group, dim=1)
+    doc = None
+    if cu_seqlens is not None:
+        doc = document_ids(cu_seqlens, Sk, q.device)
+    chunk = max(1, min(Sq, _SCORE_ELEMENTS // max(1, Sk * Hq * B)))
+    outs, lses = [], []
+    for start in range(0, Sq, chunk):
+        stop = min(Sq, start + chunk)
+        scores = torch.matmul(qc[:, :, start:stop], kc.transpose(-1, -2)) * scale
+        mask = attention_mask(Sq, Sk, start, causal,
+                              doc[start:stop] if doc is not None else None, doc, q.device)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        # The row max only shifts the exponent; detaching it leaves gradients exact.
+        row_max = scores.amax(dim=-1, keepdim=True).detach()
+        row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        p = torch.exp(scores - row_max)
+        denom = p.sum(dim=-1, keepdim=True)
+        empty = denom == 0
+        safe_denom = torch.where(empty, torch.ones_like(denom), denom)  # no 0/0 in backward
+        out = torch.matmul(p, vc) / safe_denom
+        lse = torch.where(empty, torch.full_like(denom, float("-inf")), row_max + torch.log(safe_denom))
+        outs.append(out)
+        lses.append(lse.squeeze(-1))
+    out = torch.cat(outs, dim=2).permute(0, 2, 1, 3).to(q.dtype)
+    lse = torch.cat(lses, dim=2)
+    return out, lse.to(torch.float32) if compute == torch.float32 else lse
