@@ -28,10 +28,10 @@ def document_ids(cu_seqlens: torch.Tensor, total: int, device) -> torch.Tensor:
     return torch.searchsorted(bounds, positions, right=True)
 
 
-def attention_mask(sq: int, sk: int, q_start: int, causal: bool, doc_q=None, doc_k=None, device=None):
+def attention_mask(sq: int, sk: int, q_start: int, rows: int, causal: bool, doc_q=None, doc_k=None,
+                   device=None):
     """Boolean `[rows, Sk]` mask for query rows `[q_start, q_start + rows)`; None = all visible."""
     mask = None
-    rows = (doc_q.shape[0] if doc_q is not None else sq)
     if causal:
         i = torch.arange(q_start, q_start + rows, device=device)[:, None]
         j = torch.arange(sk, device=device)[None, :]
@@ -66,7 +66,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     for start in range(0, Sq, chunk):
         stop = min(Sq, start + chunk)
         scores = torch.matmul(qc[:, :, start:stop], kc.transpose(-1, -2)) * scale
-        mask = attention_mask(Sq, Sk, start, causal,
+        mask = attention_mask(Sq, Sk, start, stop - start, causal,
                               doc[start:stop] if doc is not None else None, doc, q.device)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))

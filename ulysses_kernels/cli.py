@@ -1,0 +1,147 @@
+"""Command line: `ulysses-kernels doctor` and `ulysses-kernels demo`."""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+
+def _line(name, value):
+    print(f"{name:<22} {value}")
+
+
+def doctor(_args) -> int:
+    """Print what this installation can do: versions, extension build, GPUs, backends."""
+    import platform
+
+    import torch
+
+    from . import __version__, _backend
+
+    _line("ulysses-kernels", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
+    _line("python", platform.python_version())
+    _line("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no, CPU-only'})")
+    try:
+        import triton
+        _line("triton", triton.__version__)
+    except Exception as exc:  # noqa: BLE001 - report, never crash the doctor
+        _line("triton", f"not importable ({exc})")
+    nccl = "n/a (CPU-only torch)"
+    if torch.version.cuda:
+        try:
+            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
+        except Exception as exc:  # noqa: BLE001
+            nccl = f"unknown ({exc})"
+    _line("NCCL (torch)", nccl)
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        _line("nvcc", out.strip().splitlines()[-1] if out.strip() else nvcc)
+    else:
+        _line("nvcc", "not found")
+
+    module, reason = _backend.load_extension()
+    if module is not None:
+        info = torch.ops.ulysses_kernels.build_info()
+        try:
+            from . import _build_info
+            arches = _build_info.TORCH_CUDA_ARCH_LIST or "not recorded"
+        except ImportError:
+            arches = "unknown"
+        ops = sorted(n for n in dir(torch.ops.ulysses_kernels)
+                     if not n.startswith("_") and isinstance(getattr(torch.ops.ulysses_kernels, n, None),
+                                                             torch._ops.OpOverloadPacket))
+        _line("CUDA extension", f"built ({info}; arches {arches})")
+        _line("  ops", ", ".join(ops))
+        fused_ok, why = _backend.fused_available()
+        _line("  fused path", "available" if fused_ok else f"unavailable: {why}")
+    else:
+        _line("CUDA extension", f"not available: {reason}")
+    kernels, why = _backend.triton_kernels()
+    interp = " (TRITON_INTERPRET=1: interpreter)" if _backend.interpreter_enabled() else ""
+    _line("Triton attention", ("available" + interp) if kernels is not None else f"unavailable: {why}")
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        _line("GPUs", str(n))
+        for i in range(n):
+            p = torch.cuda.get_device_properties(i)
+            _line(f"  cuda:{i}", f"{p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB")
+        smi = shutil.which("nvidia-smi")
+        if smi and n > 1:
+            topo = subprocess.run([smi, "topo", "-m"], capture_output=True, text=True, timeout=30).stdout
+            print("interconnect (nvidia-smi topo -m):")
+            print(topo.rstrip())
+        elif n > 1:
+            _line("interconnect", "unknown (nvidia-smi not found)")
+    else:
+        _line("GPUs", "none visible (CPU: gloo process groups, reference path)")
+    for device in ("cpu", "cuda"):
+        try:
+            chosen = _backend.resolve_backend(None, torch.device(device), distributed=True)
+        except Exception as exc:  # noqa: BLE001
+            chosen = f"error: {exc}"
+        _line(f"default path ({device})", chosen)
+    env = os.environ.get(_backend.ENV_VAR)
+    if env:
+        _line(_backend.ENV_VAR, env)
+    return 0
+
+
+def demo(args) -> int:
+    from .demo import DemoConfig, run_demo
+
+    cfg = DemoConfig(ranks=args.ranks, seq_len=args.seq_len, steps=args.steps, dim=args.dim,
+                     layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
+                     batch=args.batch, lr=args.lr, backend=args.backend, seed=args.seed)
+    problems = []
+    if cfg.dim % cfg.heads or (cfg.dim // cfg.heads) % 2:
+        problems.append(f"--dim {cfg.dim} must be a multiple of 2 * --heads {cfg.heads}")
+    if cfg.heads % cfg.ranks:
+        problems.append(f"--heads {cfg.heads} must be divisible by --ranks {cfg.ranks}")
+    if cfg.heads % cfg.kv_heads or (cfg.kv_heads % cfg.ranks and cfg.ranks % cfg.kv_heads):
+        problems.append(f"--kv-heads {cfg.kv_heads} must divide --heads and divide or be divisible by --ranks")
+    if cfg.seq_len < 4:
+        problems.append("--seq-len must be at least 4")
+    if problems:
+        print("ulysses-kernels demo: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    verdict = run_demo(cfg, timeout=args.timeout)
+    return 0 if verdict and verdict["ok"] else 1
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="ulysses-kernels",
+                                     description="Ulysses sequence parallelism for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="versions, extension build, GPUs and available paths")
+    d = sub.add_parser("demo", help="train a small causal LM with Ulysses attention on a long "
+                                    "copy task and check parity with a single process")
+    default_ranks = None
+    try:
+        import torch
+        default_ranks = torch.cuda.device_count() if torch.cuda.is_available() else 4
+    except ImportError:
+        default_ranks = 4
+    d.add_argument("--ranks", type=int, default=default_ranks,
+                   help="processes (default: all visible GPUs with NCCL, else 4 on CPU with gloo)")
+    d.add_argument("--seq-len", type=int, default=4096, help="global sequence length (default 4096)")
+    d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    d.add_argument("--dim", type=int, default=64, help="model width (default 64)")
+    d.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
+    d.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
+    d.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
+    d.add_argument("--vocab", type=int, default=64, help="vocabulary size (default 64)")
+    d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    d.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    d.add_argument("--backend", choices=["reference", "triton", "fused"], default=None,
+                   help="force an attention path (default: automatic)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--timeout", type=float, default=3600.0, help="seconds before a hung run is killed")
+    args = parser.parse_args(argv)
+    return {"doctor": doctor, "demo": demo}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
