@@ -179,7 +179,23 @@ def _seq_lens_wrong_size(rank, world):
     return lambda: uk.ulysses_attention(q, k, v, seq_lens=lens)
 
 
+def _cu_seqlens_unreadable(rank, world):
+    q, k, v = _inputs(rank, world)
+    S = 4 * world + 1
+    cu = ["zero", S] if rank == world - 1 else [0, S]
+    return lambda: uk.ulysses_attention(q, k, v, cu_seqlens=cu)
+
+
+def _q_not_a_tensor(rank, world):
+    q, k, v = _inputs(rank, world)
+    if rank == 0:
+        q = q.numpy()
+    return lambda: uk.ulysses_attention(q, k, v)
+
+
 _SCENARIOS = {
+    "cu_seqlens_unreadable": _cu_seqlens_unreadable,
+    "q_not_a_tensor": _q_not_a_tensor,
     "q_heads_not_divisible": _bad_q_heads,
     "kv_heads_incompatible": _bad_kv_heads,
     "head_dim_mismatch_one_rank": _head_dim_mismatch_one_rank,

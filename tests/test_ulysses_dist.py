@@ -55,6 +55,8 @@ def test_attention_matches_single_process(world):
 
 
 ERROR_SCENARIOS = {
+    "cu_seqlens_unreadable": "cu_seqlens could not be read",
+    "q_not_a_tensor": "rank 0: q is not a tensor",
     "q_heads_not_divisible": "must be divisible by the sequence-parallel size",
     "kv_heads_incompatible": "key/value heads",
     "head_dim_mismatch_one_rank": "rank 1: head dims differ",

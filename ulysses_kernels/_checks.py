@@ -273,7 +273,12 @@ def exchange_and_check(kind: str, group, names: Sequence[str], tensors: Sequence
     Raises the same ValueError on every rank of the group if anything is wrong.
     """
     world = dist.get_world_size(group)
-    row = build_descriptor(kind, tensors, local_error=bool(local_errors), **options)
+    local_errors = list(local_errors)
+    try:
+        row = build_descriptor(kind, tensors, local_error=bool(local_errors), **options)
+    except Exception as exc:  # never raise before the collective: peers would hang
+        local_errors.append(f"could not describe the inputs: {type(exc).__name__}: {exc}")
+        row = [_MAGIC, _KINDS[kind], len(tensors), 1] + [0] * (DESCRIPTOR_LEN - _HEADER)
     device = collective_device(group)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]

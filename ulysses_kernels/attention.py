@@ -80,9 +80,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     `[B, S_local, Hq, D]`, differentiable with respect to q, k and v.
     """
     group, world, rank = resolve_group(group)
-    cu_seqlens = _as_cu_seqlens(cu_seqlens, getattr(q, "device", None))
+    # Nothing below may raise on one rank only before the checked exchange (its peers
+    # would wait in the collective): local problems are collected and shared instead.
     local_errors = []
     path = None
+    try:
+        cu_seqlens = _as_cu_seqlens(cu_seqlens, getattr(q, "device", None))
+    except Exception as exc:  # noqa: BLE001
+        local_errors.append(f"cu_seqlens could not be read: {exc}")
+        cu_seqlens = None
     try:
         if isinstance(q, torch.Tensor):
             path = _backend.resolve_backend(backend, q.device, distributed=group is not None)
