@@ -39,6 +39,10 @@ def _attention_cases(world):
 def test_attention_matches_single_process(world):
     cases = _attention_cases(world)
     per_rank = spawn(_dist_cases.attention_cases, world, args=(cases,), timeout=TIMEOUT)
+    _check_against_reference(cases, per_rank, world)
+
+
+def _check_against_reference(cases, per_rank, world):
     failures = []
     for i, case in enumerate(cases):
         q, k, v, do = make_qkv(case["seed"], case["B"], case["S"], case["Hq"], case["Hkv"], case["D"],
@@ -52,6 +56,20 @@ def test_attention_matches_single_process(world):
             if not err < tol:
                 failures.append(f"case {i} {case} {name}: rel err {err:.3e} >= {tol}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_triton_path_matches_single_process(world):
+    """backend="triton": the kernels (Triton interpreter on CPU) read the all-to-all receive
+    buffer through two-level sequence addressing, B > 1 and uneven S included."""
+    Hq, kv_options = HEADS[world]
+    cu = torch.tensor([0, 1, 10, 10, 25, 37], dtype=torch.int32)
+    cases = [dict(B=2, S=37, Hq=Hq, Hkv=kv_options[-1], D=16, causal=True, dtype=torch.float32),
+             dict(B=1, S=37, Hq=Hq, Hkv=kv_options[1], D=16, causal=False, dtype=torch.float32, cu_seqlens=cu)]
+    for i, c in enumerate(cases):
+        c.update(seed=500 + 10 * world + i, backend="triton")
+    per_rank = spawn(_dist_cases.attention_cases, world, args=(cases,), timeout=TIMEOUT)
+    _check_against_reference(cases, per_rank, world)
 
 
 ERROR_SCENARIOS = {

@@ -119,6 +119,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         from . import fused
         return fused.ulysses_attention(q, k, v, group=group, rank=rank, seq_lens=lens, causal=causal,
                                        softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    if path == "triton":
+        from . import _triton_path
+        return _triton_path.ulysses_attention(q, k, v, group=group, rank=rank, seq_lens=lens, causal=causal,
+                                              softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
     qh, kh, vh = qkv_seq_to_heads_checked(q, k, v, group, world, rank, lens)
     out = _local_attention(path, qh, kh, vh, causal, softmax_scale, cu_seqlens)
     return heads_to_seq_with_lengths(out, group, rank, lens)
