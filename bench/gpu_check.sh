@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One-command GPU check: build in place, run the GPU tests, run the attention benchmark.
+#
+#   bash bench/gpu_check.sh
+#
+# Works offline. Logs and results go to $OUT when set, else bench/results. Every step runs
+# under a timeout and a failing step does not stop the next one; the script exits non-zero
+# at the end if any step failed. Budget: under 8 minutes on one H200 (install 150 s,
+# tests 150 s, benchmark 170 s). If bench/gpu_check_fused.sh exists it runs last.
+set -u
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+RESULTS="${OUT:-$ROOT/bench/results}"
+mkdir -p "$RESULTS"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x /opt/ukvenv/bin/python ]; then PYTHON=/opt/ukvenv/bin/python; else PYTHON="$(command -v python3 || command -v python)"; fi
+fi
+export PYTHON
+export TRITON_INTERPRET=0          # real kernels (the CPU test suite uses the interpreter)
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-16}"
+
+FAILED=()
+SUMMARY="$RESULTS/gpu_check_summary.txt"
+: > "$SUMMARY"
+
+step() {  # step NAME TIMEOUT_S CMD...
+  local name="$1" limit="$2"; shift 2
+  local log="$RESULTS/gpu_check_${name}.log"
+  local t0=$SECONDS
+  echo "=== [$name] $* (timeout ${limit}s) -> $log"
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  local dt=$((SECONDS - t0))
+  tail -n 25 "$log"
+  if [ $rc -eq 0 ]; then
+    echo "[$name] ok (${dt}s)" | tee -a "$SUMMARY"
+  else
+    [ $rc -eq 124 ] && echo "[$name] TIMED OUT after ${limit}s" | tee -a "$SUMMARY"
+    echo "[$name] FAILED rc=$rc (${dt}s)" | tee -a "$SUMMARY"
+    FAILED+=("$name")
+  fi
+}
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "python: $PYTHON"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
+  "$PYTHON" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available()); print('triton', triton.__version__)" 2>&1
+} | tee "$RESULTS/gpu_check_env.txt"
+
+step install 150 "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
+# Correctness with the default (per-head-dim) configs: autotuning every test shape would
+# compile every candidate config for each shape and blow the time budget.
+step tests 150 env ULYSSES_KERNELS_TRITON_AUTOTUNE=0 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider -rs --durations=15
+step bench 170 "$PYTHON" bench/bench_attention.py --out "$RESULTS" --budget-s 130
+
+if [ -f "$ROOT/bench/gpu_check_fused.sh" ]; then
+  echo "=== running bench/gpu_check_fused.sh"
+  if bash "$ROOT/bench/gpu_check_fused.sh"; then
+    echo "[fused] ok" | tee -a "$SUMMARY"
+  else
+    echo "[fused] FAILED rc=$?" | tee -a "$SUMMARY"
+    FAILED+=("fused")
+  fi
+fi
+
+echo "=== summary (logs in $RESULTS)"
+cat "$SUMMARY"
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "failed steps: ${FAILED[*]}"
+  exit 1
+fi
+echo "all steps passed"

@@ -1,0 +1,26 @@
+"""Triton flash-attention kernels over strided and all-to-all buffer layouts.
+
+Installed as ``ulysses_kernels.triton``. Public API:
+
+* :func:`flash_attention` (differentiable, ``[B, S, H, D]`` with any strides)
+* :func:`flash_attention_forward` / :func:`flash_attention_backward` (low level, no
+  autograd; read/write the Ulysses all-to-all buffers in place via ``seq_splits``)
+
+The ops are registered as ``torch.ops.ulysses_kernels.triton_flash_fwd`` /
+``triton_flash_bwd`` / ``triton_flash_fwd_out`` / ``triton_flash_bwd_out``.
+On CPU tensors the kernels run only in the Triton interpreter (``TRITON_INTERPRET=1``,
+set before this module is imported).
+"""
+
+from .ops import (flash_attention, flash_attention_backward, flash_attention_forward,
+                  triton_flash_bwd, triton_flash_bwd_out, triton_flash_fwd, triton_flash_fwd_out)
+
+__all__ = [
+    "flash_attention",
+    "flash_attention_forward",
+    "flash_attention_backward",
+    "triton_flash_fwd",
+    "triton_flash_bwd",
+    "triton_flash_fwd_out",
+    "triton_flash_bwd_out",
+]

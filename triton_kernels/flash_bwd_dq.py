@@ -1,0 +1,192 @@
+"""Flash-attention backward, dQ kernel.
+
+One program owns a ``[BLOCK_M, D]`` tile of dQ for one (batch, query head) and walks the
+keys it can see (same two phases as the forward: unmasked blocks, then masked ones):
+``P = exp2(QK^T * scale*log2e - lse*log2e)``, ``dS = P * (dO V^T - delta)``,
+``dQ += dS K``; finally ``dQ *= scale``. No atomics: deterministic.
+"""
+
+import triton
+import triton.language as tl
+
+from ._common import (LOG2E, autotune_enabled, dot_precision, interpreting, maybe_fp32,
+                      row_offsets, seq_bucket)
+
+LOG2E_C = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+              sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+              b, Sk, B, P, lo, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+              SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+              FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Sk
+        k_rows = row_offsets(offs_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+        v_rows = row_offsets(offs_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + k_head + k_rows[:, None] + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
+        v = tl.load(V + v_head + v_rows[:, None] + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+        k = maybe_fp32(k, FP32_DOT)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            valid = n_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            if VARLEN:
+                doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
+                valid = valid & (doc_k[None, :] == doc_q[:, None])
+            p = tl.where(valid, p, 0.0)
+        dp = tl.dot(do, tl.trans(maybe_fp32(v, FP32_DOT)), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY"])
+def _flash_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, DOCS, CU,
+    sq_b, sq_s, sq_h, sq_d,
+    sk_b, sk_s, sk_h, sk_d,
+    sv_b, sv_s, sv_h, sv_d,
+    sdo_b, sdo_s, sdo_h, sdo_d,
+    sdq_b, sdq_s, sdq_h, sdq_d,
+    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY,
+    HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    num_m = tl.cdiv(Sq, BLOCK_M)
+    pid_m = num_m - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Sq
+    d_ok = offs_d < HEAD_DIM
+    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    causal_off = Sk - Sq
+    tile_mask = m_ok[:, None] & d_ok[None, :]
+
+    q_rows = row_offsets(offs_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+    do_rows = row_offsets(offs_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+    q = tl.load(Q + h * sq_h + q_rows[:, None] + offs_d[None, :] * sq_d, mask=tile_mask, other=0.0)
+    do = tl.load(DO + h * sdo_h + do_rows[:, None] + offs_d[None, :] * sdo_d, mask=tile_mask, other=0.0)
+    q = maybe_fp32(q, FP32_DOT)
+    do = maybe_fp32(do, FP32_DOT)
+    lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=m_ok, other=float("inf"))
+    # Rows that saw no key (lse = -inf) must get P = 0: use +inf there.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+    delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=m_ok, other=0.0)
+
+    if VARLEN:
+        doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
+        first_doc = tl.load(DOCS + m0)
+        last_doc = tl.load(DOCS + m_last)
+        lo = tl.load(CU + first_doc)
+        hi = tl.load(CU + last_doc + 1)
+        if CAUSAL:
+            full_end = tl.where(first_doc == last_doc, tl.minimum(hi, m0 + 1), lo)
+            hi = tl.minimum(hi, m_last + 1)
+        else:
+            full_end = tl.where(first_doc == last_doc, hi, lo)
+    else:
+        doc_q = offs_m  # unused
+        lo = 0
+        hi = Sk
+        if CAUSAL:
+            full_end = tl.maximum(tl.minimum(Sk, m0 + causal_off + 1), 0)
+            hi = tl.maximum(tl.minimum(Sk, m_last + causal_off + 1), 0)
+        else:
+            full_end = Sk
+    unmasked_end = tl.maximum(lo + ((full_end - lo) // BLOCK_N) * BLOCK_N, lo)
+
+    k_head = hk * sk_h
+    v_head = hk * sv_h
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                   b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
+                   False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                   b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
+                   True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+    dq = dq * sm_scale
+    dq_rows = row_offsets(offs_m, b, Sq, B, P, sdq_b, sdq_s, SPLIT)
+    tl.store(DQ + h * sdq_h + dq_rows[:, None] + offs_d[None, :] * sdq_d,
+             dq.to(DQ.dtype.element_ty), mask=tile_mask)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; first = default.
+_DQ_CONFIGS = {
+    16: [(128, 32, 4, 4), (64, 64, 4, 3)],
+    32: [(128, 32, 4, 4), (64, 64, 4, 3)],
+    64: [(128, 32, 4, 4), (128, 64, 8, 3)],
+    128: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+    256: [(64, 32, 8, 2), (32, 64, 8, 2)],
+}
+_INTERPRET_BLOCKS = (32, 16)
+
+
+def _configs():
+    seen, out = set(), []
+    for lst in _DQ_CONFIGS.values():
+        for cfg in lst:
+            if cfg not in seen:
+                seen.add(cfg)
+                bm, bn, w, s = cfg
+                out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    allowed = _DQ_CONFIGS.get(bd, _DQ_CONFIGS[128])
+    keep = [c for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
+    return keep or configs[:1]
+
+
+if autotune_enabled():
+    _flash_bwd_dq_tuned = triton.autotune(
+        configs=_configs(),
+        key=["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP", "HQ"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(_flash_bwd_dq_kernel)
+else:
+    _flash_bwd_dq_tuned = None
+
+
+def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q, seqlen_k,
+              num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale, split, seq_splits):
+    """strides: (q, k, v, do, dq) stride 4-tuples."""
+    fp32_dot = interpreting()
+    varlen = docs is not None
+    args = (q, k, v, do, dq, lse, delta, docs if varlen else lse, cu_seqlens if varlen else lse,
+            *strides[0], *strides[1], *strides[2], *strides[3], *strides[4],
+            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E,
+            seq_bucket(max(seqlen_q, seqlen_k)))
+    meta = dict(HQ=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
+                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype))
+    if _flash_bwd_dq_tuned is not None and not fp32_dot:
+        grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * num_q_heads)
+        _flash_bwd_dq_tuned[grid](*args, **meta)
+    else:
+        if fp32_dot:
+            bm, bn = _INTERPRET_BLOCKS
+            w, s = 4, 1
+        else:
+            bm, bn, w, s = _DQ_CONFIGS.get(block_d, _DQ_CONFIGS[128])[0]
+        grid = (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
+        _flash_bwd_dq_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)

@@ -1,0 +1,216 @@
+"""Flash-attention forward kernel (online softmax, exp2, fp32 accumulation).
+
+One program computes a ``[BLOCK_M, D]`` tile of the output of one (batch, query head).
+Keys are visited in two phases: blocks every valid row of the tile sees in full (no
+mask), then the blocks that need a mask (causal diagonal, sequence end, document
+boundaries). Causal masks are bottom-right aligned: query i sees key j iff
+``j <= i + Sk - Sq``. Rows that see no key produce zeros and LSE = -inf.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import (INTERPRET_AT_IMPORT, LN2, LOG2E, autotune_enabled, block_d, dot_precision,
+                      interpreting, maybe_fp32, row_offsets, seq_bucket)
+
+
+LN2_C = tl.constexpr(LN2)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+               b, Sk, B, P, lo, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
+               SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < Sk
+        k_rows = row_offsets(offs_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+        v_rows = row_offsets(offs_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+        kt = tl.load(K + k_head + k_rows[None, :] + offs_d[:, None] * sk_d,
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        qk = tl.dot(maybe_fp32(q, FP32_DOT), maybe_fp32(kt, FP32_DOT), input_precision=PRECISION)
+        qk = qk * qk_scale
+        if MASKED:
+            valid = n_ok[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            if VARLEN:
+                doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
+                valid = valid & (doc_k[None, :] == doc_q[:, None])
+            qk = tl.where(valid, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no key yet keeps m = -inf: shift by 0 instead (no NaN).
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_shift = m_new
+        p = tl.math.exp2(qk - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v = tl.load(V + v_head + v_rows[:, None] + offs_d[None, :] * sv_d,
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP32_DOT:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY"])
+def _flash_fwd_kernel(
+    Q, K, V, O, LSE, DOCS, CU,
+    sq_b, sq_s, sq_h, sq_d,
+    sk_b, sk_s, sk_h, sk_d,
+    sv_b, sv_s, sv_h, sv_d,
+    so_b, so_s, so_h, so_d,
+    Sq, Sk, B, P, qk_scale, TUNE_KEY,
+    HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    num_m = tl.cdiv(Sq, BLOCK_M)
+    # Heaviest (last, for causal) tiles first: better tail balance.
+    pid_m = num_m - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1).to(tl.int64)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    hk = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < Sq
+    d_ok = offs_d < HEAD_DIM
+    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    causal_off = Sk - Sq
+
+    q_rows = row_offsets(offs_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+    q = tl.load(Q + h * sq_h + q_rows[:, None] + offs_d[None, :] * sq_d,
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Key range [lo, hi) any row may see, and [lo, full_end) every valid row sees.
+    if VARLEN:
+        doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
+        first_doc = tl.load(DOCS + m0)
+        last_doc = tl.load(DOCS + m_last)
+        lo = tl.load(CU + first_doc)
+        hi = tl.load(CU + last_doc + 1)
+        if CAUSAL:
+            full_end = tl.where(first_doc == last_doc, tl.minimum(hi, m0 + 1), lo)
+            hi = tl.minimum(hi, m_last + 1)
+        else:
+            full_end = tl.where(first_doc == last_doc, hi, lo)
+    else:
+        doc_q = offs_m  # unused
+        lo = 0
+        hi = Sk
+        if CAUSAL:
+            full_end = tl.maximum(tl.minimum(Sk, m0 + causal_off + 1), 0)
+            hi = tl.maximum(tl.minimum(Sk, m_last + causal_off + 1), 0)
+        else:
+            full_end = Sk
+    unmasked_end = lo + ((full_end - lo) // BLOCK_N) * BLOCK_N
+    unmasked_end = tl.maximum(unmasked_end, lo)
+
+    k_head = hk * sk_h
+    v_head = hk * sv_h
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                               b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, doc_q, DOCS,
+                               qk_scale, causal_off,
+                               False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                               b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, doc_q, DOCS,
+                               qk_scale, causal_off,
+                               True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
+    o_rows = row_offsets(offs_m, b, Sq, B, P, so_b, so_s, SPLIT)
+    tl.store(O + h * so_h + o_rows[:, None] + offs_d[None, :] * so_d,
+             out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=m_ok)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim, for Hopper
+# (FlashAttention-2 / Triton fused-attention tutorial settings). The first entry is the
+# default used when autotuning is off.
+_FWD_CONFIGS = {
+    16: [(128, 64, 4, 4), (64, 64, 4, 4)],
+    32: [(128, 64, 4, 4), (64, 64, 4, 4)],
+    64: [(128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    256: [(64, 64, 8, 2), (128, 32, 8, 2)],
+}
+_INTERPRET_BLOCKS = (32, 16)
+
+
+def _configs():
+    seen, out = set(), []
+    for lst in _FWD_CONFIGS.values():
+        for cfg in lst:
+            if cfg not in seen:
+                seen.add(cfg)
+                bm, bn, w, s = cfg
+                out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    return out
+
+
+def _prune(configs, named_args, **kwargs):
+    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+    allowed = _FWD_CONFIGS.get(bd, _FWD_CONFIGS[128])
+    keep = [c for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
+    return keep or configs[:1]
+
+
+if autotune_enabled():
+    _flash_fwd_tuned = triton.autotune(
+        configs=_configs(),
+        key=["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP", "HQ"],
+        prune_configs_by={"early_config_prune": _prune},
+    )(_flash_fwd_kernel)
+else:
+    _flash_fwd_tuned = None
+
+
+def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
+               batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim,
+               causal, softmax_scale, docs, cu_seqlens, split, seq_splits):
+    """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides."""
+    bd = block_d(head_dim)
+    fp32_dot = interpreting()
+    precision = dot_precision(q.dtype)
+    varlen = docs is not None
+    dummy = lse
+    args = (q, k, v, out, lse, docs if varlen else dummy, cu_seqlens if varlen else dummy,
+            *sq_strides, *sk_strides, *sv_strides, *so_strides,
+            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale * LOG2E,
+            seq_bucket(max(seqlen_q, seqlen_k)))
+    meta = dict(HQ=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd,
+                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
+                FP32_DOT=fp32_dot, PRECISION=precision)
+    if _flash_fwd_tuned is not None and not fp32_dot:
+        grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * num_q_heads)
+        _flash_fwd_tuned[grid](*args, **meta)
+    else:
+        if fp32_dot:
+            bm, bn = _INTERPRET_BLOCKS
+            w, s = 4, 1
+        else:
+            bm, bn, w, s = _FWD_CONFIGS.get(bd, _FWD_CONFIGS[128])[0]
+        grid = (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
+        _flash_fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
