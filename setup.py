@@ -33,15 +33,23 @@ def _env_flag(name):
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _is_cuda_home(path):
+    return bool(path) and os.path.exists(os.path.join(path, "bin", "nvcc")) and \
+        os.path.exists(os.path.join(path, "include", "cuda_runtime.h"))
+
+
 def _find_cuda_home():
+    """CUDA_HOME if set, else the toolkit around `nvcc` on PATH, else /usr/local/cuda.
+
+    `nvcc` on PATH may be a wrapper script outside the toolkit (e.g. /usr/local/bin/nvcc),
+    so a candidate counts only if it also has the runtime headers.
+    """
     if os.environ.get("CUDA_HOME"):
         return os.environ["CUDA_HOME"]
     nvcc = shutil.which("nvcc")
-    if nvcc:
-        return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
-    if os.path.exists("/usr/local/cuda/bin/nvcc"):
-        return "/usr/local/cuda"
-    return None
+    candidates = [os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))] if nvcc else []
+    candidates.append("/usr/local/cuda")
+    return next((c for c in candidates if _is_cuda_home(c)), None)
 
 
 def _nvidia_wheel_dirs(torch_cuda_major):
@@ -79,8 +87,8 @@ def _cuda_extension_or_reason():
     if torch.version.cuda is None:
         return [], {}, f"torch {torch.__version__} is a CPU-only build"
     cuda_home = _find_cuda_home()
-    if cuda_home is None or not os.path.exists(os.path.join(cuda_home, "bin", "nvcc")):
-        return [], {}, "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    if not _is_cuda_home(cuda_home):
+        return [], {}, "no CUDA toolkit found (nvcc and cuda_runtime.h; set CUDA_HOME or put nvcc on PATH)"
     # cpp_extension reads CUDA_HOME when it is imported.
     os.environ["CUDA_HOME"] = cuda_home
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
