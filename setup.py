@@ -150,7 +150,7 @@ setup(
     install_requires=["torch>=2.4", "triton>=3.6; platform_system == 'Linux'"],
     extras_require={
         "test": ["pytest>=7", "numpy"],
-        "hf": ["transformers>=4.48", "accelerate"],
+        "hf": ["transformers>=4.56"],
         "bench": ["matplotlib", "numpy"],
     },
     entry_points={"console_scripts": ["ulysses-kernels=ulysses_kernels.cli:main"]},
