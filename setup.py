@@ -101,7 +101,7 @@ def _cuda_extension_or_reason():
     if not nccl_libs:
         return [], {}, "NCCL headers not found (expected the nvidia-nccl wheel that torch depends on)"
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
-    nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
+    nvcc_flags = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo",
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
     ext = CUDAExtension(
@@ -111,7 +111,7 @@ def _cuda_extension_or_reason():
         library_dirs=nccl_libs,
         # libnccl.so.2 is what torch itself loads; link the soname so both share one copy.
         extra_link_args=[f"-Wl,-rpath,{d}" for d in nccl_libs] + ["-l:libnccl.so.2"],
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc_flags},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, None
 

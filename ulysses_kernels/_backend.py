@@ -86,26 +86,57 @@ def requested_backend(backend: Optional[str]) -> str:
     return name
 
 
-def resolve_backend(backend: Optional[str], device: torch.device, *, distributed: bool) -> str:
-    """Pick the path for tensors on `device`; a forced path that cannot run raises."""
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernel_input_problem(path: str, tensors) -> Optional[str]:
+    """Why the Triton / fused kernels cannot take these q, k, v (None when they can)."""
+    if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
+        return None  # malformed inputs are reported by the shape checks
+    q = tensors[0]
+    if any(t.dtype != q.dtype for t in tensors) or q.dtype not in _KERNEL_DTYPES:
+        return f"the {path} kernels take float16/bfloat16/float32 inputs, got {q.dtype}"
+    d = q.shape[-1]
+    if d % 16 or d > 256 or d == 0:
+        return f"the {path} kernels need a head dim that is a multiple of 16 up to 256, got {d}"
+    if path == "fused":
+        from . import fused
+        return fused.unsupported_reason(*tensors)
+    return None
+
+
+def resolve_backend(backend: Optional[str], device: torch.device, *, distributed: bool,
+                    tensors=None) -> str:
+    """Pick the path for tensors on `device`; a forced path that cannot run raises.
+
+    Automatic choice takes the fastest path that is available and supports `tensors`
+    (dtype, head dim), so e.g. float64 CUDA inputs quietly use the reference path.
+    """
     name = requested_backend(backend)
     if name == "auto":
         if device.type != "cuda":
             return "reference"
-        if distributed and fused_available()[0]:
+        if distributed and fused_available()[0] and not kernel_input_problem("fused", tensors):
             return "fused"
-        return "triton" if triton_kernels()[0] is not None else "reference"
+        if triton_kernels()[0] is not None and not kernel_input_problem("triton", tensors):
+            return "triton"
+        return "reference"
     if name == "triton":
-        module, reason = triton_kernels()
-        if module is None:
-            raise RuntimeError(f"backend='triton' requested but the Triton kernels cannot be used: {reason}")
+        # Check before importing: kernels imported without the interpreter cannot run on CPU.
         if device.type != "cuda" and not interpreter_enabled():
             raise RuntimeError("backend='triton' on CPU tensors needs the Triton interpreter: set "
                                "TRITON_INTERPRET=1 before importing ulysses_kernels")
+        module, reason = triton_kernels()
+        if module is None:
+            raise RuntimeError(f"backend='triton' requested but the Triton kernels cannot be used: {reason}")
     if name == "fused":
         if device.type != "cuda":
             raise RuntimeError(f"backend='fused' needs CUDA tensors, got tensors on {device}")
         ok, reason = fused_available()
         if not ok:
             raise RuntimeError(f"backend='fused' requested but {reason}")
+    if name in ("triton", "fused"):
+        problem = kernel_input_problem(name, tensors)
+        if problem:
+            raise RuntimeError(f"backend={name!r} cannot run these inputs: {problem}")
     return name

@@ -50,7 +50,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         err = f"cu_seqlens needs equal query and key lengths, got {q.shape[1]} and {k.shape[1]}"
     if err:
         raise ValueError(f"flash_attention: {err}")
-    path = _backend.resolve_backend(backend, q.device, distributed=False)
+    path = _backend.resolve_backend(backend, q.device, distributed=False, tensors=(q, k, v))
     if path == "fused":
         path = "triton"
     return _local_attention(path, q, k, v, causal, softmax_scale, cu_seqlens)
@@ -91,7 +91,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         cu_seqlens = None
     try:
         if isinstance(q, torch.Tensor):
-            path = _backend.resolve_backend(backend, q.device, distributed=group is not None)
+            path = _backend.resolve_backend(backend, q.device, distributed=group is not None,
+                                            tensors=(q, k, v))
     except (ValueError, RuntimeError) as exc:
         local_errors.append(str(exc))
     if seq_lens is None:

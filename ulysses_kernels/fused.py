@@ -37,6 +37,7 @@ for its exchanges to finish, turning a hang inside NCCL into an exception.
 """
 
 import atexit
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -72,8 +73,12 @@ def is_supported() -> bool:
     return all(hasattr(torch.ops.ulysses_kernels, name) for name in FUSED_OPS)
 
 
+# Tests swap in ReferenceOps to run the whole pipeline on CPU (see ReferenceOps).
+_ops_override = None
+
+
 def _ops():
-    return torch.ops.ulysses_kernels
+    return _ops_override if _ops_override is not None else torch.ops.ulysses_kernels
 
 
 # ------------------------------------------------------------------------ chunk plan
@@ -255,7 +260,9 @@ class Engine:
     def __init__(self, group, world: int, rank: int, device: torch.device, transport: str):
         self.group, self.world, self.rank, self.device = group, world, rank, device
         self.transport = _TRANSPORTS[transport](group, world, rank, device)
-        self.stream = torch.cuda.Stream(device=device)
+        # CPU engines (tests of the orchestration with reference ops) have no streams.
+        # High priority so NCCL's kernels get SMs while attention kernels fill the GPU.
+        self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self._buffers: Dict[str, torch.Tensor] = {}
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -264,7 +271,7 @@ class Engine:
         nbytes = max(int(numel) * esize, 1)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < nbytes:
-            if buf is not None:
+            if buf is not None and self.stream is not None:
                 buf.record_stream(self.stream)  # in-flight comm work may still use the old one
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[name] = buf
@@ -342,10 +349,26 @@ def _attn_kwargs(geo):
     return dict(seq_splits=P, batch=B)
 
 
-def _event(stream) -> torch.cuda.Event:
+def _event(stream):
+    """Event recorded on `stream` (None on CPU, where everything runs in program order)."""
+    if stream is None:
+        return None
     ev = torch.cuda.Event()
     ev.record(stream)
     return ev
+
+
+def _wait(stream, event) -> None:
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _current_stream(device: torch.device):
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
 
 
 # ------------------------------------------------------------------------- pipelines
@@ -375,10 +398,10 @@ def _forward(engine: Engine, q, k, v, lens, rank, causal, scale, cu_seqlens, pla
     orecv = engine.buffer("fwd_orecv", orecv_total, dtype)
     out = torch.empty(B, Sp, Hq, D, dtype=dtype, device=q.device)
 
-    compute, comm = torch.cuda.current_stream(q.device), engine.stream
-    comm.wait_event(_event(compute))
+    compute, comm = _current_stream(q.device), engine.stream
+    _wait(comm, _event(compute))
     ready = []
-    with torch.cuda.stream(comm):
+    with _on(comm):
         for i, c in enumerate(plan):
             ch = c.channels
             s_c = send[send_off[i]:send_off[i] + P * B * Sp * ch * D].view(P, B, Sp, ch, D)
@@ -389,7 +412,7 @@ def _forward(engine: Engine, q, k, v, lens, rank, causal, scale, cu_seqlens, pla
     lses = []
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
-        compute.wait_event(ready[i])
+        _wait(compute, ready[i])
         src = plan[c.kv_src]
         r_q = recv[recv_off[i]:]
         r_kv = recv[recv_off[c.kv_src]:]
@@ -402,16 +425,16 @@ def _forward(engine: Engine, q, k, v, lens, rank, causal, scale, cu_seqlens, pla
                                          cu_seqlens=cu_seqlens, out=o_c, **kw)
         lses.append(lse)
         done = _event(compute)
-        with torch.cuda.stream(comm):
-            comm.wait_event(done)
+        with _on(comm):
+            _wait(comm, done)
             n = c.q_cnt
             os_c = osend[osend_off[i]:osend_off[i] + rows * n * D]
             or_c = orecv[orecv_off[i]:orecv_off[i] + P * B * Sp * n * D]
             engine.transport.all_to_all(os_c, or_c, [B * m * n * D for m in lens], [B * Sp * n * D] * P)
             ops.unpack_into(or_c.view(P, B, Sp, n, D), [out], [c.q_off], [n])
-    with torch.cuda.stream(comm):
+    with _on(comm):
         engine.transport.check()
-    compute.wait_event(_event(comm))
+    _wait(compute, _event(comm))
     state = None
     if save:
         state = dict(recv=recv, recv_off=recv_off, osend=osend, osend_off=osend_off, lses=lses)
@@ -444,10 +467,10 @@ def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale
     dv = torch.empty(B, Sp, kv_heads, D, dtype=dtype, device=device)
     acc: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
-    compute, comm = torch.cuda.current_stream(device), engine.stream
-    comm.wait_event(_event(compute))
+    compute, comm = _current_stream(device), engine.stream
+    _wait(comm, _event(compute))
     ready = []
-    with torch.cuda.stream(comm):
+    with _on(comm):
         for i, c in enumerate(plan):
             n = c.q_cnt
             s_c = dsend[dsend_off[i]:dsend_off[i] + P * B * Sp * n * D].view(P, B, Sp, n, D)
@@ -457,7 +480,7 @@ def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale
             ready.append(_event(comm))
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
-        compute.wait_event(ready[i])
+        _wait(compute, ready[i])
         src = plan[c.kv_src]
         r_q = recv[recv_off[i]:]
         r_kv = recv[recv_off[c.kv_src]:]
@@ -480,7 +503,7 @@ def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale
         else:
             # One KV head shared by several chunks: accumulate its dK/dV in fp32 and write
             # them into the send buffer of the last chunk that uses it.
-            dk_t, dv_t = flash_attention_backward(do_c, qv, kview, vview, o_c, lses[i], causal=causal,
+            _, dk_t, dv_t = flash_attention_backward(do_c, qv, kview, vview, o_c, lses[i], causal=causal,
                                                   softmax_scale=scale, cu_seqlens=cu_seqlens, dq=dq_c, **kw)
             key = c.kv_src * 1_000_000 + c.kv_lo
             if key in acc:
@@ -493,16 +516,16 @@ def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale
                 _attn_view(g_base, rows, gc, c.q_cnt, 1, geo).copy_(a_k)
                 _attn_view(g_base, rows, gc, c.q_cnt + 1, 1, geo).copy_(a_v)
         done = _event(compute)
-        with torch.cuda.stream(comm):
-            comm.wait_event(done)
+        with _on(comm):
+            _wait(comm, done)
             gs_c = gsend[gsend_off[i]:gsend_off[i] + rows * gc * D]
             gr_c = grecv[grecv_off[i]:grecv_off[i] + P * B * Sp * gc * D]
             engine.transport.all_to_all(gs_c, gr_c, [B * m * gc * D for m in lens], [B * Sp * gc * D] * P)
             ops.unpack_into(gr_c.view(P, B, Sp, gc, D), [dq, dk, dv], [c.q_off, c.g_off, c.g_off],
                             [c.q_cnt, c.g_cnt, c.g_cnt])
-    with torch.cuda.stream(comm):
+    with _on(comm):
         engine.transport.check()
-    compute.wait_event(_event(comm))
+    _wait(compute, _event(comm))
     return dq, dk, dv
 
 
@@ -527,6 +550,23 @@ class _FusedUlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
+_supported_seen = False
+
+
+def unsupported_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Optional[str]:
+    """Why the fused path cannot take these inputs (None when it can). Lets automatic
+    dispatch fall back instead of raising: CUDA tensors, one dtype among bf16/fp16/fp32,
+    head dim a multiple of 16 up to 256 (the Triton attention's limits)."""
+    if not all(isinstance(t, torch.Tensor) and t.is_cuda for t in (q, k, v)):
+        return "the fused path needs CUDA tensors"
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"the fused path supports bfloat16/float16/float32 inputs of one dtype, got {q.dtype}/{k.dtype}/{v.dtype}"
+    d = q.shape[-1]
+    if d % 16 or d > 256:
+        return f"the fused path needs a head dim that is a multiple of 16 up to 256, got {d}"
+    return None
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, rank: int,
                       seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
                       num_chunks: Optional[int] = None) -> torch.Tensor:
@@ -534,14 +574,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     after it validated the inputs: `seq_lens` is every rank's local length, `group` None
     means the default group (or a single process when torch.distributed is not initialised).
     """
-    if not is_supported():
-        _, reason = _backend.load_extension()
-        raise RuntimeError(f"the fused path is unavailable: {reason or 'the extension lacks the fused ops'}")
-    if not (q.is_cuda and k.is_cuda and v.is_cuda):
-        raise RuntimeError("the fused path needs CUDA tensors")
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise RuntimeError(f"the fused path supports bfloat16, float16 and float32 inputs of one dtype, got "
-                           f"{q.dtype}/{k.dtype}/{v.dtype}; use backend='triton' or 'reference'")
+    global _supported_seen
+    if not _supported_seen:
+        if not is_supported():
+            _, reason = _backend.load_extension()
+            raise RuntimeError(f"the fused path is unavailable: {reason or 'the extension lacks the fused ops'}")
+        _supported_seen = True
+    why = unsupported_reason(q, k, v)
+    if why:
+        raise RuntimeError(f"{why}; use backend='triton' or 'reference'")
     lens = [int(n) for n in seq_lens]
     world = len(lens)
     B, Sp, Hq, D = q.shape
@@ -559,6 +600,61 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
     return _FusedUlyssesAttention.apply(q, k, v, engine, lens, rank, bool(causal), float(softmax_scale),
                                         cu_seqlens, tuple(plan))
+
+
+class ReferenceOps:
+    """Pure-torch implementations of the pack/unpack op semantics (the kernels must match
+    them bitwise; replicated heads are summed in fp32 in replica order, like the kernel).
+    Also lets tests run the fused pipeline on CPU: `fused._ops_override = ReferenceOps`."""
+
+    @staticmethod
+    def pack_into(srcs, send, offsets, counts):
+        P = send.shape[0]
+        ch = 0
+        for x, off, cnt in zip(srcs, offsets, counts):
+            if cnt == 0:
+                continue
+            H = x.shape[2]
+            for j in range(P):
+                start = j * (H // P) + off if H % P == 0 else j // (P // H)
+                send[j, :, :, ch:ch + cnt] = x[:, :, start:start + cnt]
+            ch += cnt
+
+    @staticmethod
+    def unpack_into(recv, outs, offsets, counts):
+        P, B, S, _, D = recv.shape
+        ch = 0
+        for x, off, cnt in zip(outs, offsets, counts):
+            if cnt == 0:
+                continue
+            H = x.shape[2]
+            if H % P == 0:
+                local = H // P
+                for j in range(P):
+                    x[:, :, j * local + off:j * local + off + cnt] = recv[j, :, :, ch:ch + cnt]
+            else:
+                rep = P // H
+                for h in range(H):
+                    acc = recv[h * rep, :, :, ch].float()
+                    for r in range(1, rep):
+                        acc = acc + recv[h * rep + r, :, :, ch].float()
+                    x[:, :, h] = acc.to(x.dtype)
+            ch += cnt
+
+    @classmethod
+    def pack(cls, srcs, world):
+        x0 = srcs[0]
+        counts = [h // world if h % world == 0 else 1 for h in (x.shape[2] for x in srcs)]
+        send = x0.new_empty(world, x0.shape[0], x0.shape[1], sum(counts), x0.shape[3])
+        cls.pack_into(srcs, send, [0] * len(srcs), counts)
+        return send
+
+    @classmethod
+    def unpack(cls, recv, num_heads):
+        P, B, S, _, D = recv.shape
+        outs = [recv.new_empty(B, S, h, D) for h in num_heads]
+        cls.unpack_into(recv, outs, [0] * len(outs), [h // P if h % P == 0 else 1 for h in num_heads])
+        return outs
 
 
 def split_packed_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
@@ -582,10 +678,10 @@ def qkv_exchange(q, k, v, engine: Engine, lens: Sequence[int]) -> torch.Tensor:
     ch = plan[0].channels
     send = engine.buffer("x_send", P * B * Sp * ch * D, q.dtype).view(P, B, Sp, ch, D)
     recv = torch.empty(B * sum(lens) * ch * D, dtype=q.dtype, device=q.device)
-    compute, comm = torch.cuda.current_stream(q.device), engine.stream
-    comm.wait_event(_event(compute))
-    with torch.cuda.stream(comm):
+    compute, comm = _current_stream(q.device), engine.stream
+    _wait(comm, _event(compute))
+    with _on(comm):
         _ops().pack_into([q, k, v], send, [0, 0, 0], [plan[0].q_cnt, plan[0].kv_cnt, plan[0].kv_cnt])
         engine.transport.all_to_all(send, recv, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
-    compute.wait_event(_event(comm))
+    _wait(compute, _event(comm))
     return recv

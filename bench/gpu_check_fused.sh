@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# GPU check of the fused path (CUDA pack/unpack kernels + NCCL engine + overlap).
+# Builds nothing: bench/gpu_check.sh installs the package first, then runs this script.
+#
+#   bash bench/gpu_check_fused.sh          # logs and results under $OUT (else bench/results)
+#
+# Steps (each under its own timeout; a failing step does not stop the next one; the
+# script exits non-zero if any failed). Budget: under ~4 minutes on one H200.
+#   tests        pytest tests/test_fused_gpu.py tests/test_extension.py           (110 s)
+#   bench_a2a    bench/bench_a2a.py --quick                                       (30 s)
+#   bench_layer  bench/bench_layer.py --quick                                     (60 s)
+set -u
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+RESULTS="${OUT:-$ROOT/bench/results}"
+mkdir -p "$RESULTS"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x /opt/ukvenv/bin/python ]; then PYTHON=/opt/ukvenv/bin/python; else PYTHON="$(command -v python3 || command -v python)"; fi
+fi
+export TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1
+# Default Triton configs (no autotuning): every test shape and spawned rank would otherwise
+# compile every candidate config. Benchmarks report this setting in their JSON.
+export ULYSSES_KERNELS_TRITON_AUTOTUNE="${ULYSSES_KERNELS_TRITON_AUTOTUNE:-0}"
+export ULYSSES_KERNELS_NCCL_TIMEOUT="${ULYSSES_KERNELS_NCCL_TIMEOUT:-60}"
+
+FAILED=()
+SUMMARY="$RESULTS/gpu_check_fused_summary.txt"
+: > "$SUMMARY"
+
+step() {  # step NAME TIMEOUT_S CMD...
+  local name="$1" limit="$2"; shift 2
+  local log="$RESULTS/gpu_check_fused_${name}.log"
+  local t0=$SECONDS
+  echo "=== [fused:$name] $* (timeout ${limit}s) -> $log"
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  local dt=$((SECONDS - t0))
+  tail -n 30 "$log"
+  if [ $rc -eq 0 ]; then
+    echo "[fused:$name] ok (${dt}s)" | tee -a "$SUMMARY"
+  else
+    [ $rc -eq 124 ] && echo "[fused:$name] TIMED OUT after ${limit}s" | tee -a "$SUMMARY"
+    echo "[fused:$name] FAILED rc=$rc (${dt}s)" | tee -a "$SUMMARY"
+    FAILED+=("$name")
+  fi
+}
+
+# test_extension.py is unmarked (CPU checks: schemas, fakes, dispatch); -m gpu would
+# deselect it, so both files run without a marker filter (test_fused_gpu.py is all gpu).
+step tests 110 "$PYTHON" -m pytest -q -p no:cacheprovider -rs --durations=10 \
+  tests/test_fused_gpu.py tests/test_extension.py
+step bench_a2a 30 "$PYTHON" bench/bench_a2a.py --quick --out "$RESULTS"
+step bench_layer 60 "$PYTHON" bench/bench_layer.py --quick --out "$RESULTS"
+
+for f in a2a.md layer.md; do
+  [ -f "$RESULTS/$f" ] && cat "$RESULTS/$f"
+done
+echo "=== fused summary"
+cat "$SUMMARY"
+[ ${#FAILED[@]} -eq 0 ]
