@@ -222,6 +222,9 @@ def seq_to_heads(x: torch.Tensor, group=None, *, seq_lens: Optional[Sequence[int
     """`[B, S_local, H, D]` sequence shard -> `[B, S, H/P, D]` head shard (differentiable)."""
     group, world, rank = resolve_group(group)
     lens = _lengths(group, world, rank, x, seq_lens, "seq_to_heads", ["x"], [x])
+    if x.shape[2] % world:  # checked by the exchange too; the seq_lens path needs it here
+        raise ValueError(f"seq_to_heads: heads ({x.shape[2]}) must be divisible by the "
+                         f"sequence-parallel size ({world})")
     return _SeqToHeads.apply(group, rank, lens, x)[0]
 
 
@@ -231,8 +234,9 @@ def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
     The local lengths follow `torch.tensor_split(S, P)`, so no metadata is exchanged.
     """
     group, world, rank = resolve_group(group)
-    if x.dim() != 4:
-        raise ValueError(f"heads_to_seq: x must be 4-D [batch, seq, heads_local, head_dim], got {tuple(x.shape)}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"heads_to_seq: x must be a 4-D tensor [batch, seq, heads_local, head_dim], "
+                         f"got {tuple(getattr(x, 'shape', ()))}")
     return _HeadsToSeq.apply(group, rank, split_lengths(x.shape[1], world), x)
 
 
