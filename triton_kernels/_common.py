@@ -89,3 +89,58 @@ def maybe_fp32(x, FP32_DOT: tl.constexpr):
         return x.to(tl.float32)
     else:
         return x
+
+
+# Autotune key shared by all attention kernels: retune per head dim, mask kind, layout,
+# GQA group and power-of-two sequence bucket.
+TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP", "HQ"]
+
+
+class TunedLauncher:
+    """Launch policy of one kernel with per-head-dim candidate configs.
+
+    ``configs`` maps the padded head dim to ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
+    candidates, the first being the default. On a GPU with autotuning enabled the kernel
+    is autotuned over the candidates of its head dim; otherwise the default runs; in the
+    interpreter the small ``interpret_blocks`` (BLOCK_M, BLOCK_N) keep tests fast.
+    """
+
+    def __init__(self, kernel, configs, interpret_blocks):
+        self.kernel = kernel
+        self.configs = configs
+        self.interpret_blocks = interpret_blocks
+        self.tuned = None
+        if autotune_enabled():
+            self.tuned = triton.autotune(configs=self._all_configs(), key=TUNE_KEYS,
+                                         prune_configs_by={"early_config_prune": self._prune})(kernel)
+
+    def _all_configs(self):
+        seen, out = set(), []
+        for candidates in self.configs.values():
+            for cfg in candidates:
+                if cfg not in seen:
+                    seen.add(cfg)
+                    bm, bn, w, s = cfg
+                    out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+        return out
+
+    def _prune(self, configs, named_args, **kwargs):
+        bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
+        allowed = self.configs.get(bd, self.configs[128])
+        keep = [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
+        return keep or configs[:1]
+
+    def default(self, block_d: int):
+        return self.configs.get(block_d, self.configs[128])[0]
+
+    def __call__(self, grid, args, meta, block_d: int, fp32_dot: bool):
+        """grid(BLOCK_M, BLOCK_N) -> launch grid."""
+        if self.tuned is not None and not fp32_dot:
+            self.tuned[lambda META: grid(META["BLOCK_M"], META["BLOCK_N"])](*args, **meta)
+            return
+        if fp32_dot:
+            (bm, bn), w, s = self.interpret_blocks, 4, 1
+        else:
+            bm, bn, w, s = self.default(block_d)
+        self.kernel[grid(bm, bn)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)

@@ -9,7 +9,7 @@ keys it can see (same two phases as the forward: unmasked blocks, then masked on
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, autotune_enabled, dot_precision, interpreting, maybe_fp32,
+from ._common import (LOG2E, TunedLauncher, dot_precision, interpreting, maybe_fp32,
                       row_offsets, seq_bucket)
 
 LOG2E_C = tl.constexpr(LOG2E)
@@ -138,33 +138,7 @@ _DQ_CONFIGS = {
 _INTERPRET_BLOCKS = (32, 16)
 
 
-def _configs():
-    seen, out = set(), []
-    for lst in _DQ_CONFIGS.values():
-        for cfg in lst:
-            if cfg not in seen:
-                seen.add(cfg)
-                bm, bn, w, s = cfg
-                out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    return out
-
-
-def _prune(configs, named_args, **kwargs):
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    allowed = _DQ_CONFIGS.get(bd, _DQ_CONFIGS[128])
-    keep = [c for c in configs
-            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
-    return keep or configs[:1]
-
-
-if autotune_enabled():
-    _flash_bwd_dq_tuned = triton.autotune(
-        configs=_configs(),
-        key=["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP", "HQ"],
-        prune_configs_by={"early_config_prune": _prune},
-    )(_flash_bwd_dq_kernel)
-else:
-    _flash_bwd_dq_tuned = None
+_launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS)
 
 
 def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q, seqlen_k,
@@ -179,14 +153,4 @@ def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, 
     meta = dict(HQ=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype))
-    if _flash_bwd_dq_tuned is not None and not fp32_dot:
-        grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * num_q_heads)
-        _flash_bwd_dq_tuned[grid](*args, **meta)
-    else:
-        if fp32_dot:
-            bm, bn = _INTERPRET_BLOCKS
-            w, s = 4, 1
-        else:
-            bm, bn, w, s = _DQ_CONFIGS.get(block_d, _DQ_CONFIGS[128])[0]
-        grid = (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
-        _flash_bwd_dq_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, block_d, fp32_dot)

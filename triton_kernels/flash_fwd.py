@@ -7,11 +7,10 @@ boundaries). Causal masks are bottom-right aligned: query i sees key j iff
 ``j <= i + Sk - Sq``. Rows that see no key produce zeros and LSE = -inf.
 """
 
-import torch
 import triton
 import triton.language as tl
 
-from ._common import (INTERPRET_AT_IMPORT, LN2, LOG2E, autotune_enabled, block_d, dot_precision,
+from ._common import (LN2, LOG2E, TunedLauncher, block_d, dot_precision,
                       interpreting, maybe_fp32, row_offsets, seq_bucket)
 
 
@@ -158,33 +157,7 @@ _FWD_CONFIGS = {
 _INTERPRET_BLOCKS = (32, 16)
 
 
-def _configs():
-    seen, out = set(), []
-    for lst in _FWD_CONFIGS.values():
-        for cfg in lst:
-            if cfg not in seen:
-                seen.add(cfg)
-                bm, bn, w, s = cfg
-                out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    return out
-
-
-def _prune(configs, named_args, **kwargs):
-    bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-    allowed = _FWD_CONFIGS.get(bd, _FWD_CONFIGS[128])
-    keep = [c for c in configs
-            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
-    return keep or configs[:1]
-
-
-if autotune_enabled():
-    _flash_fwd_tuned = triton.autotune(
-        configs=_configs(),
-        key=["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP", "HQ"],
-        prune_configs_by={"early_config_prune": _prune},
-    )(_flash_fwd_kernel)
-else:
-    _flash_fwd_tuned = None
+_launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS)
 
 
 def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
@@ -203,14 +176,4 @@ def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_stri
     meta = dict(HQ=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
                 FP32_DOT=fp32_dot, PRECISION=precision)
-    if _flash_fwd_tuned is not None and not fp32_dot:
-        grid = lambda META: (triton.cdiv(seqlen_q, META["BLOCK_M"]), batch * num_q_heads)
-        _flash_fwd_tuned[grid](*args, **meta)
-    else:
-        if fp32_dot:
-            bm, bn = _INTERPRET_BLOCKS
-            w, s = 4, 1
-        else:
-            bm, bn, w, s = _FWD_CONFIGS.get(bd, _FWD_CONFIGS[128])[0]
-        grid = (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
-        _flash_fwd_kernel[grid](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, bd, fp32_dot)

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._layout import HeadPlan, split_lengths, split_starts
+from ._layout import split_lengths
 
 
 # --------------------------------------------------------------------------- groups
