@@ -89,13 +89,32 @@ def doctor(_args) -> int:
     return 0
 
 
+def _head_defaults(ranks, heads, kv_heads, dim):
+    """Fill the head counts and width the user left out so they fit `ranks` (for example
+    8 GPUs need at least 8 query heads); explicit values are kept and checked later."""
+    from .demo import DemoConfig
+
+    base = DemoConfig()
+    if heads is None:
+        heads = base.heads if base.heads % max(ranks, 1) == 0 else max(ranks, 1) * -(-base.heads // max(ranks, 1))
+    if kv_heads is None:
+        ok = lambda n: heads % n == 0 and (n % ranks == 0 or ranks % n == 0)  # noqa: E731
+        kv_heads = next(n for n in (base.kv_heads, 1) if ok(n)) if ranks >= 1 else base.kv_heads
+    if dim is None:
+        dim = max(base.dim, 16 * heads)
+    return heads, kv_heads, dim
+
+
 def demo(args) -> int:
     from .demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(ranks=args.ranks, seq_len=args.seq_len, steps=args.steps, dim=args.dim,
-                     layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab,
+    heads, kv_heads, dim = _head_defaults(args.ranks, args.heads, args.kv_heads, args.dim)
+    cfg = DemoConfig(ranks=args.ranks, seq_len=args.seq_len, steps=args.steps, dim=dim,
+                     layers=args.layers, heads=heads, kv_heads=kv_heads, vocab=args.vocab,
                      batch=args.batch, lr=args.lr, backend=args.backend, seed=args.seed)
     problems = []
+    if cfg.ranks < 1:
+        problems.append(f"--ranks must be at least 1, got {cfg.ranks}")
     if cfg.dim % cfg.heads or (cfg.dim // cfg.heads) % 2:
         problems.append(f"--dim {cfg.dim} must be a multiple of 2 * --heads {cfg.heads}")
     if cfg.heads % cfg.ranks:
@@ -112,6 +131,8 @@ def demo(args) -> int:
 
 
 def main(argv=None) -> int:
+    from .demo import DemoConfig
+
     parser = argparse.ArgumentParser(prog="ulysses-kernels",
                                      description="Ulysses sequence parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -126,18 +147,25 @@ def main(argv=None) -> int:
         default_ranks = 4
     d.add_argument("--ranks", type=int, default=default_ranks,
                    help="processes (default: all visible GPUs with NCCL, else 4 on CPU with gloo)")
-    d.add_argument("--seq-len", type=int, default=4096, help="global sequence length (default 4096)")
-    d.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
-    d.add_argument("--dim", type=int, default=64, help="model width (default 64)")
-    d.add_argument("--layers", type=int, default=2, help="transformer layers (default 2)")
-    d.add_argument("--heads", type=int, default=4, help="query heads (default 4)")
-    d.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2)")
-    d.add_argument("--vocab", type=int, default=64, help="vocabulary size (default 64)")
-    d.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    d.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    cfg = DemoConfig()  # one source of truth for the defaults
+    for flag, field, help_text in (("--seq-len", "seq_len", "global sequence length"),
+                                   ("--steps", "steps", "training steps"),
+                                   ("--dim", "dim", "model width"),
+                                   ("--layers", "layers", "transformer layers"),
+                                   ("--heads", "heads", "query heads"),
+                                   ("--kv-heads", "kv_heads", "key/value heads"),
+                                   ("--vocab", "vocab", "vocabulary size"),
+                                   ("--batch", "batch", "sequences per step"),
+                                   ("--lr", "lr", "AdamW learning rate"),
+                                   ("--seed", "seed", "random seed")):
+        default = getattr(cfg, field)
+        if field in ("dim", "heads", "kv_heads"):  # defaults adapt to --ranks
+            d.add_argument(flag, type=int, default=None,
+                           help=f"{help_text} (default {default}, raised to fit --ranks)")
+        else:
+            d.add_argument(flag, type=type(default), default=default, help=f"{help_text} (default {default})")
     d.add_argument("--backend", choices=["reference", "triton", "fused"], default=None,
                    help="force an attention path (default: automatic)")
-    d.add_argument("--seed", type=int, default=0)
     d.add_argument("--timeout", type=float, default=3600.0, help="seconds before a hung run is killed")
     args = parser.parse_args(argv)
     return {"doctor": doctor, "demo": demo}[args.command](args)
