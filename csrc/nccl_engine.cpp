@@ -17,6 +17,17 @@
 //   nccl_comm_wait(int comm, float timeout_s) -> ()
 //       host wait (with timeout) for the work queued so far on the current stream;
 //       raises if NCCL reported an error or the timeout expires. Not for graph capture.
+//
+// Non-blocking mode and NCCL >= 2.19: every ncclGroupEnd on a non-blocking communicator
+// hands the launch to a helper thread and returns ncclInProgress; nccl_all_to_all polls
+// until the launch is done, so the kernels are in the stream when it returns and no
+// other call touches the communicator while that thread runs. Setting
+// ULYSSES_KERNELS_NCCL_BLOCKING=1 when the communicator is created selects NCCL's
+// blocking mode instead (launches in the calling thread; init and first-use connection
+// setup can then hang instead of timing out) as a fallback should non-blocking mode
+// misbehave with a given NCCL version or inside CUDA graph capture.
+//
+// The ops never hold the GIL while they wait: torch.ops releases it around every call.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -26,6 +37,7 @@
 #include <nccl.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -64,10 +76,25 @@ void abort_comm(Comm& c) {
   }
 }
 
+// Back-off for host polling loops: spin (yield) for the first ~0.5 ms, since a launch
+// by NCCL's helper thread usually completes within tens of microseconds, then sleep.
+void poll_pause(int iteration) {
+  if (iteration < 2000) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+bool blocking_requested() {
+  const char* env = std::getenv("ULYSSES_KERNELS_NCCL_BLOCKING");
+  return env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0;
+}
+
 // Poll the communicator until it leaves ncclInProgress; raise on error or timeout.
 void wait_ready(Comm& c, const char* what, double timeout_s) {
   const auto start = std::chrono::steady_clock::now();
-  while (true) {
+  for (int iteration = 0;; ++iteration) {
     ncclResult_t state = ncclSuccess;
     ncclResult_t r = ncclCommGetAsyncError(c.comm, &state);
     if (r != ncclSuccess) state = r;
@@ -84,7 +111,7 @@ void wait_ready(Comm& c, const char* what, double timeout_s) {
                   "/", c.world, " (a peer did not join, or the ranks disagree on the exchange); "
                   "the communicator was aborted");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    poll_pause(iteration);
   }
 }
 
@@ -133,7 +160,7 @@ int64_t nccl_comm_create(const at::Tensor& unique_id, int64_t world, int64_t ran
   c->timeout_s = timeout_s;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  config.blocking = blocking_requested() ? 1 : 0;
   ncclResult_t r = ncclCommInitRankConfig(&c->comm, static_cast<int>(world), id, static_cast<int>(rank), &config);
   if (r != ncclSuccess && r != ncclInProgress) {
     const std::string msg = nccl_error(c->comm, r);
@@ -204,20 +231,36 @@ void nccl_all_to_all(int64_t handle, const at::Tensor& send, const at::Tensor& r
   const char* sptr = static_cast<const char*>(send.data_ptr());
   char* rptr = static_cast<char*>(recv.data_ptr());
   check_nccl_call(*c, ncclGroupStart(), "ncclGroupStart");
+  // An error inside the group must still close it (ncclGroupEnd) before the abort:
+  // NCCL's group depth is per thread, and an unterminated group would swallow every
+  // later NCCL call of this thread (torch's own ProcessGroupNCCL included).
+  ncclResult_t first_error = ncclSuccess;
+  const char* failed_call = nullptr;
   int64_t soff = 0, roff = 0;
-  for (int64_t p = 0; p < c->world; ++p) {
+  for (int64_t p = 0; p < c->world && first_error == ncclSuccess; ++p) {
     if (send_counts[p] > 0) {
-      check_nccl_call(*c, ncclSend(sptr + soff * elem, send_counts[p] * elem, ncclInt8, static_cast<int>(p), c->comm,
-                                   stream), "ncclSend");
+      ncclResult_t r = ncclSend(sptr + soff * elem, static_cast<size_t>(send_counts[p]) * elem, ncclInt8,
+                                static_cast<int>(p), c->comm, stream);
+      if (r != ncclSuccess && r != ncclInProgress) { first_error = r; failed_call = "ncclSend"; break; }
     }
     if (recv_counts[p] > 0) {
-      check_nccl_call(*c, ncclRecv(rptr + roff * elem, recv_counts[p] * elem, ncclInt8, static_cast<int>(p), c->comm,
-                                   stream), "ncclRecv");
+      ncclResult_t r = ncclRecv(rptr + roff * elem, static_cast<size_t>(recv_counts[p]) * elem, ncclInt8,
+                                static_cast<int>(p), c->comm, stream);
+      if (r != ncclSuccess && r != ncclInProgress) { first_error = r; failed_call = "ncclRecv"; break; }
     }
     soff += send_counts[p];
     roff += recv_counts[p];
   }
   ncclResult_t r = ncclGroupEnd();
+  if (first_error != ncclSuccess) {
+    if (r == ncclInProgress) {
+      try {
+        wait_ready(*c, "all-to-all (group close after an error)", c->timeout_s);
+      } catch (...) {
+      }
+    }
+    check_nccl_call(*c, first_error, failed_call);  // aborts and throws
+  }
   check_nccl_call(*c, r, "all-to-all (ncclGroupEnd)");
   if (r == ncclInProgress) wait_ready(*c, "all-to-all enqueue", c->timeout_s);
 }
@@ -228,7 +271,7 @@ void nccl_comm_wait(int64_t handle, double timeout_s) {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream(c->device).stream();
   C10_CUDA_CHECK(cudaEventRecord(c->event, stream));
   const auto start = std::chrono::steady_clock::now();
-  while (true) {
+  for (int iteration = 0;; ++iteration) {
     cudaError_t q = cudaEventQuery(c->event);
     if (q == cudaSuccess) break;
     TORCH_CHECK(q == cudaErrorNotReady, "nccl_comm_wait: CUDA error ", cudaGetErrorString(q));
@@ -245,7 +288,7 @@ void nccl_comm_wait(int64_t handle, double timeout_s) {
       TORCH_CHECK(false, "ulysses_kernels NCCL all-to-all did not complete within ", timeout_s, " s on rank ",
                   c->rank, "/", c->world, " (a peer is missing or the ranks disagree); the communicator was aborted");
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    poll_pause(iteration);
   }
 }
 

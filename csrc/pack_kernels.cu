@@ -333,11 +333,13 @@ void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef of
   TORCH_CHECK(chan == C, "unpack_into: counts sum to ", chan, " but recv has ", C, " channels");
   const int64_t rows = B * S;
   if (njobs == 0 || rows == 0 || D == 0) return;
+  TORCH_CHECK(C * D <= (int64_t)INT32_MAX / 2, "unpack_into: C * D too large");
   const int V = vec ? V16 : 1;
   int max_inner = 0;
   for (int t = 0; t < njobs; ++t) {
-    const int inner = p.job[t].nheads * static_cast<int>(D / V);
-    max_inner = inner > max_inner ? inner : max_inner;
+    const int64_t inner = static_cast<int64_t>(p.job[t].nheads) * (D / V);
+    TORCH_CHECK(inner <= (int64_t)INT32_MAX / 2, "unpack_into: heads * D too large");
+    max_inner = inner > max_inner ? static_cast<int>(inner) : max_inner;
   }
   // Jobs with fewer vectors per row finish early; fine for <= 3 jobs.
   const dim3 grid(static_cast<unsigned>(grid_for(rows, max_inner < 1 ? 1 : max_inner)), njobs);

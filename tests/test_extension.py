@@ -568,3 +568,28 @@ def test_nccl_unique_id_and_handle_errors():
 def test_unsupported_reason_cpu_and_dtypes():
     q = torch.randn(1, 4, 2, 16)
     assert "CUDA" in fused.unsupported_reason(q, q, q)
+
+
+def test_default_group_engine_key_and_transport_override(monkeypatch, tmp_path):
+    """`ulysses_attention` resolves group=None to dist.group.WORLD once torch.distributed
+    is initialised; `use_transport(None, ...)` (what the one-GPU multi-rank GPU tests
+    use) must reach that engine, and a replaced engine must be closed."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    monkeypatch.setattr(fused, "_transport_override", {})
+    monkeypatch.setattr(fused, "_engines", {})
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert fused._group_key(None) == fused._group_key(dist.group.WORLD) == 0
+        fused.use_transport(None, "host")
+        engine = fused.get_engine(dist.group.WORLD, 1, 0, torch.device("cpu"))
+        assert engine.transport.name == "host"
+        assert fused.get_engine(None, 1, 0, torch.device("cpu")) is engine
+        closed = []
+        monkeypatch.setattr(engine, "close", lambda: closed.append(True))
+        other = fused.get_engine(dist.group.WORLD, 2, 0, torch.device("cpu"))  # world changed: new engine
+        assert other is not engine and closed == [True]
+    finally:
+        fused._engines.clear()
+        dist.destroy_process_group()

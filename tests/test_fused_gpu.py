@@ -216,8 +216,20 @@ def test_engine_buffers_are_reused():
         assert {k: b.data_ptr() for k, b in engine._buffers.items()} == before
 
 
-def test_fused_world1_cuda_graph_capture():
-    """With seq_lens given the forward has no host sync: capture it and replay."""
+def test_nccl_bad_counts_raise():  # before the capture test: a failed capture aborts the communicator
+    engine = fused.get_engine(None, 1, 0, torch.device("cuda", torch.cuda.current_device()))
+    x = torch.zeros(16, device="cuda")
+    with pytest.raises(RuntimeError, match="exceed"):
+        torch.ops.ulysses_kernels.nccl_all_to_all(engine.transport.handle, x, x.clone(), [32], [32])
+
+
+@pytest.mark.parametrize("blocking", ["0", "1"])
+def test_fused_world1_cuda_graph_capture(blocking, monkeypatch):
+    """With seq_lens given the forward has no host sync: capture it and replay. Both NCCL
+    modes: non-blocking (the default; NCCL >= 2.19 launches from a helper thread) and
+    blocking (ULYSSES_KERNELS_NCCL_BLOCKING=1, read when the communicator is created)."""
+    monkeypatch.setenv("ULYSSES_KERNELS_NCCL_BLOCKING", blocking)
+    fused.close()  # the eager call below creates a communicator in this mode
     q = _rand(1, 128, 4, 64, dtype=torch.bfloat16, seed=21)
     k = _rand(1, 128, 2, 64, dtype=torch.bfloat16, seed=22)
     with torch.no_grad():
@@ -234,13 +246,6 @@ def test_fused_world1_cuda_graph_capture():
         graph.replay()
         torch.cuda.synchronize()
     assert torch.equal(static, eager)
-
-
-def test_nccl_bad_counts_raise():
-    engine = fused.get_engine(None, 1, 0, torch.device("cuda", torch.cuda.current_device()))
-    x = torch.zeros(16, device="cuda")
-    with pytest.raises(RuntimeError, match="exceed"):
-        torch.ops.ulysses_kernels.nccl_all_to_all(engine.transport.handle, x, x.clone(), [32], [32])
 
 
 # ---------------------------------------- world sizes 2 and 4 on one GPU (host transport)

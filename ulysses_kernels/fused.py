@@ -34,6 +34,9 @@ Errors. The NCCL communicator is non-blocking; init and enqueue are polled with 
 (`ULYSSES_KERNELS_NCCL_TIMEOUT`, seconds, default 600) and raise instead of hanging. With
 `ULYSSES_KERNELS_NCCL_CHECK=1` every call also waits (host side, with the same timeout)
 for its exchanges to finish, turning a hang inside NCCL into an exception.
+`ULYSSES_KERNELS_NCCL_BLOCKING=1` (read when a communicator is created) selects NCCL's
+blocking mode instead: launches stay in the calling thread (NCCL >= 2.19 launches every
+non-blocking group from a helper thread), but init can then hang instead of timing out.
 """
 
 import atexit
@@ -264,24 +267,42 @@ class Engine:
         # High priority so NCCL's kernels get SMs while attention kernels fill the GPU.
         self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
         self._buffers: Dict[str, torch.Tensor] = {}
+        self._buffer_streams: Dict[str, set] = {}  # streams each buffer was recorded on
 
     def buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """Flat `numel`-element view of a grow-only byte buffer (allocated on the current stream)."""
+        """Flat `numel`-element view of a grow-only byte buffer (allocated on the current stream).
+
+        Caching-allocator safety: a buffer is used on the comm stream and on the compute
+        stream of every call, which need not be the stream it was allocated on. Both are
+        recorded (record_stream), so when the buffer is replaced by a larger one, or the
+        engine is closed, its memory is not handed out again while queued work of either
+        stream may still read or write it."""
         esize = torch.empty((), dtype=dtype).element_size()
         nbytes = max(int(numel) * esize, 1)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < nbytes:
-            if buf is not None and self.stream is not None:
-                buf.record_stream(self.stream)  # in-flight comm work may still use the old one
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[name] = buf
+            self._buffer_streams[name] = set()
+            if self.stream is not None:
+                buf.record_stream(self.stream)
+        if self.stream is not None and not torch.cuda.is_current_stream_capturing():
+            cur = torch.cuda.current_stream(self.device)
+            seen = self._buffer_streams.setdefault(name, set())
+            key = (cur.stream_id, cur.device_index)
+            if key not in seen:
+                buf.record_stream(cur)
+                seen.add(key)
         return buf[:int(numel) * esize].view(dtype)
 
     def buffer_bytes(self) -> int:
         return sum(b.numel() for b in self._buffers.values())
 
     def close(self):
+        # Every buffer was recorded on the comm and compute streams (see buffer()), so
+        # dropping them cannot recycle memory under in-flight kernels or NCCL work.
         self._buffers.clear()
+        self._buffer_streams.clear()
         self.transport.close()
 
 
@@ -290,20 +311,34 @@ _engines_lock = threading.Lock()
 
 
 def _group_key(group) -> int:
-    return 0 if group is None else id(group)
+    """0 for the default group, whether passed as None or as the WORLD group object
+    (`ulysses_attention` resolves None to `dist.group.WORLD` when torch.distributed is
+    initialised, while `use_transport(None, ...)` and tests name it None)."""
+    if group is None:
+        return 0
+    if dist.is_available() and dist.is_initialized() and group is dist.group.WORLD:
+        return 0
+    return id(group)
 
 
 def get_engine(group, world: int, rank: int, device: torch.device) -> Engine:
     key = (_group_key(group), device.index)
+    stale = None
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None or engine.world != world or engine.rank != rank:
             name = _transport_override.get(key[0]) or os.environ.get(ENV_TRANSPORT, "").strip() or "nccl"
             if name not in _TRANSPORTS:
                 raise ValueError(f"{ENV_TRANSPORT}={name!r} is not one of {sorted(_TRANSPORTS)}")
+            stale = engine
             engine = Engine(group, world, rank, device, name)
             _engines[key] = engine
-        return engine
+    if stale is not None:
+        try:
+            stale.close()  # its communicator would otherwise leak
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+    return engine
 
 
 def close() -> None:
@@ -369,6 +404,12 @@ def _on(stream):
 
 def _current_stream(device: torch.device):
     return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
+def _device_ctx(device: torch.device):
+    """Make `device` current: Triton launches on the current device's current stream,
+    whatever device its tensors are on."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------------- pipelines
@@ -535,7 +576,8 @@ class _FusedUlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, engine, lens, rank, causal, scale, cu_seqlens, plan):
         save = any(ctx.needs_input_grad[:3])
-        out, state = _forward(engine, q, k, v, lens, rank, causal, scale, cu_seqlens, plan, save)
+        with _device_ctx(q.device):
+            out, state = _forward(engine, q, k, v, lens, rank, causal, scale, cu_seqlens, plan, save)
         if save:
             ctx.engine, ctx.lens, ctx.rank, ctx.causal, ctx.scale = engine, lens, rank, causal, scale
             ctx.cu_seqlens, ctx.plan, ctx.state = cu_seqlens, plan, state
@@ -544,8 +586,9 @@ class _FusedUlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        dq, dk, dv = _backward(ctx.engine, dout, ctx.q_shape, ctx.kv_heads, ctx.lens, ctx.rank, ctx.causal,
-                               ctx.scale, ctx.cu_seqlens, ctx.plan, ctx.state)
+        with _device_ctx(dout.device):
+            dq, dk, dv = _backward(ctx.engine, dout, ctx.q_shape, ctx.kv_heads, ctx.lens, ctx.rank, ctx.causal,
+                                   ctx.scale, ctx.cu_seqlens, ctx.plan, ctx.state)
         ctx.state = None  # free the saved buffers (retain_graph is not supported)
         return dq, dk, dv, None, None, None, None, None, None, None
 
