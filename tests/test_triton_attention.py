@@ -373,3 +373,13 @@ def test_gpu_deterministic_and_head_dims():
     b = run_autograd(q, k, v, do, causal=True)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp32_inputs():
+    """fp32 on the GPU runs tf32x3 dots with small tiles (the bf16 tiles do not fit in
+    shared memory at 4 bytes per element); about fp32 accuracy."""
+    for D, causal in ((128, True), (64, False)):
+        q, k, v, do = make_qkv(1, 300, 300, 4, 2, D, torch.float32, seed=D, device="cuda")
+        compare(q, k, v, do, causal, tol=1e-3)

@@ -55,9 +55,54 @@ def seq_bucket(n: int) -> int:
     return max(0, int(math.ceil(math.log2(max(1, n)))))
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs (tests) use exact fp32 products; 16-bit inputs ignore this."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype, head_dim: int = 128) -> str:
+    """tl.dot input precision. 16-bit inputs ignore it ("tf32").
+
+    fp32 inputs: exact "ieee" products in the interpreter (tests). On the GPU "ieee" means
+    no tensor cores: the sm_90 build of a 64x32 tile already needs kilobytes of local
+    memory per thread and a minute to compile. "tf32x3" (three tf32 wgmmas, about fp32
+    accuracy) is used instead, and plain "tf32" for head dims above 128, where the tf32x3
+    tiles no longer fit in shared memory.
+    """
+    if dtype != torch.float32:
+        return "tf32"
+    if interpreting():
+        return "ieee"
+    return "tf32x3" if head_dim <= 128 else "tf32"
+
+
+@triton.jit
+def token_rows(s, b, S, B, P, SPLIT: tl.constexpr):
+    """Sequence coordinate of tokens ``s`` (int32 positions) of batch ``b``, as int64.
+
+    SPLIT: the row of each token in the P-block all-to-all buffer (see module docstring),
+    to be scaled by the row stride only. Else: the position itself (int64), to be scaled
+    by the sequence stride and offset by ``b*stride_b`` (see :func:`rows_to_offsets`).
+    The block arithmetic runs in int32 (positions and lengths are < 2**31; an int64
+    division per token is a slow multi-instruction sequence on the GPU); only the row,
+    which can exceed 2**31 for B*S rows, is int64.
+    """
+    if SPLIT:
+        s32 = s.to(tl.int32)
+        q = S // P
+        rem = S - q * P
+        big = rem * (q + 1)
+        # Block index of each token: the first `rem` blocks hold q+1 tokens, the rest q.
+        blk = tl.where(s32 < big, s32 // (q + 1), rem + (s32 - big) // tl.maximum(q, 1))
+        start = blk * q + tl.minimum(blk, rem)
+        length = q + (blk < rem).to(tl.int32)
+        return start.to(tl.int64) * B + b.to(tl.int64) * length + (s32 - start).to(tl.int64)
+    else:
+        return s.to(tl.int64)
+
+
+@triton.jit
+def rows_to_offsets(rows, b, stride_b, stride_s, SPLIT: tl.constexpr):
+    """int64 element offsets from :func:`token_rows` and one tensor's strides."""
+    if SPLIT:
+        return rows * stride_s
+    else:
+        return b.to(tl.int64) * stride_b + rows * stride_s
 
 
 @triton.jit
@@ -66,20 +111,7 @@ def row_offsets(s, b, S, B, P, stride_b, stride_s, SPLIT: tl.constexpr):
 
     SPLIT: the P-block all-to-all buffer layout (see module docstring); else strided.
     """
-    s64 = s.to(tl.int64)
-    b64 = b.to(tl.int64)
-    if SPLIT:
-        q = S // P
-        rem = S - q * P
-        big = rem * (q + 1)
-        # Block index of each token: the first `rem` blocks hold q+1 tokens, the rest q.
-        blk = tl.where(s64 < big, s64 // (q + 1), rem + (s64 - big) // tl.maximum(q, 1))
-        start = blk * q + tl.minimum(blk, rem)
-        length = q + (blk < rem).to(tl.int64)
-        row = start * B + b64 * length + (s64 - start)
-        return row * stride_s
-    else:
-        return b64 * stride_b + s64 * stride_s
+    return rows_to_offsets(token_rows(s, b, S, B, P, SPLIT), b, stride_b, stride_s, SPLIT)
 
 
 @triton.jit
@@ -92,31 +124,43 @@ def maybe_fp32(x, FP32_DOT: tl.constexpr):
 
 
 # Autotune key shared by all attention kernels: retune per head dim, mask kind, layout,
-# GQA group and power-of-two sequence bucket.
-TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP", "HQ"]
+# GQA group and power-of-two sequence bucket. (Head counts, lengths and the GQA group are
+# runtime arguments, never specialized on: one compiled kernel serves every head count.)
+TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP"]
 
 
 class TunedLauncher:
     """Launch policy of one kernel with per-head-dim candidate configs.
 
     ``configs`` maps the padded head dim to ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
-    candidates, the first being the default. On a GPU with autotuning enabled the kernel
-    is autotuned over the candidates of its head dim; otherwise the default runs; in the
-    interpreter the small ``interpret_blocks`` (BLOCK_M, BLOCK_N) keep tests fast.
+    candidates, the first being the default. ``masked_configs`` (optional, same shape)
+    replaces the default for the VARLEN / SPLIT variants, whose extra index arithmetic
+    costs registers (a default that spills there is worse than a smaller tile). On a GPU
+    with autotuning enabled the kernel is autotuned over the candidates of its head dim;
+    otherwise the default runs; in the interpreter the small ``interpret_blocks``
+    (BLOCK_M, BLOCK_N) keep tests fast. ``override`` (a config tuple, or None) forces one
+    config on the GPU, for benchmark sweeps.
     """
 
-    def __init__(self, kernel, configs, interpret_blocks):
+    def __init__(self, kernel, configs, interpret_blocks, masked_configs=None, fp32_configs=None):
         self.kernel = kernel
         self.configs = configs
+        self.masked_configs = masked_configs or {}
+        # fp32 inputs on the GPU: tiles twice the bytes, tf32x3 dots; one small config.
+        self.fp32_configs = fp32_configs or {}
         self.interpret_blocks = interpret_blocks
+        self.override = None
         self.tuned = None
         if autotune_enabled():
             self.tuned = triton.autotune(configs=self._all_configs(), key=TUNE_KEYS,
                                          prune_configs_by={"early_config_prune": self._prune})(kernel)
 
+    def _candidates(self, block_d: int):
+        return self.configs.get(block_d, self.configs[128])
+
     def _all_configs(self):
         seen, out = set(), []
-        for candidates in self.configs.values():
+        for candidates in list(self.configs.values()) + list(self.masked_configs.values()):
             for cfg in candidates:
                 if cfg not in seen:
                     seen.add(cfg)
@@ -125,22 +169,41 @@ class TunedLauncher:
         return out
 
     def _prune(self, configs, named_args, **kwargs):
-        bd = kwargs.get("BLOCK_D", named_args.get("BLOCK_D"))
-        allowed = self.configs.get(bd, self.configs[128])
+        # Triton calls early_config_prune(configs, named_args, **kwargs) (3.6 .. 3.9):
+        # named_args holds the positional arguments, kwargs the constexpr keywords.
+        def arg(name):
+            return kwargs.get(name, named_args.get(name))
+
+        bd = arg("BLOCK_D")
+        allowed = list(self._candidates(bd))
+        if arg("VARLEN") or arg("SPLIT"):
+            allowed += self.masked_configs.get(bd, [])
         keep = [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
         return keep or configs[:1]
 
-    def default(self, block_d: int):
-        return self.configs.get(block_d, self.configs[128])[0]
+    def default(self, block_d: int, masked: bool = False):
+        if masked and block_d in self.masked_configs:
+            return self.masked_configs[block_d][0]
+        return self._candidates(block_d)[0]
 
-    def __call__(self, grid, args, meta, block_d: int, fp32_dot: bool):
+    def tuned_configs(self):
+        """{autotune key: chosen config} so far (empty when autotuning is off)."""
+        if self.tuned is None:
+            return {}
+        return {str(k): str(v) for k, v in getattr(self.tuned, "cache", {}).items()}
+
+    def __call__(self, grid, args, meta, block_d: int, fp32_dot: bool, fp32_inputs: bool = False):
         """grid(BLOCK_M, BLOCK_N) -> launch grid."""
-        if self.tuned is not None and not fp32_dot:
-            self.tuned[lambda META: grid(META["BLOCK_M"], META["BLOCK_N"])](*args, **meta)
-            return
         if fp32_dot:
             (bm, bn), w, s = self.interpret_blocks, 4, 1
+        elif fp32_inputs and self.fp32_configs:
+            bm, bn, w, s = self.fp32_configs.get(block_d, self.fp32_configs[128])
+        elif self.override is not None:
+            bm, bn, w, s = self.override
+        elif self.tuned is not None:
+            self.tuned[lambda META: grid(META["BLOCK_M"], META["BLOCK_N"])](*args, **meta)
+            return
         else:
-            bm, bn, w, s = self.default(block_d)
+            bm, bn, w, s = self.default(block_d, bool(meta.get("VARLEN") or meta.get("SPLIT")))
         self.kernel[grid(bm, bn)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)

@@ -10,29 +10,45 @@ Query rows are visited in three phases: masked (causal diagonal / document start
 unmasked (rows that see the whole key tile), masked (document end / sequence end).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from ._common import (LOG2E, TunedLauncher, dot_precision, interpreting, maybe_fp32,
-                      row_offsets, seq_bucket)
+                      rows_to_offsets, seq_bucket, token_rows)
 
 LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_head, do_head, lse_base,
+def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
                 sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
                 b, Sq, B, P, lo, hi, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                 SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
                 FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Query rows [lo, hi) of every query head of the GQA group, as ONE flat loop.
+
+    A loop over the heads around the row loop would nest three software-pipelined loops
+    in a runtime loop: Triton 3.6 then spills hundreds of bytes of registers (sm_90
+    build, D = 128), and each head would drain and refill the pipeline. Flat, the
+    iteration ``it`` covers head ``it // nblk`` and row block ``it % nblk``.
+    """
     d_ok = offs_d < HEAD_DIM
-    for start_m in range(lo, hi, BLOCK_M):
+    nblk = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    for it in range(0, nblk * GROUP):
+        g = it // nblk
+        h = (hk * GROUP + g).to(tl.int64)
+        q_head = h * sq_h
+        do_head = h * sdo_h
+        lse_base = (b * HQ + h) * Sq
+        start_m = lo + (it - g * nblk) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Sq
         tile_mask = m_ok[:, None] & d_ok[None, :]
-        q_rows = row_offsets(offs_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
-        do_rows = row_offsets(offs_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+        rows = token_rows(offs_m, b, Sq, B, P, SPLIT)  # shared by Q and dO
+        q_rows = rows_to_offsets(rows, b, sq_b, sq_s, SPLIT)
+        do_rows = rows_to_offsets(rows, b, sdo_b, sdo_s, SPLIT)
         q = tl.load(Q + q_head + q_rows[:, None] + offs_d[None, :] * sq_d, mask=tile_mask, other=0.0)
         q = maybe_fp32(q, FP32_DOT)
         lse = tl.load(LSE + lse_base + offs_m, mask=m_ok, other=float("inf"))
@@ -57,7 +73,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_head, do_head, lse_base,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP"])
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, DOCS, CU,
     sq_b, sq_s, sq_h, sq_d,
@@ -66,8 +82,7 @@ def _flash_bwd_dkdv_kernel(
     sdo_b, sdo_s, sdo_h, sdo_d,
     sdk_b, sdk_s, sdk_h, sdk_d,
     sdv_b, sdv_s, sdv_h, sdv_d,
-    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY,
-    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr,
+    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY, HQ, HKV, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -86,8 +101,9 @@ def _flash_bwd_dkdv_kernel(
     causal_off = Sk - Sq
     kv_mask = n_ok[:, None] & d_ok[None, :]
 
-    k_rows = row_offsets(offs_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-    v_rows = row_offsets(offs_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+    n_rows = token_rows(offs_n, b, Sk, B, P, SPLIT)  # shared by K, V, dK and dV
+    k_rows = rows_to_offsets(n_rows, b, sk_b, sk_s, SPLIT)
+    v_rows = rows_to_offsets(n_rows, b, sv_b, sv_s, SPLIT)
     k = tl.load(K + hk * sk_h + k_rows[:, None] + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
     v = tl.load(V + hk * sv_h + v_rows[:, None] + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
     k = maybe_fp32(k, FP32_DOT)
@@ -123,26 +139,22 @@ def _flash_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(GROUP):
-        h = hk * GROUP + g
-        q_head = h * sq_h
-        do_head = h * sdo_h
-        lse_base = (b * HQ + h) * Sq
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_head, do_head, lse_base,
-                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                             b, Sq, B, P, lo, a_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                             True, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_head, do_head, lse_base,
-                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                             b, Sq, B, P, a_end, b_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                             False, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_head, do_head, lse_base,
-                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                             b, Sq, B, P, b_end, hi, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                             True, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
+    # Three phases, each over all query heads of the group (see _dkdv_inner).
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
+                         sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
+                         b, Sq, B, P, lo, a_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
+                         True, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
+                         sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
+                         b, Sq, B, P, a_end, b_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
+                         False, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
+                         sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
+                         b, Sq, B, P, b_end, hi, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
+                         True, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
     dk = dk * sm_scale
-    dk_rows = row_offsets(offs_n, b, Sk, B, P, sdk_b, sdk_s, SPLIT)
-    dv_rows = row_offsets(offs_n, b, Sk, B, P, sdv_b, sdv_s, SPLIT)
+    dk_rows = rows_to_offsets(n_rows, b, sdk_b, sdk_s, SPLIT)
+    dv_rows = rows_to_offsets(n_rows, b, sdv_b, sdv_s, SPLIT)
     tl.store(DK + hk * sdk_h + dk_rows[:, None] + offs_d[None, :] * sdk_d,
              dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + hk * sdv_h + dv_rows[:, None] + offs_d[None, :] * sdv_d,
@@ -150,19 +162,30 @@ def _flash_bwd_dkdv_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; first = default.
+# The dK/dV accumulators (2 x BLOCK_N x D fp32) dominate the registers: with D = 128 and
+# 8 warps they take 128 per thread, so BLOCK_M stays at 32 (BLOCK_M = 64 spills) and
+# BLOCK_N at 128, the Triton tutorial's Hopper tiles (BLOCK_M1=32 / BLOCK_N1=128; its
+# 4 warps would need 256 registers per thread for the accumulators alone, hence 8 here).
+# Measured with sm_90 builds (cuobjdump -res-usage): (32, 128, 8, 2) has no spills in the
+# plain layout under Triton 3.6 and 3.8; 3 stages spill under 3.8 (kept as a candidate for
+# autotuning only). The VARLEN+SPLIT variant spills a few registers (<= 40 bytes) either way.
+# D = 256: 8 warps only (4 warps give mma.sync instead of wgmma, and spill).
 _DKDV_CONFIGS = {
-    # Chosen so that sm_90 builds (Triton 3.8, ptxas) need no local-memory stack in the
-    # causal dense case: dK/dV accumulators plus K/V tiles live in registers.
     16: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
     32: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
     64: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
-    128: [(32, 128, 8, 2), (16, 128, 8, 3), (32, 64, 8, 3)],
-    256: [(16, 64, 8, 2), (16, 32, 4, 2)],
+    128: [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 8, 2)],
+    256: [(16, 64, 8, 2)],
 }
 _INTERPRET_BLOCKS = (16, 32)
 
 
-_launch = TunedLauncher(_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, _INTERPRET_BLOCKS)
+_DKDV_FP32_CONFIGS = {16: (16, 64, 4, 2), 32: (16, 64, 4, 2), 64: (16, 64, 4, 2), 128: (16, 64, 4, 2),
+                      256: (16, 64, 4, 1)}
+
+
+_launch = TunedLauncher(_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, _INTERPRET_BLOCKS,
+                        fp32_configs=_DKDV_FP32_CONFIGS)
 
 
 def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q,
@@ -174,9 +197,10 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
     args = (q, k, v, do, dk, dv, lse, delta, docs if varlen else lse, cu_seqlens if varlen else lse,
             *strides[0], *strides[1], *strides[2], *strides[3], *strides[4], *strides[5],
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E,
-            seq_bucket(max(seqlen_q, seqlen_k)))
-    meta = dict(HQ=num_q_heads, HKV=num_kv_heads, GROUP=num_q_heads // num_kv_heads,
-                HEAD_DIM=head_dim, BLOCK_D=block_d,
+            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_kv_heads,
+            num_q_heads // num_kv_heads)
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
-                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype))
-    _launch(lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * num_kv_heads), args, meta, block_d, fp32_dot)
+                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, block_d))
+    _launch(lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * num_kv_heads), args, meta, block_d, fp32_dot,
+            q.dtype == torch.float32)

@@ -6,11 +6,12 @@ keys it can see (same two phases as the forward: unmasked blocks, then masked on
 ``dQ += dS K``; finally ``dQ *= scale``. No atomics: deterministic.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from ._common import (LOG2E, TunedLauncher, dot_precision, interpreting, maybe_fp32,
-                      row_offsets, seq_bucket)
+                      rows_to_offsets, seq_bucket, token_rows)
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -26,8 +27,9 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Sk
-        k_rows = row_offsets(offs_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-        v_rows = row_offsets(offs_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+        rows = token_rows(offs_n, b, Sk, B, P, SPLIT)  # shared by K and V
+        k_rows = rows_to_offsets(rows, b, sk_b, sk_s, SPLIT)
+        v_rows = rows_to_offsets(rows, b, sv_b, sv_s, SPLIT)
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + k_head + k_rows[:, None] + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
         v = tl.load(V + v_head + v_rows[:, None] + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
@@ -48,7 +50,7 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
     return dq
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP"])
 def _flash_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, DOCS, CU,
     sq_b, sq_s, sq_h, sq_d,
@@ -56,8 +58,8 @@ def _flash_bwd_dq_kernel(
     sv_b, sv_s, sv_h, sv_d,
     sdo_b, sdo_s, sdo_h, sdo_d,
     sdq_b, sdq_s, sdq_h, sdq_d,
-    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY,
-    HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY, HQ, GROUP,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -77,8 +79,9 @@ def _flash_bwd_dq_kernel(
     causal_off = Sk - Sq
     tile_mask = m_ok[:, None] & d_ok[None, :]
 
-    q_rows = row_offsets(offs_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
-    do_rows = row_offsets(offs_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+    m_rows = token_rows(offs_m, b, Sq, B, P, SPLIT)  # shared by Q, dO and dQ
+    q_rows = rows_to_offsets(m_rows, b, sq_b, sq_s, SPLIT)
+    do_rows = rows_to_offsets(m_rows, b, sdo_b, sdo_s, SPLIT)
     q = tl.load(Q + h * sq_h + q_rows[:, None] + offs_d[None, :] * sq_d, mask=tile_mask, other=0.0)
     do = tl.load(DO + h * sdo_h + do_rows[:, None] + offs_d[None, :] * sdo_d, mask=tile_mask, other=0.0)
     q = maybe_fp32(q, FP32_DOT)
@@ -122,23 +125,31 @@ def _flash_bwd_dq_kernel(
                    b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
                    True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
     dq = dq * sm_scale
-    dq_rows = row_offsets(offs_m, b, Sq, B, P, sdq_b, sdq_s, SPLIT)
+    dq_rows = rows_to_offsets(m_rows, b, sdq_b, sdq_s, SPLIT)
     tl.store(DQ + h * sdq_h + dq_rows[:, None] + offs_d[None, :] * sdq_d,
              dq.to(DQ.dtype.element_ty), mask=tile_mask)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; first = default.
+# Q and dO are shared-memory A operands of QK^T and dO V^T: BLOCK_N = 32 makes those two
+# wgmmas shared-memory-bandwidth bound (about 2/3 of peak), BLOCK_N = 64 does not, and
+# 128x64 with 8 warps builds for sm_90 without spills (Triton 3.6 / 3.8, VARLEN+SPLIT too).
+# D = 256: BLOCK_M must be >= 64 with 8 warps, or Triton falls back to mma.sync (no wgmma).
 _DQ_CONFIGS = {
     16: [(128, 32, 4, 4), (64, 64, 4, 3)],
     32: [(128, 32, 4, 4), (64, 64, 4, 3)],
     64: [(128, 32, 4, 4), (128, 64, 8, 3)],
-    128: [(128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-    256: [(64, 32, 8, 2), (32, 64, 8, 2)],
+    128: [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2)],
+    256: [(64, 32, 8, 2), (64, 32, 8, 3)],
 }
 _INTERPRET_BLOCKS = (32, 16)
 
 
-_launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS)
+_DQ_FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2),
+                    256: (64, 16, 4, 1)}
+
+
+_launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS, fp32_configs=_DQ_FP32_CONFIGS)
 
 
 def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q, seqlen_k,
@@ -149,8 +160,9 @@ def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, 
     args = (q, k, v, do, dq, lse, delta, docs if varlen else lse, cu_seqlens if varlen else lse,
             *strides[0], *strides[1], *strides[2], *strides[3], *strides[4],
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E,
-            seq_bucket(max(seqlen_q, seqlen_k)))
-    meta = dict(HQ=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
-                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype))
-    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, block_d, fp32_dot)
+                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, block_d))
+    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, block_d, fp32_dot,
+            q.dtype == torch.float32)

@@ -3,16 +3,16 @@
 import triton
 import triton.language as tl
 
-from ._common import interpreting, row_offsets
+from ._common import interpreting, rows_to_offsets, token_rows
 
 
-@triton.jit(do_not_specialize=["Sq", "B", "P"])
+@triton.jit(do_not_specialize=["Sq", "B", "P", "HQ"])
 def _flash_bwd_preprocess_kernel(
     O, DO, DELTA,
     so_b, so_s, so_h, so_d,
     sdo_b, sdo_s, sdo_h, sdo_d,
-    Sq, B, P,
-    HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    Sq, B, P, HQ,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -23,8 +23,9 @@ def _flash_bwd_preprocess_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Sq
     mask = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    o_rows = row_offsets(offs_m, b, Sq, B, P, so_b, so_s, SPLIT)
-    do_rows = row_offsets(offs_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+    rows = token_rows(offs_m, b, Sq, B, P, SPLIT)
+    o_rows = rows_to_offsets(rows, b, so_b, so_s, SPLIT)
+    do_rows = rows_to_offsets(rows, b, sdo_b, sdo_s, SPLIT)
     o = tl.load(O + h * so_h + o_rows[:, None] + offs_d[None, :] * so_d, mask=mask, other=0.0)
     do = tl.load(DO + h * sdo_h + do_rows[:, None] + offs_d[None, :] * sdo_d, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
@@ -33,9 +34,10 @@ def _flash_bwd_preprocess_kernel(
 
 def launch_preprocess(out, do, delta, *, so_strides, sdo_strides, batch, seqlen_q, num_q_heads,
                       head_dim, block_d, split, seq_splits):
-    bm = 32 if interpreting() else 128
+    # fp32 copies of the O and dO tiles live in registers: 64 rows for D = 256 (no spills).
+    bm = 32 if interpreting() else (128 if block_d <= 128 else 64)
     grid = (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
     _flash_bwd_preprocess_kernel[grid](
-        out, do, delta, *so_strides, *sdo_strides, seqlen_q, batch, seq_splits,
-        HQ=num_q_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=bool(split), BLOCK_M=bm,
+        out, do, delta, *so_strides, *sdo_strides, seqlen_q, batch, seq_splits, num_q_heads,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=bool(split), BLOCK_M=bm,
         num_warps=4 if block_d <= 64 else 8)

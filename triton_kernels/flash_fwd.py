@@ -7,11 +7,12 @@ boundaries). Causal masks are bottom-right aligned: query i sees key j iff
 ``j <= i + Sk - Sq``. Rows that see no key produce zeros and LSE = -inf.
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from ._common import (LN2, LOG2E, TunedLauncher, block_d, dot_precision,
-                      interpreting, maybe_fp32, row_offsets, seq_bucket)
+                      interpreting, maybe_fp32, rows_to_offsets, seq_bucket, token_rows)
 
 
 LN2_C = tl.constexpr(LN2)
@@ -28,8 +29,9 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < Sk
-        k_rows = row_offsets(offs_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-        v_rows = row_offsets(offs_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+        rows = token_rows(offs_n, b, Sk, B, P, SPLIT)  # shared by K and V
+        k_rows = rows_to_offsets(rows, b, sk_b, sk_s, SPLIT)
+        v_rows = rows_to_offsets(rows, b, sv_b, sv_s, SPLIT)
         kt = tl.load(K + k_head + k_rows[None, :] + offs_d[:, None] * sk_d,
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         qk = tl.dot(maybe_fp32(q, FP32_DOT), maybe_fp32(kt, FP32_DOT), input_precision=PRECISION)
@@ -62,15 +64,15 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP"])
 def _flash_fwd_kernel(
     Q, K, V, O, LSE, DOCS, CU,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sv_b, sv_s, sv_h, sv_d,
     so_b, so_s, so_h, so_d,
-    Sq, Sk, B, P, qk_scale, TUNE_KEY,
-    HQ: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Sq, Sk, B, P, qk_scale, TUNE_KEY, HQ, GROUP,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -90,7 +92,8 @@ def _flash_fwd_kernel(
     m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
     causal_off = Sk - Sq
 
-    q_rows = row_offsets(offs_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+    m_rows = token_rows(offs_m, b, Sq, B, P, SPLIT)  # shared by Q and O
+    q_rows = rows_to_offsets(m_rows, b, sq_b, sq_s, SPLIT)
     q = tl.load(Q + h * sq_h + q_rows[:, None] + offs_d[None, :] * sq_d,
                 mask=m_ok[:, None] & d_ok[None, :], other=0.0)
 
@@ -138,26 +141,39 @@ def _flash_fwd_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
-    o_rows = row_offsets(offs_m, b, Sq, B, P, so_b, so_s, SPLIT)
+    o_rows = rows_to_offsets(m_rows, b, so_b, so_s, SPLIT)
     tl.store(O + h * so_h + o_rows[:, None] + offs_d[None, :] * so_d,
              out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=m_ok)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim, for Hopper
-# (FlashAttention-2 / Triton fused-attention tutorial settings). The first entry is the
-# default used when autotuning is off.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim, for Hopper.
+# The first entry is the default used when autotuning is off. Q is the shared-memory A
+# operand of the QK^T wgmma: with BLOCK_N = 64 its re-reads put QK^T at the shared-memory
+# bandwidth limit, BLOCK_N = 128 leaves headroom (FlashAttention-3 and the Triton tutorial
+# use 128x128 with 2 warpgroups for D = 128 on Hopper). sm_90 builds of every entry were
+# checked for register spills with Triton 3.6 and 3.8 (ptxas, no GPU needed).
 _FWD_CONFIGS = {
     16: [(128, 64, 4, 4), (64, 64, 4, 4)],
     32: [(128, 64, 4, 4), (64, 64, 4, 4)],
     64: [(128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)],
+    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
     256: [(64, 64, 8, 2), (128, 32, 8, 2)],
+}
+# VARLEN / SPLIT variants (more index registers): 128x128x3 stages spills there.
+_FWD_MASKED_CONFIGS = {
+    128: [(128, 64, 8, 3), (128, 128, 8, 2)],
 }
 _INTERPRET_BLOCKS = (32, 16)
 
 
-_launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS)
+# fp32 inputs (tf32x3 dots, 4-byte tiles): shared memory fits, wgmma is used.
+_FWD_FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2),
+                     256: (64, 32, 4, 1)}
+
+
+_launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS, _FWD_MASKED_CONFIGS,
+                        _FWD_FP32_CONFIGS)
 
 
 def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
@@ -166,14 +182,15 @@ def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_stri
     """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides."""
     bd = block_d(head_dim)
     fp32_dot = interpreting()
-    precision = dot_precision(q.dtype)
+    precision = dot_precision(q.dtype, bd)
     varlen = docs is not None
     dummy = lse
     args = (q, k, v, out, lse, docs if varlen else dummy, cu_seqlens if varlen else dummy,
             *sq_strides, *sk_strides, *sv_strides, *so_strides,
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale * LOG2E,
-            seq_bucket(max(seqlen_q, seqlen_k)))
-    meta = dict(HQ=num_q_heads, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=bd,
+            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
                 FP32_DOT=fp32_dot, PRECISION=precision)
-    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, bd, fp32_dot)
+    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, bd, fp32_dot,
+            q.dtype == torch.float32)
