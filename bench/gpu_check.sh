@@ -10,40 +10,11 @@
 # tests 110 s, a2a 30 s, layer 60 s), so one 10-minute device call holds it all.
 set -u
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-RESULTS="${OUT:-$ROOT/bench/results}"
-mkdir -p "$RESULTS"
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x /opt/ukvenv/bin/python ]; then PYTHON=/opt/ukvenv/bin/python; else PYTHON="$(command -v python3 || command -v python)"; fi
-fi
-export PYTHON
-export TRITON_INTERPRET=0          # real kernels (the CPU test suite uses the interpreter)
-export PYTHONUNBUFFERED=1
+STEP_PREFIX=
+source "$(dirname "${BASH_SOURCE[0]}")/_steps.sh"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}"
 
-FAILED=()
-SUMMARY="$RESULTS/gpu_check_summary.txt"
-: > "$SUMMARY"
-
-step() {  # step NAME TIMEOUT_S CMD...
-  local name="$1" limit="$2"; shift 2
-  local log="$RESULTS/gpu_check_${name}.log"
-  local t0=$SECONDS
-  echo "=== [$name] $* (timeout ${limit}s) -> $log"
-  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
-  local rc=$?
-  local dt=$((SECONDS - t0))
-  tail -n 25 "$log"
-  if [ $rc -eq 0 ]; then
-    echo "[$name] ok (${dt}s)" | tee -a "$SUMMARY"
-  else
-    [ $rc -eq 124 ] && echo "[$name] TIMED OUT after ${limit}s" | tee -a "$SUMMARY"
-    echo "[$name] FAILED rc=$rc (${dt}s)" | tee -a "$SUMMARY"
-    FAILED+=("$name")
-  fi
-}
 
 {
   echo "date: $(date -u +%FT%TZ)"

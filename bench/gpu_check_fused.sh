@@ -11,15 +11,8 @@
 #   bench_layer  bench/bench_layer.py --quick                                     (60 s)
 set -u
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-RESULTS="${OUT:-$ROOT/bench/results}"
-mkdir -p "$RESULTS"
-if [ -z "${PYTHON:-}" ]; then
-  if [ -x /opt/ukvenv/bin/python ]; then PYTHON=/opt/ukvenv/bin/python; else PYTHON="$(command -v python3 || command -v python)"; fi
-fi
-export TRITON_INTERPRET=0
-export PYTHONUNBUFFERED=1
+STEP_PREFIX=fused_
+source "$(dirname "${BASH_SOURCE[0]}")/_steps.sh"
 # Default Triton configs (no autotuning): every test shape and spawned rank would otherwise
 # compile every candidate config. Benchmarks report this setting in their JSON.
 export ULYSSES_KERNELS_TRITON_AUTOTUNE="${ULYSSES_KERNELS_TRITON_AUTOTUNE:-0}"
@@ -29,27 +22,6 @@ export ULYSSES_KERNELS_NCCL_TIMEOUT="${ULYSSES_KERNELS_NCCL_TIMEOUT:-30}"
 # NCCL's own warnings in the logs: the first GPU run is the only chance to see them.
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 
-FAILED=()
-SUMMARY="$RESULTS/gpu_check_fused_summary.txt"
-: > "$SUMMARY"
-
-step() {  # step NAME TIMEOUT_S CMD...
-  local name="$1" limit="$2"; shift 2
-  local log="$RESULTS/gpu_check_fused_${name}.log"
-  local t0=$SECONDS
-  echo "=== [fused:$name] $* (timeout ${limit}s) -> $log"
-  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
-  local rc=$?
-  local dt=$((SECONDS - t0))
-  tail -n 30 "$log"
-  if [ $rc -eq 0 ]; then
-    echo "[fused:$name] ok (${dt}s)" | tee -a "$SUMMARY"
-  else
-    [ $rc -eq 124 ] && echo "[fused:$name] TIMED OUT after ${limit}s" | tee -a "$SUMMARY"
-    echo "[fused:$name] FAILED rc=$rc (${dt}s)" | tee -a "$SUMMARY"
-    FAILED+=("$name")
-  fi
-}
 
 # test_extension.py is unmarked (CPU checks: schemas, fakes, dispatch); -m gpu would
 # deselect it, so both files run without a marker filter (test_fused_gpu.py is all gpu).
