@@ -24,6 +24,11 @@ def test_doctor_reports_versions_and_paths():
     assert out.returncode == 0, out.stderr
     for needle in ("torch", "triton", "CUDA extension", "Triton attention", "default path (cpu)"):
         assert needle in out.stdout, out.stdout
+    from ulysses_kernels import _backend
+    if _backend.load_extension()[0] is not None:  # built: the fused ops are listed by name
+        ops_line = next(line for line in out.stdout.splitlines() if line.strip().startswith("ops"))
+        for op in ("pack", "unpack", "nccl_all_to_all", "build_info"):
+            assert op in ops_line, ops_line
 
 
 def test_demo_rejects_bad_head_counts_before_spawning():

@@ -49,9 +49,9 @@ def doctor(_args) -> int:
             arches = _build_info.TORCH_CUDA_ARCH_LIST or "not recorded"
         except ImportError:
             arches = "unknown"
-        ops = sorted(n for n in dir(torch.ops.ulysses_kernels)
-                     if not n.startswith("_") and isinstance(getattr(torch.ops.ulysses_kernels, n, None),
-                                                             torch._ops.OpOverloadPacket))
+        # torch.ops namespaces resolve ops lazily, so ask the dispatcher for every name.
+        ops = sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                      if n.startswith("ulysses_kernels::") and not n.split("::", 1)[1].startswith("triton_")})
         _line("CUDA extension", f"built ({info}; arches {arches})")
         _line("  ops", ", ".join(ops))
         fused_ok, why = _backend.fused_available()
