@@ -123,6 +123,39 @@ def maybe_fp32(x, FP32_DOT: tl.constexpr):
         return x
 
 
+@triton.jit
+def query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off, DOCS, CU,
+                         CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys a query tile `[m0, m_last]` visits, shared by the forward and the dQ kernels.
+
+    Returns (doc_q, lo, hi, unmasked_end): any row may see keys in `[lo, hi)`; every valid
+    row sees all of `[lo, unmasked_end)` (whole BLOCK_N blocks that need no mask), so only
+    `[unmasked_end, hi)` is visited with masks. doc_q is each row's document (VARLEN).
+    """
+    if VARLEN:
+        doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
+        first_doc = tl.load(DOCS + m0)
+        last_doc = tl.load(DOCS + m_last)
+        lo = tl.load(CU + first_doc)
+        hi = tl.load(CU + last_doc + 1)
+        if CAUSAL:
+            full_end = tl.where(first_doc == last_doc, tl.minimum(hi, m0 + 1), lo)
+            hi = tl.minimum(hi, m_last + 1)
+        else:
+            full_end = tl.where(first_doc == last_doc, hi, lo)
+    else:
+        doc_q = offs_m  # unused
+        lo = 0
+        hi = Sk
+        if CAUSAL:
+            full_end = tl.maximum(tl.minimum(Sk, m0 + causal_off + 1), 0)
+            hi = tl.maximum(tl.minimum(Sk, m_last + causal_off + 1), 0)
+        else:
+            full_end = Sk
+    unmasked_end = tl.maximum(lo + ((full_end - lo) // BLOCK_N) * BLOCK_N, lo)
+    return doc_q, lo, hi, unmasked_end
+
+
 # Autotune key shared by all attention kernels: retune per head dim, mask kind, layout,
 # GQA group and power-of-two sequence bucket. (Head counts, lengths and the GQA group are
 # runtime arguments, never specialized on: one compiled kernel serves every head count.)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, TunedLauncher, dot_precision, interpreting, maybe_fp32,
+from ._common import (LOG2E, TunedLauncher, dot_precision, interpreting, maybe_fp32, query_tile_key_range,
                       rows_to_offsets, seq_bucket, token_rows)
 
 LOG2E_C = tl.constexpr(LOG2E)
@@ -91,27 +91,8 @@ def _flash_bwd_dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
     delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=m_ok, other=0.0)
 
-    if VARLEN:
-        doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
-        first_doc = tl.load(DOCS + m0)
-        last_doc = tl.load(DOCS + m_last)
-        lo = tl.load(CU + first_doc)
-        hi = tl.load(CU + last_doc + 1)
-        if CAUSAL:
-            full_end = tl.where(first_doc == last_doc, tl.minimum(hi, m0 + 1), lo)
-            hi = tl.minimum(hi, m_last + 1)
-        else:
-            full_end = tl.where(first_doc == last_doc, hi, lo)
-    else:
-        doc_q = offs_m  # unused
-        lo = 0
-        hi = Sk
-        if CAUSAL:
-            full_end = tl.maximum(tl.minimum(Sk, m0 + causal_off + 1), 0)
-            hi = tl.maximum(tl.minimum(Sk, m_last + causal_off + 1), 0)
-        else:
-            full_end = Sk
-    unmasked_end = tl.maximum(lo + ((full_end - lo) // BLOCK_N) * BLOCK_N, lo)
+    doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                       DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
 
     k_head = hk * sk_h
     v_head = hk * sv_h
