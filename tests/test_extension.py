@@ -18,6 +18,7 @@ import torch
 import ulysses_kernels as uk
 from ulysses_kernels import _backend, fused
 from ulysses_kernels.comm import _pack_for_heads, _plans_for, _unpack_from_heads
+from ulysses_kernels.launch import spawn
 
 EXPECTED_SCHEMAS = {
     "pack": "ulysses_kernels::pack(Tensor[] srcs, int world) -> Tensor",
@@ -265,77 +266,35 @@ def test_fused_pipeline_cpu_world1(Hq, Hkv, chunks, monkeypatch):
 
 # ------------------------ multi-rank fused pipeline on CPU (gloo, reference ops, interpreter)
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu_rank_worker(rank, world, port, case, queue):
+def _cpu_rank_worker(rank, world, case):
     """One rank: fused pipeline with ReferenceOps + HostTransport over gloo vs the full
     single-process reference (out and grads of this rank's slice)."""
-    import traceback
-    try:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        import torch.distributed as dist
-        from ulysses_kernels import fused as fz
-        from ulysses_kernels.reference import reference_attention
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        B, S, Hq, Hkv, D, causal, chunks = case
-        g = torch.Generator().manual_seed(1234)
-        q = torch.randn(B, S, Hq, D, generator=g)
-        k = torch.randn(B, S, Hkv, D, generator=g)
-        v = torch.randn(B, S, Hkv, D, generator=g)
-        do = torch.randn(B, S, Hq, D, generator=g)
-        lens = [t.shape[1] for t in torch.tensor_split(q, world, dim=1)]
-        mine = [torch.tensor_split(t, world, dim=1)[rank] for t in (q, k, v, do)]
-        fz._ops_override = fz.ReferenceOps
-        engine = fz.Engine(None, world, rank, torch.device("cpu"), "host")
-        hl_kv = Hkv // world if Hkv % world == 0 else 1
-        plan = fz.plan_chunks(Hq // world, hl_kv, chunks)
-        ql, kl, vl = (t.clone().requires_grad_(True) for t in mine[:3])
-        out = fz._FusedUlyssesAttention.apply(ql, kl, vl, engine, lens, rank, causal, 1.0 / math.sqrt(D), None,
-                                              tuple(plan))
-        out.backward(mine[3])
-        qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
-        ref, _ = reference_attention(qr, kr, vr, causal=causal)
-        ref.backward(do)
-        pieces = [(out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)]
-        for name, (a, b) in zip(("out", "dq", "dk", "dv"), pieces):
-            b = torch.tensor_split(b, world, dim=1)[rank]
-            torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4, msg=lambda m: f"{name}: {m}")
-        dist.destroy_process_group()
-        queue.put((rank, None))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, traceback.format_exc()))
-
-
-def _spawn(world, target, args, timeout=240):
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port) + tuple(args) + (queue,)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        import queue as queue_mod
-        for _ in range(world):
-            try:
-                rank, err = queue.get(timeout=timeout)
-            except queue_mod.Empty:
-                pytest.fail(f"multi-process test timed out after {timeout} s (ranks done: {sorted(results)})")
-            results[rank] = err
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = {r: e for r, e in results.items() if e}
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items()))
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from ulysses_kernels import fused as fz
+    from ulysses_kernels.reference import reference_attention
+    B, S, Hq, Hkv, D, causal, chunks = case
+    g = torch.Generator().manual_seed(1234)
+    q = torch.randn(B, S, Hq, D, generator=g)
+    k = torch.randn(B, S, Hkv, D, generator=g)
+    v = torch.randn(B, S, Hkv, D, generator=g)
+    do = torch.randn(B, S, Hq, D, generator=g)
+    lens = [t.shape[1] for t in torch.tensor_split(q, world, dim=1)]
+    mine = [torch.tensor_split(t, world, dim=1)[rank] for t in (q, k, v, do)]
+    fz._ops_override = fz.ReferenceOps
+    engine = fz.Engine(None, world, rank, torch.device("cpu"), "host")
+    hl_kv = Hkv // world if Hkv % world == 0 else 1
+    plan = fz.plan_chunks(Hq // world, hl_kv, chunks)
+    ql, kl, vl = (t.clone().requires_grad_(True) for t in mine[:3])
+    out = fz._FusedUlyssesAttention.apply(ql, kl, vl, engine, lens, rank, causal, 1.0 / math.sqrt(D), None,
+                                          tuple(plan))
+    out.backward(mine[3])
+    qr, kr, vr = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref, _ = reference_attention(qr, kr, vr, causal=causal)
+    ref.backward(do)
+    pieces = [(out, ref), (ql.grad, qr.grad), (kl.grad, kr.grad), (vl.grad, vr.grad)]
+    for name, (a, b) in zip(("out", "dq", "dk", "dv"), pieces):
+        b = torch.tensor_split(b, world, dim=1)[rank]
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("world,case", [
@@ -348,7 +307,7 @@ def test_fused_pipeline_cpu_multirank(world, case):
     why = _triton_cpu_ok()
     if why:
         pytest.skip(why)
-    _spawn(world, _cpu_rank_worker, (case,))
+    spawn(_cpu_rank_worker, world, args=(case,), timeout=240)
 
 
 # --------------------- kernel index math on the host (the kernels compiled as C++ code)

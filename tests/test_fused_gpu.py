@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import _backend, fused  # noqa: E402
 from ulysses_kernels.comm import _pack_for_heads, _plans_for, _unpack_from_heads  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HEADS = [  # (P, Hq, Hkv): MHA, GQA split, GQA replicated, MQA
@@ -250,72 +251,30 @@ def test_fused_world1_cuda_graph_capture(blocking, monkeypatch):
 
 # ---------------------------------------- world sizes 2 and 4 on one GPU (host transport)
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gpu_rank_worker(rank, world, port, case, queue):
-    import traceback
-    try:
-        import torch.distributed as dist
-        import ulysses_kernels as uk_
-        from ulysses_kernels import fused as fz
-        from ulysses_kernels.reference import reference_attention as ref_attn
-        torch.cuda.set_device(0)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        fz.use_transport(None, "host")
-        B, S, Hq, Hkv, D, causal, dtype_name, chunks = case
-        dtype = getattr(torch, dtype_name)
-        g = torch.Generator(device="cuda").manual_seed(99)
-        full = [torch.randn(B, S, h, D, generator=g, device="cuda").to(dtype) for h in (Hq, Hkv, Hkv, Hq)]
-        lens = [t.shape[1] for t in torch.tensor_split(full[0], world, dim=1)]
-        mine = [torch.tensor_split(t, world, dim=1)[rank].contiguous() for t in full]
-        ql, kl, vl = (t.clone().requires_grad_(True) for t in mine[:3])
-        os.environ[fz.ENV_CHUNKS] = str(chunks)
-        out = uk_.ulysses_attention(ql, kl, vl, causal=causal, seq_lens=lens, backend="fused")
-        out.backward(mine[3])
-        qr, kr, vr = (t.detach().float().requires_grad_(True) for t in full[:3])
-        ref, _ = ref_attn(qr, kr, vr, causal=causal)
-        ref.backward(full[3].float())
-        tol = 3e-2 if dtype == torch.bfloat16 else 2e-3
-        for name, a, b in (("out", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
-                           ("dv", vl.grad, vr.grad)):
-            b = torch.tensor_split(b, world, dim=1)[rank]
-            torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
-        dist.destroy_process_group()
-        queue.put((rank, None))
-    except BaseException:  # noqa: BLE001
-        queue.put((rank, traceback.format_exc()))
-
-
-def _spawn(world, target, args, timeout=150):
-    import multiprocessing as mp
-    import queue as queue_mod
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port) + tuple(args) + (queue,)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            try:
-                rank, err = queue.get(timeout=timeout)
-            except queue_mod.Empty:
-                pytest.fail(f"multi-process test timed out after {timeout} s (ranks done: {sorted(results)})")
-            results[rank] = err
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = {r: e for r, e in results.items() if e}
-    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in sorted(errors.items()))
+def _gpu_rank_worker(rank, world, case):
+    import ulysses_kernels as uk_
+    from ulysses_kernels import fused as fz
+    from ulysses_kernels.reference import reference_attention as ref_attn
+    torch.cuda.set_device(0)
+    fz.use_transport(None, "host")
+    B, S, Hq, Hkv, D, causal, dtype_name, chunks = case
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator(device="cuda").manual_seed(99)
+    full = [torch.randn(B, S, h, D, generator=g, device="cuda").to(dtype) for h in (Hq, Hkv, Hkv, Hq)]
+    lens = [t.shape[1] for t in torch.tensor_split(full[0], world, dim=1)]
+    mine = [torch.tensor_split(t, world, dim=1)[rank].contiguous() for t in full]
+    ql, kl, vl = (t.clone().requires_grad_(True) for t in mine[:3])
+    os.environ[fz.ENV_CHUNKS] = str(chunks)
+    out = uk_.ulysses_attention(ql, kl, vl, causal=causal, seq_lens=lens, backend="fused")
+    out.backward(mine[3])
+    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in full[:3])
+    ref, _ = ref_attn(qr, kr, vr, causal=causal)
+    ref.backward(full[3].float())
+    tol = 3e-2 if dtype == torch.bfloat16 else 2e-3
+    for name, a, b in (("out", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
+                       ("dv", vl.grad, vr.grad)):
+        b = torch.tensor_split(b, world, dim=1)[rank]
+        torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("world,case", [
@@ -324,4 +283,4 @@ def _spawn(world, target, args, timeout=150):
     (4, (2, 130, 4, 4, 64, False, "float32", 1)),   # MHA fp32, uneven S, B > 1
 ])
 def test_fused_multirank_one_gpu(world, case):
-    _spawn(world, _gpu_rank_worker, (case,))
+    spawn(_gpu_rank_worker, world, args=(case,), timeout=150)
