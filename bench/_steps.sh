@@ -1,11 +1,26 @@
 # Shared by bench/gpu_check.sh and bench/gpu_check_fused.sh (source it; set STEP_PREFIX
-# first). Sets ROOT, RESULTS ($OUT or bench/results), PYTHON, SUMMARY, FAILED and defines
+# first). Sets ROOT, RESULTS, PYTHON, SUMMARY, FAILED and defines
 #   step NAME TIMEOUT_S CMD...
 # which runs CMD under a timeout with its log in $RESULTS, prints the log's tail, records
-# ok / FAILED / TIMED OUT in $SUMMARY and never stops the calling script.
+# ok / FAILED / TIMED OUT in $SUMMARY and never stops the calling script, and
+#   publish_results
+# which the outermost script calls last (see below).
+#
+# Where results go. Without $OUT: bench/results. With $OUT (the lent GPU machine), only
+# 8 files come back from $OUT, and a full run writes about 16 (logs, JSON, Markdown, a
+# plot), so the steps write into a scratch folder and publish_results puts a handful of
+# files into $OUT: one tarball of everything, one report, the plot and the JSON results.
+# The outermost script exports UK_RESULTS, so a nested script writes into the same folder.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-RESULTS="${OUT:-$ROOT/bench/results}"
+if [ -z "${UK_RESULTS:-}" ]; then
+  UK_RESULTS_OWNER=1
+  if [ -n "${OUT:-}" ]; then UK_RESULTS="$(mktemp -d /tmp/ulysses_gpu_check.XXXXXX)"; else UK_RESULTS="$ROOT/bench/results"; fi
+  export UK_RESULTS
+else
+  UK_RESULTS_OWNER=0
+fi
+RESULTS="$UK_RESULTS"
 mkdir -p "$RESULTS"
 if [ -z "${PYTHON:-}" ]; then
   if [ -x /opt/ukvenv/bin/python ]; then PYTHON=/opt/ukvenv/bin/python; else PYTHON="$(command -v python3 || command -v python)"; fi
@@ -14,6 +29,7 @@ export PYTHON
 export TRITON_INTERPRET=0          # real kernels (the CPU test suite uses the interpreter)
 export PYTHONUNBUFFERED=1
 FAILED=()
+trap publish_results EXIT
 SUMMARY="$RESULTS/gpu_check_${STEP_PREFIX}summary.txt"
 : > "$SUMMARY"
 
@@ -33,4 +49,27 @@ step() {  # step NAME TIMEOUT_S CMD...
     echo "[${STEP_PREFIX}${name}] FAILED rc=$rc (${dt}s)" | tee -a "$SUMMARY"
     FAILED+=("$name")
   fi
+}
+
+# Runs on exit (trap), so a failing step still publishes what the others wrote.
+publish_results() {  # outermost script only, and only when $OUT is set
+  [ "$UK_RESULTS_OWNER" = 1 ] && [ -n "${OUT:-}" ] || return 0
+  local report="$OUT/gpu_check_report.md" f
+  {
+    echo "# gpu_check report ($(date -u +%FT%TZ))"
+    for f in gpu_check_env.txt gpu_check_summary.txt gpu_check_fused_summary.txt \
+             attention_results.md a2a.md layer.md; do
+      [ -f "$RESULTS/$f" ] || continue
+      printf '\n## %s\n\n' "$f"
+      case "$f" in
+        *.md) cat "$RESULTS/$f" ;;
+        *) printf '```\n'; cat "$RESULTS/$f"; printf '```\n' ;;
+      esac
+    done
+  } > "$report"
+  tar -czf "$OUT/gpu_check_results.tar.gz" -C "$RESULTS" .
+  for f in attention_tflops.png attention_results.json a2a.json layer.json; do
+    [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"
+  done
+  echo "published to \$OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
 }

@@ -3,7 +3,8 @@
 #
 #   bash bench/gpu_check.sh
 #
-# Works offline. Logs and results go to $OUT when set, else bench/results. Every step runs
+# Works offline. Logs and results go to bench/results, or with $OUT set (the lent GPU
+# machine) to a scratch folder published into $OUT at the end (bench/_steps.sh). Every step runs
 # under a timeout and a failing step does not stop the next one; the script exits non-zero
 # at the end if any step failed. Budget: at most ~9.5 minutes on one H200 counting every
 # timeout (install 120 s, tests 120 s, benchmark 110 s, then bench/gpu_check_fused.sh:

@@ -2,7 +2,7 @@
 # GPU check of the fused path (CUDA pack/unpack kernels + NCCL engine + overlap).
 # Builds nothing: bench/gpu_check.sh installs the package first, then runs this script.
 #
-#   bash bench/gpu_check_fused.sh          # logs and results under $OUT (else bench/results)
+#   bash bench/gpu_check_fused.sh          # logs and results: see bench/_steps.sh
 #
 # Steps (each under its own timeout; a failing step does not stop the next one; the
 # script exits non-zero if any failed). Budget: under ~4 minutes on one H200.
