@@ -264,6 +264,26 @@ def test_fused_pipeline_cpu_world1(Hq, Hkv, chunks, monkeypatch):
     torch.testing.assert_close(vf.grad, vr.grad, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_pipeline_cpu_retain_graph(monkeypatch):
+    """retain_graph=True: a second backward gives the same gradients again; without it,
+    a second backward raises torch's usual error instead of reading freed buffers."""
+    _extension()
+    why = _triton_cpu_ok()
+    if why:
+        pytest.skip(why)
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 5, 4, 16), torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 16)
+    do = torch.randn(1, 5, 4, 16)
+    qf, kf, vf, out, _ = _run_pipeline_cpu(q, k, v, causal=False, num_chunks=2, monkeypatch=monkeypatch)
+    out.backward(do, retain_graph=True)
+    first = [t.grad.clone() for t in (qf, kf, vf)]
+    out.backward(do)
+    for t, g in zip((qf, kf, vf), first):
+        torch.testing.assert_close(t.grad, 2 * g, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="second time"):
+        out.backward(do)
+
+
 # ------------------------ multi-rank fused pipeline on CPU (gloo, reference ops, interpreter)
 
 def _cpu_rank_worker(rank, world, case):

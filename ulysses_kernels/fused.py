@@ -580,16 +580,22 @@ class _FusedUlyssesAttention(torch.autograd.Function):
             out, state = _forward(engine, q, k, v, lens, rank, causal, scale, cu_seqlens, plan, save)
         if save:
             ctx.engine, ctx.lens, ctx.rank, ctx.causal, ctx.scale = engine, lens, rank, causal, scale
-            ctx.cu_seqlens, ctx.plan, ctx.state = cu_seqlens, plan, state
+            ctx.cu_seqlens, ctx.plan = cu_seqlens, plan
             ctx.q_shape, ctx.kv_heads = tuple(q.shape), k.shape[2]
+            # Saved through autograd (not as ctx attributes) so that backward frees them
+            # unless retain_graph=True, and a second backward without it raises torch's
+            # usual error instead of reading freed state.
+            ctx.recv_off, ctx.osend_off = state["recv_off"], state["osend_off"]
+            ctx.save_for_backward(state["recv"], state["osend"], *state["lses"])
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        recv, osend, *lses = ctx.saved_tensors
+        state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
         with _device_ctx(dout.device):
-            dq, dk, dv = _backward(ctx.engine, dout, ctx.q_shape, ctx.kv_heads, ctx.lens, ctx.rank, ctx.causal,
-                                   ctx.scale, ctx.cu_seqlens, ctx.plan, ctx.state)
-        ctx.state = None  # free the saved buffers (retain_graph is not supported)
+            dq, dk, dv = _backward(ctx.engine, dout, ctx.q_shape, ctx.kv_heads, ctx.lens, ctx.rank,
+                                   ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan, state)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
