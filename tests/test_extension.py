@@ -572,3 +572,37 @@ def test_default_group_engine_key_and_transport_override(monkeypatch, tmp_path):
     finally:
         fused._engines.clear()
         dist.destroy_process_group()
+
+
+def test_engines_of_destroyed_groups_are_closed(monkeypatch, tmp_path):
+    """An engine holds a communicator and grow-only buffers: once its group is destroyed,
+    the next engine creation closes it, and close(group) closes one group's engines only."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    monkeypatch.setattr(fused, "_engines", {})
+    monkeypatch.setenv(fused.ENV_TRANSPORT, "host")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        first, second = dist.new_group([0]), dist.new_group([0])
+        e_first = fused.get_engine(first, 1, 0, cpu)
+        e_second = fused.get_engine(second, 1, 0, cpu)
+        e_world = fused.get_engine(None, 1, 0, cpu)
+        closed = []
+        for name, e in (("first", e_first), ("second", e_second), ("world", e_world)):
+            monkeypatch.setattr(e, "close", lambda name=name: closed.append(name))
+        assert fused.get_engine(first, 1, 0, cpu) is e_first  # cached while alive
+        dist.destroy_process_group(first)
+        third = dist.new_group([0])
+        fused.get_engine(third, 1, 0, cpu)                    # a miss prunes destroyed groups
+        assert closed == ["first"]
+        assert fused.get_engine(second, 1, 0, cpu) is e_second
+        fused.close(second)
+        assert closed == ["first", "second"]
+        assert fused.get_engine(None, 1, 0, cpu) is e_world
+        fused.close()
+        assert closed == ["first", "second", "world"] and not fused._engines
+    finally:
+        fused._engines.clear()
+        dist.destroy_process_group()

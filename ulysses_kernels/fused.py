@@ -321,36 +321,62 @@ def _group_key(group) -> int:
     return id(group)
 
 
+def _group_destroyed(group) -> bool:
+    """True once `dist.destroy_process_group(group)` has run (torch forgets its ranks)."""
+    if group is None or _group_key(group) == 0:
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - torch raises KeyError/ValueError/RuntimeError by version
+        return True
+    return False
+
+
 def get_engine(group, world: int, rank: int, device: torch.device) -> Engine:
+    """The engine of (group, device), created on first use. On a miss, engines of groups
+    destroyed since are closed too: each holds a communicator and grow-only buffers, which
+    would otherwise leak (an engine keeps its group alive, so `id(group)` is not reused
+    while it is cached)."""
     key = (_group_key(group), device.index)
-    stale = None
+    stale: List[Engine] = []
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None or engine.world != world or engine.rank != rank:
             name = _transport_override.get(key[0]) or os.environ.get(ENV_TRANSPORT, "").strip() or "nccl"
             if name not in _TRANSPORTS:
                 raise ValueError(f"{ENV_TRANSPORT}={name!r} is not one of {sorted(_TRANSPORTS)}")
-            stale = engine
+            if engine is not None:
+                stale.append(engine)
+            for k in [k for k, e in _engines.items() if k != key and _group_destroyed(e.group)]:
+                stale.append(_engines.pop(k))
             engine = Engine(group, world, rank, device, name)
             _engines[key] = engine
-    if stale is not None:
-        try:
-            stale.close()  # its communicator would otherwise leak
-        except Exception:  # noqa: BLE001 - best effort
-            pass
+    _close_all(stale)
     return engine
 
 
-def close() -> None:
-    """Destroy every engine (communicators and buffers). Also runs at interpreter exit."""
-    with _engines_lock:
-        engines = list(_engines.values())
-        _engines.clear()
+def _close_all(engines: Sequence[Engine]) -> None:
     for engine in engines:
         try:
             engine.close()
-        except Exception:  # noqa: BLE001 - best effort at shutdown
+        except Exception:  # noqa: BLE001 - best effort: a stale communicator may already be broken
             pass
+
+
+_ALL = object()
+
+
+def close(group=_ALL) -> None:
+    """Destroy the engines (communicators and buffers) of `group` (None = the default
+    group), or of every group when called without an argument. Call it before
+    `dist.destroy_process_group` to free them at once; it also runs at interpreter exit."""
+    with _engines_lock:
+        if group is _ALL:
+            keys = list(_engines)
+        else:
+            keys = [k for k in _engines if k[0] == _group_key(group)]
+        engines = [_engines.pop(k) for k in keys]
+    _close_all(engines)
 
 
 atexit.register(close)
