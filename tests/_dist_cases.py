@@ -193,7 +193,20 @@ def _q_not_a_tensor(rank, world):
     return lambda: uk.ulysses_attention(q, k, v)
 
 
+def _heads_to_seq_lengths_differ(rank, world):
+    # Each rank holds a head shard of the whole sequence: rank 0 believes it is one longer.
+    x = torch.randn(1, 4 * world + 1 + (rank == 0), 2, 8, dtype=torch.float64)
+    return lambda: uk.heads_to_seq(x)
+
+
+def _heads_to_seq_heads_differ(rank, world):
+    x = torch.randn(2, 4 * world + 1, 2 + (rank == world - 1), 8, dtype=torch.float64)
+    return lambda: uk.heads_to_seq(x)
+
+
 _SCENARIOS = {
+    "heads_to_seq_lengths_differ": _heads_to_seq_lengths_differ,
+    "heads_to_seq_heads_differ": _heads_to_seq_heads_differ,
     "cu_seqlens_unreadable": _cu_seqlens_unreadable,
     "q_not_a_tensor": _q_not_a_tensor,
     "q_heads_not_divisible": _bad_q_heads,
@@ -238,6 +251,8 @@ def roundtrip_cases(rank, world, B, S, H, D):
     local = torch.tensor_split(code, world, dim=1)[rank].contiguous()
     heads = uk.seq_to_heads(local)
     back = uk.heads_to_seq(heads)
+    lens = [t.shape[1] for t in torch.tensor_split(code, world, dim=1)]
+    back_lens = uk.heads_to_seq(heads, seq_lens=lens)  # the unchecked fast path
     # bf16 round trip on random values: bitwise identity of the pair of exchanges.
     g = torch.Generator().manual_seed(rank)
     rnd = torch.randn(local.shape, generator=g).to(torch.bfloat16)
@@ -247,7 +262,8 @@ def roundtrip_cases(rank, world, B, S, H, D):
     kv_split = local[:, :, :world] + 0.25
     q_h, k_rep, v_split = uk.qkv_seq_to_heads(local, kv_rep, kv_rep)
     _, k_split, _ = uk.qkv_seq_to_heads(local, kv_split, kv_split)
-    return {"heads": heads, "back_equal": bool(torch.equal(back, local)), "q_h": q_h, "k_rep": k_rep,
+    return {"heads": heads, "back_equal": bool(torch.equal(back, local) and torch.equal(back_lens, local)),
+            "q_h": q_h, "k_rep": k_rep,
             "k_split": k_split, "bf16_back_equal": bool(torch.equal(rnd_back.view(torch.int16), rnd.view(torch.int16)))}
 
 

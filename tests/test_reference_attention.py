@@ -159,3 +159,12 @@ def test_module_wraps_the_call():
     layer = uk.UlyssesAttention(causal=True)
     assert torch.equal(layer(q, k, v), uk.flash_attention(q, k, v, causal=True))
     assert "causal=True" in repr(layer)
+
+
+def test_heads_to_seq_single_process_checks():
+    x = torch.randn(2, 5, 3, 4)
+    assert torch.equal(uk.heads_to_seq(x), x) and torch.equal(uk.heads_to_seq(x, seq_lens=[5]), x)
+    with pytest.raises(ValueError, match="summing to the sequence length 5"):
+        uk.heads_to_seq(x, seq_lens=[4])
+    with pytest.raises(ValueError, match="must be a 4-D tensor"):
+        uk.heads_to_seq(x[0])

@@ -73,6 +73,8 @@ def test_triton_path_matches_single_process(world):
 
 
 ERROR_SCENARIOS = {
+    "heads_to_seq_lengths_differ": "ranks disagree on the sequence length",
+    "heads_to_seq_heads_differ": "ranks disagree on the number of x heads",
     "cu_seqlens_unreadable": "cu_seqlens could not be read",
     "q_not_a_tensor": "rank 0: q is not a tensor",
     "q_heads_not_divisible": "must be divisible by the sequence-parallel size",

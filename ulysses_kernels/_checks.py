@@ -22,7 +22,10 @@ import torch.distributed as dist
 from ._layout import head_plan_error, split_lengths
 
 _MAGIC = 0x554C59  # "ULY": a peer that sent something else is not running this library
-_KINDS = {"ulysses_attention": 1, "seq_to_heads": 2, "qkv_seq_to_heads": 3}
+_KINDS = {"ulysses_attention": 1, "seq_to_heads": 2, "qkv_seq_to_heads": 3, "heads_to_seq": 4}
+# Ops whose input is a head shard over the whole sequence `[B, S, H_local, D]` (every rank
+# holds the same S) rather than a sequence shard `[B, S_local, H, D]`.
+_WHOLE_SEQUENCE_KINDS = ("heads_to_seq",)
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn,
            torch.float8_e5m2, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
@@ -161,15 +164,17 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
     if err:
         return err
 
-    # Per-rank shape checks: each tensor is [B, S_local, H, D].
+    # Per-rank shape checks: each tensor is [B, S_local, H, D] ([B, S, H_local, D] for
+    # the whole-sequence kinds).
     for r in rows:
         for i, name in enumerate(names):
             t = r.tensor(i)
             if not t["present"]:
                 return f"rank {r.rank}: {name} is not a tensor"
             if t["ndim"] != 4:
-                return (f"rank {r.rank}: {name} must be 4-D [batch, seq_local, heads, head_dim], "
-                        f"got shape {_shape_str(t)}")
+                layout = ("[batch, seq, heads_local, head_dim]" if kind in _WHOLE_SEQUENCE_KINDS
+                          else "[batch, seq_local, heads, head_dim]")
+                return f"rank {r.rank}: {name} must be 4-D {layout}, got shape {_shape_str(t)}"
             if not _is_float_code(t["dtype"]):
                 return (f"rank {r.rank}: {name} has dtype {_dtype_name(t['dtype'])}; supported: "
                         "float16, bfloat16, float32, float64")
@@ -212,6 +217,9 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
         err = _disagreement(rows, what, key)
         if err:
             return err
+
+    if kind in _WHOLE_SEQUENCE_KINDS:
+        return _disagreement(rows, "the sequence length", lambda r: r.tensor(0)["shape"][1])
 
     # Heads against the group size.
     heads = [rows[0].tensor(i)["shape"][2] for i in range(len(names))]
@@ -270,7 +278,8 @@ def exchange_and_check(kind: str, group, names: Sequence[str], tensors: Sequence
                        local_errors: Sequence[str] = (), **options) -> List[int]:
     """All-gather descriptors, validate, and return every rank's local sequence length.
 
-    Raises the same ValueError on every rank of the group if anything is wrong.
+    Raises the same ValueError on every rank of the group if anything is wrong. For the
+    whole-sequence kinds (heads_to_seq) every entry is the common sequence length.
     """
     world = dist.get_world_size(group)
     local_errors = list(local_errors)

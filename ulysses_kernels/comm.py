@@ -228,16 +228,30 @@ def seq_to_heads(x: torch.Tensor, group=None, *, seq_lens: Optional[Sequence[int
     return _SeqToHeads.apply(group, rank, lens, x)[0]
 
 
-def heads_to_seq(x: torch.Tensor, group=None) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group=None, *, seq_lens: Optional[Sequence[int]] = None) -> torch.Tensor:
     """`[B, S, H/P, D]` head shard -> `[B, S_local, H, D]` sequence shard (differentiable).
 
-    The local lengths follow `torch.tensor_split(S, P)`, so no metadata is exchanged.
+    Rank r receives `torch.tensor_split`'s r-th slice of the sequence. By default one small
+    collective first checks that every rank holds the same batch, sequence length, heads,
+    head dim and dtype (a clear ValueError on every rank instead of a hang); passing
+    `seq_lens` (every rank's output length, summing to S) skips it.
     """
     group, world, rank = resolve_group(group)
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise ValueError(f"heads_to_seq: x must be a 4-D tensor [batch, seq, heads_local, head_dim], "
-                         f"got {tuple(getattr(x, 'shape', ()))}")
-    return _HeadsToSeq.apply(group, rank, split_lengths(x.shape[1], world), x)
+    if seq_lens is None:
+        if group is None:
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                raise ValueError(f"heads_to_seq: x must be a 4-D tensor [batch, seq, heads_local, head_dim], "
+                                 f"got {tuple(getattr(x, 'shape', ()))}")
+        else:
+            from ._checks import exchange_and_check
+            exchange_and_check("heads_to_seq", group, ["x"], [x])
+        lens = split_lengths(x.shape[1], world)
+    else:
+        lens = [int(n) for n in seq_lens]
+        if len(lens) != world or sum(lens) != x.shape[1] or min(lens) < 0:
+            raise ValueError(f"heads_to_seq: seq_lens {lens} must have one entry per rank ({world}) "
+                             f"summing to the sequence length {x.shape[1]}")
+    return _HeadsToSeq.apply(group, rank, lens, x)
 
 
 def qkv_seq_to_heads(q, k, v, group=None, *, seq_lens: Optional[Sequence[int]] = None):
