@@ -21,6 +21,8 @@ import json
 import os
 import sys
 
+import _fused_bench
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,25 +32,19 @@ def parse_args():
 
 
 def bench(fn, quick):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 100, return_mode="median")
+    return _fused_bench.bench(fn, *((10, 40) if quick else (25, 100)))
 
 
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
+    dev = _fused_bench.fused_device("bench_a2a")
+    if dev is None:
+        return 2
     import torch
-    if not torch.cuda.is_available():
-        print("bench_a2a: needs a CUDA GPU", file=sys.stderr)
-        return 2
     import torch.distributed as dist
-    from ulysses_kernels import _backend, fused
-    module, reason = _backend.load_extension()
-    if module is None or not fused.is_supported():
-        print(f"bench_a2a: the CUDA extension is unavailable: {reason}", file=sys.stderr)
-        return 2
+    from ulysses_kernels import fused
     ops = torch.ops.ulysses_kernels
-    dev = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16
     rows = []
 
@@ -125,7 +121,7 @@ def main():
         csrc = torch.randn(moved // 2, device=dev, dtype=dtype)
         cdst = torch.empty_like(csrc)
         t_copy = bench(lambda: cdst.copy_(csrc), args.quick)
-        del csrc, cdst
+        csrc = cdst = None  # free (not del: the closure above reads them)
         rows.append(dict(section="exchange", config=f"P1 B{B} S{S} Hq{Hq} Hkv{Hkv} D{D}", op="qkv seq->heads",
                          P=1, B=B, S_local=S, Hq=Hq, Hkv=Hkv, D=D, torch_ms=t_torch, fused_ms=t_fused,
                          speedup=t_torch / t_fused, bytes_per_tensor_set=moved,

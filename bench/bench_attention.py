@@ -187,7 +187,7 @@ def main():
                     rows.append(result)
                     print(_row_md(result), flush=True)
                     write()
-                del q, k, v, do, qt, kt, vt, dot
+                q = k = v = do = qt = kt = vt = dot = None  # free before the next shape (not del: closures read them)
                 torch.cuda.empty_cache()
                 dt = time.time() - t_cfg
                 if variant in seen_variants or last["sec_per_flop"] is None:
@@ -248,7 +248,7 @@ def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_
                 print(f"sweep {kname} causal={causal} {cfg}: "
                       f"{entry.get('tflops', float('nan')):.1f} TFLOP/s {entry.get('error', '')}", flush=True)
                 write()
-        del q, k, v, do, out, lse
+        q = k = v = do = out = lse = None  # free (not del: closures read them)
         torch.cuda.empty_cache()
 
 

@@ -23,6 +23,8 @@ import math
 import os
 import sys
 
+import _fused_bench
+
 LINK_GBPS = 450.0       # NVLink (H100/H200 NVSwitch), per direction per GPU
 A2A_LATENCY_US = 25.0   # fixed cost per NCCL all-to-all (launch + sync), an assumption
 
@@ -36,8 +38,7 @@ def parse_args():
 
 
 def bench(fn, quick):
-    from triton.testing import do_bench
-    return do_bench(fn, warmup=5 if quick else 20, rep=30 if quick else 100, return_mode="median")
+    return _fused_bench.bench(fn, *((5, 30) if quick else (20, 100)))
 
 
 def a2a_ms(offrank_bytes):
@@ -67,19 +68,14 @@ def simulate(chunks, comm_in, compute, comm_out):
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
+    dev = _fused_bench.fused_device("bench_layer")
+    if dev is None:
+        return 2
     import torch
-    if not torch.cuda.is_available():
-        print("bench_layer: needs a CUDA GPU", file=sys.stderr)
-        return 2
     import ulysses_kernels as uk
-    from ulysses_kernels import _backend, fused
     from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward
-    module, reason = _backend.load_extension()
-    if module is None or not fused.is_supported():
-        print(f"bench_layer: the CUDA extension is unavailable: {reason}", file=sys.stderr)
-        return 2
+    from ulysses_kernels import fused
     ops = torch.ops.ulysses_kernels
-    dev = torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16
     esize = 2
     P8 = args.world

@@ -403,6 +403,18 @@ def _attn_view(region: torch.Tensor, rows: int, channels: int, lo: int, n: int, 
     return x
 
 
+def _chunk_views(plan, i, recv, recv_off, osend, osend_off, rows, geo):
+    """q, k, v of chunk i in the receive buffer (its KV heads may live in an earlier
+    chunk's region, see Chunk.kv_src) and its output region in the reverse send buffer."""
+    c, src = plan[i], plan[plan[i].kv_src]
+    r_kv = recv[recv_off[c.kv_src]:]
+    kv_base = src.q_cnt + c.kv_lo
+    return (_attn_view(recv[recv_off[i]:], rows, c.channels, 0, c.q_cnt, geo),
+            _attn_view(r_kv, rows, src.channels, kv_base, c.kv_use, geo),
+            _attn_view(r_kv, rows, src.channels, kv_base + src.kv_cnt, c.kv_use, geo),
+            _attn_view(osend[osend_off[i]:], rows, c.q_cnt, 0, c.q_cnt, geo))
+
+
 def _attn_kwargs(geo):
     B, S, D, P = geo
     if P == 1 or B == 1:
@@ -480,14 +492,7 @@ def _forward(engine: Engine, q, k, v, lens, rank, causal, scale, cu_seqlens, pla
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
         _wait(compute, ready[i])
-        src = plan[c.kv_src]
-        r_q = recv[recv_off[i]:]
-        r_kv = recv[recv_off[c.kv_src]:]
-        qv = _attn_view(r_q, rows, c.channels, 0, c.q_cnt, geo)
-        kv_base = src.q_cnt + c.kv_lo
-        kview = _attn_view(r_kv, rows, src.channels, kv_base, c.kv_use, geo)
-        vview = _attn_view(r_kv, rows, src.channels, kv_base + src.kv_cnt, c.kv_use, geo)
-        o_c = _attn_view(osend[osend_off[i]:], rows, c.q_cnt, 0, c.q_cnt, geo)
+        qv, kview, vview, o_c = _chunk_views(plan, i, recv, recv_off, osend, osend_off, rows, geo)
         _, lse = flash_attention_forward(qv, kview, vview, causal=causal, softmax_scale=scale,
                                          cu_seqlens=cu_seqlens, out=o_c, **kw)
         lses.append(lse)
@@ -548,14 +553,7 @@ def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
         _wait(compute, ready[i])
-        src = plan[c.kv_src]
-        r_q = recv[recv_off[i]:]
-        r_kv = recv[recv_off[c.kv_src]:]
-        qv = _attn_view(r_q, rows, c.channels, 0, c.q_cnt, geo)
-        kv_base = src.q_cnt + c.kv_lo
-        kview = _attn_view(r_kv, rows, src.channels, kv_base, c.kv_use, geo)
-        vview = _attn_view(r_kv, rows, src.channels, kv_base + src.kv_cnt, c.kv_use, geo)
-        o_c = _attn_view(osend[osend_off[i]:], rows, c.q_cnt, 0, c.q_cnt, geo)
+        qv, kview, vview, o_c = _chunk_views(plan, i, recv, recv_off, osend, osend_off, rows, geo)
         do_c = _attn_view(drecv[drecv_off[i]:], rows, c.q_cnt, 0, c.q_cnt, geo)
         gc = c.grad_channels
         g_base = gsend[gsend_off[i]:]
