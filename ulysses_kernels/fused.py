@@ -451,44 +451,102 @@ def _device_ctx(device: torch.device):
 
 
 # ------------------------------------------------------------------------- pipelines
+#
+# The two pipelines below move chunks through pack -> exchange -> attention -> reverse
+# exchange -> unpack. Where a chunk's inputs come from and where its results go is the
+# business of an `io` object, so that the attention op (q/k/v in, `out` back) and the
+# self-attention layer (fused_layer.py: per-chunk projection GEMMs in and out) share them:
+#   io.inputs(i, c)        -> (tensors, head offsets, head counts) to pack for chunk i; may
+#                             enqueue work on the compute stream (then io.computes_inputs)
+#   io.outputs(i, c)       -> (tensors, head offsets, head counts) to unpack chunk i into
+#   io.consume(i, c, ev)   compute-stream work on chunk i's unpacked result, once event ev
+#                          (recorded on the comm stream after the unpack) has fired.
+# consume(i) is issued after chunk i+1's attention, so that attention is not queued behind
+# chunk i's reverse exchange on the compute stream.
 
-def _forward(engine: Engine, q, k, v, lens, rank, causal, scale, cu_seqlens, plan, save):
+
+class _AttentionIo:
+    """io of the attention op: chunk i packs its heads of q/k/v (forward) or dO (backward)
+    and unpacks into the op's results."""
+
+    computes_inputs = False
+
+    def __init__(self, sources, results, backward: bool):
+        self.sources, self.results, self.backward = sources, results, backward
+
+    def inputs(self, i, c):
+        if self.backward:
+            return self.sources, [c.q_off], [c.q_cnt]
+        return self.sources, [c.q_off, c.kv_off, c.kv_off], [c.q_cnt, c.kv_cnt, c.kv_cnt]
+
+    def outputs(self, i, c):
+        if self.backward:
+            return self.results, [c.q_off, c.g_off, c.g_off], [c.q_cnt, c.g_cnt, c.g_cnt]
+        return self.results, [c.q_off], [c.q_cnt]
+
+    def consume(self, i, c, event):
+        pass
+
+
+def _pack_and_send(engine, io, plan, buf_name, send_sizes, recv, recv_off, lens, B, Sp, D, dtype, channels):
+    """Comm stream, per chunk: pack its inputs, exchange them (seq -> heads). Returns one
+    'ready' event per chunk (None on CPU)."""
+    P, ops = engine.world, _ops()
+    compute, comm = _current_stream(recv.device), engine.stream
+    send_off, send_total = _regions(send_sizes, dtype)
+    send = engine.buffer(buf_name, send_total, dtype)
+    ready = []
+    for i, c in enumerate(plan):
+        srcs, offsets, counts = io.inputs(i, c)
+        produced = _event(compute) if io.computes_inputs else None
+        ch = channels(c)
+        with _on(comm):
+            _wait(comm, produced)
+            s_c = send[send_off[i]:send_off[i] + P * B * Sp * ch * D].view(P, B, Sp, ch, D)
+            r_c = recv[recv_off[i]:recv_off[i] + B * sum(lens) * ch * D]
+            ops.pack_into(srcs, s_c, offsets, counts)
+            engine.transport.all_to_all(s_c, r_c, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
+            ready.append(_event(comm))
+    return ready
+
+
+def _return_and_unpack(engine, io, i, c, send, recv, lens, B, Sp, D, ch):
+    """Comm stream, after chunk i's attention (event already waited): reverse exchange
+    (heads -> seq) and unpack. Returns the event the consumer waits for."""
+    P = engine.world
+    engine.transport.all_to_all(send, recv, [B * m * ch * D for m in lens], [B * Sp * ch * D] * P)
+    outs, offsets, counts = io.outputs(i, c)
+    _ops().unpack_into(recv.view(P, B, Sp, ch, D), outs, offsets, counts)
+    return _event(engine.stream)
+
+
+def _forward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan, save, device, dtype):
+    """Forward pipeline for inputs of shape x_shape = (B, S_p, ., D). Returns the saved
+    state for the backward (None unless save)."""
     from .triton import flash_attention_forward  # lazy: CPU-only import must not need it
 
     P = engine.world
-    B, Sp, Hq, D = q.shape
+    B, Sp, _, D = x_shape
     S = sum(lens)
     rows = B * S
-    dtype = q.dtype
     geo = (B, S, D, P)
-    ops = _ops()
 
-    send_off, send_total = _regions([P * B * Sp * c.channels * D for c in plan], dtype)
     recv_off, recv_total = _regions([rows * c.channels * D for c in plan], dtype)
     osend_off, osend_total = _regions([rows * c.q_cnt * D for c in plan], dtype)
     orecv_off, orecv_total = _regions([P * B * Sp * c.q_cnt * D for c in plan], dtype)
-    send = engine.buffer("fwd_send", send_total, dtype)
     if save:
-        recv = torch.empty(recv_total, dtype=dtype, device=q.device)
-        osend = torch.empty(osend_total, dtype=dtype, device=q.device)
+        recv = torch.empty(recv_total, dtype=dtype, device=device)
+        osend = torch.empty(osend_total, dtype=dtype, device=device)
     else:
         recv = engine.buffer("fwd_recv", recv_total, dtype)
         osend = engine.buffer("fwd_osend", osend_total, dtype)
     orecv = engine.buffer("fwd_orecv", orecv_total, dtype)
-    out = torch.empty(B, Sp, Hq, D, dtype=dtype, device=q.device)
 
-    compute, comm = _current_stream(q.device), engine.stream
+    compute, comm = _current_stream(device), engine.stream
     _wait(comm, _event(compute))
-    ready = []
-    with _on(comm):
-        for i, c in enumerate(plan):
-            ch = c.channels
-            s_c = send[send_off[i]:send_off[i] + P * B * Sp * ch * D].view(P, B, Sp, ch, D)
-            r_c = recv[recv_off[i]:recv_off[i] + rows * ch * D]
-            ops.pack_into([q, k, v], s_c, [c.q_off, c.kv_off, c.kv_off], [c.q_cnt, c.kv_cnt, c.kv_cnt])
-            engine.transport.all_to_all(s_c, r_c, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
-            ready.append(_event(comm))
-    lses = []
+    ready = _pack_and_send(engine, io, plan, "fwd_send", [P * B * Sp * c.channels * D for c in plan], recv,
+                           recv_off, lens, B, Sp, D, dtype, lambda c: c.channels)
+    lses, unpacked = [], []
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
         _wait(compute, ready[i])
@@ -497,59 +555,47 @@ def _forward(engine: Engine, q, k, v, lens, rank, causal, scale, cu_seqlens, pla
                                          cu_seqlens=cu_seqlens, out=o_c, **kw)
         lses.append(lse)
         done = _event(compute)
+        n = c.q_cnt
         with _on(comm):
             _wait(comm, done)
-            n = c.q_cnt
-            os_c = osend[osend_off[i]:osend_off[i] + rows * n * D]
-            or_c = orecv[orecv_off[i]:orecv_off[i] + P * B * Sp * n * D]
-            engine.transport.all_to_all(os_c, or_c, [B * m * n * D for m in lens], [B * Sp * n * D] * P)
-            ops.unpack_into(or_c.view(P, B, Sp, n, D), [out], [c.q_off], [n])
+            unpacked.append(_return_and_unpack(
+                engine, io, i, c, osend[osend_off[i]:osend_off[i] + rows * n * D],
+                orecv[orecv_off[i]:orecv_off[i] + P * B * Sp * n * D], lens, B, Sp, D, n))
+        if i:
+            io.consume(i - 1, plan[i - 1], unpacked[i - 1])
+    io.consume(len(plan) - 1, plan[-1], unpacked[-1])
     with _on(comm):
         engine.transport.check()
     _wait(compute, _event(comm))
-    state = None
-    if save:
-        state = dict(recv=recv, recv_off=recv_off, osend=osend, osend_off=osend_off, lses=lses)
-    return out, state
+    if not save:
+        return None
+    return dict(recv=recv, recv_off=recv_off, osend=osend, osend_off=osend_off, lses=lses)
 
 
-def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale, cu_seqlens, plan, state):
+def _backward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan, state, device, dtype):
+    """Backward pipeline: io.inputs gives dO per chunk, io.outputs takes dq/dk/dv."""
     from .triton import flash_attention_backward
 
     P = engine.world
-    B, Sp, Hq, D = q_shape
+    B, Sp, _, D = x_shape
     S = sum(lens)
     rows = B * S
-    dtype = dout.dtype
-    device = dout.device
     geo = (B, S, D, P)
-    ops = _ops()
     recv, recv_off, osend, osend_off, lses = (state[k] for k in ("recv", "recv_off", "osend", "osend_off", "lses"))
 
-    dsend_off, dsend_total = _regions([P * B * Sp * c.q_cnt * D for c in plan], dtype)
     drecv_off, drecv_total = _regions([rows * c.q_cnt * D for c in plan], dtype)
     gsend_off, gsend_total = _regions([rows * c.grad_channels * D for c in plan], dtype)
     grecv_off, grecv_total = _regions([P * B * Sp * c.grad_channels * D for c in plan], dtype)
-    dsend = engine.buffer("bwd_dsend", dsend_total, dtype)
     drecv = engine.buffer("bwd_drecv", drecv_total, dtype)
     gsend = engine.buffer("bwd_gsend", gsend_total, dtype)
     grecv = engine.buffer("bwd_grecv", grecv_total, dtype)
-    dq = torch.empty(B, Sp, Hq, D, dtype=dtype, device=device)
-    dk = torch.empty(B, Sp, kv_heads, D, dtype=dtype, device=device)
-    dv = torch.empty(B, Sp, kv_heads, D, dtype=dtype, device=device)
     acc: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     compute, comm = _current_stream(device), engine.stream
     _wait(comm, _event(compute))
-    ready = []
-    with _on(comm):
-        for i, c in enumerate(plan):
-            n = c.q_cnt
-            s_c = dsend[dsend_off[i]:dsend_off[i] + P * B * Sp * n * D].view(P, B, Sp, n, D)
-            r_c = drecv[drecv_off[i]:drecv_off[i] + rows * n * D]
-            ops.pack_into([dout], s_c, [c.q_off], [n])
-            engine.transport.all_to_all(s_c, r_c, [B * Sp * n * D] * P, [B * m * n * D for m in lens])
-            ready.append(_event(comm))
+    ready = _pack_and_send(engine, io, plan, "bwd_dsend", [P * B * Sp * c.q_cnt * D for c in plan], drecv,
+                           drecv_off, lens, B, Sp, D, dtype, lambda c: c.q_cnt)
+    unpacked = []
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
         _wait(compute, ready[i])
@@ -583,15 +629,15 @@ def _backward(engine: Engine, dout, q_shape, kv_heads, lens, rank, causal, scale
         done = _event(compute)
         with _on(comm):
             _wait(comm, done)
-            gs_c = gsend[gsend_off[i]:gsend_off[i] + rows * gc * D]
-            gr_c = grecv[grecv_off[i]:grecv_off[i] + P * B * Sp * gc * D]
-            engine.transport.all_to_all(gs_c, gr_c, [B * m * gc * D for m in lens], [B * Sp * gc * D] * P)
-            ops.unpack_into(gr_c.view(P, B, Sp, gc, D), [dq, dk, dv], [c.q_off, c.g_off, c.g_off],
-                            [c.q_cnt, c.g_cnt, c.g_cnt])
+            unpacked.append(_return_and_unpack(
+                engine, io, i, c, gsend[gsend_off[i]:gsend_off[i] + rows * gc * D],
+                grecv[grecv_off[i]:grecv_off[i] + P * B * Sp * gc * D], lens, B, Sp, D, gc))
+        if i:
+            io.consume(i - 1, plan[i - 1], unpacked[i - 1])
+    io.consume(len(plan) - 1, plan[-1], unpacked[-1])
     with _on(comm):
         engine.transport.check()
     _wait(compute, _event(comm))
-    return dq, dk, dv
 
 
 # ------------------------------------------------------------------ autograd + entry
@@ -600,8 +646,10 @@ class _FusedUlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, engine, lens, rank, causal, scale, cu_seqlens, plan):
         save = any(ctx.needs_input_grad[:3])
+        out = q.new_empty(q.shape)
         with _device_ctx(q.device):
-            out, state = _forward(engine, q, k, v, lens, rank, causal, scale, cu_seqlens, plan, save)
+            state = _forward(engine, _AttentionIo([q, k, v], [out], backward=False), q.shape, lens, causal, scale,
+                             cu_seqlens, plan, save, q.device, q.dtype)
         if save:
             ctx.engine, ctx.lens, ctx.rank, ctx.causal, ctx.scale = engine, lens, rank, causal, scale
             ctx.cu_seqlens, ctx.plan = cu_seqlens, plan
@@ -617,9 +665,12 @@ class _FusedUlyssesAttention(torch.autograd.Function):
     def backward(ctx, dout):
         recv, osend, *lses = ctx.saved_tensors
         state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
+        B, Sp, Hq, D = ctx.q_shape
+        dq = dout.new_empty(B, Sp, Hq, D)
+        dk, dv = (dout.new_empty(B, Sp, ctx.kv_heads, D) for _ in range(2))
         with _device_ctx(dout.device):
-            dq, dk, dv = _backward(ctx.engine, dout, ctx.q_shape, ctx.kv_heads, ctx.lens, ctx.rank,
-                                   ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan, state)
+            _backward(ctx.engine, _AttentionIo([dout], [dq, dk, dv], backward=True), ctx.q_shape, ctx.lens,
+                      ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan, state, dout.device, dout.dtype)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
