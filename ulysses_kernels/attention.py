@@ -1,7 +1,8 @@
 """Public attention entry points: `flash_attention`, `ulysses_attention`, `UlyssesAttention`."""
 
 import math
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -79,6 +80,27 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     `torch.tensor_split(x, P, dim=1)`. See DESIGN.md for the full contract. Returns
     `[B, S_local, Hq, D]`, differentiable with respect to q, k and v.
     """
+    call = _prepare(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend)
+    return _run(call, q, k, v)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A validated ulysses_attention call: every rank agreed on it (or the caller vouched
+    for that by passing seq_lens)."""
+    path: str
+    group: object
+    world: int
+    rank: int
+    lens: List[int]
+    causal: bool
+    softmax_scale: float
+    cu_seqlens: Optional[torch.Tensor]
+
+
+def _prepare(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend) -> _Call:
+    """Resolve the group and the path and validate the inputs on every rank (see
+    ulysses_attention). q/k/v only need the right shapes, dtype and device here."""
     group, world, rank = resolve_group(group)
     # Nothing below may raise on one rank only before the checked exchange (its peers
     # would wait in the collective): local problems are collected and shared instead.
@@ -115,18 +137,21 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         lens = _trusted_lengths(seq_lens, world, rank, q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    return _Call(path, group, world, rank, list(lens), bool(causal), float(softmax_scale), cu_seqlens)
 
-    if path == "fused":
+
+def _run(call: _Call, q, k, v) -> torch.Tensor:
+    kw = dict(group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
+              softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens)
+    if call.path == "fused":
         from . import fused
-        return fused.ulysses_attention(q, k, v, group=group, rank=rank, seq_lens=lens, causal=causal,
-                                       softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    if path == "triton":
+        return fused.ulysses_attention(q, k, v, **kw)
+    if call.path == "triton":
         from . import _triton_path
-        return _triton_path.ulysses_attention(q, k, v, group=group, rank=rank, seq_lens=lens, causal=causal,
-                                              softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    qh, kh, vh = qkv_seq_to_heads_checked(q, k, v, group, world, rank, lens)
-    out = _local_attention(path, qh, kh, vh, causal, softmax_scale, cu_seqlens)
-    return heads_to_seq_with_lengths(out, group, rank, lens)
+        return _triton_path.ulysses_attention(q, k, v, **kw)
+    qh, kh, vh = qkv_seq_to_heads_checked(q, k, v, call.group, call.world, call.rank, call.lens)
+    out = _local_attention(call.path, qh, kh, vh, call.causal, call.softmax_scale, call.cu_seqlens)
+    return heads_to_seq_with_lengths(out, call.group, call.rank, call.lens)
 
 
 def _trusted_lengths(seq_lens, world, rank, q, k, v):
