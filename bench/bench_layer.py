@@ -110,6 +110,31 @@ def main():
         measured.append(row)
         print(f"[P=1] B{B} S{S}: triton path {row['triton_path_ms']:.2f} ms, fused c1 {row['fused_c1_ms']:.2f} ms, "
               f"c2 {row['fused_c2_ms']:.2f} ms, c4 {row['fused_c4_ms']:.2f} ms", flush=True)
+    # The whole self-attention block (QKV projection, attention, output projection) as
+    # UlyssesSelfAttention: projections inside the exchange pipeline vs the plain
+    # composition, one chunk and four. At P = 1 nothing is exchanged between GPUs, so this
+    # measures what the chunked projections cost, not what they hide.
+    blocks = []
+    B, S, hidden, Hq, Hkv, D = 1, 8192, 4096, 32, 8, 128
+    torch.manual_seed(0)
+    block = uk.UlyssesSelfAttention(hidden, Hq, Hkv, D, causal=True, backend="fused", device=dev, dtype=dtype)
+    x = torch.randn(B, S, hidden, device=dev, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+    params = [x] + list(block.parameters())
+
+    def block_step():
+        torch.autograd.grad(block(x, seq_lens=[S]), params, dy)
+
+    for overlap in (False, True):
+        for chunks in (1, 4):
+            block.overlap_projections = overlap
+            os.environ["ULYSSES_KERNELS_NUM_CHUNKS"] = str(chunks)
+            ms = bench(block_step, args.quick)
+            blocks.append(dict(B=B, S=S, hidden=hidden, Hq=Hq, Hkv=Hkv, D=D, P=1, overlap_projections=overlap,
+                               chunks=chunks, ms=ms))
+            print(f"[P=1 block] overlap_projections={overlap} chunks={chunks}: {ms:.2f} ms", flush=True)
+    os.environ.pop("ULYSSES_KERNELS_NUM_CHUNKS", None)
+    block = x = dy = params = None
     fused.close()
 
     # --------------------------------- P = 8: measured pieces + modelled exchange
@@ -164,7 +189,7 @@ def main():
                 link_GBps=LINK_GBPS, a2a_latency_us=A2A_LATENCY_US,
                 triton_autotune=os.environ.get("ULYSSES_KERNELS_TRITON_AUTOTUNE", "1"))
     with open(os.path.join(args.out, "layer.json"), "w") as f:
-        json.dump(dict(meta=meta, measured=measured, modelled=modelled), f, indent=1)
+        json.dump(dict(meta=meta, measured=measured, blocks=blocks, modelled=modelled), f, indent=1)
     with open(os.path.join(args.out, "layer.md"), "w") as f:
         f.write(f"# Ulysses attention layer, forward + backward ({meta['device']}, bf16)\n\n")
         f.write("## Measured, P = 1 (one-rank NCCL engine)\n\n| B | S | Hq/Hkv | D | triton path (ms) | "
@@ -174,6 +199,13 @@ def main():
             f.write(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hkv']} | {r['D']} | {r['triton_path_ms']:.2f} | "
                     f"{r['fused_c1_ms']:.2f} | {r['fused_c2_ms']:.2f} | {r['fused_c4_ms']:.2f} | "
                     f"{r['fused_c1_TFLOPs']:.0f} |\n")
+        f.write("\n## Self-attention block (UlyssesSelfAttention), P = 1, forward + backward\n\n"
+                "Projections inside the exchange pipeline (overlap) vs QKV GEMM -> fused attention -> output "
+                "GEMM. At P = 1 there is nothing to hide: this is the cost of the chunked projections.\n\n"
+                "| B | S | hidden | Hq/Hkv | D | overlap_projections | chunks | ms |\n|---|---|---|---|---|---|---|---|\n")
+        for r in blocks:
+            f.write(f"| {r['B']} | {r['S']} | {r['hidden']} | {r['Hq']}/{r['Hkv']} | {r['D']} | "
+                    f"{r['overlap_projections']} | {r['chunks']} | {r['ms']:.2f} |\n")
         f.write(f"\n## Modelled, P = {P8} on NVLink ({LINK_GBPS:.0f} GB/s per direction; see bench/MODEL.md)\n\n"
                 "Attention and pack/unpack times are measured on this GPU at the per-rank P = 8 shapes; the "
                 "all-to-all times are modelled.\n\n| S (global) | attn fwd+bwd (ms) | a2a qkv (ms) | a2a out (ms) | "

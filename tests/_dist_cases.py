@@ -204,7 +204,14 @@ def _heads_to_seq_heads_differ(rank, world):
     return lambda: uk.heads_to_seq(x)
 
 
+def _self_attention_bad_hidden(rank, world):
+    layer = uk.UlyssesSelfAttention(16, 2 * world, world, 8, dtype=torch.float64)
+    x = torch.randn(1, 5, 16 + (rank == world - 1), dtype=torch.float64)
+    return lambda: layer(x)
+
+
 _SCENARIOS = {
+    "self_attention_bad_hidden": _self_attention_bad_hidden,
     "heads_to_seq_lengths_differ": _heads_to_seq_lengths_differ,
     "heads_to_seq_heads_differ": _heads_to_seq_heads_differ,
     "cu_seqlens_unreadable": _cu_seqlens_unreadable,
@@ -300,3 +307,21 @@ def dp_sp_cases(rank, world, sp_size, S):
     return {"sp_rank": groups.sp_rank, "dp_rank": groups.dp_rank,
             "sp_ranks": dist.get_process_group_ranks(groups.sp_group),
             "dp_ranks": dist.get_process_group_ranks(groups.dp_group), "err": err}
+
+
+def self_attention_cases(rank, world, cases):
+    """UlyssesSelfAttention on this rank's shard: output, dx and the weight gradients of the
+    local tokens (the parent sums them over ranks)."""
+    results = []
+    for case in cases:
+        torch.manual_seed(case["seed"])  # the same weights and inputs on every rank
+        layer = uk.UlyssesSelfAttention(case["hidden"], case["Hq"], case["Hkv"], case["D"], causal=case["causal"],
+                                        bias=True, backend=case.get("backend"), dtype=case.get("dtype", torch.float64))
+        x = torch.randn(case["B"], case["S"], case["hidden"], dtype=case.get("dtype", torch.float64))
+        dy = torch.randn_like(x)
+        shard = lambda t: torch.tensor_split(t, world, dim=1)[rank].clone()  # noqa: E731
+        xl = shard(x).requires_grad_(True)
+        y = layer(xl)
+        y.backward(shard(dy))
+        results.append({"y": y.detach(), "dx": xl.grad, "grads": [p.grad for p in layer.parameters()]})
+    return results

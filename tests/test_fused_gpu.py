@@ -284,3 +284,77 @@ def _gpu_rank_worker(rank, world, case):
 ])
 def test_fused_multirank_one_gpu(world, case):
     spawn(_gpu_rank_worker, world, args=(case,), timeout=150)
+
+
+# -------------------- UlyssesSelfAttention: projections overlapped with the exchanges
+
+def _layer_pair(dtype, Hq, Hkv, D, hidden, seed):
+    """The fused-path module and a float32 reference-path copy with the same weights."""
+    torch.manual_seed(seed)
+    fast = uk.UlyssesSelfAttention(hidden, Hq, Hkv, D, causal=True, bias=True, backend="fused", device="cuda",
+                                   dtype=dtype)
+    ref = uk.UlyssesSelfAttention(hidden, Hq, Hkv, D, causal=True, bias=True, backend="reference",
+                                  device="cuda", dtype=torch.float32)
+    ref.load_state_dict({k: v.float() for k, v in fast.state_dict().items()})
+    return fast, ref
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("chunks", ["1", "4"])
+def test_fused_self_attention_world1(dtype, chunks, monkeypatch):
+    monkeypatch.setenv(fused.ENV_CHUNKS, chunks)
+    fast, ref = _layer_pair(dtype, 8, 2, 64, 256, seed=30)
+    x = _rand(2, 96, 256, dtype=dtype, seed=31)
+    dy = _rand(2, 96, 256, dtype=dtype, seed=32)
+    xf = x.clone().requires_grad_(True)
+    y = fast(xf)
+    assert type(y.grad_fn).__name__ == "_FusedSelfAttentionBackward"  # the overlapped layer ran
+    y.backward(dy)
+    xr = x.float().requires_grad_(True)
+    yr = ref(xr)
+    yr.backward(dy.float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    errs = {"y": _rel(y, yr), "dx": _rel(xf.grad, xr.grad)}
+    for (name, p), pr in zip(fast.named_parameters(), ref.parameters()):
+        errs[name] = _rel(p.grad, pr.grad)
+    assert all(e < tol for e in errs.values()), errs
+
+
+def _gpu_layer_worker(rank, world, case):
+    from ulysses_kernels import fused as fz
+    torch.cuda.set_device(0)
+    fz.use_transport(None, "host")
+    B, S, hidden, Hq, Hkv, D, chunks = case
+    os.environ[fz.ENV_CHUNKS] = str(chunks)
+    fast, _ = _layer_pair(torch.bfloat16, Hq, Hkv, D, hidden, seed=40)
+    g = torch.Generator(device="cuda").manual_seed(41)
+    x, dy = (torch.randn(B, S, hidden, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    xl, dyl = (torch.tensor_split(t, world, dim=1)[rank].clone() for t in (x, dy))
+    xl.requires_grad_(True)
+    y = fast(xl)
+    assert type(y.grad_fn).__name__ == "_FusedSelfAttentionBackward"
+    y.backward(dyl)
+    return {"y": y.detach().cpu(), "dx": xl.grad.cpu(), "grads": [p.grad.cpu() for p in fast.parameters()]}
+
+
+@pytest.mark.parametrize("world,case", [
+    (2, (2, 301, 256, 8, 2, 64, 2)),   # uneven S, B > 1, GQA split, 2 chunks
+])
+def test_fused_self_attention_multirank_one_gpu(world, case):
+    reports = spawn(_gpu_layer_worker, world, args=(case,), timeout=150)
+    B, S, hidden, Hq, Hkv, D, _ = case
+    _, ref = _layer_pair(torch.bfloat16, Hq, Hkv, D, hidden, seed=40)
+    g = torch.Generator(device="cuda").manual_seed(41)
+    x, dy = (torch.randn(B, S, hidden, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    xr = x.float().requires_grad_(True)
+    yr = ref(xr)
+    yr.backward(dy.float())
+    errs = {"y": _rel(torch.cat([r["y"] for r in reports], dim=1), yr.cpu()),
+            "dx": _rel(torch.cat([r["dx"] for r in reports], dim=1), xr.grad.cpu())}
+    for j, (name, p) in enumerate(ref.named_parameters()):
+        errs[name] = _rel(sum(r["grads"][j] for r in reports), p.grad.cpu())
+    assert all(e < 2e-2 for e in errs.values()), errs

@@ -73,6 +73,7 @@ def test_triton_path_matches_single_process(world):
 
 
 ERROR_SCENARIOS = {
+    "self_attention_bad_hidden": "rank {last}: x must be [batch, seq_local, 16]",
     "heads_to_seq_lengths_differ": "ranks disagree on the sequence length",
     "heads_to_seq_heads_differ": "ranks disagree on the number of x heads",
     "cu_seqlens_unreadable": "cu_seqlens could not be read",
@@ -107,8 +108,9 @@ def test_bad_input_raises_on_every_rank_without_hanging(world):
     for name, expected in ERROR_SCENARIOS.items():
         for rank, report in enumerate(reports):
             err = report[name]["error"]
-            if err is None or expected not in err:
-                problems.append(f"{name}: rank {rank} got {err!r}, expected a ValueError containing {expected!r}")
+            expected_here = expected.format(last=world - 1)
+            if err is None or expected_here not in err:
+                problems.append(f"{name}: rank {rank} got {err!r}, expected a ValueError containing {expected_here!r}")
             if not report[name]["recovery"] < 1e-9:
                 problems.append(f"{name}: rank {rank}: the group is not usable after the error")
         # the same words on every rank (the prefix names the op each rank called)
@@ -172,3 +174,24 @@ def test_dp_x_sp_groups_compute_their_own_batches():
     assert [r["dp_ranks"] for r in reports] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [(r["dp_rank"], r["sp_rank"]) for r in reports] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(r["err"] < 1e-9 for r in reports), [r["err"] for r in reports]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_self_attention_module_matches_single_process(world):
+    """UlyssesSelfAttention (reference path, and the Triton path in the interpreter at
+    world 2) equals the same module run on one process over the whole sequence."""
+    Hq = 2 * world
+    cases = [dict(seed=11, B=2, S=4 * world + 3, hidden=24, Hq=Hq, Hkv=world, D=8, causal=True),
+             dict(seed=12, B=1, S=4 * world + 1, hidden=24, Hq=Hq, Hkv=1, D=8, causal=False)]
+    if world == 2:
+        cases.append(dict(seed=13, B=1, S=9, hidden=32, Hq=4, Hkv=2, D=16, causal=True, backend="triton",
+                          dtype=torch.float32))
+    reports = spawn(_dist_cases.self_attention_cases, world, args=(cases,), timeout=TIMEOUT)
+    single = _dist_cases.self_attention_cases(0, 1, [dict(c, backend="reference") for c in cases])
+    for i, (case, ref) in enumerate(zip(cases, single)):
+        tol = 1e-9 if case.get("backend") is None else 1e-5
+        y = torch.cat([r[i]["y"] for r in reports], dim=1)
+        dx = torch.cat([r[i]["dx"] for r in reports], dim=1)
+        assert rel_err(y, ref["y"]) < tol and rel_err(dx, ref["dx"]) < tol, case
+        for j, g in enumerate(ref["grads"]):
+            assert rel_err(sum(r[i]["grads"][j] for r in reports), g) < tol, (case, j)

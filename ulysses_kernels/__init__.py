@@ -9,12 +9,13 @@ from ._layout import HeadPlan, split_lengths
 from .attention import UlyssesAttention, flash_attention, ulysses_attention
 from .comm import gather_sequence, heads_to_seq, qkv_seq_to_heads, seq_to_heads, shard_sequence
 from .groups import ParallelGroups, init_sequence_parallel
+from .layers import UlyssesSelfAttention
 from .reference import reference_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ulysses_attention", "UlyssesAttention", "flash_attention", "reference_attention",
+    "ulysses_attention", "UlyssesAttention", "UlyssesSelfAttention", "flash_attention", "reference_attention",
     "seq_to_heads", "heads_to_seq", "qkv_seq_to_heads", "shard_sequence", "gather_sequence",
     "init_sequence_parallel", "ParallelGroups", "split_lengths", "HeadPlan",
 ]

@@ -98,13 +98,15 @@ class _Call:
     cu_seqlens: Optional[torch.Tensor]
 
 
-def _prepare(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend) -> _Call:
+def _prepare(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend,
+             local_errors: Sequence[str] = ()) -> _Call:
     """Resolve the group and the path and validate the inputs on every rank (see
-    ulysses_attention). q/k/v only need the right shapes, dtype and device here."""
+    ulysses_attention). q/k/v only need the right shapes, dtype and device here;
+    `local_errors` are the caller's own findings, raised on every rank like the others."""
     group, world, rank = resolve_group(group)
     # Nothing below may raise on one rank only before the checked exchange (its peers
     # would wait in the collective): local problems are collected and shared instead.
-    local_errors = []
+    local_errors = list(local_errors)
     path = None
     try:
         cu_seqlens = _as_cu_seqlens(cu_seqlens, getattr(q, "device", None))

@@ -458,6 +458,8 @@ def _device_ctx(device: torch.device):
 # self-attention layer (fused_layer.py: per-chunk projection GEMMs in and out) share them:
 #   io.inputs(i, c)        -> (tensors, head offsets, head counts) to pack for chunk i; may
 #                             enqueue work on the compute stream (then io.computes_inputs)
+#   io.after_inputs()      compute-stream work that needs no exchange (issued after every
+#                          chunk's inputs, before the first attention)
 #   io.outputs(i, c)       -> (tensors, head offsets, head counts) to unpack chunk i into
 #   io.consume(i, c, ev)   compute-stream work on chunk i's unpacked result, once event ev
 #                          (recorded on the comm stream after the unpack) has fired.
@@ -478,6 +480,9 @@ class _AttentionIo:
         if self.backward:
             return self.sources, [c.q_off], [c.q_cnt]
         return self.sources, [c.q_off, c.kv_off, c.kv_off], [c.q_cnt, c.kv_cnt, c.kv_cnt]
+
+    def after_inputs(self):
+        pass
 
     def outputs(self, i, c):
         if self.backward:
@@ -546,6 +551,7 @@ def _forward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan,
     _wait(comm, _event(compute))
     ready = _pack_and_send(engine, io, plan, "fwd_send", [P * B * Sp * c.channels * D for c in plan], recv,
                            recv_off, lens, B, Sp, D, dtype, lambda c: c.channels)
+    io.after_inputs()
     lses, unpacked = [], []
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
@@ -595,6 +601,7 @@ def _backward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan
     _wait(comm, _event(compute))
     ready = _pack_and_send(engine, io, plan, "bwd_dsend", [P * B * Sp * c.q_cnt * D for c in plan], drecv,
                            drecv_off, lens, B, Sp, D, dtype, lambda c: c.q_cnt)
+    io.after_inputs()
     unpacked = []
     kw = _attn_kwargs(geo)
     for i, c in enumerate(plan):
@@ -698,32 +705,48 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     after it validated the inputs: `seq_lens` is every rank's local length, `group` None
     means the default group (or a single process when torch.distributed is not initialised).
     """
+    why = unsupported_reason(q, k, v)
+    if why:
+        raise RuntimeError(f"{why}; use backend='triton' or 'reference'")
+    setup = prepare(q.shape, k.shape[2], q.dtype, q.device, group=group, rank=rank, seq_lens=seq_lens,
+                    cu_seqlens=cu_seqlens, num_chunks=num_chunks)
+    return _FusedUlyssesAttention.apply(q, k, v, setup.engine, setup.lens, rank, bool(causal), float(softmax_scale),
+                                        setup.cu_seqlens, setup.plan)
+
+
+@dataclass(frozen=True)
+class Setup:
+    engine: Engine
+    lens: List[int]
+    plan: Tuple[Chunk, ...]
+    cu_seqlens: Optional[torch.Tensor]
+
+
+def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *, group, rank: int,
+            seq_lens: Sequence[int], cu_seqlens=None, num_chunks: Optional[int] = None) -> Setup:
+    """Engine, lengths, chunk plan and device cu_seqlens for a validated call whose q is
+    `q_shape = [B, S_p, Hq, D]` (shared by the attention op and fused_layer.py)."""
     global _supported_seen
     if not _supported_seen:
         if not is_supported():
             _, reason = _backend.load_extension()
             raise RuntimeError(f"the fused path is unavailable: {reason or 'the extension lacks the fused ops'}")
         _supported_seen = True
-    why = unsupported_reason(q, k, v)
-    if why:
-        raise RuntimeError(f"{why}; use backend='triton' or 'reference'")
     lens = [int(n) for n in seq_lens]
     world = len(lens)
-    B, Sp, Hq, D = q.shape
-    Hkv = k.shape[2]
+    B, Sp, Hq, D = q_shape
     if B > 1 and world > 1 and lens != split_lengths(sum(lens), world):
         raise ValueError(f"fused ulysses_attention: local lengths {lens} are not the torch.tensor_split "
                          f"of {sum(lens)} over {world} ranks")
     hl_q = Hq // world
-    hl_kv = Hkv // world if Hkv % world == 0 else 1
-    recv_bytes = B * sum(lens) * (hl_q + 2 * hl_kv) * D * q.element_size()
+    hl_kv = kv_heads // world if kv_heads % world == 0 else 1
+    recv_bytes = B * sum(lens) * (hl_q + 2 * hl_kv) * D * torch.empty((), dtype=dtype).element_size()
     chunks = resolve_num_chunks(num_chunks, world, hl_q, hl_kv, recv_bytes)
-    plan = plan_chunks(hl_q, hl_kv, chunks)
-    engine = get_engine(group, world, rank, q.device)
+    plan = tuple(plan_chunks(hl_q, hl_kv, chunks))
+    engine = get_engine(group, world, rank, device)
     if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    return _FusedUlyssesAttention.apply(q, k, v, engine, lens, rank, bool(causal), float(softmax_scale),
-                                        cu_seqlens, tuple(plan))
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+    return Setup(engine, lens, plan, cu_seqlens)
 
 
 class ReferenceOps:

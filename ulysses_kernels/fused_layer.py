@@ -1,0 +1,286 @@
+"""Fused Ulysses self-attention layer: QKV projection, attention and output projection in
+one pipeline, so the projection GEMMs overlap the exchanges (DESIGN.md, "Overlap").
+
+It reuses fused.py's chunk plan and pipelines (chunk c owns local query heads
+`[c*Hqc, (c+1)*Hqc)` of every destination). Per chunk c, forward:
+
+  compute: qkv_c = x @ W_c^T (+ b_c)      W_c: the rows of W_qkv of chunk c's query heads
+                                           for every destination and of the KV heads it sends
+  comm:    pack qkv_c, exchange           (runs while the GEMM of chunk c+1 runs)
+  compute: attention of chunk c
+  comm:    reverse exchange, unpack o_c   (runs while the attention of chunk c+1 runs)
+  compute: y += o_c @ Wo_c^T               Wo_c: the columns of W_o of chunk c's heads
+
+The backward mirrors it: dO_c = dy @ Wo_c per chunk feeds chunk c's exchange while the
+next GEMM runs, and chunk c's unpacked dq/dk/dv give dx += dqkv_c @ W'_c and chunk c's
+rows of dW_qkv while later chunks are still in flight. W_qkv rows and W_o columns are
+gathered into chunk order once per call (one copy of the weights).
+
+Precision: with C chunks, y and dx are accumulated over the chunks in the activation
+dtype (C - 1 more roundings than one GEMM, as in a row-parallel linear layer); with
+one chunk the results match `Linear -> ulysses_attention -> Linear` up to GEMM
+blocking.
+"""
+
+import threading
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from . import fused
+from .fused import _current_stream, _device_ctx, _forward, _backward, _wait
+
+
+# ----------------------------------------------------------------------- head orders
+
+@dataclass(frozen=True)
+class HeadOrder:
+    """Where chunk c's rows of W_qkv (viewed `[Hq + 2*Hkv, D, hidden]`) and columns of W_o
+    (viewed `[hidden, Hq, D]`) are, in the layouts the pack and unpack kernels expect:
+    per chunk `[q heads of every destination | its KV heads (k) | the same (v)]`."""
+    fwd: Tuple[int, ...]            # W_qkv heads in forward chunk order (the KV heads each chunk sends)
+    grad: Tuple[int, ...]           # W_qkv heads in backward chunk order (the KV heads each chunk returns)
+    q: Tuple[int, ...]              # query heads in chunk order (W_o's heads)
+    fwd_counts: Tuple[Tuple[int, int], ...]   # per chunk: (query heads, KV heads) in `fwd`
+    grad_counts: Tuple[Tuple[int, int], ...]  # per chunk: (query heads, KV heads) in `grad`
+
+
+def head_order(plan, world: int, hq: int, hkv: int) -> HeadOrder:
+    hl_q = hq // world
+    split = hkv % world == 0
+    hl_kv = hkv // world if split else 1
+
+    def kv_heads(off, cnt):
+        if cnt == 0:
+            return []
+        if split:  # destination j receives KV heads [j*hl_kv + off, ... + cnt)
+            return [j * hl_kv + off + i for j in range(world) for i in range(cnt)]
+        return list(range(hkv))  # replicated: the pack kernel sends head j // (P / Hkv) to j
+
+    fwd, grad, q_all, fwd_counts, grad_counts = [], [], [], [], []
+    for c in plan:
+        q = [j * hl_q + c.q_off + i for j in range(world) for i in range(c.q_cnt)]
+        sent, returned = kv_heads(c.kv_off, c.kv_cnt), kv_heads(c.g_off, c.g_cnt)
+        fwd += q + [hq + h for h in sent] + [hq + hkv + h for h in sent]
+        grad += q + [hq + h for h in returned] + [hq + hkv + h for h in returned]
+        q_all += q
+        fwd_counts.append((len(q), len(sent)))
+        grad_counts.append((len(q), len(returned)))
+    return HeadOrder(tuple(fwd), tuple(grad), tuple(q_all), tuple(fwd_counts), tuple(grad_counts))
+
+
+_index_cache: Dict[tuple, Tuple[HeadOrder, Dict[str, torch.Tensor]]] = {}
+_index_lock = threading.Lock()
+
+
+def _indices(plan, world, hq, hkv, device):
+    """HeadOrder plus its index tensors (and their inverses) on `device`, cached so that
+    steady-state calls make no host-to-device copies (and can be captured in a graph)."""
+    key = (plan, world, hq, hkv, str(device))
+    with _index_lock:
+        hit = _index_cache.get(key)
+        if hit is None:
+            order = head_order(plan, world, hq, hkv)
+            idx = {name: torch.tensor(getattr(order, name), dtype=torch.long, device=device)
+                   for name in ("fwd", "grad", "q")}
+            for name in ("fwd", "grad", "q"):
+                idx[name + "_inv"] = torch.argsort(idx[name])
+            hit = _index_cache[key] = (order, idx)
+    return hit
+
+
+def _chunk_block(flat, i, starts, heads, B, Sp, D):
+    """Chunk i's `[B, S_p, heads[i], D]` block of a buffer holding the chunks one after another."""
+    lo = B * Sp * starts[i] * D
+    return flat[lo:lo + B * Sp * heads[i] * D].view(B, Sp, heads[i], D)
+
+
+def _prefix(counts) -> List[int]:
+    """Head offset of each chunk's block (q + 2 * kv heads) in a chunk-ordered layout."""
+    out, acc = [], 0
+    for nq, nkv in counts:
+        out.append(acc)
+        acc += nq + 2 * nkv
+    return out
+
+
+# ------------------------------------------------------------------------- pipeline io
+
+class _LayerForwardIo:
+    """fused._forward io: chunk inputs are projection GEMMs, chunk outputs feed the output
+    projection. Every tensor the comm stream touches is kept until the call ends (the
+    caller's stream waits for the comm stream then), so the caching allocator cannot hand
+    its memory to later work while an exchange still reads or writes it."""
+
+    computes_inputs = True
+
+    def __init__(self, x2d, w_fwd, b_fwd, w_o_perm, b_o, order: HeadOrder, shape, device):
+        self.x2d, self.w_fwd, self.b_fwd, self.w_o_perm, self.b_o = x2d, w_fwd, b_fwd, w_o_perm, b_o
+        self.order, (self.B, self.Sp, self.D) = order, shape
+        self.rows = _prefix(order.fwd_counts)
+        self.q_cols = _prefix((nq, 0) for nq, _ in order.fwd_counts)
+        self.compute = _current_stream(device)
+        n_tokens = self.B * self.Sp
+        # The unpacked attention output, chunk after chunk ([B, S_p, P*q_cnt, D] each):
+        # the output projection reads it, the backward needs it for dW_o.
+        self.o_chunks = x2d.new_empty(n_tokens * len(order.q) * self.D)
+        self.keep: List[torch.Tensor] = []
+        self.y = None
+
+    def o_chunk(self, i):
+        return _chunk_block(self.o_chunks, i, self.q_cols, [nq for nq, _ in self.order.fwd_counts],
+                            self.B, self.Sp, self.D)
+
+    def inputs(self, i, c):
+        nq, nkv = self.order.fwd_counts[i]
+        D, lo, n = self.D, self.rows[i], nq + 2 * nkv
+        bias = self.b_fwd[lo * D:(lo + n) * D] if self.b_fwd is not None else None
+        qkv = F.linear(self.x2d, self.w_fwd[lo * D:(lo + n) * D], bias).view(self.B, self.Sp, n, D)
+        self.keep.append(qkv)
+        if nkv == 0:
+            return [qkv], [0], [c.q_cnt]
+        parts = [qkv[:, :, :nq], qkv[:, :, nq:nq + nkv], qkv[:, :, nq + nkv:]]
+        return parts, [0, 0, 0], [c.q_cnt, c.kv_cnt, c.kv_cnt]
+
+    def after_inputs(self):
+        pass
+
+    def outputs(self, i, c):
+        return [self.o_chunk(i)], [0], [c.q_cnt]
+
+    def consume(self, i, c, event):
+        _wait(self.compute, event)
+        o2d = self.o_chunk(i).view(self.B * self.Sp, -1)
+        lo, hi = self.q_cols[i] * self.D, (self.q_cols[i] + self.order.fwd_counts[i][0]) * self.D
+        w = self.w_o_perm[:, lo:hi]
+        if self.y is None:
+            self.y = F.linear(o2d, w, self.b_o)
+        else:
+            self.y.addmm_(o2d, w.t())
+
+
+class _LayerBackwardIo:
+    """fused._backward io: dO per chunk from dy @ Wo_c, chunk results give dx and dW_qkv."""
+
+    computes_inputs = True
+
+    def __init__(self, dy2d, x2d, w_grad, w_o_perm, o_chunks, order: HeadOrder, shape, device, need_dx: bool):
+        self.dy2d, self.x2d, self.w_grad, self.w_o_perm, self.o_chunks = dy2d, x2d, w_grad, w_o_perm, o_chunks
+        self.order, (self.B, self.Sp, self.D) = order, shape
+        self.need_dx = need_dx
+        self.rows = _prefix(order.grad_counts)
+        self.q_cols = _prefix((nq, 0) for nq, _ in order.grad_counts)
+        self.compute = _current_stream(device)
+        self.g_chunks = dy2d.new_empty(self.B * self.Sp * len(order.grad) * self.D)
+        self.keep: List[torch.Tensor] = []
+        self.dx = None
+        self.dw_rows: List[torch.Tensor] = []
+        self.db_rows: List[torch.Tensor] = []
+        self.dwo_cols: List[torch.Tensor] = []
+
+    def _q_cols(self, i):
+        return self.q_cols[i] * self.D, (self.q_cols[i] + self.order.grad_counts[i][0]) * self.D
+
+    def g_chunk(self, i):
+        return _chunk_block(self.g_chunks, i, self.rows, [nq + 2 * nkv for nq, nkv in self.order.grad_counts],
+                            self.B, self.Sp, self.D)
+
+    def o_chunk(self, i):
+        # The forward's chunk order: the same query heads per chunk as the backward's.
+        return _chunk_block(self.o_chunks, i, self.q_cols, [nq for nq, _ in self.order.grad_counts],
+                            self.B, self.Sp, self.D)
+
+    def inputs(self, i, c):
+        lo, hi = self._q_cols(i)
+        do = torch.mm(self.dy2d, self.w_o_perm[:, lo:hi]).view(self.B, self.Sp, -1, self.D)
+        self.keep.append(do)
+        return [do], [0], [c.q_cnt]
+
+    def after_inputs(self):
+        # dW_o needs no exchange: issued behind the dO GEMMs, ahead of the attention.
+        for i in range(len(self.order.grad_counts)):
+            self.dwo_cols.append(torch.mm(self.dy2d.t(), self.o_chunk(i).view(self.B * self.Sp, -1)))
+
+    def outputs(self, i, c):
+        nq, nkv = self.order.grad_counts[i]
+        g = self.g_chunk(i)
+        if nkv == 0:
+            return [g], [0], [c.q_cnt]
+        return [g[:, :, :nq], g[:, :, nq:nq + nkv], g[:, :, nq + nkv:]], [0, 0, 0], [c.q_cnt, c.g_cnt, c.g_cnt]
+
+    def consume(self, i, c, event):
+        _wait(self.compute, event)
+        g2d = self.g_chunk(i).view(self.B * self.Sp, -1)
+        D, lo = self.D, self.rows[i]
+        if self.need_dx:
+            w = self.w_grad[lo * D:lo * D + g2d.shape[1]]
+            if self.dx is None:
+                self.dx = torch.mm(g2d, w)
+            else:
+                self.dx.addmm_(g2d, w)
+        self.dw_rows.append(torch.mm(g2d.t(), self.x2d))
+        self.db_rows.append(g2d.sum(0))
+
+
+# ------------------------------------------------------------------------ autograd
+
+class _FusedSelfAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, engine, lens, causal, scale, cu_seqlens, plan, heads):
+        hq, hkv, D = heads
+        B, Sp, hidden = x.shape
+        order, idx = _indices(plan, engine.world, hq, hkv, x.device)
+        x2d = x.reshape(B * Sp, hidden)
+        w_fwd = w_qkv.view(hq + 2 * hkv, D, hidden).index_select(0, idx["fwd"]).view(-1, hidden)
+        b_fwd = b_qkv.view(-1, D).index_select(0, idx["fwd"]).view(-1) if b_qkv is not None else None
+        w_o_perm = w_o.view(hidden, hq, D).index_select(1, idx["q"]).view(hidden, hq * D)
+        save = any(ctx.needs_input_grad[:5])
+        io = _LayerForwardIo(x2d, w_fwd, b_fwd, w_o_perm, b_o, order, (B, Sp, D), x.device)
+        with _device_ctx(x.device):
+            state = _forward(engine, io, (B, Sp, hq, D), lens, causal, scale, cu_seqlens, plan, save,
+                             x.device, x.dtype)
+        if save:
+            ctx.engine, ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens = engine, lens, causal, scale, cu_seqlens
+            ctx.plan, ctx.heads, ctx.has_bias = plan, heads, (b_qkv is not None, b_o is not None)
+            ctx.recv_off, ctx.osend_off = state["recv_off"], state["osend_off"]
+            ctx.save_for_backward(x, w_qkv, w_o, io.o_chunks, state["recv"], state["osend"], *state["lses"])
+        return io.y.view(B, Sp, hidden)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w_qkv, w_o, o_chunks, recv, osend, *lses = ctx.saved_tensors
+        hq, hkv, D = ctx.heads
+        B, Sp, hidden = x.shape
+        order, idx = _indices(ctx.plan, ctx.engine.world, hq, hkv, x.device)
+        x2d, dy2d = x.reshape(B * Sp, hidden), dy.reshape(B * Sp, hidden).contiguous()
+        w_grad = w_qkv.view(hq + 2 * hkv, D, hidden).index_select(0, idx["grad"]).view(-1, hidden)
+        w_o_perm = w_o.view(hidden, hq, D).index_select(1, idx["q"]).view(hidden, hq * D)
+        io = _LayerBackwardIo(dy2d, x2d, w_grad, w_o_perm, o_chunks, order, (B, Sp, D), x.device,
+                              need_dx=ctx.needs_input_grad[0])
+        state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
+        with _device_ctx(x.device):
+            _backward(ctx.engine, io, (B, Sp, hq, D), ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan,
+                      state, x.device, x.dtype)
+        d_wqkv = torch.cat(io.dw_rows).view(-1, D, hidden).index_select(0, idx["grad_inv"]).view(-1, hidden)
+        d_bqkv = torch.cat(io.db_rows).view(-1, D).index_select(0, idx["grad_inv"]).view(-1)
+        d_wo = torch.cat(io.dwo_cols, dim=1).view(hidden, hq, D).index_select(1, idx["q_inv"]).view(hidden, -1)
+        d_bo = dy2d.sum(0)
+        dx = io.dx.view(B, Sp, hidden) if io.dx is not None else None
+        return (dx, d_wqkv, d_bqkv if ctx.has_bias[0] else None, d_wo, d_bo if ctx.has_bias[1] else None,
+                None, None, None, None, None, None, None)
+
+
+def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: int, head_dim: int, group,
+                   rank: int, seq_lens, causal: bool, softmax_scale: float, cu_seqlens=None, num_chunks=None):
+    """`o_proj(ulysses_attention(split(qkv_proj(x))))` on the fused path with the projections
+    overlapped (differentiable in x and every weight). Called by UlyssesSelfAttention
+    after `ulysses_attention`'s validation; x `[B, S_local, hidden]`, w_qkv
+    `[(Hq + 2*Hkv) * D, hidden]` (rows: q heads, then k heads, then v heads), w_o `[hidden, Hq * D]`."""
+    B, Sp, _ = x.shape
+    setup = fused.prepare((B, Sp, num_heads, head_dim), num_kv_heads, x.dtype, x.device, group=group, rank=rank,
+                          seq_lens=seq_lens, cu_seqlens=cu_seqlens, num_chunks=num_chunks)
+    return _FusedSelfAttention.apply(x, w_qkv, b_qkv, w_o, b_o, setup.engine, setup.lens, bool(causal),
+                                     float(softmax_scale), setup.cu_seqlens, setup.plan,
+                                     (num_heads, num_kv_heads, head_dim))

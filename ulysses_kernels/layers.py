@@ -1,0 +1,88 @@
+"""`UlyssesSelfAttention`: a self-attention block (QKV projection, Ulysses attention,
+output projection) whose fused path overlaps the projections with the exchanges."""
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attention import _prepare, _run
+
+
+class UlyssesSelfAttention(nn.Module):
+    """Self-attention over a sequence sharded across the SP group.
+
+    forward(x, *, seq_lens=None, cu_seqlens=None): x `[B, S_local, hidden]` -> `[B, S_local, hidden]`.
+
+    `qkv_proj` is one `nn.Linear(hidden, (Hq + 2*Hkv) * head_dim)` whose output rows are
+    the q heads, then the k heads, then the v heads; `o_proj` is `nn.Linear(Hq * head_dim,
+    hidden)`. The attention is `ulysses_attention` with the same options and checks. On the
+    fused path (CUDA, extension built, `backend` None or "fused"), with
+    `overlap_projections=True` and the weights in the activation dtype (no autocast), the
+    projection GEMMs run chunk by chunk inside the exchange pipeline
+    (`ulysses_kernels.fused_layer`); otherwise the block is the plain composition.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, group=None, causal: bool = True,
+                 softmax_scale: Optional[float] = None, bias: bool = False, backend: Optional[str] = None,
+                 overlap_projections: bool = True, device=None, dtype=None):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        if num_heads <= 0 or num_kv_heads <= 0 or head_dim <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"UlyssesSelfAttention: need num_heads ({num_heads}) a positive multiple of "
+                             f"num_kv_heads ({num_kv_heads}) and head_dim ({head_dim}) > 0")
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
+            hidden_size, num_heads, num_kv_heads, head_dim)
+        self.group, self.causal, self.softmax_scale, self.backend = group, causal, softmax_scale, backend
+        self.overlap_projections = overlap_projections
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, **kw)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
+
+    def _placeholders(self, x):
+        """Stand-ins for q/k/v with the shapes, dtype and device the projection would give,
+        for the validation (nothing is read from them), plus a local error for a bad x."""
+        ok = isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[-1] == self.hidden_size
+        error = [] if ok else [f"x must be [batch, seq_local, {self.hidden_size}], got "
+                               f"{tuple(getattr(x, 'shape', ()))}"]
+        B, S = (x.shape[0], x.shape[1]) if ok else (1, 1)
+        device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+        dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
+        if torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        base = torch.empty((), dtype=dtype, device=device)
+        D = self.head_dim
+        return (base.expand(B, S, self.num_heads, D), base.expand(B, S, self.num_kv_heads, D),
+                base.expand(B, S, self.num_kv_heads, D), error)
+
+    def _overlap_ok(self, x) -> bool:
+        params = [self.qkv_proj.weight, self.o_proj.weight]
+        params += [b for b in (self.qkv_proj.bias, self.o_proj.bias) if b is not None]
+        return (self.overlap_projections and not torch.is_autocast_enabled(x.device.type)
+                and all(p.dtype == x.dtype and p.device == x.device for p in params))
+
+    def forward(self, x, *, seq_lens=None, cu_seqlens=None):
+        q, k, v, errors = self._placeholders(x)
+        call = _prepare(q, k, v, self.group, self.causal, self.softmax_scale, seq_lens, cu_seqlens,
+                        self.backend, local_errors=errors)
+        B, S, _ = x.shape
+        if call.path == "fused" and self._overlap_ok(x):
+            from . import fused_layer
+            return fused_layer.self_attention(
+                x, self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight, self.o_proj.bias,
+                num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
+                softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens)
+        qkv = self.qkv_proj(x).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        out = _run(call, qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:])
+        return self.o_proj(out.reshape(B, S, hq * self.head_dim))
+
+    def extra_repr(self):
+        scale = self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+        return (f"hidden={self.hidden_size}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, causal={self.causal}, softmax_scale={scale:.4g}, "
+                f"backend={self.backend}, overlap_projections={self.overlap_projections}")
