@@ -310,12 +310,16 @@ def test_fused_self_attention_world1(dtype, chunks, monkeypatch):
     fast, ref = _layer_pair(dtype, 8, 2, 64, 256, seed=30)
     x = _rand(2, 96, 256, dtype=dtype, seed=31)
     dy = _rand(2, 96, 256, dtype=dtype, seed=32)
+    pos = torch.arange(96, device="cuda", dtype=torch.float32)[:, None] * (
+        1.0 / 10000.0 ** (torch.arange(32, device="cuda", dtype=torch.float32) / 32))[None, :]
+    emb = torch.cat([pos, pos], dim=-1)[None]  # rotary tables [1, S, D]
+    rope = (emb.cos(), emb.sin())
     xf = x.clone().requires_grad_(True)
-    y = fast(xf)
+    y = fast(xf, position_embeddings=rope)
     assert type(y.grad_fn).__name__ == "_FusedSelfAttentionBackward"  # the overlapped layer ran
     y.backward(dy)
     xr = x.float().requires_grad_(True)
-    yr = ref(xr)
+    yr = ref(xr, position_embeddings=rope)
     yr.backward(dy.float())
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
     errs = {"y": _rel(y, yr), "dx": _rel(xf.grad, xr.grad)}

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused
+from ._rotary import apply_rotary, apply_rotary_adjoint
 from .fused import _current_stream, _device_ctx, _forward, _backward, _wait
 
 
@@ -116,8 +117,9 @@ class _LayerForwardIo:
 
     computes_inputs = True
 
-    def __init__(self, x2d, w_fwd, b_fwd, w_o_perm, b_o, order: HeadOrder, shape, device):
+    def __init__(self, x2d, w_fwd, b_fwd, w_o_perm, b_o, rotary, order: HeadOrder, shape, device):
         self.x2d, self.w_fwd, self.b_fwd, self.w_o_perm, self.b_o = x2d, w_fwd, b_fwd, w_o_perm, b_o
+        self.rotary = rotary  # (cos, sin) of this rank's tokens, or None
         self.order, (self.B, self.Sp, self.D) = order, shape
         self.rows = _prefix(order.fwd_counts)
         self.q_cols = _prefix((nq, 0) for nq, _ in order.fwd_counts)
@@ -138,6 +140,8 @@ class _LayerForwardIo:
         D, lo, n = self.D, self.rows[i], nq + 2 * nkv
         bias = self.b_fwd[lo * D:(lo + n) * D] if self.b_fwd is not None else None
         qkv = F.linear(self.x2d, self.w_fwd[lo * D:(lo + n) * D], bias).view(self.B, self.Sp, n, D)
+        if self.rotary is not None:  # positions are this rank's tokens: any subset of heads works
+            qkv[:, :, :nq + nkv] = apply_rotary(qkv[:, :, :nq + nkv], *self.rotary)
         self.keep.append(qkv)
         if nkv == 0:
             return [qkv], [0], [c.q_cnt]
@@ -166,8 +170,10 @@ class _LayerBackwardIo:
 
     computes_inputs = True
 
-    def __init__(self, dy2d, x2d, w_grad, w_o_perm, o_chunks, order: HeadOrder, shape, device, need_dx: bool):
+    def __init__(self, dy2d, x2d, w_grad, w_o_perm, o_chunks, rotary, order: HeadOrder, shape, device,
+                 need_dx: bool):
         self.dy2d, self.x2d, self.w_grad, self.w_o_perm, self.o_chunks = dy2d, x2d, w_grad, w_o_perm, o_chunks
+        self.rotary = rotary
         self.order, (self.B, self.Sp, self.D) = order, shape
         self.need_dx = need_dx
         self.rows = _prefix(order.grad_counts)
@@ -212,7 +218,11 @@ class _LayerBackwardIo:
 
     def consume(self, i, c, event):
         _wait(self.compute, event)
-        g2d = self.g_chunk(i).view(self.B * self.Sp, -1)
+        g = self.g_chunk(i)
+        if self.rotary is not None:  # gradients of the rotated q/k -> of the projections
+            nqk = sum(self.order.grad_counts[i])
+            g[:, :, :nqk] = apply_rotary_adjoint(g[:, :, :nqk], *self.rotary)
+        g2d = g.view(self.B * self.Sp, -1)
         D, lo = self.D, self.rows[i]
         if self.need_dx:
             w = self.w_grad[lo * D:lo * D + g2d.shape[1]]
@@ -228,7 +238,7 @@ class _LayerBackwardIo:
 
 class _FusedSelfAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, engine, lens, causal, scale, cu_seqlens, plan, heads):
+    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, cos, sin, engine, lens, causal, scale, cu_seqlens, plan, heads):
         hq, hkv, D = heads
         B, Sp, hidden = x.shape
         order, idx = _indices(plan, engine.world, hq, hkv, x.device)
@@ -237,7 +247,8 @@ class _FusedSelfAttention(torch.autograd.Function):
         b_fwd = b_qkv.view(-1, D).index_select(0, idx["fwd"]).view(-1) if b_qkv is not None else None
         w_o_perm = w_o.view(hidden, hq, D).index_select(1, idx["q"]).view(hidden, hq * D)
         save = any(ctx.needs_input_grad[:5])
-        io = _LayerForwardIo(x2d, w_fwd, b_fwd, w_o_perm, b_o, order, (B, Sp, D), x.device)
+        rotary = (cos, sin) if cos is not None else None
+        io = _LayerForwardIo(x2d, w_fwd, b_fwd, w_o_perm, b_o, rotary, order, (B, Sp, D), x.device)
         with _device_ctx(x.device):
             state = _forward(engine, io, (B, Sp, hq, D), lens, causal, scale, cu_seqlens, plan, save,
                              x.device, x.dtype)
@@ -245,19 +256,22 @@ class _FusedSelfAttention(torch.autograd.Function):
             ctx.engine, ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens = engine, lens, causal, scale, cu_seqlens
             ctx.plan, ctx.heads, ctx.has_bias = plan, heads, (b_qkv is not None, b_o is not None)
             ctx.recv_off, ctx.osend_off = state["recv_off"], state["osend_off"]
-            ctx.save_for_backward(x, w_qkv, w_o, io.o_chunks, state["recv"], state["osend"], *state["lses"])
+            ctx.has_rotary = rotary is not None
+            rot = [cos, sin] if rotary is not None else []
+            ctx.save_for_backward(x, w_qkv, w_o, io.o_chunks, state["recv"], state["osend"], *rot, *state["lses"])
         return io.y.view(B, Sp, hidden)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w_qkv, w_o, o_chunks, recv, osend, *lses = ctx.saved_tensors
+        x, w_qkv, w_o, o_chunks, recv, osend, *rest = ctx.saved_tensors
+        rotary, lses = (tuple(rest[:2]), rest[2:]) if ctx.has_rotary else (None, rest)
         hq, hkv, D = ctx.heads
         B, Sp, hidden = x.shape
         order, idx = _indices(ctx.plan, ctx.engine.world, hq, hkv, x.device)
         x2d, dy2d = x.reshape(B * Sp, hidden), dy.reshape(B * Sp, hidden).contiguous()
         w_grad = w_qkv.view(hq + 2 * hkv, D, hidden).index_select(0, idx["grad"]).view(-1, hidden)
         w_o_perm = w_o.view(hidden, hq, D).index_select(1, idx["q"]).view(hidden, hq * D)
-        io = _LayerBackwardIo(dy2d, x2d, w_grad, w_o_perm, o_chunks, order, (B, Sp, D), x.device,
+        io = _LayerBackwardIo(dy2d, x2d, w_grad, w_o_perm, o_chunks, rotary, order, (B, Sp, D), x.device,
                               need_dx=ctx.needs_input_grad[0])
         state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
         with _device_ctx(x.device):
@@ -269,18 +283,24 @@ class _FusedSelfAttention(torch.autograd.Function):
         d_bo = dy2d.sum(0)
         dx = io.dx.view(B, Sp, hidden) if io.dx is not None else None
         return (dx, d_wqkv, d_bqkv if ctx.has_bias[0] else None, d_wo, d_bo if ctx.has_bias[1] else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: int, head_dim: int, group,
-                   rank: int, seq_lens, causal: bool, softmax_scale: float, cu_seqlens=None, num_chunks=None):
+                   rank: int, seq_lens, causal: bool, softmax_scale: float, cu_seqlens=None,
+                   position_embeddings=None, num_chunks=None):
     """`o_proj(ulysses_attention(split(qkv_proj(x))))` on the fused path with the projections
     overlapped (differentiable in x and every weight). Called by UlyssesSelfAttention
     after `ulysses_attention`'s validation; x `[B, S_local, hidden]`, w_qkv
-    `[(Hq + 2*Hkv) * D, hidden]` (rows: q heads, then k heads, then v heads), w_o `[hidden, Hq * D]`."""
+    `[(Hq + 2*Hkv) * D, hidden]` (rows: q heads, then k heads, then v heads), w_o `[hidden, Hq * D]`,
+    position_embeddings an optional rotary (cos, sin) pair of this rank's tokens (_rotary.py;
+    not differentiated)."""
     B, Sp, _ = x.shape
     setup = fused.prepare((B, Sp, num_heads, head_dim), num_kv_heads, x.dtype, x.device, group=group, rank=rank,
                           seq_lens=seq_lens, cu_seqlens=cu_seqlens, num_chunks=num_chunks)
-    return _FusedSelfAttention.apply(x, w_qkv, b_qkv, w_o, b_o, setup.engine, setup.lens, bool(causal),
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    if cos is not None:
+        cos, sin = (t.detach().to(x.dtype).expand(B, Sp, head_dim) for t in (cos, sin))
+    return _FusedSelfAttention.apply(x, w_qkv, b_qkv, w_o, b_o, cos, sin, setup.engine, setup.lens, bool(causal),
                                      float(softmax_scale), setup.cu_seqlens, setup.plan,
                                      (num_heads, num_kv_heads, head_dim))

@@ -7,13 +7,18 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._rotary import apply_rotary, position_embeddings_error
 from .attention import _prepare, _run
 
 
 class UlyssesSelfAttention(nn.Module):
     """Self-attention over a sequence sharded across the SP group.
 
-    forward(x, *, seq_lens=None, cu_seqlens=None): x `[B, S_local, hidden]` -> `[B, S_local, hidden]`.
+    forward(x, *, position_embeddings=None, seq_lens=None, cu_seqlens=None):
+    x `[B, S_local, hidden]` -> `[B, S_local, hidden]`. `position_embeddings`: optional
+    rotary `(cos, sin)`, each `[B or 1, S_local, head_dim]` for this rank's tokens (global
+    positions), applied to q and k in the Hugging Face (Llama) convention
+    (`ulysses_kernels._rotary`) in the activation dtype.
 
     `qkv_proj` is one `nn.Linear(hidden, (Hq + 2*Hkv) * head_dim)` whose output rows are
     the q heads, then the k heads, then the v heads; `o_proj` is `nn.Linear(Hq * head_dim,
@@ -42,13 +47,16 @@ class UlyssesSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
 
-    def _placeholders(self, x):
+    def _placeholders(self, x, position_embeddings):
         """Stand-ins for q/k/v with the shapes, dtype and device the projection would give,
-        for the validation (nothing is read from them), plus a local error for a bad x."""
+        for the validation (nothing is read from them), plus local errors for bad inputs."""
         ok = isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[-1] == self.hidden_size
         error = [] if ok else [f"x must be [batch, seq_local, {self.hidden_size}], got "
                                f"{tuple(getattr(x, 'shape', ()))}"]
         B, S = (x.shape[0], x.shape[1]) if ok else (1, 1)
+        if ok:
+            rotary_error = position_embeddings_error(position_embeddings, B, S, self.head_dim)
+            error += [rotary_error] if rotary_error else []
         device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
         dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
         if torch.is_autocast_enabled(device.type):
@@ -64,8 +72,8 @@ class UlyssesSelfAttention(nn.Module):
         return (self.overlap_projections and not torch.is_autocast_enabled(x.device.type)
                 and all(p.dtype == x.dtype and p.device == x.device for p in params))
 
-    def forward(self, x, *, seq_lens=None, cu_seqlens=None):
-        q, k, v, errors = self._placeholders(x)
+    def forward(self, x, *, position_embeddings=None, seq_lens=None, cu_seqlens=None):
+        q, k, v, errors = self._placeholders(x, position_embeddings)
         call = _prepare(q, k, v, self.group, self.causal, self.softmax_scale, seq_lens, cu_seqlens,
                         self.backend, local_errors=errors)
         B, S, _ = x.shape
@@ -75,10 +83,15 @@ class UlyssesSelfAttention(nn.Module):
                 x, self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight, self.o_proj.bias,
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                 group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
-                softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens)
+                softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens,
+                position_embeddings=position_embeddings)
         qkv = self.qkv_proj(x).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         hq, hkv = self.num_heads, self.num_kv_heads
-        out = _run(call, qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:])
+        q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+        if position_embeddings is not None:
+            cos, sin = (t.to(q.dtype) for t in position_embeddings)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = _run(call, q, k, v)
         return self.o_proj(out.reshape(B, S, hq * self.head_dim))
 
     def extra_repr(self):
