@@ -30,8 +30,8 @@ def apply_rotary_adjoint(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return dy * cos + _rotate_half_adjoint(dy * sin)
 
 
-def position_embeddings_error(position_embeddings, batch: int, seq: int, head_dim: int):
-    """Why (cos, sin) cannot be applied to `[batch, seq, H, head_dim]`, or None."""
+def position_embeddings_error(position_embeddings, batch: int, seq: int, head_dim: int, device):
+    """Why (cos, sin) cannot be applied to `[batch, seq, H, head_dim]` on `device`, or None."""
     if position_embeddings is None:
         return None
     try:
@@ -43,6 +43,8 @@ def position_embeddings_error(position_embeddings, batch: int, seq: int, head_di
                 or t.shape[1] != seq or t.shape[2] != head_dim:
             return (f"position_embeddings {name} must be [{batch} or 1, {seq}, {head_dim}], got "
                     f"{tuple(getattr(t, 'shape', ()))}")
+        if t.device != device:
+            return f"position_embeddings {name} is on {t.device} but x is on {device}"
     if head_dim % 2:
         return f"rotary embeddings need an even head dim, got {head_dim}"
     return None

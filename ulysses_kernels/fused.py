@@ -651,8 +651,9 @@ def _backward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan
 
 class _FusedUlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, engine, lens, rank, causal, scale, cu_seqlens, plan):
-        save = any(ctx.needs_input_grad[:3])
+    def forward(ctx, q, k, v, engine, lens, rank, causal, scale, cu_seqlens, plan, grad_enabled=True):
+        # needs_input_grad does not see torch.no_grad(): the caller passes the grad mode.
+        save = grad_enabled and any(ctx.needs_input_grad[:3])
         out = q.new_empty(q.shape)
         with _device_ctx(q.device):
             state = _forward(engine, _AttentionIo([q, k, v], [out], backward=False), q.shape, lens, causal, scale,
@@ -678,7 +679,7 @@ class _FusedUlyssesAttention(torch.autograd.Function):
         with _device_ctx(dout.device):
             _backward(ctx.engine, _AttentionIo([dout], [dq, dk, dv], backward=True), ctx.q_shape, ctx.lens,
                       ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan, state, dout.device, dout.dtype)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _supported_seen = False
@@ -705,13 +706,23 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     after it validated the inputs: `seq_lens` is every rank's local length, `group` None
     means the default group (or a single process when torch.distributed is not initialised).
     """
+    _require_extension()
     why = unsupported_reason(q, k, v)
     if why:
         raise RuntimeError(f"{why}; use backend='triton' or 'reference'")
     setup = prepare(q.shape, k.shape[2], q.dtype, q.device, group=group, rank=rank, seq_lens=seq_lens,
                     cu_seqlens=cu_seqlens, num_chunks=num_chunks)
     return _FusedUlyssesAttention.apply(q, k, v, setup.engine, setup.lens, rank, bool(causal), float(softmax_scale),
-                                        setup.cu_seqlens, setup.plan)
+                                        setup.cu_seqlens, setup.plan, torch.is_grad_enabled())
+
+
+def _require_extension() -> None:
+    global _supported_seen
+    if not _supported_seen:
+        if not is_supported():
+            _, reason = _backend.load_extension()
+            raise RuntimeError(f"the fused path is unavailable: {reason or 'the extension lacks the fused ops'}")
+        _supported_seen = True
 
 
 @dataclass(frozen=True)
@@ -726,12 +737,7 @@ def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *,
             seq_lens: Sequence[int], cu_seqlens=None, num_chunks: Optional[int] = None) -> Setup:
     """Engine, lengths, chunk plan and device cu_seqlens for a validated call whose q is
     `q_shape = [B, S_p, Hq, D]` (shared by the attention op and fused_layer.py)."""
-    global _supported_seen
-    if not _supported_seen:
-        if not is_supported():
-            _, reason = _backend.load_extension()
-            raise RuntimeError(f"the fused path is unavailable: {reason or 'the extension lacks the fused ops'}")
-        _supported_seen = True
+    _require_extension()
     lens = [int(n) for n in seq_lens]
     world = len(lens)
     B, Sp, Hq, D = q_shape

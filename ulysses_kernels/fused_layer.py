@@ -84,12 +84,21 @@ def _indices(plan, world, hq, hkv, device):
         hit = _index_cache.get(key)
         if hit is None:
             order = head_order(plan, world, hq, hkv)
-            idx = {name: torch.tensor(getattr(order, name), dtype=torch.long, device=device)
-                   for name in ("fwd", "grad", "q")}
+            idx = {}
             for name in ("fwd", "grad", "q"):
-                idx[name + "_inv"] = torch.argsort(idx[name])
+                heads = getattr(order, name)
+                if list(heads) == list(range(len(heads))):
+                    idx[name] = idx[name + "_inv"] = None  # identity (P == 1, one chunk): no gather
+                else:
+                    idx[name] = torch.tensor(heads, dtype=torch.long, device=device)
+                    idx[name + "_inv"] = torch.argsort(idx[name])
             hit = _index_cache[key] = (order, idx)
     return hit
+
+
+def _gather(x, dim: int, index):
+    """x.index_select(dim, index), or x itself for the identity order (index None)."""
+    return x if index is None else x.index_select(dim, index)
 
 
 def _chunk_block(flat, i, starts, heads, B, Sp, D):
@@ -170,12 +179,12 @@ class _LayerBackwardIo:
 
     computes_inputs = True
 
-    def __init__(self, dy2d, x2d, w_grad, w_o_perm, o_chunks, rotary, order: HeadOrder, shape, device,
-                 need_dx: bool):
+    def __init__(self, dy2d, x2d, w_grad, w_o_perm, o_chunks, rotary, order: HeadOrder, shape, device, need):
         self.dy2d, self.x2d, self.w_grad, self.w_o_perm, self.o_chunks = dy2d, x2d, w_grad, w_o_perm, o_chunks
         self.rotary = rotary
         self.order, (self.B, self.Sp, self.D) = order, shape
-        self.need_dx = need_dx
+        # which of x, W_qkv, b_qkv, W_o, b_o need a gradient (frozen weights cost nothing)
+        self.need_dx, self.need_dw, self.need_db, self.need_dwo = need[0], need[1], need[2], need[3]
         self.rows = _prefix(order.grad_counts)
         self.q_cols = _prefix((nq, 0) for nq, _ in order.grad_counts)
         self.compute = _current_stream(device)
@@ -206,6 +215,8 @@ class _LayerBackwardIo:
 
     def after_inputs(self):
         # dW_o needs no exchange: issued behind the dO GEMMs, ahead of the attention.
+        if not self.need_dwo:
+            return
         for i in range(len(self.order.grad_counts)):
             self.dwo_cols.append(torch.mm(self.dy2d.t(), self.o_chunk(i).view(self.B * self.Sp, -1)))
 
@@ -230,23 +241,27 @@ class _LayerBackwardIo:
                 self.dx = torch.mm(g2d, w)
             else:
                 self.dx.addmm_(g2d, w)
-        self.dw_rows.append(torch.mm(g2d.t(), self.x2d))
-        self.db_rows.append(g2d.sum(0))
+        if self.need_dw:
+            self.dw_rows.append(torch.mm(g2d.t(), self.x2d))
+        if self.need_db:
+            self.db_rows.append(g2d.sum(0))
 
 
 # ------------------------------------------------------------------------ autograd
 
 class _FusedSelfAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, cos, sin, engine, lens, causal, scale, cu_seqlens, plan, heads):
+    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, cos, sin, engine, lens, causal, scale, cu_seqlens, plan, heads,
+                grad_enabled=True):
         hq, hkv, D = heads
         B, Sp, hidden = x.shape
         order, idx = _indices(plan, engine.world, hq, hkv, x.device)
         x2d = x.reshape(B * Sp, hidden)
-        w_fwd = w_qkv.view(hq + 2 * hkv, D, hidden).index_select(0, idx["fwd"]).view(-1, hidden)
-        b_fwd = b_qkv.view(-1, D).index_select(0, idx["fwd"]).view(-1) if b_qkv is not None else None
-        w_o_perm = w_o.view(hidden, hq, D).index_select(1, idx["q"]).view(hidden, hq * D)
-        save = any(ctx.needs_input_grad[:5])
+        w_fwd = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx["fwd"]).reshape(-1, hidden)
+        b_fwd = _gather(b_qkv.reshape(-1, D), 0, idx["fwd"]).reshape(-1) if b_qkv is not None else None
+        w_o_perm = _gather(w_o.reshape(hidden, hq, D), 1, idx["q"]).reshape(hidden, hq * D)
+        # needs_input_grad does not see torch.no_grad(): the caller passes the grad mode.
+        save = grad_enabled and any(ctx.needs_input_grad[:5])
         rotary = (cos, sin) if cos is not None else None
         io = _LayerForwardIo(x2d, w_fwd, b_fwd, w_o_perm, b_o, rotary, order, (B, Sp, D), x.device)
         with _device_ctx(x.device):
@@ -269,21 +284,29 @@ class _FusedSelfAttention(torch.autograd.Function):
         B, Sp, hidden = x.shape
         order, idx = _indices(ctx.plan, ctx.engine.world, hq, hkv, x.device)
         x2d, dy2d = x.reshape(B * Sp, hidden), dy.reshape(B * Sp, hidden).contiguous()
-        w_grad = w_qkv.view(hq + 2 * hkv, D, hidden).index_select(0, idx["grad"]).view(-1, hidden)
-        w_o_perm = w_o.view(hidden, hq, D).index_select(1, idx["q"]).view(hidden, hq * D)
+        need = ctx.needs_input_grad
+        w_grad = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx["grad"]).reshape(-1, hidden)
+        w_o_perm = _gather(w_o.reshape(hidden, hq, D), 1, idx["q"]).reshape(hidden, hq * D)
         io = _LayerBackwardIo(dy2d, x2d, w_grad, w_o_perm, o_chunks, rotary, order, (B, Sp, D), x.device,
-                              need_dx=ctx.needs_input_grad[0])
-        state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
-        with _device_ctx(x.device):
-            _backward(ctx.engine, io, (B, Sp, hq, D), ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan,
-                      state, x.device, x.dtype)
-        d_wqkv = torch.cat(io.dw_rows).view(-1, D, hidden).index_select(0, idx["grad_inv"]).view(-1, hidden)
-        d_bqkv = torch.cat(io.db_rows).view(-1, D).index_select(0, idx["grad_inv"]).view(-1)
-        d_wo = torch.cat(io.dwo_cols, dim=1).view(hidden, hq, D).index_select(1, idx["q_inv"]).view(hidden, -1)
-        d_bo = dy2d.sum(0)
+                              need=need[:5])
+        if any(need[:3]):  # x, W_qkv or b_qkv: the gradients travel back through the exchanges
+            state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
+            with _device_ctx(x.device):
+                _backward(ctx.engine, io, (B, Sp, hq, D), ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens,
+                          ctx.plan, state, x.device, x.dtype)
+        else:  # only the output projection trains: no exchange needed
+            io.after_inputs()
+        d_wqkv = d_bqkv = d_wo = d_bo = None
+        if need[1]:
+            d_wqkv = _gather(torch.cat(io.dw_rows).view(-1, D, hidden), 0, idx["grad_inv"]).reshape(-1, hidden)
+        if need[2]:
+            d_bqkv = _gather(torch.cat(io.db_rows).view(-1, D), 0, idx["grad_inv"]).reshape(-1)
+        if need[3]:
+            d_wo = _gather(torch.cat(io.dwo_cols, dim=1).view(hidden, hq, D), 1, idx["q_inv"]).reshape(hidden, -1)
+        if need[4]:
+            d_bo = dy2d.sum(0)
         dx = io.dx.view(B, Sp, hidden) if io.dx is not None else None
-        return (dx, d_wqkv, d_bqkv if ctx.has_bias[0] else None, d_wo, d_bo if ctx.has_bias[1] else None,
-                None, None, None, None, None, None, None, None, None)
+        return (dx, d_wqkv, d_bqkv, d_wo, d_bo) + (None,) * 10
 
 
 def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: int, head_dim: int, group,
@@ -303,4 +326,4 @@ def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: i
         cos, sin = (t.detach().to(x.dtype).expand(B, Sp, head_dim) for t in (cos, sin))
     return _FusedSelfAttention.apply(x, w_qkv, b_qkv, w_o, b_o, cos, sin, setup.engine, setup.lens, bool(causal),
                                      float(softmax_scale), setup.cu_seqlens, setup.plan,
-                                     (num_heads, num_kv_heads, head_dim))
+                                     (num_heads, num_kv_heads, head_dim), torch.is_grad_enabled())

@@ -18,7 +18,7 @@ class UlyssesSelfAttention(nn.Module):
     x `[B, S_local, hidden]` -> `[B, S_local, hidden]`. `position_embeddings`: optional
     rotary `(cos, sin)`, each `[B or 1, S_local, head_dim]` for this rank's tokens (global
     positions), applied to q and k in the Hugging Face (Llama) convention
-    (`ulysses_kernels._rotary`) in the activation dtype.
+    (`ulysses_kernels._rotary`) in the activation dtype; they are constants (no gradient).
 
     `qkv_proj` is one `nn.Linear(hidden, (Hq + 2*Hkv) * head_dim)` whose output rows are
     the q heads, then the k heads, then the v heads; `o_proj` is `nn.Linear(Hq * head_dim,
@@ -55,7 +55,7 @@ class UlyssesSelfAttention(nn.Module):
                                f"{tuple(getattr(x, 'shape', ()))}"]
         B, S = (x.shape[0], x.shape[1]) if ok else (1, 1)
         if ok:
-            rotary_error = position_embeddings_error(position_embeddings, B, S, self.head_dim)
+            rotary_error = position_embeddings_error(position_embeddings, B, S, self.head_dim, x.device)
             error += [rotary_error] if rotary_error else []
         device = x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
         dtype = x.dtype if isinstance(x, torch.Tensor) else torch.float32
@@ -89,7 +89,7 @@ class UlyssesSelfAttention(nn.Module):
         hq, hkv = self.num_heads, self.num_kv_heads
         q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
         if position_embeddings is not None:
-            cos, sin = (t.to(q.dtype) for t in position_embeddings)
+            cos, sin = (t.detach().to(q.dtype) for t in position_embeddings)  # as on the fused path
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = _run(call, q, k, v)
         return self.o_proj(out.reshape(B, S, hq * self.head_dim))
