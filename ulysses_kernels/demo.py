@@ -40,55 +40,48 @@ class DemoConfig:
 
 # ----------------------------------------------------------------------------- model
 
-def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x `[B, S, H, D]` at (global) positions `[S]`."""
-    d = x.shape[-1] // 2
-    freqs = 1.0 / (10000.0 ** (torch.arange(d, device=x.device, dtype=torch.float32) / d))
+def rope_tables(positions: torch.Tensor, head_dim: int):
+    """Rotary (cos, sin) `[1, S, head_dim]` at (global) positions `[S]` (Llama convention)."""
+    d = head_dim // 2
+    freqs = 1.0 / (10000.0 ** (torch.arange(d, device=positions.device, dtype=torch.float32) / d))
     angles = positions.to(torch.float32)[:, None] * freqs[None, :]
-    cos, sin = angles.cos()[None, :, None, :].to(x.dtype), angles.sin()[None, :, None, :].to(x.dtype)
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    emb = torch.cat([angles, angles], dim=-1)[None]
+    return emb.cos(), emb.sin()
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DemoConfig, group, sequence_parallel: bool):
+    def __init__(self, cfg: DemoConfig, group):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.dim // cfg.heads
         self.norm1 = nn.RMSNorm(cfg.dim)
-        self.qkv = nn.Linear(cfg.dim, (cfg.heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
-        self.proj = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        # QKV projection -> rotary -> Ulysses attention -> output projection; on GPUs with the
+        # extension built the projections overlap the all-to-all exchanges.
+        self.attn = uk.UlyssesSelfAttention(cfg.dim, cfg.heads, cfg.kv_heads, group=group, causal=True,
+                                            backend=cfg.backend)
         self.norm2 = nn.RMSNorm(cfg.dim)
         self.mlp = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim))
-        self.sequence_parallel = sequence_parallel
-        self.attn = uk.UlyssesAttention(group, causal=True, backend=cfg.backend)
 
-    def forward(self, x, positions, seq_lens):
-        B, S, _ = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
-        q = rope(q.view(B, S, self.heads, self.head_dim), positions)
-        k = rope(k.view(B, S, self.kv_heads, self.head_dim), positions)
-        v = v.view(B, S, self.kv_heads, self.head_dim)
-        if self.sequence_parallel:
-            a = self.attn(q, k, v, seq_lens=seq_lens)
-        else:
-            a = uk.flash_attention(q, k, v, causal=True)
-        x = x + self.proj(a.reshape(B, S, -1))
+    def forward(self, x, rope, seq_lens):
+        x = x + self.attn(self.norm1(x), position_embeddings=rope, seq_lens=seq_lens)
         return x + self.mlp(self.norm2(x))
 
 
 class TinyCausalLM(nn.Module):
-    def __init__(self, cfg: DemoConfig, group=None, sequence_parallel: bool = True):
+    """`group`: the sequence-parallel group (None: the default group, or a single process
+    when torch.distributed is not initialised)."""
+
+    def __init__(self, cfg: DemoConfig, group=None):
         super().__init__()
+        self.head_dim = cfg.dim // cfg.heads
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, group, sequence_parallel) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, group) for _ in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
     def forward(self, tokens, positions, seq_lens=None):
         x = self.embed(tokens)
+        rope = rope_tables(positions, self.head_dim)
         for block in self.blocks:
-            x = block(x, positions, seq_lens)
+            x = block(x, rope, seq_lens)
         return self.head(self.norm(x))
 
 
@@ -200,9 +193,10 @@ def worker(rank: int, world: int, cfg_dict: dict):
     tokens, labels = copy_task_batch(cfg, 10**6)
     model.zero_grad(set_to_none=True)
     sp_loss = sp_loss_and_grads(model, tokens, labels, group, rank, world, device)
+    alone = dist.new_group([0])  # the single-process run: a group of rank 0 alone (every rank must call this)
     verdict = None
     if rank == 0:
-        ref = TinyCausalLM(cfg, sequence_parallel=False).to(device)
+        ref = TinyCausalLM(cfg, group=alone).to(device)
         ref.load_state_dict(copy.deepcopy(model.state_dict()))
         ref_loss = single_process_loss_and_grads(ref, tokens, labels, device)
         loss_diff = abs(sp_loss - ref_loss) / abs(ref_loss)
