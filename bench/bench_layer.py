@@ -10,11 +10,14 @@ sequence, one rank's heads) and the pack/unpack kernels of the P = 8 layouts.
 Modelled (P = 8, NVLink 450 GB/s per direction): bench/MODEL.md explains the model; the
 all-to-all time is the bytes each rank sends to other ranks divided by the link rate
 plus a fixed latency, and the overlapped time comes from simulating the two streams
-chunk by chunk. Nothing of the P = 8 rows is measured end to end.
+chunk by chunk. The self-attention block adds this rank's projection GEMMs (measured) and
+compares the plain composition with UlyssesSelfAttention's fused layer, whose projections
+overlap the exchanges. `--link-gbps` models another link. Nothing of the P = 8 rows is
+measured end to end.
 
 Writes layer.json and layer.md into --out (default $OUT, else bench/results).
 
-    python bench/bench_layer.py [--quick] [--out DIR]
+    python bench/bench_layer.py [--quick] [--out DIR] [--world P] [--link-gbps G]
 """
 
 import argparse
@@ -34,6 +37,8 @@ def parse_args():
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--world", type=int, default=8, help="modelled SP size")
+    p.add_argument("--link-gbps", type=float, default=LINK_GBPS,
+                   help="modelled per-direction link rate per GPU (450: NVLink 4; ~50: 400 Gb/s InfiniBand)")
     return p.parse_args()
 
 
@@ -41,28 +46,59 @@ def bench(fn, quick):
     return _fused_bench.bench(fn, *((5, 30) if quick else (20, 100)))
 
 
-def a2a_ms(offrank_bytes):
-    return offrank_bytes / (LINK_GBPS * 1e9) * 1e3 + A2A_LATENCY_US * 1e-3
+def a2a_ms(offrank_bytes, link_gbps):
+    return offrank_bytes / (link_gbps * 1e9) * 1e3 + A2A_LATENCY_US * 1e-3
+
+
+def run_streams(ops):
+    """Finishing time (ms) of in-order CUDA streams. ops: (name, stream, ms, deps) in the
+    order the host issues them; an op starts when its stream is free and its deps are done."""
+    end, free = {}, {}
+    for name, stream, ms, deps in ops:
+        start = max([free.get(stream, 0.0)] + [end[d] for d in deps])
+        end[name] = free[stream] = start + ms
+    return max(end.values())
+
+
+def attention_ops(chunks, comm_in, compute, comm_out, after=()):
+    """fused.py's attention pipeline, per-chunk costs = totals / C: comm packs and sends
+    every chunk, compute runs chunk c's attention after its exchange, comm returns chunk c
+    after its attention. `after`: ops the first exchange waits for."""
+    ops = [(f"in{c}", "comm", comm_in / chunks, list(after)) for c in range(chunks)]
+    for c in range(chunks):
+        ops.append((f"attn{c}", "compute", compute / chunks, [f"in{c}"]))
+        ops.append((f"out{c}", "comm", comm_out / chunks, [f"attn{c}"]))
+    return ops
 
 
 def simulate(chunks, comm_in, compute, comm_out):
-    """Two in-order streams: comm runs in_0..in_{C-1} then out_0..out_{C-1} (out_c after
-    compute_c), compute runs compute_c after in_c. Per-chunk times are totals / C.
-    Returns the finishing time (ms)."""
-    ci, cp, co = comm_in / chunks, compute / chunks, comm_out / chunks
-    t_comm = 0.0
-    in_done = []
-    for _ in range(chunks):
-        t_comm += ci
-        in_done.append(t_comm)
-    t_comp = 0.0
-    comp_done = []
+    """The attention op alone (bench/MODEL.md, "With overlap")."""
+    return run_streams(attention_ops(chunks, comm_in, compute, comm_out))
+
+
+def simulate_block(chunks, gemm_in, comm_in, compute, comm_out, gemm_out, overlap_projections, gemm_mid=0.0):
+    """A self-attention block: projection GEMMs in and out around the attention pipeline.
+    Plain composition: all of gemm_in and gemm_mid, then the attention op, then all of
+    gemm_out. fused_layer.py: chunk c's input GEMM precedes chunk c's exchange, gemm_mid
+    (dW_o in the backward) follows the input GEMMs, and chunk c's output GEMM runs after
+    chunk c+1's attention has been issued."""
+    if not overlap_projections:
+        ops = [("gin", "compute", gemm_in + gemm_mid, [])]
+        ops += attention_ops(chunks, comm_in, compute, comm_out, after=["gin"])
+        ops.append(("gout", "compute", gemm_out, [f"out{c}" for c in range(chunks)]))
+        return run_streams(ops)
+    ops = []
     for c in range(chunks):
-        t_comp = max(t_comp, in_done[c]) + cp
-        comp_done.append(t_comp)
+        ops.append((f"gin{c}", "compute", gemm_in / chunks, []))
+        ops.append((f"in{c}", "comm", comm_in / chunks, [f"gin{c}"]))
+    ops.append(("gmid", "compute", gemm_mid, []))
     for c in range(chunks):
-        t_comm = max(t_comm, comp_done[c]) + co
-    return max(t_comm, t_comp)
+        ops.append((f"attn{c}", "compute", compute / chunks, [f"in{c}"]))
+        ops.append((f"out{c}", "comm", comm_out / chunks, [f"attn{c}"]))
+        if c:
+            ops.append((f"gout{c - 1}", "compute", gemm_out / chunks, [f"out{c - 1}"]))
+    ops.append((f"gout{chunks - 1}", "compute", gemm_out / chunks, [f"out{chunks - 1}"]))
+    return run_streams(ops)
 
 
 def main():
@@ -169,9 +205,9 @@ def main():
         # bytes each rank sends to the other P-1 ranks
         qkv_bytes = B * Sp * hc * D * esize * (P8 - 1)
         out_bytes = B * Sp * hl_q * D * esize * (P8 - 1)
-        a_qkv, a_out = a2a_ms(qkv_bytes), a2a_ms(out_bytes)
+        a_qkv, a_out = a2a_ms(qkv_bytes, args.link_gbps), a2a_ms(out_bytes, args.link_gbps)
         fwd_in, fwd_out = t_pack + a_qkv, a_out + t_unpack
-        bwd_in, bwd_out = t_dpack + a2a_ms(out_bytes), a2a_ms(qkv_bytes) + t_gunpack
+        bwd_in, bwd_out = t_dpack + a2a_ms(out_bytes, args.link_gbps), a2a_ms(qkv_bytes, args.link_gbps) + t_gunpack
         row = dict(P=P8, B=B, S=S, S_local=Sp, Hq=Hq, Hkv=Hkv, D=D, causal=causal,
                    attn_fwd_ms=t_fwd, attn_bwd_ms=t_bwd, pack_ms=t_pack, unpack_ms=t_unpack,
                    dpack_ms=t_dpack, grad_unpack_ms=t_gunpack, a2a_qkv_ms=a_qkv, a2a_out_ms=a_out,
@@ -180,13 +216,32 @@ def main():
         for c in (2, 4):
             row[f"overlap_c{c}_ms"] = (simulate(c, fwd_in, t_fwd, fwd_out) + simulate(c, bwd_in, t_bwd, bwd_out))
         row["comm_fraction_no_overlap"] = (fwd_in + fwd_out + bwd_in + bwd_out) / row["no_overlap_ms"]
+        # The self-attention block around it (hidden = Hq * D): this rank's projection GEMMs,
+        # measured. Forward: qkv GEMM in, output GEMM out. Backward: dO = dy W_o in, dW_o in
+        # the middle, dx and dW_qkv out.
+        hidden = Hq * D
+        xg = torch.randn(B * Sp, hidden, device=dev, dtype=dtype)
+        w_qkv = torch.randn((Hq + 2 * Hkv) * D, hidden, device=dev, dtype=dtype) / math.sqrt(hidden)
+        w_o = torch.randn(hidden, Hq * D, device=dev, dtype=dtype) / math.sqrt(hidden)
+        t_gq = bench(lambda: torch.nn.functional.linear(xg, w_qkv), args.quick)
+        t_go = bench(lambda: torch.nn.functional.linear(xg, w_o), args.quick)
+        xg = w_qkv = w_o = None  # free (not del: the closures read them)
+
+        def block_ms(overlap, c):
+            return (simulate_block(c, t_gq, fwd_in, t_fwd, fwd_out, t_go, overlap)
+                    + simulate_block(c, t_go, bwd_in, t_bwd, bwd_out, 2 * t_gq, overlap, gemm_mid=t_go))
+
+        row.update(gemm_qkv_ms=t_gq, gemm_o_ms=t_go, block_plain_c1_ms=block_ms(False, 1))
+        for c in (2, 4):
+            row[f"block_plain_c{c}_ms"] = block_ms(False, c)  # attention chunks overlap, projections do not
+            row[f"block_fused_c{c}_ms"] = block_ms(True, c)   # fused_layer.py: projections overlap too
         modelled.append(row)
         print(f"[P={P8} model] S{S}: attn fwd {t_fwd:.2f} bwd {t_bwd:.2f} ms, a2a qkv {a_qkv:.3f} ms; "
               f"no overlap {row['no_overlap_ms']:.2f} ms, overlap c2 {row['overlap_c2_ms']:.2f}, "
               f"c4 {row['overlap_c4_ms']:.2f} ms", flush=True)
 
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(dtype),
-                link_GBps=LINK_GBPS, a2a_latency_us=A2A_LATENCY_US,
+                link_GBps=args.link_gbps, a2a_latency_us=A2A_LATENCY_US,
                 triton_autotune=os.environ.get("ULYSSES_KERNELS_TRITON_AUTOTUNE", "1"))
     with open(os.path.join(args.out, "layer.json"), "w") as f:
         json.dump(dict(meta=meta, measured=measured, blocks=blocks, modelled=modelled), f, indent=1)
@@ -206,7 +261,7 @@ def main():
         for r in blocks:
             f.write(f"| {r['B']} | {r['S']} | {r['hidden']} | {r['Hq']}/{r['Hkv']} | {r['D']} | "
                     f"{r['overlap_projections']} | {r['chunks']} | {r['ms']:.2f} |\n")
-        f.write(f"\n## Modelled, P = {P8} on NVLink ({LINK_GBPS:.0f} GB/s per direction; see bench/MODEL.md)\n\n"
+        f.write(f"\n## Modelled, P = {P8}, link {args.link_gbps:.0f} GB/s per direction (see bench/MODEL.md)\n\n"
                 "Attention and pack/unpack times are measured on this GPU at the per-rank P = 8 shapes; the "
                 "all-to-all times are modelled.\n\n| S (global) | attn fwd+bwd (ms) | a2a qkv (ms) | a2a out (ms) | "
                 "no overlap (ms) | overlap 2 chunks (ms) | overlap 4 chunks (ms) | comm share w/o overlap |\n"
@@ -215,6 +270,14 @@ def main():
             f.write(f"| {r['S']} | {r['attn_fwd_ms'] + r['attn_bwd_ms']:.2f} | {r['a2a_qkv_ms']:.3f} | "
                     f"{r['a2a_out_ms']:.3f} | {r['no_overlap_ms']:.2f} | {r['overlap_c2_ms']:.2f} | "
                     f"{r['overlap_c4_ms']:.2f} | {r['comm_fraction_no_overlap']:.1%} |\n")
+        f.write("\nThe whole self-attention block (projection GEMMs measured at the per-rank shapes, hidden = "
+                "Hq * D): plain composition (only the attention chunks overlap the exchanges) vs "
+                "UlyssesSelfAttention's fused layer (the projections overlap them too).\n\n"
+                "| S (global) | qkv GEMM (ms) | out GEMM (ms) | plain, 1 chunk (ms) | plain, 4 chunks (ms) | "
+                "fused layer, 2 chunks (ms) | fused layer, 4 chunks (ms) |\n|---|---|---|---|---|---|---|\n")
+        for r in modelled:
+            f.write(f"| {r['S']} | {r['gemm_qkv_ms']:.3f} | {r['gemm_o_ms']:.3f} | {r['block_plain_c1_ms']:.2f} | "
+                    f"{r['block_plain_c4_ms']:.2f} | {r['block_fused_c2_ms']:.2f} | {r['block_fused_c4_ms']:.2f} |\n")
     return 0
 
 
