@@ -1,17 +1,44 @@
 """Shared by bench_a2a.py and bench_layer.py (run as scripts from bench/, so a plain
-import finds this module)."""
+import finds this module).
 
+Smoke mode (`--smoke`, used by tests/test_bench_smoke.py on CPU): every code path of a
+benchmark runs once at tiny shapes on the CPU, with the torch stand-ins of the CUDA ops
+(`fused.ReferenceOps`), the test-only host transport and the Triton interpreter, so CI
+catches a script that would crash on the GPU. Its numbers mean nothing.
+"""
+
+import os
 import sys
+import time
+
+SMOKE = False
 
 
-def fused_device(script: str):
-    """The CUDA device to benchmark on, or None (after printing why to stderr) when there
-    is no GPU or the extension lacks the fused path's ops."""
+def add_smoke_flag(parser):
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check of the script at tiny shapes (needs TRITON_INTERPRET=1); numbers mean nothing")
+
+
+def fused_device(script: str, smoke: bool = False):
+    """The device to benchmark on, or None (after printing why to stderr) when there is no
+    GPU or the extension lacks the fused path's ops. In smoke mode: the CPU, set up as the
+    module docstring says."""
+    global SMOKE
     import torch
+    from ulysses_kernels import _backend, fused
+    if smoke:
+        SMOKE = True
+        fused._ops_override = fused.ReferenceOps
+        os.environ[fused.ENV_TRANSPORT] = "host"
+        # The fused path refuses CPU tensors; smoke mode runs its orchestration anyway.
+        fused.unsupported_reason = lambda *args: None
+        real_resolve = _backend.resolve_backend
+        _backend.resolve_backend = lambda backend, device, **kw: (
+            "fused" if backend == "fused" else real_resolve(backend, device, **kw))
+        return torch.device("cpu")
     if not torch.cuda.is_available():
         print(f"{script}: needs a CUDA GPU", file=sys.stderr)
         return None
-    from ulysses_kernels import _backend, fused
     module, reason = _backend.load_extension()
     if module is None or not fused.is_supported():
         print(f"{script}: the CUDA extension is unavailable: {reason or 'it lacks the fused ops'}", file=sys.stderr)
@@ -19,7 +46,24 @@ def fused_device(script: str):
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def ops():
+    """The pack/unpack ops: the CUDA kernels, or their torch stand-ins in smoke mode."""
+    from ulysses_kernels import fused
+    return fused._ops()
+
+
 def bench(fn, warmup: int, rep: int) -> float:
-    """Median milliseconds of `fn` (triton.testing.do_bench: `warmup` and `rep` in ms)."""
+    """Median milliseconds of `fn` (triton.testing.do_bench: `warmup` and `rep` in ms);
+    one timed call in smoke mode."""
+    if SMOKE:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     from triton.testing import do_bench
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def device_meta(torch) -> dict:
+    if SMOKE:
+        return dict(device="cpu (smoke run: numbers mean nothing)", nccl=None)
+    return dict(device=torch.cuda.get_device_name(), nccl=".".join(map(str, torch.cuda.nccl.version())))

@@ -28,6 +28,7 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--quick", action="store_true")
+    _fused_bench.add_smoke_flag(p)
     return p.parse_args()
 
 
@@ -38,14 +39,14 @@ def bench(fn, quick):
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    dev = _fused_bench.fused_device("bench_a2a")
+    dev = _fused_bench.fused_device("bench_a2a", smoke=args.smoke)
     if dev is None:
         return 2
     import torch
     import torch.distributed as dist
     from ulysses_kernels import fused
-    ops = torch.ops.ulysses_kernels
-    dtype = torch.bfloat16
+    ops = _fused_bench.ops()
+    dtype = torch.float32 if args.smoke else torch.bfloat16  # smoke: the interpreter is exact in fp32
     rows = []
 
     # ---------------------------------------------------------------- 1. kernels
@@ -56,6 +57,8 @@ def main():
     ]
     if args.quick:
         configs = configs[:2]
+    if args.smoke:
+        configs = [("smoke GQA P4 (KV split)", 4, 1, 8, 8, 4, 16), ("smoke MQA P4 (KV replicated)", 4, 2, 8, 8, 1, 16)]
     for label, P, B, Sp, Hq, Hkv, D in configs:
         q = torch.randn(B, Sp, Hq, D, device=dev, dtype=dtype)
         k = torch.randn(B, Sp, Hkv, D, device=dev, dtype=dtype)
@@ -92,10 +95,14 @@ def main():
     # ---------------------------------------------- 2. fused exchange vs torch (P = 1)
     if not dist.is_initialized():
         store = dist.HashStore()
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
+        if args.smoke:
+            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        else:
+            dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=dev)
     group = dist.group.WORLD
     engine = fused.get_engine(group, 1, 0, dev)
-    for B, S, Hq, Hkv, D in ([(1, 32768, 32, 8, 128)] + ([] if args.quick else [(2, 16384, 16, 16, 64)])):
+    shapes = [(1, 32768, 32, 8, 128)] + ([] if args.quick else [(2, 16384, 16, 16, 64)])
+    for B, S, Hq, Hkv, D in ([(2, 16, 4, 2, 16)] if args.smoke else shapes):
         q = torch.randn(B, S, Hq, D, device=dev, dtype=dtype)
         k = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype)
         v = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype)
@@ -131,8 +138,7 @@ def main():
               f"({t_torch/t_fused:.2f}x); payload {moved/t_fused/1e6:.0f} GB/s vs D2D copy "
               f"{moved/t_copy/1e6:.0f} GB/s", flush=True)
 
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(dtype),
-                nccl=".".join(map(str, torch.cuda.nccl.version())))
+    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype))
     with open(os.path.join(args.out, "a2a.json"), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     with open(os.path.join(args.out, "a2a.md"), "w") as f:

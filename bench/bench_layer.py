@@ -39,6 +39,7 @@ def parse_args():
     p.add_argument("--world", type=int, default=8, help="modelled SP size")
     p.add_argument("--link-gbps", type=float, default=LINK_GBPS,
                    help="modelled per-direction link rate per GPU (450: NVLink 4; ~50: 400 Gb/s InfiniBand)")
+    _fused_bench.add_smoke_flag(p)
     return p.parse_args()
 
 
@@ -104,21 +105,23 @@ def simulate_block(chunks, gemm_in, comm_in, compute, comm_out, gemm_out, overla
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
-    dev = _fused_bench.fused_device("bench_layer")
+    dev = _fused_bench.fused_device("bench_layer", smoke=args.smoke)
     if dev is None:
         return 2
     import torch
     import ulysses_kernels as uk
     from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward
     from ulysses_kernels import fused
-    ops = torch.ops.ulysses_kernels
-    dtype = torch.bfloat16
+    ops = _fused_bench.ops()
+    dtype = torch.float32 if args.smoke else torch.bfloat16  # smoke: the interpreter is exact in fp32
     esize = 2
     P8 = args.world
     measured, modelled = [], []
 
     # ----------------------------------------------------------- measured, P = 1
     cases = [(1, 8192, 32, 8, 128, True)] + ([] if args.quick else [(1, 16384, 32, 8, 128, True)])
+    if args.smoke:
+        cases = [(1, 24, 8, 4, 16, True)]
     for B, S, Hq, Hkv, D, causal in cases:
         q = torch.randn(B, S, Hq, D, device=dev, dtype=dtype, requires_grad=True)
         k = torch.randn(B, S, Hkv, D, device=dev, dtype=dtype, requires_grad=True)
@@ -151,7 +154,7 @@ def main():
     # composition, one chunk and four. At P = 1 nothing is exchanged between GPUs, so this
     # measures what the chunked projections cost, not what they hide.
     blocks = []
-    B, S, hidden, Hq, Hkv, D = 1, 8192, 4096, 32, 8, 128
+    B, S, hidden, Hq, Hkv, D = (1, 24, 64, 8, 4, 16) if args.smoke else (1, 8192, 4096, 32, 8, 128)
     torch.manual_seed(0)
     block = uk.UlyssesSelfAttention(hidden, Hq, Hkv, D, causal=True, backend="fused", device=dev, dtype=dtype)
     x = torch.randn(B, S, hidden, device=dev, dtype=dtype, requires_grad=True)
@@ -176,6 +179,8 @@ def main():
     # --------------------------------- P = 8: measured pieces + modelled exchange
     seqs = [16384, 65536] if args.quick else [16384, 65536, 131072]
     B, Hq, Hkv, D, causal = 1, 32, 8, 128, True
+    if args.smoke:
+        seqs, Hq, Hkv, D = [64], 16, 8, 16
     hl_q, hl_kv = Hq // P8, (Hkv // P8 if Hkv % P8 == 0 else 1)
     hc = hl_q + 2 * hl_kv
     for S in seqs:
@@ -240,13 +245,13 @@ def main():
               f"no overlap {row['no_overlap_ms']:.2f} ms, overlap c2 {row['overlap_c2_ms']:.2f}, "
               f"c4 {row['overlap_c4_ms']:.2f} ms", flush=True)
 
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=str(dtype),
+    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype),
                 link_GBps=args.link_gbps, a2a_latency_us=A2A_LATENCY_US,
                 triton_autotune=os.environ.get("ULYSSES_KERNELS_TRITON_AUTOTUNE", "1"))
     with open(os.path.join(args.out, "layer.json"), "w") as f:
         json.dump(dict(meta=meta, measured=measured, blocks=blocks, modelled=modelled), f, indent=1)
     with open(os.path.join(args.out, "layer.md"), "w") as f:
-        f.write(f"# Ulysses attention layer, forward + backward ({meta['device']}, bf16)\n\n")
+        f.write(f"# Ulysses attention layer, forward + backward ({meta['device']}, {dtype})\n\n")
         f.write("## Measured, P = 1 (one-rank NCCL engine)\n\n| B | S | Hq/Hkv | D | triton path (ms) | "
                 "fused 1 chunk (ms) | fused 2 chunks (ms) | fused 4 chunks (ms) | fused TFLOP/s |\n"
                 "|---|---|---|---|---|---|---|---|---|\n")

@@ -1,0 +1,51 @@
+"""The fused-path benchmarks run end to end on CPU in smoke mode (`--smoke`: tiny shapes,
+torch stand-ins for the CUDA ops, the host transport, the Triton interpreter), so a
+script that would crash on its one GPU run fails CI instead. The numbers mean nothing
+and are not checked; the tables and JSON they write are."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ulysses_kernels import _backend, fused
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_extension():
+    module, reason = _backend.load_extension()
+    if module is None or not fused.is_supported():
+        pytest.skip(f"the fused path needs ulysses_kernels._C ({reason})")
+
+
+def _run(script, out):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bench_a2a_smoke(tmp_path):
+    _run("bench_a2a.py", tmp_path)
+    data = json.loads((tmp_path / "a2a.json").read_text())
+    sections = {r["section"] for r in data["rows"]}
+    assert sections == {"kernels", "exchange"} and "smoke" in data["meta"]["device"]
+    assert "| config | op |" in (tmp_path / "a2a.md").read_text()
+
+
+def test_bench_layer_smoke(tmp_path):
+    out = _run("bench_layer.py", tmp_path)
+    data = json.loads((tmp_path / "layer.json").read_text())
+    assert data["measured"] and data["modelled"]
+    assert {(b["overlap_projections"], b["chunks"]) for b in data["blocks"]} == {
+        (False, 1), (False, 4), (True, 1), (True, 4)}
+    row = data["modelled"][0]
+    assert all(k in row for k in ("block_plain_c1_ms", "block_plain_c4_ms", "block_fused_c4_ms", "overlap_c4_ms"))
+    assert "fused layer, 4 chunks" in (tmp_path / "layer.md").read_text() and "[P=1 block]" in out
