@@ -43,6 +43,9 @@ def parse_args():
     p.add_argument("--no-sweep", action="store_true", help="skip the per-kernel config sweep")
     p.add_argument("--budget-s", type=float, default=None,
                    help="do not start work predicted to end after this many seconds (results so far are kept)")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU check of the script (TRITON_INTERPRET=1, tiny shapes, fp32, no SDPA, one timed call, "
+                        "one sweep config per kernel); numbers mean nothing (tests/test_bench_smoke.py)")
     return p.parse_args()
 
 
@@ -62,14 +65,22 @@ def main():
     except ImportError:
         print("bench_attention: torch is not installed", file=sys.stderr)
         return 2
-    if not torch.cuda.is_available():
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if args.smoke:
+        if not interpret:
+            print("bench_attention: --smoke runs the kernels in the interpreter: set TRITON_INTERPRET=1",
+                  file=sys.stderr)
+            return 2
+        args.no_sdpa, args.seqlens, args.head_dims, args.tokens = True, "32", "128", 32
+    elif not torch.cuda.is_available():
         print("bench_attention: no CUDA GPU available; this benchmark needs one (nothing to do).",
               file=sys.stderr)
         return 2
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    elif interpret:
         print("bench_attention: TRITON_INTERPRET=1 is set; unset it to benchmark real kernels.",
               file=sys.stderr)
         return 2
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
@@ -91,7 +102,7 @@ def main():
     rep = 30 if args.quick else 100
     warmup = 10 if args.quick else 25
 
-    dev = torch.cuda.get_device_name()
+    dev = "cpu (smoke run: numbers mean nothing)" if args.smoke else torch.cuda.get_device_name()
     print(f"# Attention benchmark on {dev}, torch {torch.__version__}, triton {triton.__version__}")
     print(HEADER)
     rows, sweep = [], []
@@ -113,6 +124,10 @@ def main():
             f.write(_table_md(rows, meta, sweep))
 
     def timed(fn):
+        if args.smoke:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
     # Budget: predict a configuration's wall time from the last one, scaled by FLOPs
@@ -142,10 +157,10 @@ def main():
                     continue
                 t_cfg = time.time()
                 torch.manual_seed(0)
-                q = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                k = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                v = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                do = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+                q = torch.randn(B, S, H, D, device=device, dtype=dtype, requires_grad=True)
+                k = torch.randn(B, S, H, D, device=device, dtype=dtype, requires_grad=True)
+                v = torch.randn(B, S, H, D, device=device, dtype=dtype, requires_grad=True)
+                do = torch.randn(B, S, H, D, device=device, dtype=dtype)
                 qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
                 dot = do.transpose(1, 2).contiguous()
                 impls = {"triton": lambda: flash_attention(q, k, v, causal=causal)}
@@ -188,7 +203,8 @@ def main():
                     print(_row_md(result), flush=True)
                     write()
                 q = k = v = do = qt = kt = vt = dot = None  # free before the next shape (not del: closures read them)
-                torch.cuda.empty_cache()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
                 dt = time.time() - t_cfg
                 if variant in seen_variants or last["sec_per_flop"] is None:
                     last["sec_per_flop"] = dt / flops_fwd
@@ -199,7 +215,7 @@ def main():
         run_head_dim(D)
         if D == 128 and not args.no_sweep:
             _sweep(args, sweep, t_start, torch, timed, flash_attention_forward, flash_attention_backward,
-                   flash_fwd, flash_bwd_dq, flash_bwd_dkdv, write)
+                   flash_fwd, flash_bwd_dq, flash_bwd_dkdv, write, device, dtype)
 
     meta["complete"] = "skipped" not in meta
     meta["seconds"] = round(time.time() - t_start, 1)
@@ -210,20 +226,22 @@ def main():
     return 0
 
 
-def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_bwd_dq, flash_bwd_dkdv, write):
-    """Time every candidate config of each kernel at D=128, S=16k (non-default ones compile)."""
-    D, H, S = 128, 16, 16384
+def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_bwd_dq, flash_bwd_dkdv, write,
+           device, dtype):
+    """Time every candidate config of each kernel at D=128, S=16k (non-default ones compile).
+    Smoke mode: S = 32, the first config of each kernel."""
+    D, H, S = 128, 16, (32 if args.smoke else 16384)
     B = max(1, args.tokens // S)
     per_compile = 8.0  # seconds; a guess for one new kernel variant (compile + timing)
     for causal in (False, True):
         torch.manual_seed(0)
-        q, k, v, do = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        q, k, v, do = (torch.randn(B, S, H, D, device=device, dtype=dtype) for _ in range(4))
         out, lse = fwd_fn(q, k, v, causal=causal, softmax_scale=None)
         flops_fwd = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
         for kname, mod, cfgs in (("fwd", flash_fwd, flash_fwd._FWD_CONFIGS[D]),
                                  ("dq", flash_bwd_dq, flash_bwd_dq._DQ_CONFIGS[D]),
                                  ("dkdv", flash_bwd_dkdv, flash_bwd_dkdv._DKDV_CONFIGS[D])):
-            for cfg in cfgs:
+            for cfg in (cfgs[:1] if args.smoke else cfgs):
                 if args.budget_s is not None and time.time() - t_start + per_compile > args.budget_s:
                     sweep.append({"kernel": kname, "config": list(cfg), "causal": causal, "skipped": "budget"})
                     continue
@@ -249,7 +267,8 @@ def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_
                       f"{entry.get('tflops', float('nan')):.1f} TFLOP/s {entry.get('error', '')}", flush=True)
                 write()
         q = k = v = do = out = lse = None  # free (not del: closures read them)
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _targets(rows):

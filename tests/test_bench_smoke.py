@@ -1,7 +1,7 @@
-"""The fused-path benchmarks run end to end on CPU in smoke mode (`--smoke`: tiny shapes,
-torch stand-ins for the CUDA ops, the host transport, the Triton interpreter), so a
-script that would crash on its one GPU run fails CI instead. The numbers mean nothing
-and are not checked; the tables and JSON they write are."""
+"""The GPU benchmarks run end to end on CPU in smoke mode (`--smoke`: tiny shapes, the
+Triton interpreter, and for the fused path torch stand-ins for the CUDA ops and the host
+transport), so a script that would crash on its one GPU run fails CI instead. The
+numbers mean nothing and are not checked; the tables and JSON they write are."""
 
 import json
 import os
@@ -16,7 +16,6 @@ from ulysses_kernels import _backend, fused
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
-@pytest.fixture(scope="module", autouse=True)
 def _needs_extension():
     module, reason = _backend.load_extension()
     if module is None or not fused.is_supported():
@@ -33,6 +32,7 @@ def _run(script, out):
 
 
 def test_bench_a2a_smoke(tmp_path):
+    _needs_extension()
     _run("bench_a2a.py", tmp_path)
     data = json.loads((tmp_path / "a2a.json").read_text())
     sections = {r["section"] for r in data["rows"]}
@@ -41,6 +41,7 @@ def test_bench_a2a_smoke(tmp_path):
 
 
 def test_bench_layer_smoke(tmp_path):
+    _needs_extension()
     out = _run("bench_layer.py", tmp_path)
     data = json.loads((tmp_path / "layer.json").read_text())
     assert data["measured"] and data["modelled"]
@@ -49,3 +50,14 @@ def test_bench_layer_smoke(tmp_path):
     row = data["modelled"][0]
     assert all(k in row for k in ("block_plain_c1_ms", "block_plain_c4_ms", "block_fused_c4_ms", "overlap_c4_ms"))
     assert "fused layer, 4 chunks" in (tmp_path / "layer.md").read_text() and "[P=1 block]" in out
+
+
+def test_bench_attention_smoke(tmp_path):
+    _run("bench_attention.py", tmp_path)
+    data = json.loads((tmp_path / "attention_results.json").read_text())
+    assert len(data["results"]) == 4 and data["meta"]["complete"]  # fwd, fwd+bwd x causal or not
+    for row in data["results"]:
+        assert row.get("triton_ms") is not None, row  # a failing kernel is recorded, not raised
+    assert {e["kernel"] for e in data["sweep"]} == {"fwd", "dq", "dkdv"}
+    assert all("error" not in e for e in data["sweep"]), data["sweep"]
+    assert (tmp_path / "attention_results.md").exists() and (tmp_path / "attention_tflops.png").exists()
