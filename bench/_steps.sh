@@ -49,9 +49,11 @@ step() {  # step NAME TIMEOUT_S CMD...
     echo "[${STEP_PREFIX}${name}] FAILED rc=$rc (${dt}s)" | tee -a "$SUMMARY"
     FAILED+=("$name")
   fi
+  publish_results
 }
 
-# Runs on exit (trap), so a failing step still publishes what the others wrote.
+# Runs after every step and on exit (trap): a call cut off at its time limit, or a failing
+# step, still returns what the other steps wrote. Takes well under a second.
 publish_results() {  # outermost script only, and only when $OUT is set
   [ "$UK_RESULTS_OWNER" = 1 ] && [ -n "${OUT:-}" ] || return 0
   local report="$OUT/gpu_check_report.md" f
@@ -65,6 +67,16 @@ publish_results() {  # outermost script only, and only when $OUT is set
         *.md) cat "$RESULTS/$f" ;;
         *) printf '```\n'; cat "$RESULTS/$f"; printf '```\n' ;;
       esac
+    done
+    # The end of every failed step's log: the 12,000 characters of output that come back
+    # with the call may cut them off, and the tarball needs unpacking.
+    local name
+    for name in $(cat "$RESULTS"/gpu_check_*summary.txt 2>/dev/null | grep -E "FAILED|TIMED OUT" \
+                  | sed -E 's/^\[([A-Za-z0-9_]+)\].*/\1/' | sort -u); do
+      [ -f "$RESULTS/gpu_check_${name}.log" ] || continue
+      printf '\n## last 60 lines of gpu_check_%s.log (failed)\n\n```\n' "$name"
+      tail -n 60 "$RESULTS/gpu_check_${name}.log"
+      printf '```\n'
     done
   } > "$report"
   tar -czf "$OUT/gpu_check_results.tar.gz" -C "$RESULTS" .

@@ -36,6 +36,27 @@ def bench(fn, quick):
     return _fused_bench.bench(fn, *((10, 40) if quick else (25, 100)))
 
 
+def write_results(out, rows, meta):
+    """a2a.json and a2a.md with the rows so far (called after every row: a later failure
+    or a time limit keeps what was measured)."""
+    with open(os.path.join(out, "a2a.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    with open(os.path.join(out, "a2a.md"), "w") as f:
+        f.write(f"# Pack/unpack and fused exchange ({meta['device']}, {meta['dtype']})\n\n")
+        f.write("| config | op | time (us) | GB/s | D2D copy GB/s (same bytes) | ratio |\n|---|---|---|---|---|---|\n")
+        for r in rows:
+            if r["section"] == "kernels":
+                f.write(f"| {r['config']} | {r['op']} | {r['ms']*1e3:.1f} | {r['GBps']:.0f} | {r['copy_GBps']:.0f} | "
+                        f"{r['ratio_vs_copy']:.2f} |\n")
+        f.write("\n| exchange (P=1, one-rank NCCL) | torch permute + 3x all_to_all_single (us) | fused pack + "
+                "grouped send/recv (us) | speedup | fused payload GB/s | D2D copy of the payload GB/s |\n"
+                "|---|---|---|---|---|---|\n")
+        for r in rows:
+            if r["section"] == "exchange":
+                f.write(f"| {r['config']} | {r['torch_ms']*1e3:.1f} | {r['fused_ms']*1e3:.1f} | {r['speedup']:.2f} | "
+                        f"{r['fused_payload_GBps']:.0f} | {r['copy_GBps']:.0f} |\n")
+
+
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -48,6 +69,7 @@ def main():
     ops = _fused_bench.ops()
     dtype = torch.float32 if args.smoke else torch.bfloat16  # smoke: the interpreter is exact in fp32
     rows = []
+    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype))
 
     # ---------------------------------------------------------------- 1. kernels
     configs = [  # (label, P, B, S_p, Hq, Hkv, D)
@@ -91,6 +113,7 @@ def main():
                              ratio_vs_copy=(moved / t) / (ref_moved / t_ref)))
             print(f"[kernels] {label:28s} {kernel:16s} {t*1e3:8.1f} us  {moved/t/1e6:7.0f} GB/s  "
                   f"(copy {ref_moved/t_ref/1e6:7.0f} GB/s)", flush=True)
+        write_results(args.out, rows, meta)
 
     # ---------------------------------------------- 2. fused exchange vs torch (P = 1)
     if not dist.is_initialized():
@@ -137,24 +160,9 @@ def main():
         print(f"[exchange] B{B} S{S} Hq{Hq} Hkv{Hkv}: torch {t_torch*1e3:.1f} us, fused {t_fused*1e3:.1f} us "
               f"({t_torch/t_fused:.2f}x); payload {moved/t_fused/1e6:.0f} GB/s vs D2D copy "
               f"{moved/t_copy/1e6:.0f} GB/s", flush=True)
+        write_results(args.out, rows, meta)
 
-    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype))
-    with open(os.path.join(args.out, "a2a.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    with open(os.path.join(args.out, "a2a.md"), "w") as f:
-        f.write(f"# Pack/unpack and fused exchange ({meta['device']}, {dtype})\n\n")
-        f.write("| config | op | time (us) | GB/s | D2D copy GB/s (same bytes) | ratio |\n|---|---|---|---|---|---|\n")
-        for r in rows:
-            if r["section"] == "kernels":
-                f.write(f"| {r['config']} | {r['op']} | {r['ms']*1e3:.1f} | {r['GBps']:.0f} | {r['copy_GBps']:.0f} | "
-                        f"{r['ratio_vs_copy']:.2f} |\n")
-        f.write("\n| exchange (P=1, one-rank NCCL) | torch permute + 3x all_to_all_single (us) | fused pack + "
-                "grouped send/recv (us) | speedup | fused payload GB/s | D2D copy of the payload GB/s |\n"
-                "|---|---|---|---|---|---|\n")
-        for r in rows:
-            if r["section"] == "exchange":
-                f.write(f"| {r['config']} | {r['torch_ms']*1e3:.1f} | {r['fused_ms']*1e3:.1f} | {r['speedup']:.2f} | "
-                        f"{r['fused_payload_GBps']:.0f} | {r['copy_GBps']:.0f} |\n")
+    write_results(args.out, rows, meta)
     fused.close()
     dist.destroy_process_group()
     return 0

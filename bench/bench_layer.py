@@ -102,6 +102,47 @@ def simulate_block(chunks, gemm_in, comm_in, compute, comm_out, gemm_out, overla
     return run_streams(ops)
 
 
+def write_results(args, meta, measured, blocks, modelled):
+    """layer.json and layer.md with the rows so far (called after every section and model
+    row: a later failure or a time limit keeps what was measured)."""
+    P8 = args.world
+    with open(os.path.join(args.out, "layer.json"), "w") as f:
+        json.dump(dict(meta=meta, measured=measured, blocks=blocks, modelled=modelled), f, indent=1)
+    with open(os.path.join(args.out, "layer.md"), "w") as f:
+        f.write(f"# Ulysses attention layer, forward + backward ({meta['device']}, {meta['dtype']})\n\n")
+        f.write("## Measured, P = 1 (one-rank NCCL engine)\n\n| B | S | Hq/Hkv | D | triton path (ms) | "
+                "fused 1 chunk (ms) | fused 2 chunks (ms) | fused 4 chunks (ms) | fused TFLOP/s |\n"
+                "|---|---|---|---|---|---|---|---|---|\n")
+        for r in measured:
+            f.write(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hkv']} | {r['D']} | {r['triton_path_ms']:.2f} | "
+                    f"{r['fused_c1_ms']:.2f} | {r['fused_c2_ms']:.2f} | {r['fused_c4_ms']:.2f} | "
+                    f"{r['fused_c1_TFLOPs']:.0f} |\n")
+        f.write("\n## Self-attention block (UlyssesSelfAttention), P = 1, forward + backward\n\n"
+                "Projections inside the exchange pipeline (overlap) vs QKV GEMM -> fused attention -> output "
+                "GEMM. At P = 1 there is nothing to hide: this is the cost of the chunked projections.\n\n"
+                "| B | S | hidden | Hq/Hkv | D | overlap_projections | chunks | ms |\n|---|---|---|---|---|---|---|---|\n")
+        for r in blocks:
+            f.write(f"| {r['B']} | {r['S']} | {r['hidden']} | {r['Hq']}/{r['Hkv']} | {r['D']} | "
+                    f"{r['overlap_projections']} | {r['chunks']} | {r['ms']:.2f} |\n")
+        f.write(f"\n## Modelled, P = {P8}, link {args.link_gbps:.0f} GB/s per direction (see bench/MODEL.md)\n\n"
+                "Attention and pack/unpack times are measured on this GPU at the per-rank P = 8 shapes; the "
+                "all-to-all times are modelled.\n\n| S (global) | attn fwd+bwd (ms) | a2a qkv (ms) | a2a out (ms) | "
+                "no overlap (ms) | overlap 2 chunks (ms) | overlap 4 chunks (ms) | comm share w/o overlap |\n"
+                "|---|---|---|---|---|---|---|---|\n")
+        for r in modelled:
+            f.write(f"| {r['S']} | {r['attn_fwd_ms'] + r['attn_bwd_ms']:.2f} | {r['a2a_qkv_ms']:.3f} | "
+                    f"{r['a2a_out_ms']:.3f} | {r['no_overlap_ms']:.2f} | {r['overlap_c2_ms']:.2f} | "
+                    f"{r['overlap_c4_ms']:.2f} | {r['comm_fraction_no_overlap']:.1%} |\n")
+        f.write("\nThe whole self-attention block (projection GEMMs measured at the per-rank shapes, hidden = "
+                "Hq * D): plain composition (only the attention chunks overlap the exchanges) vs "
+                "UlyssesSelfAttention's fused layer (the projections overlap them too).\n\n"
+                "| S (global) | qkv GEMM (ms) | out GEMM (ms) | plain, 1 chunk (ms) | plain, 4 chunks (ms) | "
+                "fused layer, 2 chunks (ms) | fused layer, 4 chunks (ms) |\n|---|---|---|---|---|---|---|\n")
+        for r in modelled:
+            f.write(f"| {r['S']} | {r['gemm_qkv_ms']:.3f} | {r['gemm_o_ms']:.3f} | {r['block_plain_c1_ms']:.2f} | "
+                    f"{r['block_plain_c4_ms']:.2f} | {r['block_fused_c2_ms']:.2f} | {r['block_fused_c4_ms']:.2f} |\n")
+
+
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -116,7 +157,10 @@ def main():
     dtype = torch.float32 if args.smoke else torch.bfloat16  # smoke: the interpreter is exact in fp32
     esize = 2
     P8 = args.world
-    measured, modelled = [], []
+    measured, blocks, modelled = [], [], []
+    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype),
+                link_GBps=args.link_gbps, a2a_latency_us=A2A_LATENCY_US,
+                triton_autotune=os.environ.get("ULYSSES_KERNELS_TRITON_AUTOTUNE", "1"))
 
     # ----------------------------------------------------------- measured, P = 1
     cases = [(1, 8192, 32, 8, 128, True)] + ([] if args.quick else [(1, 16384, 32, 8, 128, True)])
@@ -149,11 +193,12 @@ def main():
         measured.append(row)
         print(f"[P=1] B{B} S{S}: triton path {row['triton_path_ms']:.2f} ms, fused c1 {row['fused_c1_ms']:.2f} ms, "
               f"c2 {row['fused_c2_ms']:.2f} ms, c4 {row['fused_c4_ms']:.2f} ms", flush=True)
+    write_results(args, meta, measured, blocks, modelled)
+
     # The whole self-attention block (QKV projection, attention, output projection) as
     # UlyssesSelfAttention: projections inside the exchange pipeline vs the plain
     # composition, one chunk and four. At P = 1 nothing is exchanged between GPUs, so this
     # measures what the chunked projections cost, not what they hide.
-    blocks = []
     B, S, hidden, Hq, Hkv, D = (1, 24, 64, 8, 4, 16) if args.smoke else (1, 8192, 4096, 32, 8, 128)
     torch.manual_seed(0)
     block = uk.UlyssesSelfAttention(hidden, Hq, Hkv, D, causal=True, backend="fused", device=dev, dtype=dtype)
@@ -175,6 +220,7 @@ def main():
     os.environ.pop("ULYSSES_KERNELS_NUM_CHUNKS", None)
     block = x = dy = params = None
     fused.close()
+    write_results(args, meta, measured, blocks, modelled)
 
     # --------------------------------- P = 8: measured pieces + modelled exchange
     seqs = [16384, 65536] if args.quick else [16384, 65536, 131072]
@@ -244,45 +290,9 @@ def main():
         print(f"[P={P8} model] S{S}: attn fwd {t_fwd:.2f} bwd {t_bwd:.2f} ms, a2a qkv {a_qkv:.3f} ms; "
               f"no overlap {row['no_overlap_ms']:.2f} ms, overlap c2 {row['overlap_c2_ms']:.2f}, "
               f"c4 {row['overlap_c4_ms']:.2f} ms", flush=True)
+        write_results(args, meta, measured, blocks, modelled)
 
-    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype),
-                link_GBps=args.link_gbps, a2a_latency_us=A2A_LATENCY_US,
-                triton_autotune=os.environ.get("ULYSSES_KERNELS_TRITON_AUTOTUNE", "1"))
-    with open(os.path.join(args.out, "layer.json"), "w") as f:
-        json.dump(dict(meta=meta, measured=measured, blocks=blocks, modelled=modelled), f, indent=1)
-    with open(os.path.join(args.out, "layer.md"), "w") as f:
-        f.write(f"# Ulysses attention layer, forward + backward ({meta['device']}, {dtype})\n\n")
-        f.write("## Measured, P = 1 (one-rank NCCL engine)\n\n| B | S | Hq/Hkv | D | triton path (ms) | "
-                "fused 1 chunk (ms) | fused 2 chunks (ms) | fused 4 chunks (ms) | fused TFLOP/s |\n"
-                "|---|---|---|---|---|---|---|---|---|\n")
-        for r in measured:
-            f.write(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hkv']} | {r['D']} | {r['triton_path_ms']:.2f} | "
-                    f"{r['fused_c1_ms']:.2f} | {r['fused_c2_ms']:.2f} | {r['fused_c4_ms']:.2f} | "
-                    f"{r['fused_c1_TFLOPs']:.0f} |\n")
-        f.write("\n## Self-attention block (UlyssesSelfAttention), P = 1, forward + backward\n\n"
-                "Projections inside the exchange pipeline (overlap) vs QKV GEMM -> fused attention -> output "
-                "GEMM. At P = 1 there is nothing to hide: this is the cost of the chunked projections.\n\n"
-                "| B | S | hidden | Hq/Hkv | D | overlap_projections | chunks | ms |\n|---|---|---|---|---|---|---|---|\n")
-        for r in blocks:
-            f.write(f"| {r['B']} | {r['S']} | {r['hidden']} | {r['Hq']}/{r['Hkv']} | {r['D']} | "
-                    f"{r['overlap_projections']} | {r['chunks']} | {r['ms']:.2f} |\n")
-        f.write(f"\n## Modelled, P = {P8}, link {args.link_gbps:.0f} GB/s per direction (see bench/MODEL.md)\n\n"
-                "Attention and pack/unpack times are measured on this GPU at the per-rank P = 8 shapes; the "
-                "all-to-all times are modelled.\n\n| S (global) | attn fwd+bwd (ms) | a2a qkv (ms) | a2a out (ms) | "
-                "no overlap (ms) | overlap 2 chunks (ms) | overlap 4 chunks (ms) | comm share w/o overlap |\n"
-                "|---|---|---|---|---|---|---|---|\n")
-        for r in modelled:
-            f.write(f"| {r['S']} | {r['attn_fwd_ms'] + r['attn_bwd_ms']:.2f} | {r['a2a_qkv_ms']:.3f} | "
-                    f"{r['a2a_out_ms']:.3f} | {r['no_overlap_ms']:.2f} | {r['overlap_c2_ms']:.2f} | "
-                    f"{r['overlap_c4_ms']:.2f} | {r['comm_fraction_no_overlap']:.1%} |\n")
-        f.write("\nThe whole self-attention block (projection GEMMs measured at the per-rank shapes, hidden = "
-                "Hq * D): plain composition (only the attention chunks overlap the exchanges) vs "
-                "UlyssesSelfAttention's fused layer (the projections overlap them too).\n\n"
-                "| S (global) | qkv GEMM (ms) | out GEMM (ms) | plain, 1 chunk (ms) | plain, 4 chunks (ms) | "
-                "fused layer, 2 chunks (ms) | fused layer, 4 chunks (ms) |\n|---|---|---|---|---|---|---|\n")
-        for r in modelled:
-            f.write(f"| {r['S']} | {r['gemm_qkv_ms']:.3f} | {r['gemm_o_ms']:.3f} | {r['block_plain_c1_ms']:.2f} | "
-                    f"{r['block_plain_c4_ms']:.2f} | {r['block_fused_c2_ms']:.2f} | {r['block_fused_c4_ms']:.2f} |\n")
+    write_results(args, meta, measured, blocks, modelled)
     return 0
 
 

@@ -7,8 +7,8 @@
 # Steps (each under its own timeout; a failing step does not stop the next one; the
 # script exits non-zero if any failed). Budget: under ~4 minutes on one H200.
 #   tests        pytest tests/test_fused_gpu.py tests/test_extension.py           (130 s)
-#   bench_a2a    bench/bench_a2a.py --quick                                       (30 s)
-#   bench_layer  bench/bench_layer.py --quick                                     (70 s)
+#   bench_a2a    bench/bench_a2a.py --quick                                       (40 s)
+#   bench_layer  bench/bench_layer.py --quick                                     (60 s)
 set -u
 
 STEP_PREFIX=fused_
@@ -28,11 +28,11 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 # Not with ULYSSES_KERNELS_NCCL_CHECK=1: its host wait after every call would hide
 # missing stream dependencies between calls, which these tests are meant to catch.
 # The host-compiled kernel index test is CPU-only and already runs in CPU CI.
-step tests 130 "$PYTHON" -m pytest -q -p no:cacheprovider -rs --durations=10 \
+step tests 130 "$PYTHON" -m pytest -v -p no:cacheprovider -rs --durations=10 \
   tests/test_fused_gpu.py tests/test_extension.py \
   --deselect tests/test_extension.py::test_kernel_index_math_on_host
-step bench_a2a 30 "$PYTHON" bench/bench_a2a.py --quick --out "$RESULTS"
-step bench_layer 70 "$PYTHON" bench/bench_layer.py --quick --out "$RESULTS"
+step bench_a2a 40 "$PYTHON" bench/bench_a2a.py --quick --out "$RESULTS"
+step bench_layer 60 "$PYTHON" bench/bench_layer.py --quick --out "$RESULTS"
 
 for f in a2a.md layer.md; do
   [ -f "$RESULTS/$f" ] && cat "$RESULTS/$f"
