@@ -78,11 +78,14 @@ def doctor(_args) -> int:
     else:
         _line("GPUs", "none visible (CPU: gloo process groups, reference path)")
     for device in ("cpu", "cuda"):
-        try:
-            chosen = _backend.resolve_backend(None, torch.device(device), distributed=True)
-        except Exception as exc:  # noqa: BLE001
-            chosen = f"error: {exc}"
-        _line(f"default path ({device})", chosen)
+        chosen = []
+        for distributed, where in ((True, "in a process group"), (False, "single process")):
+            try:
+                chosen.append(f"{_backend.resolve_backend(None, torch.device(device), distributed=distributed)} "
+                              f"({where})")
+            except Exception as exc:  # noqa: BLE001
+                chosen.append(f"error: {exc}")
+        _line(f"default path ({device})", ", ".join(chosen))
     env = os.environ.get(_backend.ENV_VAR)
     if env:
         _line(_backend.ENV_VAR, env)
