@@ -515,14 +515,29 @@ def _pack_and_send(engine, io, plan, buf_name, send_sizes, recv, recv_off, lens,
     return ready
 
 
-def _return_and_unpack(engine, io, i, c, send, recv, lens, B, Sp, D, ch):
-    """Comm stream, after chunk i's attention (event already waited): reverse exchange
-    (heads -> seq) and unpack. Returns the event the consumer waits for."""
-    P = engine.world
-    engine.transport.all_to_all(send, recv, [B * m * ch * D for m in lens], [B * Sp * ch * D] * P)
-    outs, offsets, counts = io.outputs(i, c)
-    _ops().unpack_into(recv.view(P, B, Sp, ch, D), outs, offsets, counts)
-    return _event(engine.stream)
+def _chunk_done(engine, io, plan, i, send, recv, lens, B, Sp, D, ch, unpacked):
+    """Chunk i's attention is queued on the compute stream: the comm stream waits for it,
+    exchanges the result back (heads -> seq) and unpacks it; then the previous chunk's
+    result is handed to io.consume (one chunk late, see the note above _AttentionIo)."""
+    P, comm = engine.world, engine.stream
+    done = _event(_current_stream(send.device))
+    with _on(comm):
+        _wait(comm, done)
+        engine.transport.all_to_all(send, recv, [B * m * ch * D for m in lens], [B * Sp * ch * D] * P)
+        outs, offsets, counts = io.outputs(i, plan[i])
+        _ops().unpack_into(recv.view(P, B, Sp, ch, D), outs, offsets, counts)
+        unpacked.append(_event(comm))
+    if i:
+        io.consume(i - 1, plan[i - 1], unpacked[i - 1])
+
+
+def _pipeline_done(engine, io, plan, unpacked, compute):
+    """Consume the last chunk, run the transport's optional check, and make the caller's
+    stream wait for everything the comm stream did."""
+    io.consume(len(plan) - 1, plan[-1], unpacked[-1])
+    with _on(engine.stream):
+        engine.transport.check()
+    _wait(compute, _event(engine.stream))
 
 
 def _forward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan, save, device, dtype):
@@ -560,19 +575,10 @@ def _forward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan,
         _, lse = flash_attention_forward(qv, kview, vview, causal=causal, softmax_scale=scale,
                                          cu_seqlens=cu_seqlens, out=o_c, **kw)
         lses.append(lse)
-        done = _event(compute)
         n = c.q_cnt
-        with _on(comm):
-            _wait(comm, done)
-            unpacked.append(_return_and_unpack(
-                engine, io, i, c, osend[osend_off[i]:osend_off[i] + rows * n * D],
-                orecv[orecv_off[i]:orecv_off[i] + P * B * Sp * n * D], lens, B, Sp, D, n))
-        if i:
-            io.consume(i - 1, plan[i - 1], unpacked[i - 1])
-    io.consume(len(plan) - 1, plan[-1], unpacked[-1])
-    with _on(comm):
-        engine.transport.check()
-    _wait(compute, _event(comm))
+        _chunk_done(engine, io, plan, i, osend[osend_off[i]:osend_off[i] + rows * n * D],
+                    orecv[orecv_off[i]:orecv_off[i] + P * B * Sp * n * D], lens, B, Sp, D, n, unpacked)
+    _pipeline_done(engine, io, plan, unpacked, compute)
     if not save:
         return None
     return dict(recv=recv, recv_off=recv_off, osend=osend, osend_off=osend_off, lses=lses)
@@ -633,18 +639,9 @@ def _backward(engine: Engine, io, x_shape, lens, causal, scale, cu_seqlens, plan
                 a_k, a_v = acc.pop(key)
                 _attn_view(g_base, rows, gc, c.q_cnt, 1, geo).copy_(a_k)
                 _attn_view(g_base, rows, gc, c.q_cnt + 1, 1, geo).copy_(a_v)
-        done = _event(compute)
-        with _on(comm):
-            _wait(comm, done)
-            unpacked.append(_return_and_unpack(
-                engine, io, i, c, gsend[gsend_off[i]:gsend_off[i] + rows * gc * D],
-                grecv[grecv_off[i]:grecv_off[i] + P * B * Sp * gc * D], lens, B, Sp, D, gc))
-        if i:
-            io.consume(i - 1, plan[i - 1], unpacked[i - 1])
-    io.consume(len(plan) - 1, plan[-1], unpacked[-1])
-    with _on(comm):
-        engine.transport.check()
-    _wait(compute, _event(comm))
+        _chunk_done(engine, io, plan, i, gsend[gsend_off[i]:gsend_off[i] + rows * gc * D],
+                    grecv[grecv_off[i]:grecv_off[i] + P * B * Sp * gc * D], lens, B, Sp, D, gc, unpacked)
+    _pipeline_done(engine, io, plan, unpacked, compute)
 
 
 # ------------------------------------------------------------------ autograd + entry
