@@ -46,6 +46,20 @@ def fused_device(script: str, smoke: bool = False):
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def start(script: str, args):
+    """Common start of a fused-path benchmark: the output folder, the device (None when
+    the script cannot run: it then exits 2), the dtype (bf16; fp32 in smoke mode, where
+    the interpreter is exact) and the metadata every result file carries."""
+    os.makedirs(args.out, exist_ok=True)
+    dev = fused_device(script, smoke=args.smoke)
+    if dev is None:
+        return None
+    import torch
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    meta = dict(device_meta(torch), torch=torch.__version__, dtype=str(dtype))
+    return dev, dtype, meta
+
+
 def ops():
     """The pack/unpack ops: the CUDA kernels, or their torch stand-ins in smoke mode."""
     from ulysses_kernels import fused

@@ -59,17 +59,15 @@ def write_results(out, rows, meta):
 
 def main():
     args = parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    dev = _fused_bench.fused_device("bench_a2a", smoke=args.smoke)
-    if dev is None:
+    started = _fused_bench.start("bench_a2a", args)
+    if started is None:
         return 2
+    dev, dtype, meta = started
     import torch
     import torch.distributed as dist
     from ulysses_kernels import fused
     ops = _fused_bench.ops()
-    dtype = torch.float32 if args.smoke else torch.bfloat16  # smoke: the interpreter is exact in fp32
     rows = []
-    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype))
 
     # ---------------------------------------------------------------- 1. kernels
     configs = [  # (label, P, B, S_p, Hq, Hkv, D)

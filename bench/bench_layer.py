@@ -145,21 +145,19 @@ def write_results(args, meta, measured, blocks, modelled):
 
 def main():
     args = parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    dev = _fused_bench.fused_device("bench_layer", smoke=args.smoke)
-    if dev is None:
+    started = _fused_bench.start("bench_layer", args)
+    if started is None:
         return 2
+    dev, dtype, meta = started
     import torch
     import ulysses_kernels as uk
     from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward
     from ulysses_kernels import fused
     ops = _fused_bench.ops()
-    dtype = torch.float32 if args.smoke else torch.bfloat16  # smoke: the interpreter is exact in fp32
-    esize = 2
+    esize = torch.empty((), dtype=dtype).element_size()
     P8 = args.world
     measured, blocks, modelled = [], [], []
-    meta = dict(_fused_bench.device_meta(torch), torch=torch.__version__, dtype=str(dtype),
-                link_GBps=args.link_gbps, a2a_latency_us=A2A_LATENCY_US,
+    meta.update(link_GBps=args.link_gbps, a2a_latency_us=A2A_LATENCY_US,
                 triton_autotune=os.environ.get("ULYSSES_KERNELS_TRITON_AUTOTUNE", "1"))
 
     # ----------------------------------------------------------- measured, P = 1
