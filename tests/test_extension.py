@@ -709,6 +709,18 @@ def test_self_attention_module_takes_the_fused_layer(monkeypatch):
     y = layer(x, position_embeddings=(cos, sin))
     assert type(y.grad_fn).__name__ == "_FusedSelfAttentionBackward"
     torch.testing.assert_close(y, expected, rtol=2e-4, atol=2e-5)
+    cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)  # packed documents, one of them empty
+    y_docs = layer(x, position_embeddings=(cos, sin), cu_seqlens=cu)
+    assert type(y_docs.grad_fn).__name__ == "_FusedSelfAttentionBackward"
+    monkeypatch.undo()  # back to the reference path for the expected value
+    expected_docs = layer(x, position_embeddings=(cos, sin), cu_seqlens=cu)
+    torch.testing.assert_close(y_docs, expected_docs, rtol=2e-4, atol=2e-5)
+    assert not torch.allclose(expected_docs, expected)  # the document boundaries matter
+    monkeypatch.setattr(fused, "_ops_override", fused.ReferenceOps)
+    monkeypatch.setattr(fused, "_engines", {})
+    monkeypatch.setenv(fused.ENV_TRANSPORT, "host")
+    monkeypatch.setenv(fused.ENV_CHUNKS, "2")
+    monkeypatch.setattr(_backend, "resolve_backend", lambda *a, **k: "fused")
     layer.overlap_projections = False  # the plain composition on the fused attention op
     monkeypatch.setattr(fused, "unsupported_reason", lambda *a: None)
     y2 = layer(x, position_embeddings=(cos, sin))

@@ -295,7 +295,8 @@ class _FusedSelfAttention(torch.autograd.Function):
                 _backward(ctx.engine, io, (B, Sp, hq, D), ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens,
                           ctx.plan, state, x.device, x.dtype)
         else:  # only the output projection trains: no exchange needed
-            io.after_inputs()
+            with _device_ctx(x.device):
+                io.after_inputs()
         d_wqkv = d_bqkv = d_wo = d_bo = None
         if need[1]:
             d_wqkv = _gather(torch.cat(io.dw_rows).view(-1, D, hidden), 0, idx["grad_inv"]).reshape(-1, hidden)
