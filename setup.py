@@ -18,6 +18,7 @@ Install with `pip install --no-build-isolation -e .` so the build sees your torc
 """
 
 import glob
+import importlib.util
 import os
 import shutil
 import sys
@@ -27,10 +28,20 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0"
 BUILD_INFO = os.path.join(HERE, "ulysses_kernels", "_build_info.py")
+PACKAGES = ["ulysses_kernels", "ulysses_kernels.reference", "ulysses_kernels.fused", "ulysses_kernels.hf",
+            "ulysses_kernels.testing", "ulysses_kernels.triton"]
 
 
-def _env_flag(name):
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+def _load_env_module():
+    """The package's one parser of boolean environment variables (it imports nothing of
+    the package, so it loads before the package is installed)."""
+    spec = importlib.util.spec_from_file_location("_ulysses_kernels_env", os.path.join(HERE, "ulysses_kernels", "env.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_env_flag = _load_env_module().flag
 
 
 def _is_cuda_home(path):
@@ -143,7 +154,7 @@ setup(
     long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
-    packages=["ulysses_kernels", "ulysses_kernels.triton"],
+    packages=PACKAGES,
     package_dir={"ulysses_kernels": "ulysses_kernels", "ulysses_kernels.triton": "triton_kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

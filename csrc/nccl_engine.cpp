@@ -1,14 +1,14 @@
 // NCCL communicator engine for the fused Ulysses path.
 //
 // One communicator per sequence-parallel group (Python keeps the handle, the comm
-// stream, the reusable buffers and the events: ulysses_kernels/fused.py). The
+// stream, the reusable buffers and the events: ulysses_kernels/fused/engine.py). The
 // communicator is created in NCCL's non-blocking mode so every wait is a poll of
 // ncclCommGetAsyncError with a timeout: a peer that never arrives, or an NCCL error,
 // becomes a Python exception (after ncclCommAbort) instead of a hang.
 //
 // Ops (torch.ops.ulysses_kernels):
 //   nccl_unique_id() -> Tensor                      128 uint8 bytes, CPU (rank 0 makes it)
-//   nccl_comm_create(Tensor unique_id, int world, int rank, int device, float timeout_s) -> int
+//   nccl_comm_create(Tensor unique_id, int world, int rank, int device, float timeout_s, bool blocking) -> int
 //   nccl_comm_destroy(int comm) -> ()
 //   nccl_all_to_all(int comm, Tensor send, Tensor(a!) recv, int[] send_counts, int[] recv_counts) -> ()
 //       grouped ncclSend/ncclRecv on the *current* CUDA stream (the caller makes its comm
@@ -21,9 +21,9 @@
 // Non-blocking mode and NCCL >= 2.19: every ncclGroupEnd on a non-blocking communicator
 // hands the launch to a helper thread and returns ncclInProgress; nccl_all_to_all polls
 // until the launch is done, so the kernels are in the stream when it returns and no
-// other call touches the communicator while that thread runs. Setting
-// ULYSSES_KERNELS_NCCL_BLOCKING=1 when the communicator is created selects NCCL's
-// blocking mode instead (launches in the calling thread; init and first-use connection
+// other call touches the communicator while that thread runs. blocking=true (Python
+// passes ULYSSES_KERNELS_NCCL_BLOCKING, read when the communicator is created) selects
+// NCCL's blocking mode instead (launches in the calling thread; init and first-use connection
 // setup can then hang instead of timing out) as a fallback should non-blocking mode
 // misbehave with a given NCCL version or inside CUDA graph capture.
 //
@@ -86,11 +86,6 @@ void poll_pause(int iteration) {
   }
 }
 
-bool blocking_requested() {
-  const char* env = std::getenv("ULYSSES_KERNELS_NCCL_BLOCKING");
-  return env != nullptr && *env != '\0' && std::strcmp(env, "0") != 0;
-}
-
 // Poll the communicator until it leaves ncclInProgress; raise on error or timeout.
 void wait_ready(Comm& c, const char* what, double timeout_s) {
   const auto start = std::chrono::steady_clock::now();
@@ -144,7 +139,7 @@ at::Tensor nccl_unique_id() {
 }
 
 int64_t nccl_comm_create(const at::Tensor& unique_id, int64_t world, int64_t rank, int64_t device,
-                         double timeout_s) {
+                         double timeout_s, bool blocking) {
   TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte && unique_id.is_contiguous() &&
                   unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId::internal)),
               "nccl_comm_create: unique_id must be the ", sizeof(ncclUniqueId::internal),
@@ -160,7 +155,7 @@ int64_t nccl_comm_create(const at::Tensor& unique_id, int64_t world, int64_t ran
   c->timeout_s = timeout_s;
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = blocking_requested() ? 1 : 0;
+  config.blocking = blocking ? 1 : 0;
   ncclResult_t r = ncclCommInitRankConfig(&c->comm, static_cast<int>(world), id, static_cast<int>(rank), &config);
   if (r != ncclSuccess && r != ncclInProgress) {
     const std::string msg = nccl_error(c->comm, r);
@@ -296,7 +291,7 @@ void nccl_comm_wait(int64_t handle, double timeout_s) {
 
 TORCH_LIBRARY_FRAGMENT(ulysses_kernels, m) {
   m.def("nccl_unique_id() -> Tensor", &ulysses_kernels::nccl_unique_id);
-  m.def("nccl_comm_create(Tensor unique_id, int world, int rank, int device, float timeout_s) -> int",
+  m.def("nccl_comm_create(Tensor unique_id, int world, int rank, int device, float timeout_s, bool blocking) -> int",
         &ulysses_kernels::nccl_comm_create);
   m.def("nccl_comm_destroy(int comm) -> ()", &ulysses_kernels::nccl_comm_destroy);
   m.def("nccl_all_to_all(int comm, Tensor send, Tensor(a!) recv, int[] send_counts, int[] recv_counts) -> ()");

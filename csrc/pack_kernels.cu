@@ -1,15 +1,20 @@
-// Pack / unpack kernels of the Ulysses exchanges (DESIGN.md, "Data flow").
+// Pack / unpack kernels of the Ulysses exchanges (docs/architecture.md, "Fused path").
+//
+// The kernels do not decide where a head goes. The caller passes, per tensor t, the
+// placement computed by ulysses_kernels/layout.py (docs/architecture.md, "Layout rules"):
+// local_heads[t] heads per rank and replicas[t] ranks per head, so that destination j's
+// local head l is source head (j / replicas) * local_heads + l (split heads: replicas 1;
+// GQA/MQA key/value heads replicated to P / H_t ranks: local_heads 1).
 //
 // pack_into: tensors t = q, k, v `[B, S_p, H_t, D]` (any strides) -> send buffer
-//   `[P, B, S_p, C, D]` (contiguous), channels = the tensors' chunk heads in order.
-//   For destination j and local head l of tensor t:
-//     split (H_t % P == 0): source head j * (H_t / P) + offset_t + l
-//     replicated (P % H_t == 0, one local head): source head j / (P / H_t)
+//   `[P, B, S_p, C, D]` (contiguous), channels = the tensors' chunk heads in order: for
+//   destination j and chunk head l of tensor t, source head
+//   (j / replicas_t) * local_heads_t + offset_t + l.
 //   The same kernel packs dO (one tensor) into the seq->heads send layout.
 // unpack_into: receive buffer `[P, B, S_p, C, D]` (contiguous) -> tensors
-//   `[B, S_p, H_t, D]` (any strides). Split heads are copied bitwise; replicated heads
-//   (GQA with H_kv < P) are the fp32-accumulated sum of their P / H_t replicas, which is
-//   the backward of the replication done by pack.
+//   `[B, S_p, H_t, D]` (any strides), the inverse map. Heads with one replica are copied
+//   bitwise; replicated heads are the fp32-accumulated sum of their replicas (in replica
+//   order), which is the backward of the replication done by pack.
 //
 // Both kernels are one pass, output-driven, with one 16-byte access per thread and
 // iteration when every pointer and stride allows it (scalar fallback otherwise).
@@ -25,7 +30,6 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <vector>
 
 namespace ulysses_kernels {
 namespace {
@@ -36,9 +40,8 @@ constexpr int kThreads = 256;
 struct PackJob {
   const char* src;          // base pointer (storage offset applied)
   int64_t sb, ss, sh, sd;   // strides in elements
-  int local;                // heads per destination when split
-  int split;                // 1: split, 0: replicated
-  int rep;                  // replicas when replicated
+  int local;                // heads per destination (placement)
+  int rep;                  // destinations per head (placement; 1: split)
   int offset;               // first local head of this chunk
   int count;                // heads of this tensor in this chunk (> 0)
   int chan;                 // first channel in the send buffer
@@ -55,8 +58,8 @@ struct PackParams {
 struct UnpackJob {
   char* out;
   int64_t ob, os, oh, od;   // strides in elements
-  int local, split, rep, offset, count, chan;
-  int nheads;               // output heads written: split P * count, replicated H_t
+  int local, rep, offset, count, chan;  // placement (local, rep) and chunk heads, as PackJob
+  int nheads;               // output heads written: (P / rep) * count
 };
 
 struct UnpackParams {
@@ -104,7 +107,7 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const PackParams p) {
       }
       const PackJob& job = p.job[t];
       const int l = ch - job.chan;
-      const int64_t head = job.split ? j * job.local + job.offset + l : j / job.rep;
+      const int64_t head = (j / job.rep) * job.local + job.offset + l;
       const char* src = job.src + (b * job.sb + s * job.ss + head * job.sh) * ELEM;
       if (V == 1) {
         dst[i] = *reinterpret_cast<const T*>(src + (int64_t)dv * job.sd * ELEM);
@@ -154,19 +157,13 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(const UnpackParams p) 
     for (int i = i0; i < inner; i += inner_threads) {
       const int hi = i / dv_count;
       const int dv = i - hi * dv_count;
-      int64_t head;
-      const S* src;
-      if (job.split) {
-        const int j = hi / job.count;
-        const int l = hi - j * job.count;
-        head = (int64_t)j * job.local + job.offset + l;
-        src = rrow + j * slot_stride + (int64_t)(job.chan + l) * p.D + (int64_t)dv * V;
-      } else {
-        head = hi;
-        src = rrow + (int64_t)hi * job.rep * slot_stride + (int64_t)job.chan * p.D + (int64_t)dv * V;
-      }
+      // Output head hi is chunk head l of replica group g, held by sources [g * rep, (g + 1) * rep).
+      const int g = hi / job.count;
+      const int l = hi - g * job.count;
+      const int64_t head = (int64_t)g * job.local + job.offset + l;
+      const S* src = rrow + (int64_t)g * job.rep * slot_stride + (int64_t)(job.chan + l) * p.D + (int64_t)dv * V;
       S* dst = reinterpret_cast<S*>(job.out) + b * job.ob + s * job.os + head * job.oh;
-      if (job.split || job.rep == 1) {
+      if (job.rep == 1) {
         if (V == 1) {
           dst[(int64_t)dv * job.od] = *src;
         } else {
@@ -197,16 +194,20 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(const UnpackParams p) 
 
 // ------------------------------------------------------------------ host helpers
 
-struct HeadRule {
-  int local, split, rep;
-};
+// Checks that a placement passed by the caller describes `heads` heads over `world` ranks
+// (it does not choose one: ulysses_kernels/layout.py does).
+void check_placement(int64_t heads, int64_t world, int64_t local, int64_t rep, const char* what, int64_t t) {
+  TORCH_CHECK(local >= 1 && rep >= 1 && world % rep == 0 && (world / rep) * local == heads, what, ": tensor ", t,
+              " has ", heads, " heads, which local_heads=", local, " and replicas=", rep, " over ", world,
+              " ranks do not describe");
+}
 
-HeadRule head_rule(int64_t heads, int64_t world, const char* what) {
-  TORCH_CHECK(heads > 0, what, ": tensor has no heads");
-  if (heads % world == 0) return {static_cast<int>(heads / world), 1, 1};
-  TORCH_CHECK(world % heads == 0, what, ": ", heads, " heads can be neither split over nor replicated to ",
-              world, " ranks (need heads % P == 0 or P % heads == 0)");
-  return {1, 0, static_cast<int>(world / heads)};
+void check_lists(int64_t n, at::IntArrayRef offsets, at::IntArrayRef counts, at::IntArrayRef local,
+                 at::IntArrayRef rep, const char* what) {
+  TORCH_CHECK(n >= 1 && n <= kMaxJobs, what, ": 1 to 3 tensors, got ", n);
+  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == n && static_cast<int64_t>(counts.size()) == n &&
+                  static_cast<int64_t>(local.size()) == n && static_cast<int64_t>(rep.size()) == n,
+              what, ": offsets, counts, local_heads and replicas need one entry per tensor");
 }
 
 void check_dtype(const at::Tensor& t, const char* what) {
@@ -227,15 +228,14 @@ int64_t grid_for(int64_t rows, int inner) {
 
 }  // namespace
 
-void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offsets, at::IntArrayRef counts) {
+void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offsets, at::IntArrayRef counts,
+               at::IntArrayRef local_heads, at::IntArrayRef replicas) {
   TORCH_CHECK(send.is_cuda(), "pack_into: send must be a CUDA tensor");
   TORCH_CHECK(send.dim() == 5, "pack_into: send must be [P, B, S, C, D], got ", send.sizes());
   TORCH_CHECK(send.is_contiguous(), "pack_into: send must be contiguous");
   check_dtype(send, "pack_into");
   const int64_t n = static_cast<int64_t>(srcs.size());
-  TORCH_CHECK(n >= 1 && n <= kMaxJobs, "pack_into: 1 to 3 source tensors, got ", n);
-  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == n && static_cast<int64_t>(counts.size()) == n,
-              "pack_into: offsets and counts need one entry per source tensor");
+  check_lists(n, offsets, counts, local_heads, replicas, "pack_into");
   const int64_t P = send.size(0), B = send.size(1), S = send.size(2), C = send.size(3), D = send.size(4);
   TORCH_CHECK(P >= 1, "pack_into: world must be >= 1");
   c10::cuda::CUDAGuard guard(send.device());
@@ -255,15 +255,15 @@ void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offs
                 " != send dtype ", send.scalar_type());
     TORCH_CHECK(x.size(0) == B && x.size(1) == S && x.size(3) == D, "pack_into: source ", t, " shape ", x.sizes(),
                 " does not match send ", send.sizes());
-    const HeadRule rule = head_rule(x.size(2), P, "pack_into");
+    check_placement(x.size(2), P, local_heads[t], replicas[t], "pack_into", t);
     const int64_t off = offsets[t], cnt = counts[t];
-    TORCH_CHECK(off >= 0 && cnt >= 0 && off + cnt <= rule.local, "pack_into: source ", t, " offset ", off,
-                " + count ", cnt, " exceeds its ", rule.local, " heads per destination");
+    TORCH_CHECK(off >= 0 && cnt >= 0 && off + cnt <= local_heads[t], "pack_into: source ", t, " offset ", off,
+                " + count ", cnt, " exceeds its ", local_heads[t], " heads per destination");
     if (cnt == 0) continue;
     PackJob& job = p.job[njobs++];
     job.src = static_cast<const char*>(x.data_ptr());
     job.sb = x.stride(0); job.ss = x.stride(1); job.sh = x.stride(2); job.sd = x.stride(3);
-    job.local = rule.local; job.split = rule.split; job.rep = rule.rep;
+    job.local = static_cast<int>(local_heads[t]); job.rep = static_cast<int>(replicas[t]);
     job.offset = static_cast<int>(off); job.count = static_cast<int>(cnt); job.chan = chan;
     chan += static_cast<int>(cnt);
     vec = vec && aligned16(job.src) && job.sd == 1 && job.sb % V16 == 0 && job.ss % V16 == 0 && job.sh % V16 == 0;
@@ -286,15 +286,14 @@ void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offs
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef offsets, at::IntArrayRef counts) {
+void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef offsets, at::IntArrayRef counts,
+                 at::IntArrayRef local_heads, at::IntArrayRef replicas) {
   TORCH_CHECK(recv.is_cuda(), "unpack_into: recv must be a CUDA tensor");
   TORCH_CHECK(recv.dim() == 5, "unpack_into: recv must be [P, B, S, C, D], got ", recv.sizes());
   TORCH_CHECK(recv.is_contiguous(), "unpack_into: recv must be contiguous");
   check_dtype(recv, "unpack_into");
   const int64_t n = static_cast<int64_t>(outs.size());
-  TORCH_CHECK(n >= 1 && n <= kMaxJobs, "unpack_into: 1 to 3 output tensors, got ", n);
-  TORCH_CHECK(static_cast<int64_t>(offsets.size()) == n && static_cast<int64_t>(counts.size()) == n,
-              "unpack_into: offsets and counts need one entry per output tensor");
+  check_lists(n, offsets, counts, local_heads, replicas, "unpack_into");
   const int64_t P = recv.size(0), B = recv.size(1), S = recv.size(2), C = recv.size(3), D = recv.size(4);
   c10::cuda::CUDAGuard guard(recv.device());
   UnpackParams p{};
@@ -314,19 +313,19 @@ void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef of
                 " != recv dtype ", recv.scalar_type());
     TORCH_CHECK(x.size(0) == B && x.size(1) == S && x.size(3) == D, "unpack_into: output ", t, " shape ",
                 x.sizes(), " does not match recv ", recv.sizes());
-    const HeadRule rule = head_rule(x.size(2), P, "unpack_into");
+    check_placement(x.size(2), P, local_heads[t], replicas[t], "unpack_into", t);
     const int64_t off = offsets[t], cnt = counts[t];
-    TORCH_CHECK(off >= 0 && cnt >= 0 && off + cnt <= rule.local, "unpack_into: output ", t, " offset ", off,
-                " + count ", cnt, " exceeds its ", rule.local, " heads per source");
+    TORCH_CHECK(off >= 0 && cnt >= 0 && off + cnt <= local_heads[t], "unpack_into: output ", t, " offset ", off,
+                " + count ", cnt, " exceeds its ", local_heads[t], " heads per source");
     if (cnt == 0) {
       continue;
     }
     UnpackJob& job = p.job[njobs++];
     job.out = static_cast<char*>(x.data_ptr());
     job.ob = x.stride(0); job.os = x.stride(1); job.oh = x.stride(2); job.od = x.stride(3);
-    job.local = rule.local; job.split = rule.split; job.rep = rule.rep;
+    job.local = static_cast<int>(local_heads[t]); job.rep = static_cast<int>(replicas[t]);
     job.offset = static_cast<int>(off); job.count = static_cast<int>(cnt); job.chan = chan;
-    job.nheads = rule.split ? static_cast<int>(P * cnt) : static_cast<int>(x.size(2));
+    job.nheads = static_cast<int>((P / replicas[t]) * cnt);
     chan += static_cast<int>(cnt);
     vec = vec && aligned16(job.out) && job.od == 1 && job.ob % V16 == 0 && job.os % V16 == 0 && job.oh % V16 == 0;
   }
@@ -361,54 +360,16 @@ void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef of
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Functional forms (allocate the result): used by tests, benchmarks and the Python
-// helpers that need no buffer reuse.
-at::Tensor pack(at::TensorList srcs, int64_t world) {
-  TORCH_CHECK(!srcs.empty(), "pack: needs at least one tensor");
-  TORCH_CHECK(world >= 1, "pack: world must be >= 1");
-  const at::Tensor& x0 = srcs[0];
-  TORCH_CHECK(x0.dim() == 4, "pack: tensors must be [B, S, H, D], got ", x0.sizes());
-  std::vector<int64_t> offsets, counts;
-  int64_t channels = 0;
-  for (const auto& x : srcs) {
-    TORCH_CHECK(x.dim() == 4, "pack: tensors must be [B, S, H, D], got ", x.sizes());
-    const HeadRule rule = head_rule(x.size(2), world, "pack");
-    offsets.push_back(0);
-    counts.push_back(rule.local);
-    channels += rule.local;
-  }
-  at::Tensor send = at::empty({world, x0.size(0), x0.size(1), channels, x0.size(3)}, x0.options());
-  pack_into(srcs, send, offsets, counts);
-  return send;
-}
-
-std::vector<at::Tensor> unpack(const at::Tensor& recv, at::IntArrayRef num_heads) {
-  TORCH_CHECK(recv.dim() == 5, "unpack: recv must be [P, B, S, C, D], got ", recv.sizes());
-  const int64_t P = recv.size(0);
-  std::vector<at::Tensor> outs;
-  std::vector<int64_t> offsets, counts;
-  for (int64_t h : num_heads) {
-    const HeadRule rule = head_rule(h, P, "unpack");
-    outs.push_back(at::empty({recv.size(1), recv.size(2), h, recv.size(4)}, recv.options()));
-    offsets.push_back(0);
-    counts.push_back(rule.local);
-  }
-  unpack_into(recv, outs, offsets, counts);
-  return outs;
-}
-
 }  // namespace ulysses_kernels
 
 TORCH_LIBRARY_FRAGMENT(ulysses_kernels, m) {
-  m.def("pack(Tensor[] srcs, int world) -> Tensor");
-  m.def("pack_into(Tensor[] srcs, Tensor(a!) send, int[] offsets, int[] counts) -> ()");
-  m.def("unpack(Tensor recv, int[] num_heads) -> Tensor[]");
-  m.def("unpack_into(Tensor recv, Tensor(a!)[] outs, int[] offsets, int[] counts) -> ()");
+  m.def("pack_into(Tensor[] srcs, Tensor(a!) send, int[] offsets, int[] counts, int[] local_heads, "
+        "int[] replicas) -> ()");
+  m.def("unpack_into(Tensor recv, Tensor(a!)[] outs, int[] offsets, int[] counts, int[] local_heads, "
+        "int[] replicas) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ulysses_kernels, CUDA, m) {
-  m.impl("pack", &ulysses_kernels::pack);
   m.impl("pack_into", &ulysses_kernels::pack_into);
-  m.impl("unpack", &ulysses_kernels::unpack);
   m.impl("unpack_into", &ulysses_kernels::unpack_into);
 }

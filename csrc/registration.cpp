@@ -2,7 +2,7 @@
 //
 // The library namespace is defined here once (TORCH_LIBRARY); every other file adds its
 // ops with TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL so each kernel stays in its own
-// file. Fake (meta) implementations live in Python (ulysses_kernels/_ops.py), which
+// file. Fake (meta) implementations live in Python (ulysses_kernels/fused/ops.py), which
 // keeps shape logic next to the reference path it must agree with.
 #include <torch/extension.h>
 #include <torch/library.h>

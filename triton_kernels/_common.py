@@ -16,19 +16,15 @@ All offsets are int64 (sequences of millions of tokens times large row strides).
 """
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ..env import flag, interpreting  # noqa: F401  (interpreting: re-exported to the kernel modules)
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-def interpreting() -> bool:
-    """True when kernels run in the Triton interpreter (read at call time)."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 # Read once at import: decides whether kernels are wrapped in @triton.autotune.
@@ -39,7 +35,7 @@ def autotune_enabled() -> bool:
     """Autotuning runs only on a GPU (never in the interpreter) unless disabled by env."""
     if INTERPRET_AT_IMPORT:
         return False
-    return os.environ.get("ULYSSES_KERNELS_TRITON_AUTOTUNE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return flag("ULYSSES_KERNELS_TRITON_AUTOTUNE", default=True)
 
 
 def next_pow2(n: int) -> int:

@@ -2,14 +2,15 @@
 
 Each rank of a sequence-parallel group holds a contiguous slice of the sequence; one
 all-to-all trades it for a head shard of the whole sequence, attention runs exactly, and
-a second all-to-all trades it back. See DESIGN.md for the contract.
+a second all-to-all trades it back. docs/architecture.md walks one call through the
+package; this module only re-exports the public API.
 """
 
-from ._layout import HeadPlan, split_lengths
-from .attention import UlyssesAttention, flash_attention, ulysses_attention
-from .comm import gather_sequence, heads_to_seq, qkv_seq_to_heads, seq_to_heads, shard_sequence
+from .api import (UlyssesAttention, flash_attention, gather_sequence, heads_to_seq, qkv_seq_to_heads,
+                  seq_to_heads, shard_sequence, ulysses_attention)
 from .groups import ParallelGroups, init_sequence_parallel
-from .layers import UlyssesSelfAttention
+from .layout import HeadPlan, split_lengths
+from .modules import UlyssesSelfAttention
 from .reference import reference_attention
 
 __version__ = "0.1.0"

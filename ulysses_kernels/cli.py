@@ -17,7 +17,8 @@ def doctor(_args) -> int:
 
     import torch
 
-    from . import __version__, _backend
+    from . import __version__, dispatch, env, extensions, fused
+    from .api import resolve_path
 
     _line("ulysses-kernels", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
     _line("python", platform.python_version())
@@ -41,25 +42,21 @@ def doctor(_args) -> int:
     else:
         _line("nvcc", "not found")
 
-    module, reason = _backend.load_extension()
+    module, reason = extensions.load_extension()
     if module is not None:
         info = torch.ops.ulysses_kernels.build_info()
-        try:
-            from . import _build_info
-            arches = _build_info.TORCH_CUDA_ARCH_LIST or "not recorded"
-        except ImportError:
-            arches = "unknown"
+        arches = extensions.build_info("TORCH_CUDA_ARCH_LIST", "unknown") or "not recorded"
         # torch.ops namespaces resolve ops lazily, so ask the dispatcher for every name.
         ops = sorted({n.split("::", 1)[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
                       if n.startswith("ulysses_kernels::") and not n.split("::", 1)[1].startswith("triton_")})
         _line("CUDA extension", f"built ({info}; arches {arches})")
         _line("  ops", ", ".join(ops))
-        fused_ok, why = _backend.fused_available()
-        _line("  fused path", "available" if fused_ok else f"unavailable: {why}")
+        why = fused.problem(torch.device("cuda"), ())
+        _line("  fused path", "available" if why is None else f"unavailable: {why}")
     else:
         _line("CUDA extension", f"not available: {reason}")
-    kernels, why = _backend.triton_kernels()
-    interp = " (TRITON_INTERPRET=1: interpreter)" if _backend.interpreter_enabled() else ""
+    kernels, why = extensions.triton_kernels()
+    interp = " (TRITON_INTERPRET=1: interpreter)" if env.interpreting() else ""
     _line("Triton attention", ("available" + interp) if kernels is not None else f"unavailable: {why}")
 
     if torch.cuda.is_available():
@@ -81,14 +78,14 @@ def doctor(_args) -> int:
         chosen = []
         for distributed, where in ((True, "in a process group"), (False, "single process")):
             try:
-                chosen.append(f"{_backend.resolve_backend(None, torch.device(device), distributed=distributed)} "
+                chosen.append(f"{resolve_path(None, torch.device(device), distributed=distributed)} "
                               f"({where})")
             except Exception as exc:  # noqa: BLE001
                 chosen.append(f"error: {exc}")
         _line(f"default path ({device})", ", ".join(chosen))
-    env = os.environ.get(_backend.ENV_VAR)
-    if env:
-        _line(_backend.ENV_VAR, env)
+    requested = os.environ.get(dispatch.ENV_VAR)
+    if requested:
+        _line(dispatch.ENV_VAR, requested)
     return 0
 
 
@@ -96,13 +93,14 @@ def _head_defaults(ranks, heads, kv_heads, dim):
     """Fill the head counts and width the user left out so they fit `ranks` (for example
     8 GPUs need at least 8 query heads); explicit values are kept and checked later."""
     from .demo import DemoConfig
+    from .layout import head_plan_error
 
     base = DemoConfig()
     if heads is None:
         heads = base.heads if base.heads % max(ranks, 1) == 0 else max(ranks, 1) * -(-base.heads // max(ranks, 1))
     if kv_heads is None:
-        ok = lambda n: heads % n == 0 and (n % ranks == 0 or ranks % n == 0)  # noqa: E731
-        kv_heads = next(n for n in (base.kv_heads, 1) if ok(n)) if ranks >= 1 else base.kv_heads
+        fits = [n for n in (base.kv_heads, 1) if ranks >= 1 and head_plan_error(ranks, heads, n) is None]
+        kv_heads = fits[0] if fits else base.kv_heads
     if dim is None:
         dim = max(base.dim, 16 * heads)
     return heads, kv_heads, dim
@@ -110,6 +108,7 @@ def _head_defaults(ranks, heads, kv_heads, dim):
 
 def demo(args) -> int:
     from .demo import DemoConfig, run_demo
+    from .layout import head_plan_error
 
     heads, kv_heads, dim = _head_defaults(args.ranks, args.heads, args.kv_heads, args.dim)
     cfg = DemoConfig(ranks=args.ranks, seq_len=args.seq_len, steps=args.steps, dim=dim,
@@ -122,7 +121,7 @@ def demo(args) -> int:
         problems.append(f"--dim {cfg.dim} must be a multiple of 2 * --heads {cfg.heads}")
     if cfg.heads % cfg.ranks:
         problems.append(f"--heads {cfg.heads} must be divisible by --ranks {cfg.ranks}")
-    if cfg.heads % cfg.kv_heads or (cfg.kv_heads % cfg.ranks and cfg.ranks % cfg.kv_heads):
+    elif cfg.ranks >= 1 and head_plan_error(cfg.ranks, cfg.heads, cfg.kv_heads):
         problems.append(f"--kv-heads {cfg.kv_heads} must divide --heads and divide or be divisible by --ranks")
     if cfg.seq_len < 4:
         problems.append("--seq-len must be at least 4")

@@ -1,8 +1,36 @@
-"""Process groups for data parallelism x sequence parallelism."""
+"""Process groups: which group a call runs on, and the data x sequence parallel mesh."""
 
 from typing import NamedTuple, Optional
 
+import torch
 import torch.distributed as dist
+
+
+def resolve_group(group):
+    """(group, world, rank) for `group` (None = the default group), or (None, 1, 0) when
+    torch.distributed is not initialised and no group was given: a single process."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None, 1, 0
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("a process group was passed but torch.distributed is not initialized")
+    if group is None:
+        group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"rank {dist.get_rank()} is not a member of the given process group")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not a member of the given process group")
+    return group, dist.get_world_size(group), rank
+
+
+def collective_device(group) -> torch.device:
+    """Device on which this group's backend can run a small collective."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class ParallelGroups(NamedTuple):

@@ -1,7 +1,7 @@
 """The Triton path of `ulysses_attention`: the attention kernels read the all-to-all
 receive buffer in place and write into the reverse send buffer (no unpack copy).
 
-Forward (DESIGN.md, "Data flow"):
+Forward (docs/architecture.md, "Triton path"):
   pack q|k|v -> send `[P, B, S_r, Hc, D]` -> all-to-all -> receive buffer, whose rows are
   the blocks `[B, S_i]` of every source rank i in order. q/k/v are 3-D views
   `[B*S, Hl, D]` of it (a channel offset into each row), which the kernels address with
@@ -11,19 +11,37 @@ Forward (DESIGN.md, "Data flow"):
 Backward: dO takes the same route as q; the kernels write dq|dk|dv into one buffer in
 the send layout; one all-to-all returns them; unpack sums replicated KV heads.
 
-Exchanges and packing are the reference torch ones (comm.py); the fused path replaces
-them with CUDA pack kernels and the NCCL engine.
+Exchanges and packing are the reference torch ones (`reference/exchange.py`, this
+path's declared interface to the reference path); the fused path replaces them with CUDA
+pack kernels and the NCCL engine.
 """
+
+from typing import Optional
 
 import torch
 
-from .comm import _all_to_all, _pack_for_heads, _plans_for, _unpack_from_heads, exchange_seq_to_heads
+from . import env
+from .extensions import kernel_input_problem, triton_kernels
+from .reference.exchange import (all_to_all, exchange_seq_to_heads, pack_for_heads, placements_for,
+                                 unpack_from_heads)
+
+
+def problem(device: torch.device, tensors) -> Optional[str]:
+    """Why this path cannot run q/k/v `tensors` on `device` (None when it can); the phrase
+    follows "backend='triton' " in dispatch's errors."""
+    # Check before importing: kernels imported without the interpreter cannot run on CPU.
+    if device.type != "cuda" and not env.interpreting():
+        return ("on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                "importing ulysses_kernels")
+    module, reason = triton_kernels()
+    if module is None:
+        return f"requested but the Triton kernels cannot be used: {reason}"
+    why = kernel_input_problem("triton", tensors)
+    return f"cannot run these inputs: {why}" if why else None
 
 
 def _kernels():
-    from . import _backend
-
-    module, reason = _backend.triton_kernels()
+    module, reason = triton_kernels()
     if module is None:
         raise RuntimeError(f"Triton kernels unavailable: {reason}")
     return module
@@ -36,7 +54,7 @@ def _reverse_exchange(rows: torch.Tensor, batch: int, seq_lens, rank: int, group
     P = len(seq_lens)
     _, Hc, D = rows.shape
     per_token = batch * Hc * D
-    recv = _all_to_all(rows, [n * per_token for n in seq_lens], [seq_lens[rank] * per_token] * P, group)
+    recv = all_to_all(rows, [n * per_token for n in seq_lens], [seq_lens[rank] * per_token] * P, group)
     return recv.view(P, batch, seq_lens[rank], Hc, D)
 
 
@@ -46,9 +64,9 @@ class TritonUlyssesAttention(torch.autograd.Function):
         kernels = _kernels()
         world = len(seq_lens)
         B, _, Hq, D = q.shape
-        plans = _plans_for([Hq, k.shape[2], v.shape[2]], world)
-        hl_q, hl_kv = plans[0][0], plans[1][0]
-        send = _pack_for_heads([q, k, v], plans, world)
+        placements = placements_for([Hq, k.shape[2], v.shape[2]], world)
+        hl_q, hl_kv = placements[0].local, placements[1].local
+        send = pack_for_heads([q, k, v], placements, world)
         recv = exchange_seq_to_heads(send, seq_lens, rank, group)
         channels = hl_q + 2 * hl_kv
         rows = recv.view(B * sum(seq_lens), channels, D)  # block-ordered rows, zero copy
@@ -60,18 +78,18 @@ class TritonUlyssesAttention(torch.autograd.Function):
         back = _reverse_exchange(out_rows, B, seq_lens, rank, group)  # [P, B, S_r, hl_q, D]
         ctx.save_for_backward(rows, out_rows, lse, cu_seqlens if cu_seqlens is not None else torch.empty(0))
         ctx.has_cu = cu_seqlens is not None
-        ctx.meta = (group, rank, seq_lens, causal, softmax_scale, plans, [Hq, k.shape[2], v.shape[2]], B)
+        ctx.meta = (group, rank, seq_lens, causal, softmax_scale, placements, B)
         return back.permute(1, 2, 0, 3, 4).reshape(B, seq_lens[rank], Hq, D)
 
     @staticmethod
     def backward(ctx, grad_out):
         kernels = _kernels()
         rows, out_rows, lse, cu = ctx.saved_tensors
-        group, rank, seq_lens, causal, softmax_scale, plans, num_heads, B = ctx.meta
+        group, rank, seq_lens, causal, softmax_scale, placements, B = ctx.meta
         world = len(seq_lens)
-        hl_q, hl_kv = plans[0][0], plans[1][0]
+        hl_q, hl_kv = placements[0].local, placements[1].local
         D = rows.shape[-1]
-        send = _pack_for_heads([grad_out.to(out_rows.dtype)], plans[:1], world)
+        send = pack_for_heads([grad_out.to(out_rows.dtype)], placements[:1], world)
         do_rows = exchange_seq_to_heads(send, seq_lens, rank, group).view(rows.shape[0], hl_q, D)
         grad_rows = torch.empty_like(rows)  # dq|dk|dv, block-ordered: the reverse send buffer
         kernels.flash_attention_backward(
@@ -80,7 +98,7 @@ class TritonUlyssesAttention(torch.autograd.Function):
             dq=grad_rows[:, :hl_q], dk=grad_rows[:, hl_q:hl_q + hl_kv], dv=grad_rows[:, hl_q + hl_kv:],
             seq_splits=world, batch=B)
         back = _reverse_exchange(grad_rows, B, seq_lens, rank, group)
-        dq, dk, dv = _unpack_from_heads(back, plans, num_heads)
+        dq, dk, dv = unpack_from_heads(back, placements)
         return dq, dk, dv, None, None, None, None, None, None
 
 

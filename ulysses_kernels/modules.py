@@ -7,8 +7,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ._rotary import apply_rotary, position_embeddings_error
-from .attention import _prepare, _run
+from . import fused
+from .api import prepare_attention, run_attention
+from .rotary import apply_rotary, position_embeddings_error
 
 
 class UlyssesSelfAttention(nn.Module):
@@ -18,7 +19,7 @@ class UlyssesSelfAttention(nn.Module):
     x `[B, S_local, hidden]` -> `[B, S_local, hidden]`. `position_embeddings`: optional
     rotary `(cos, sin)`, each `[B or 1, S_local, head_dim]` for this rank's tokens (global
     positions), applied to q and k in the Hugging Face (Llama) convention
-    (`ulysses_kernels._rotary`) in the activation dtype; they are constants (no gradient).
+    (`ulysses_kernels.rotary`) in the activation dtype; they are constants (no gradient).
 
     `qkv_proj` is one `nn.Linear(hidden, (Hq + 2*Hkv) * head_dim)` whose output rows are
     the q heads, then the k heads, then the v heads; `o_proj` is `nn.Linear(Hq * head_dim,
@@ -26,7 +27,7 @@ class UlyssesSelfAttention(nn.Module):
     fused path (CUDA, extension built, `backend` None or "fused"), with
     `overlap_projections=True` and the weights in the activation dtype (no autocast), the
     projection GEMMs run chunk by chunk inside the exchange pipeline
-    (`ulysses_kernels.fused_layer`); otherwise the block is the plain composition.
+    (`ulysses_kernels.fused.layer`); otherwise the block is the plain composition.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
@@ -74,12 +75,11 @@ class UlyssesSelfAttention(nn.Module):
 
     def forward(self, x, *, position_embeddings=None, seq_lens=None, cu_seqlens=None):
         q, k, v, errors = self._placeholders(x, position_embeddings)
-        call = _prepare(q, k, v, self.group, self.causal, self.softmax_scale, seq_lens, cu_seqlens,
+        call = prepare_attention(q, k, v, self.group, self.causal, self.softmax_scale, seq_lens, cu_seqlens,
                         self.backend, local_errors=errors)
         B, S, _ = x.shape
         if call.path == "fused" and self._overlap_ok(x):
-            from . import fused_layer
-            return fused_layer.self_attention(
+            return fused.self_attention(
                 x, self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight, self.o_proj.bias,
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                 group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
@@ -91,7 +91,7 @@ class UlyssesSelfAttention(nn.Module):
         if position_embeddings is not None:
             cos, sin = (t.detach().to(q.dtype) for t in position_embeddings)  # as on the fused path
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = _run(call, q, k, v)
+        out = run_attention(call, q, k, v)
         return self.o_proj(out.reshape(B, S, hq * self.head_dim))
 
     def extra_repr(self):

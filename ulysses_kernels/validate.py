@@ -19,7 +19,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ._layout import head_plan_error, split_lengths
+from .dispatch import BACKENDS
+from .groups import collective_device
+from .layout import head_plan_error, split_lengths
 
 _MAGIC = 0x554C59  # "ULY": a peer that sent something else is not running this library
 _KINDS = {"ulysses_attention": 1, "seq_to_heads": 2, "qkv_seq_to_heads": 3, "heads_to_seq": 4}
@@ -32,7 +34,6 @@ _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.fl
            torch.bool, torch.complex64, torch.complex128]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICE_TYPES = ["cpu", "cuda", "meta", "other"]
-BACKENDS = ("reference", "triton", "fused")
 
 _TENSOR_FIELDS = 8  # present, ndim, 4 dims, dtype, device type
 _MAX_TENSORS = 3
@@ -266,14 +267,6 @@ def cu_seqlens_error(summary: List[int], global_len: int, batch: int) -> Optiona
     return None
 
 
-def collective_device(group) -> torch.device:
-    """Device on which this group's backend can run a small collective."""
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "nccl" not in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
 def exchange_and_check(kind: str, group, names: Sequence[str], tensors: Sequence, *,
                        local_errors: Sequence[str] = (), **options) -> List[int]:
     """All-gather descriptors, validate, and return every rank's local sequence length.
@@ -303,3 +296,64 @@ def exchange_and_check(kind: str, group, names: Sequence[str], tensors: Sequence
     if err:
         raise ValueError(f"{kind}: {err}")
     return [r[_HEADER + 3] for r in table]  # shape[1] of the first tensor: S_local
+
+
+def check_single(kind: str, names: Sequence[str], tensors: Sequence, *, same_length: bool = True,
+                 **options) -> None:
+    """The checks of `exchange_and_check` for a single process (nothing to exchange)."""
+    err = check_table(kind, [build_descriptor(kind, tensors, **options)], names, same_length=same_length)
+    if err:
+        raise ValueError(f"{kind}: {err}")
+
+
+def checked_lengths(kind: str, group, world: int, rank: int, x, seq_lens, names: Sequence[str],
+                    tensors: Sequence, **options) -> List[int]:
+    """Every rank's local length of the sequence shards `tensors` (x the first): the checked
+    exchange by default, the trusted `seq_lens` (checks that need no peer) otherwise."""
+    if seq_lens is None:
+        if group is None:  # single process: nothing to exchange
+            check_single(kind, names, tensors, **options)
+            return [x.shape[1]]
+        return exchange_and_check(kind, group, names, tensors, **options)
+    seq_lens = [int(n) for n in seq_lens]
+    if len(seq_lens) != world:
+        raise ValueError(f"{kind}: seq_lens has {len(seq_lens)} entries but the group has {world} ranks")
+    if seq_lens[rank] != x.shape[1]:
+        raise ValueError(f"{kind}: seq_lens[{rank}] = {seq_lens[rank]} but this rank's local length is {x.shape[1]}")
+    err = lengths_error(seq_lens)
+    if err:
+        raise ValueError(f"{kind}: {err}")
+    return seq_lens
+
+
+def shape_error(q, k, v) -> Optional[str]:
+    """Why q/k/v cannot be single-device attention inputs `[B, S, H, D]` (None: they can)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return f"{name} must be a 4-D tensor [batch, seq, heads, head_dim]"
+    if k.shape != v.shape:
+        return f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}"
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        return f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim"
+    if q.shape[2] % k.shape[2] != 0:
+        return f"query heads ({q.shape[2]}) must be a multiple of key/value heads ({k.shape[2]})"
+    return None
+
+
+def trusted_attention_lengths(seq_lens, world: int, rank: int, q, k, v) -> List[int]:
+    """ulysses_attention's fast path: the checks that need no peer (the caller vouches for
+    cross-rank agreement by passing seq_lens)."""
+    lens = [int(n) for n in seq_lens]
+    err = None
+    if len(lens) != world:
+        err = f"seq_lens has {len(lens)} entries but the group has {world} ranks"
+    elif shape_error(q, k, v):
+        err = shape_error(q, k, v)
+    elif not (q.shape[1] == k.shape[1] == lens[rank]):
+        err = (f"seq_lens[{rank}] = {lens[rank]} but this rank's q/k local lengths are "
+               f"{q.shape[1]}/{k.shape[1]}")
+    else:
+        err = lengths_error(lens) or head_plan_error(world, q.shape[2], k.shape[2])
+    if err:
+        raise ValueError(f"ulysses_attention: {err}")
+    return lens

@@ -1,7 +1,8 @@
 """Fused Ulysses self-attention layer: QKV projection, attention and output projection in
-one pipeline, so the projection GEMMs overlap the exchanges (DESIGN.md, "Overlap").
+one pipeline, so the projection GEMMs overlap the exchanges (docs/architecture.md,
+"Fused path").
 
-It reuses fused.py's chunk plan and pipelines (chunk c owns local query heads
+It reuses the chunk plan (plan.py) and the pipelines (pipeline.py) (chunk c owns local query heads
 `[c*Hqc, (c+1)*Hqc)` of every destination). Per chunk c, forward:
 
   compute: qkv_c = x @ W_c^T (+ b_c)      W_c: the rows of W_qkv of chunk c's query heads
@@ -29,9 +30,11 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from . import fused
-from ._rotary import apply_rotary, apply_rotary_adjoint
-from .fused import _current_stream, _device_ctx, _forward, _backward, _wait
+from ..layout import place_heads
+from ..rotary import apply_rotary, apply_rotary_adjoint
+from . import pipeline
+from .attention import prepare
+from .streams import current_stream, device_ctx, wait
 
 
 # ----------------------------------------------------------------------- head orders
@@ -49,21 +52,13 @@ class HeadOrder:
 
 
 def head_order(plan, world: int, hq: int, hkv: int) -> HeadOrder:
-    hl_q = hq // world
-    split = hkv % world == 0
-    hl_kv = hkv // world if split else 1
-
-    def kv_heads(off, cnt):
-        if cnt == 0:
-            return []
-        if split:  # destination j receives KV heads [j*hl_kv + off, ... + cnt)
-            return [j * hl_kv + off + i for j in range(world) for i in range(cnt)]
-        return list(range(hkv))  # replicated: the pack kernel sends head j // (P / Hkv) to j
-
+    q_place, kv_place = place_heads(hq, world), place_heads(hkv, world)
     fwd, grad, q_all, fwd_counts, grad_counts = [], [], [], [], []
     for c in plan:
-        q = [j * hl_q + c.q_off + i for j in range(world) for i in range(c.q_cnt)]
-        sent, returned = kv_heads(c.kv_off, c.kv_cnt), kv_heads(c.g_off, c.g_cnt)
+        # The heads of the whole tensor that chunk c's slice of every destination covers
+        # (each once: a replicated KV head is computed once and packed for every replica).
+        q = q_place.sent_heads(c.q_off, c.q_cnt)
+        sent, returned = kv_place.sent_heads(c.kv_off, c.kv_cnt), kv_place.sent_heads(c.g_off, c.g_cnt)
         fwd += q + [hq + h for h in sent] + [hq + hkv + h for h in sent]
         grad += q + [hq + h for h in returned] + [hq + hkv + h for h in returned]
         q_all += q
@@ -119,7 +114,7 @@ def _prefix(counts) -> List[int]:
 # ------------------------------------------------------------------------- pipeline io
 
 class _LayerForwardIo:
-    """fused._forward io: chunk inputs are projection GEMMs, chunk outputs feed the output
+    """pipeline.forward io: chunk inputs are projection GEMMs, chunk outputs feed the output
     projection. Every tensor the comm stream touches is kept until the call ends (the
     caller's stream waits for the comm stream then), so the caching allocator cannot hand
     its memory to later work while an exchange still reads or writes it."""
@@ -132,7 +127,7 @@ class _LayerForwardIo:
         self.order, (self.B, self.Sp, self.D) = order, shape
         self.rows = _prefix(order.fwd_counts)
         self.q_cols = _prefix((nq, 0) for nq, _ in order.fwd_counts)
-        self.compute = _current_stream(device)
+        self.compute = current_stream(device)
         n_tokens = self.B * self.Sp
         # The unpacked attention output, chunk after chunk ([B, S_p, P*q_cnt, D] each):
         # the output projection reads it, the backward needs it for dW_o.
@@ -164,7 +159,7 @@ class _LayerForwardIo:
         return [self.o_chunk(i)], [0], [c.q_cnt]
 
     def consume(self, i, c, event):
-        _wait(self.compute, event)
+        wait(self.compute, event)
         o2d = self.o_chunk(i).view(self.B * self.Sp, -1)
         lo, hi = self.q_cols[i] * self.D, (self.q_cols[i] + self.order.fwd_counts[i][0]) * self.D
         w = self.w_o_perm[:, lo:hi]
@@ -175,7 +170,7 @@ class _LayerForwardIo:
 
 
 class _LayerBackwardIo:
-    """fused._backward io: dO per chunk from dy @ Wo_c, chunk results give dx and dW_qkv."""
+    """pipeline.backward io: dO per chunk from dy @ Wo_c, chunk results give dx and dW_qkv."""
 
     computes_inputs = True
 
@@ -187,7 +182,7 @@ class _LayerBackwardIo:
         self.need_dx, self.need_dw, self.need_db, self.need_dwo = need[0], need[1], need[2], need[3]
         self.rows = _prefix(order.grad_counts)
         self.q_cols = _prefix((nq, 0) for nq, _ in order.grad_counts)
-        self.compute = _current_stream(device)
+        self.compute = current_stream(device)
         self.g_chunks = dy2d.new_empty(self.B * self.Sp * len(order.grad) * self.D)
         self.keep: List[torch.Tensor] = []
         self.dx = None
@@ -228,7 +223,7 @@ class _LayerBackwardIo:
         return [g[:, :, :nq], g[:, :, nq:nq + nkv], g[:, :, nq + nkv:]], [0, 0, 0], [c.q_cnt, c.g_cnt, c.g_cnt]
 
     def consume(self, i, c, event):
-        _wait(self.compute, event)
+        wait(self.compute, event)
         g = self.g_chunk(i)
         if self.rotary is not None:  # gradients of the rotated q/k -> of the projections
             nqk = sum(self.order.grad_counts[i])
@@ -264,8 +259,8 @@ class _FusedSelfAttention(torch.autograd.Function):
         save = grad_enabled and any(ctx.needs_input_grad[:5])
         rotary = (cos, sin) if cos is not None else None
         io = _LayerForwardIo(x2d, w_fwd, b_fwd, w_o_perm, b_o, rotary, order, (B, Sp, D), x.device)
-        with _device_ctx(x.device):
-            state = _forward(engine, io, (B, Sp, hq, D), lens, causal, scale, cu_seqlens, plan, save,
+        with device_ctx(x.device):
+            state = pipeline.forward(engine, io, (B, Sp, hq, D), lens, causal, scale, cu_seqlens, plan, save,
                              x.device, x.dtype)
         if save:
             ctx.engine, ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens = engine, lens, causal, scale, cu_seqlens
@@ -291,11 +286,11 @@ class _FusedSelfAttention(torch.autograd.Function):
                               need=need[:5])
         if any(need[:3]):  # x, W_qkv or b_qkv: the gradients travel back through the exchanges
             state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
-            with _device_ctx(x.device):
-                _backward(ctx.engine, io, (B, Sp, hq, D), ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens,
+            with device_ctx(x.device):
+                pipeline.backward(ctx.engine, io, (B, Sp, hq, D), ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens,
                           ctx.plan, state, x.device, x.dtype)
         else:  # only the output projection trains: no exchange needed
-            with _device_ctx(x.device):
+            with device_ctx(x.device):
                 io.after_inputs()
         d_wqkv = d_bqkv = d_wo = d_bo = None
         if need[1]:
@@ -317,10 +312,10 @@ def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: i
     overlapped (differentiable in x and every weight). Called by UlyssesSelfAttention
     after `ulysses_attention`'s validation; x `[B, S_local, hidden]`, w_qkv
     `[(Hq + 2*Hkv) * D, hidden]` (rows: q heads, then k heads, then v heads), w_o `[hidden, Hq * D]`,
-    position_embeddings an optional rotary (cos, sin) pair of this rank's tokens (_rotary.py;
+    position_embeddings an optional rotary (cos, sin) pair of this rank's tokens (rotary.py;
     not differentiated)."""
     B, Sp, _ = x.shape
-    setup = fused.prepare((B, Sp, num_heads, head_dim), num_kv_heads, x.dtype, x.device, group=group, rank=rank,
+    setup = prepare((B, Sp, num_heads, head_dim), num_kv_heads, x.dtype, x.device, group=group, rank=rank,
                           seq_lens=seq_lens, cu_seqlens=cu_seqlens, num_chunks=num_chunks)
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     if cos is not None:

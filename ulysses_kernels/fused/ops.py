@@ -1,0 +1,131 @@
+"""The CUDA extension's pack/unpack ops as the fused path calls them, their fake (meta)
+implementations for torch.compile, and the op table that tests can replace.
+
+Ops (torch.ops.ulysses_kernels, csrc/pack_kernels.cu and csrc/nccl_engine.cpp):
+  pack_into(Tensor[] srcs, Tensor(a!) send, int[] offsets, int[] counts,
+            int[] local_heads, int[] replicas) -> ()
+  unpack_into(Tensor recv, Tensor(a!)[] outs, int[] offsets, int[] counts,
+              int[] local_heads, int[] replicas) -> ()
+  nccl_unique_id() -> Tensor
+  nccl_comm_create(Tensor unique_id, int world, int rank, int device, float timeout_s, bool blocking) -> int
+  nccl_comm_destroy(int comm) -> ()
+  nccl_all_to_all(int comm, Tensor send, Tensor(a!) recv, int[] send_counts, int[] recv_counts) -> ()
+  nccl_comm_wait(int comm, float timeout_s) -> ()
+
+The kernels do not decide where a head goes: `pack_into` / `unpack_into` below compute
+each tensor's placement with `ulysses_kernels.layout.place_heads` and pass it as
+(`local_heads`, `replicas`) per tensor (docs/architecture.md, "Layout rules").
+
+The op table is the CUDA extension unless `use_ops` installed stand-ins (the pure-torch
+ones of `ulysses_kernels.testing` run the whole fused pipeline on CPU); a stand-in table
+names the device types it runs on in `device_types`.
+"""
+
+import threading
+from typing import List, Sequence
+
+import torch
+
+from ..extensions import load_extension
+from ..layout import place_heads
+
+FUSED_OPS = ("pack_into", "unpack_into", "nccl_unique_id", "nccl_comm_create", "nccl_comm_destroy",
+             "nccl_all_to_all", "nccl_comm_wait")
+EXTENSION_DEVICE_TYPES = ("cuda",)
+
+_lock = threading.Lock()
+_fakes_registered = False
+_stand_ins = None
+
+
+def use_ops(table=None):
+    """Install `table` (an object with `pack_into`, `unpack_into` taking the ops'
+    arguments and a `device_types` tuple) in place of the CUDA extension's ops; None
+    restores the extension. Returns the table that was active (None: the extension)."""
+    global _stand_ins
+    previous, _stand_ins = _stand_ins, table
+    return previous
+
+
+def table():
+    """The active pack/unpack ops: stand-ins if installed, else torch.ops.ulysses_kernels."""
+    return _stand_ins if _stand_ins is not None else torch.ops.ulysses_kernels
+
+
+def device_types() -> tuple:
+    """The device types the active ops run on."""
+    return tuple(_stand_ins.device_types) if _stand_ins is not None else EXTENSION_DEVICE_TYPES
+
+
+def _placement_args(tensors: Sequence[torch.Tensor], world: int):
+    placements = [place_heads(t.shape[2], world) for t in tensors]
+    return [p.local for p in placements], [p.replicas for p in placements]
+
+
+def pack_into(srcs: Sequence[torch.Tensor], send: torch.Tensor, offsets, counts) -> None:
+    """Write local heads `[offsets[t], offsets[t] + counts[t])` of every destination of each
+    source `[B, S_p, H_t, D]` into `send` `[P, B, S_p, sum(counts), D]`."""
+    local, replicas = _placement_args(srcs, send.shape[0])
+    table().pack_into(list(srcs), send, list(offsets), list(counts), local, replicas)
+
+
+def unpack_into(recv: torch.Tensor, outs: Sequence[torch.Tensor], offsets, counts) -> None:
+    """Inverse of `pack_into` from a receive buffer `[P, B, S_p, C, D]` into outputs
+    `[B, S_p, H_t, D]`; replicated heads are the fp32 sum of their replicas."""
+    local, replicas = _placement_args(outs, recv.shape[0])
+    table().unpack_into(recv, list(outs), list(offsets), list(counts), local, replicas)
+
+
+def pack(srcs: Sequence[torch.Tensor], world: int) -> torch.Tensor:
+    """Every local head of every source in one new send buffer (tests, benchmarks)."""
+    local, _ = _placement_args(srcs, world)
+    x0 = srcs[0]
+    send = x0.new_empty((world, x0.shape[0], x0.shape[1], sum(local), x0.shape[3]))
+    pack_into(srcs, send, [0] * len(srcs), local)
+    return send
+
+
+def unpack(recv: torch.Tensor, num_heads: Sequence[int]) -> List[torch.Tensor]:
+    """Inverse of `pack`: new tensors `[B, S_p, H_t, D]` (tests, benchmarks)."""
+    _, B, S, _, D = recv.shape
+    outs = [recv.new_empty((B, S, h, D)) for h in num_heads]
+    unpack_into(recv, outs, [0] * len(outs), [place_heads(h, recv.shape[0]).local for h in num_heads])
+    return outs
+
+
+def _fake_mutating(*args):
+    return None
+
+
+def is_supported() -> bool:
+    """True when the active ops have everything the fused path needs: stand-ins, or the
+    CUDA extension with every fused op (then their fake implementations are registered)."""
+    if _stand_ins is not None:
+        return True
+    module, _ = load_extension()
+    if module is None:
+        return False
+    try:
+        register_fakes()
+    except Exception:  # noqa: BLE001 - a broken build must read as "not supported"
+        return False
+    return all(hasattr(torch.ops.ulysses_kernels, name) for name in FUSED_OPS)
+
+
+def register_fakes() -> bool:
+    """Register the fake implementations once, for fake-tensor shape propagation
+    (torch.compile tracing, FakeTensorMode); needs the extension loaded. Returns False
+    when the ops are not there. The communicator-management ops take no device tensors
+    and are never traced (nccl_unique_id returns a CPU tensor and works under fake mode)."""
+    global _fakes_registered
+    with _lock:
+        if _fakes_registered:
+            return True
+        module, _ = load_extension()
+        if module is None:
+            return False
+        for name in ("pack_into", "unpack_into", "nccl_all_to_all"):
+            if hasattr(torch.ops.ulysses_kernels, name):
+                torch.library.register_fake(f"ulysses_kernels::{name}", _fake_mutating)
+        _fakes_registered = True
+        return True

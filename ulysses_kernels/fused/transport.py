@@ -1,0 +1,70 @@
+"""Transports: how the fused path's exchanges cross ranks (docs/architecture.md, "Fused
+path").
+
+A transport is any object with
+  name                                                  a short label (doctor, tests)
+  all_to_all(send, recv, send_counts, recv_counts)      enqueue one exchange of element
+                                                        counts on the current stream
+  check()                                               optional host-side wait (debugging)
+  close()                                               free what it holds
+built as `factory(group, world, rank, device)`. The engine uses `NcclTransport` unless
+`engine.use_transport(group, factory)` selected another one for a group
+(`ulysses_kernels.testing` has a host-memory transport for several ranks on one GPU).
+
+Errors. The NCCL communicator is non-blocking; init and enqueue are polled with a timeout
+(`ULYSSES_KERNELS_NCCL_TIMEOUT`, seconds, default 600) and raise instead of hanging. With
+`ULYSSES_KERNELS_NCCL_CHECK=1` every call also waits (host side, with the same timeout)
+for its exchanges to finish, turning a hang inside NCCL into an exception.
+`ULYSSES_KERNELS_NCCL_BLOCKING=1` (read when a communicator is created) selects NCCL's
+blocking mode instead: launches stay in the calling thread (NCCL >= 2.19 launches every
+non-blocking group from a helper thread), but init can then hang instead of timing out.
+"""
+
+import torch
+import torch.distributed as dist
+
+from .. import env
+
+ENV_TIMEOUT = "ULYSSES_KERNELS_NCCL_TIMEOUT"
+ENV_CHECK = "ULYSSES_KERNELS_NCCL_CHECK"
+ENV_BLOCKING = "ULYSSES_KERNELS_NCCL_BLOCKING"
+
+
+def timeout() -> float:
+    return env.number(ENV_TIMEOUT, 600.0)
+
+
+def _extension_ops():
+    """The communicator ops of the CUDA extension (never stand-ins: a transport that
+    needs no extension is another transport)."""
+    return torch.ops.ulysses_kernels
+
+
+class NcclTransport:
+    """Own NCCL communicator for one SP group, bootstrapped through that group."""
+
+    name = "nccl"
+
+    def __init__(self, group, world: int, rank: int, device: torch.device):
+        self.world, self.rank, self.device = world, rank, device
+        uid = _extension_ops().nccl_unique_id() if rank == 0 else None
+        if world > 1:
+            obj = [bytes(uid.numpy().tobytes()) if rank == 0 else None]
+            src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
+            bcast_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+            dist.broadcast_object_list(obj, src=src, group=group, device=bcast_device)
+            uid = torch.frombuffer(bytearray(obj[0]), dtype=torch.uint8).clone()
+        self.handle = _extension_ops().nccl_comm_create(uid, world, rank, device.index, timeout(),
+                                                         env.flag(ENV_BLOCKING))
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        _extension_ops().nccl_all_to_all(self.handle, send, recv, send_counts, recv_counts)
+
+    def check(self):
+        if env.flag(ENV_CHECK) and not torch.cuda.is_current_stream_capturing():
+            _extension_ops().nccl_comm_wait(self.handle, timeout())
+
+    def close(self):
+        if self.handle is not None:
+            _extension_ops().nccl_comm_destroy(self.handle)
+            self.handle = None

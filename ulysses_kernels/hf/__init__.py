@@ -1,0 +1,78 @@
+"""Hugging Face transformers integration: Ulysses sequence parallelism for HF causal LMs.
+
+transformers is an optional dependency (`pip install ulysses-kernels[hf]`); this module
+imports it lazily, so the rest of the package works without it.
+
+Typical training step (every rank of an SP group holds the same full batch; each DP
+group a different one)::
+
+    import ulysses_kernels as uk
+    from ulysses_kernels import hf as ukhf
+
+    groups = uk.init_sequence_parallel(sp_size)
+    ukhf.register(groups.sp_group)                      # attn_implementation="ulysses"
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ulysses")
+    ukhf.patch_model(model)                              # optional: tiled MLP + tiled loss
+    model = ukhf.apply_fsdp(model, groups)               # or apply_ddp, or neither
+    batch = ukhf.shard_batch(input_ids, groups.sp_group, position_ids=pos)
+    loss = ukhf.causal_lm_loss(model, batch, groups.sp_group)   # global mean, all ranks
+    loss.backward()
+    # without FSDP/DDP: ukhf.allreduce_gradients(model, groups.sp_group, groups.dp_group)
+
+Design notes
+------------
+* **Attention.** `register()` adds `ulysses_attention_forward` to transformers'
+  `AttentionInterface` under the name ``"ulysses"``. Every attention layer then calls
+  `ulysses_kernels.ulysses_attention` on the SP group set by `set_sequence_parallel_group`
+  (or `register(group)`). Causal unless the layer says otherwise (`module.is_causal`).
+* **Masks.** `register()` also adds a mask function to `AttentionMaskInterface` under the
+  same name, so transformers builds *no* mask tensor for this implementation: for an
+  unpadded batch the mask function returns `None` (attention is causal and the document
+  boundaries come from the position ids, below). A 2-D padding mask with any zero (on
+  any rank of the group: the ranks agree through one tiny all-reduce per forward, so all
+  of them raise together instead of some hanging) raises `ValueError`; so do custom 4-D
+  masks, sliding windows shorter than the global sequence, attention logit softcapping,
+  attention sinks, dropout > 0 and KV caches (generation). Nothing is silently dropped.
+* **Packed documents.** Position ids restarting at 0 (any break in `p[t] = p[t-1] + 1`,
+  the rule transformers itself uses) mark document boundaries; attention never crosses
+  them. The robust path is `shard_batch`: it computes the *global* `cu_seqlens` once from
+  the full batch before sharding and hands them (and every rank's length) to the
+  attention through the model's ``**kwargs`` (keys ``ulysses_cu_seqlens`` and
+  ``ulysses_seq_lens``, which HF forwards untouched to the attention function). Without
+  them, the attention all-gathers the local position-id shard along the group on every
+  layer (a few bytes) and derives the same boundaries, so calling the model with global
+  position ids by hand also works.
+* **Position ids must be global.** Each rank's `position_ids` shard must hold the global
+  positions of its tokens (rank r's shard of `arange(S)` for a single document). If the
+  model is called without them, HF uses `arange(S_local)` on every rank and RoPE is wrong;
+  the attention warns when every shard restarts at 0 exactly at the shard boundaries.
+* **Loss.** See `shard_batch` and `sequence_parallel_loss`.
+* **Gradients.** Parameters are replicated inside an SP group but every rank sees only its
+  slice of the tokens, so the gradient of the global loss is the SUM over SP ranks of the
+  local gradients (and the MEAN over DP ranks, each of which has its own batch).
+  `allreduce_gradients` does this by hand; `apply_ddp` / `apply_fsdp` configure DDP / FSDP2
+  on the whole DP x SP world to reduce with SUM and divide by dp_size only.
+* **Memory.** `patch_model` makes the MLPs and the LM head + cross-entropy loop over
+  sequence tiles (recomputing each tile in backward), so neither the MLP intermediate
+  `[S, intermediate]` nor the logits `[S, vocab]` of the whole local sequence ever exist.
+
+Files: `attention.py` (registration, masks, the attention function), `batch.py`
+(`shard_batch`), `loss.py`, `parallel.py` (gradient reduction, DDP, FSDP2), `tiling.py`
+(tiled MLP and loss), `patch.py` (`patch_model`).
+"""
+
+from .attention import (ATTN_IMPLEMENTATION, get_sequence_parallel_group, register, set_sequence_parallel_group,
+                        ulysses_attention_forward, ulysses_mask_function)
+from .batch import IGNORE_INDEX, SequenceParallelBatch, cu_seqlens_from_position_ids, shard_batch
+from .loss import causal_lm_loss, global_mean_from_sum, sequence_parallel_loss
+from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
+from .patch import patch_model, unpatch_model
+from .tiling import tiled_cross_entropy_sum, tiled_mlp
+
+__all__ = [
+    "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "set_sequence_parallel_group", "get_sequence_parallel_group",
+    "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
+    "SequenceParallelBatch", "shard_batch", "sequence_parallel_loss", "global_mean_from_sum",
+    "causal_lm_loss", "allreduce_gradients", "apply_ddp", "apply_fsdp",
+    "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model",
+]

@@ -1,0 +1,237 @@
+"""The ``"ulysses"`` attention implementation for transformers: registration, the mask
+function, packed-document boundaries from position ids, and the attention function that
+calls `ulysses_kernels.ulysses_attention` on the sequence-parallel group (see the package
+doc of `ulysses_kernels.hf` for the design notes)."""
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import gather_sequence, ulysses_attention
+from ..groups import collective_device, resolve_group
+from .batch import cu_seqlens_from_position_ids
+
+ATTN_IMPLEMENTATION = "ulysses"
+
+
+def _require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - exercised only without transformers
+        raise ImportError("ulysses_kernels.hf needs Hugging Face transformers: "
+                          "pip install 'ulysses-kernels[hf]' (or 'transformers>=4.56')") from exc
+    return transformers
+
+
+# ----------------------------------------------------------------------------- state
+
+class _State:
+    group = None          # the SP process group (None: default group / single process)
+    group_set = False     # set_sequence_parallel_group was called
+    backend: Optional[str] = None
+    warned_local_positions = False
+
+
+_STATE = _State()
+
+
+def set_sequence_parallel_group(group, *, backend: Optional[str] = None) -> None:
+    """Set the SP process group (and optionally the `ulysses_attention` backend) that the
+    ``"ulysses"`` attention implementation uses. `group=None` means the default group."""
+    _STATE.group = group
+    _STATE.group_set = True
+    _STATE.backend = backend
+
+
+def get_sequence_parallel_group():
+    """The SP group set by `set_sequence_parallel_group` / `register` (None = default)."""
+    return _STATE.group
+
+
+def _sp_group():
+    """(group, world, rank) for the attention; refuses to guess in a multi-rank world."""
+    if not _STATE.group_set and dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1:
+        raise ValueError("ulysses attention: no sequence-parallel group set; call "
+                         "ulysses_kernels.hf.register(sp_group) or set_sequence_parallel_group(sp_group) "
+                         "(pass None explicitly to use the whole world)")
+    return resolve_group(_STATE.group)
+
+
+def register(group=None, *, backend: Optional[str] = None, name: str = ATTN_IMPLEMENTATION) -> str:
+    """Register the ``"ulysses"`` attention (and its mask function) with transformers and
+    set the SP group. Returns the implementation name to pass as `attn_implementation`
+    (to `from_pretrained`/`from_config`, or `model.set_attn_implementation(name)`).
+
+    Idempotent; call it on every rank before building the model.
+    """
+    _require_transformers()
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, ulysses_attention_forward)
+    try:
+        from transformers import AttentionMaskInterface
+    except ImportError:  # older transformers: no mask interface, masks reach the attention
+        AttentionMaskInterface = None
+    if AttentionMaskInterface is not None:
+        AttentionMaskInterface.register(name, ulysses_mask_function)
+    set_sequence_parallel_group(group, backend=backend)
+    return name
+
+
+# ----------------------------------------------------------------------------- masks
+
+def _group_any(flag: bool, group) -> bool:
+    """True when `flag` is True on any rank of `group` (one tiny all-reduce)."""
+    group, world, _ = resolve_group(group)
+    if group is None or world == 1:
+        return flag
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def _padding_problem(attention_mask) -> Optional[str]:
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        return f"a {type(attention_mask).__name__} attention mask is not supported"
+    if attention_mask.dim() != 2:
+        return f"a custom {attention_mask.dim()}-D attention mask is not supported"
+    if not bool(attention_mask.bool().all()):
+        return "a padding attention_mask (with zeros) is not supported"
+    return None
+
+
+def ulysses_mask_function(*args, attention_mask=None, **kwargs):
+    """Mask function registered in `AttentionMaskInterface` for ``"ulysses"``.
+
+    Builds nothing (returns None): the attention is causal by flag and packed documents
+    come from the position ids. A 2-D padding mask with zeros raises on every rank of the
+    SP group (the ranks agree via one small all-reduce per call, so nobody hangs).
+    """
+    problem = _padding_problem(attention_mask)
+    group, world, _ = _sp_group()
+    if group is not None and world > 1 and _group_any(problem is not None, group):
+        problem = problem or "another rank of the sequence-parallel group got an unsupported attention_mask"
+    if problem:
+        raise ValueError(f"ulysses attention: {problem}. Sequence-parallel training expects "
+                         "unpadded (optionally packed) batches: pack documents and mark them with "
+                         "position_ids restarting at 0 instead of padding (see shard_batch).")
+    return None
+
+
+# ------------------------------------------------------------------ packed documents
+
+def _global_positions(position_ids, group, world):
+    """All-gather the local position-id shard along the sequence (fallback path)."""
+    pos = position_ids
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    pos = pos.detach().to(torch.int64)
+    if group is None or world == 1:
+        return pos, [pos.shape[1]]
+    # Ranks may hold [1, S] and [B, S] mixes; gather a [1, S_local] row unless truly batched.
+    dev = collective_device(group)
+    full = gather_sequence(pos.to(dev), group, dim=1).to(position_ids.device)
+    lens = [len(c) for c in torch.tensor_split(torch.empty(full.shape[1]), world)]
+    return full, lens
+
+
+def _lengths_only(local_len, group, world, device):
+    if group is None or world == 1:
+        return [local_len]
+    dev = collective_device(group)
+    mine = torch.tensor([local_len], dtype=torch.int64, device=dev)
+    got = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(got, mine, group=group)
+    return [int(g.item()) for g in got]
+
+
+def _warn_local_positions(pos, lens):
+    if _STATE.warned_local_positions or len(lens) <= 1:
+        return
+    starts, s = [], 0
+    for n in lens:
+        starts.append(s)
+        s += n
+    row = pos[0]
+    if all(n > 0 for n in lens) and all(int(row[st]) == 0 for st in starts) and \
+            bool(((row[1:] - row[:-1]) != 1).sum() == len(lens) - 1):
+        _STATE.warned_local_positions = True
+        warnings.warn("ulysses attention: every rank's position_ids start at 0 exactly at the shard "
+                      "boundaries; if the model was called without global position_ids, RoPE and the "
+                      "document boundaries are wrong. Use ulysses_kernels.hf.shard_batch (it passes "
+                      "global position ids).", RuntimeWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------ attention
+
+_UNSUPPORTED_KW = {
+    "softcap": "attention logit softcapping",
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "an additive position bias",
+}
+
+
+def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                              dropout: float = 0.0, scaling: Optional[float] = None,
+                              is_causal: Optional[bool] = None, **kwargs):
+    """transformers attention function (``AttentionInterface``) running Ulysses attention.
+
+    query `[B, Hq, S_local, D]`, key/value `[B, Hkv, S_local, D]` (transformers' layout) ->
+    (`[B, S_local, Hq, D]`, None), like `sdpa_attention_forward`.
+    """
+    where = f"ulysses attention ({type(module).__name__})"
+    if attention_mask is not None:
+        raise ValueError(f"{where}: got an attention mask of shape {tuple(attention_mask.shape)}; "
+                         "custom/padding masks cannot be honoured. Pass unpadded (packed) batches and "
+                         "let position_ids mark documents (see ulysses_kernels.hf.shard_batch).")
+    if dropout and dropout > 0.0:
+        raise ValueError(f"{where}: attention dropout {dropout} is not supported (set "
+                         "config.attention_dropout = 0.0)")
+    for kw, what in _UNSUPPORTED_KW.items():
+        if kwargs.get(kw) is not None:
+            raise ValueError(f"{where}: {what} ({kw}) is not supported")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{where}: query length {query.shape[2]} != key length {key.shape[2]} "
+                         "(a KV cache / generation?); call the model with use_cache=False")
+    group, world, _ = _sp_group()
+
+    seq_lens = kwargs.get("ulysses_seq_lens")
+    cu_seqlens = kwargs.get("ulysses_cu_seqlens")
+    if seq_lens is not None:
+        lens = [int(n) for n in seq_lens]
+        trusted = True
+    else:
+        trusted = False
+        pos = kwargs.get("position_ids")
+        if pos is not None and isinstance(pos, torch.Tensor):
+            full, lens = _global_positions(pos, group, world)
+            _warn_local_positions(full, lens)
+            if cu_seqlens is None:
+                cu_seqlens = cu_seqlens_from_position_ids(full)
+        else:
+            lens = _lengths_only(query.shape[2], group, world, query.device)
+    total = sum(lens)
+
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if sliding is not None and sliding > 0 and total > sliding:
+        raise ValueError(f"{where}: sliding-window attention (window {sliding}) over a sequence of "
+                         f"{total} tokens is not supported")
+    if cu_seqlens is not None and query.shape[0] != 1:
+        raise ValueError(f"{where}: packed documents need batch size 1, got {query.shape[0]}")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+    out = ulysses_attention(q, k, v, group=group, causal=bool(causal), softmax_scale=scaling,
+                            seq_lens=lens if trusted else None, cu_seqlens=cu_seqlens,
+                            backend=_STATE.backend)
+    return out, None

@@ -1,0 +1,68 @@
+"""The exact global mean loss over the valid tokens of the whole SP group."""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..groups import collective_device, resolve_group
+from .batch import IGNORE_INDEX, SequenceParallelBatch
+from .patch import is_loss_patched
+
+
+def global_mean_from_sum(local_sum: torch.Tensor, local_count, group=None) -> torch.Tensor:
+    """Exact global mean from this rank's differentiable `local_sum` over its
+    `local_count` valid tokens: returns a tensor whose *value* is
+    ``sum_r local_sum_r / sum_r local_count_r`` on every rank and whose *gradient* flows
+    only through this rank's `local_sum` (scaled by 1 / global count).
+
+    One all-reduce of [sum, count] (a constant for autograd). Because each rank's
+    backward covers its own tokens (the attention all-to-all carries the cross-rank
+    terms), the full gradient of a replicated parameter is the SUM of the ranks'
+    gradients over the SP group: see `allreduce_gradients` / `apply_ddp` / `apply_fsdp`.
+    Ranks with zero valid tokens return the global mean too (gradient 0) and must still
+    call backward. A group with no valid token at all gives 0.
+    """
+    group, world, _ = resolve_group(group)
+    count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).reshape(())
+    stats = torch.stack([local_sum.detach().to(torch.float64), count])
+    if group is not None and world > 1:
+        dev = collective_device(group)
+        s = stats.to(dev)
+        dist.all_reduce(s, group=group)
+        stats = s.to(local_sum.device)
+    total_sum, total_count = stats[0], stats[1]
+    denom = torch.clamp(total_count, min=1.0)
+    others = (total_sum - local_sum.detach().to(torch.float64)).to(local_sum.dtype)
+    return (local_sum + others) / denom.to(local_sum.dtype)
+
+
+def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=None, *,
+                           ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Cross-entropy averaged over the valid tokens of the whole SP group (exact global mean).
+
+    logits `[B, S_local, V]` and *already shifted* labels `[B, S_local]` (from
+    `shard_batch`). Computed in float32. Differentiable (see `global_mean_from_sum`).
+    """
+    local_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+                                ignore_index=ignore_index, reduction="sum")
+    count = (labels != ignore_index).sum()
+    return global_mean_from_sum(local_sum, count, group)
+
+
+def causal_lm_loss(model: nn.Module, batch: SequenceParallelBatch, group=None, *,
+                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Run `model` on this rank's shard and return the global mean loss (all ranks).
+
+    Uses the tiled LM head + loss when `patch_model(..., tiled_loss=True)` was applied
+    (no `[S, vocab]` logits), the model's logits otherwise.
+    """
+    inputs = batch.model_inputs()
+    count = (batch.labels != ignore_index).sum()
+    if is_loss_patched(model):
+        out = model(**inputs, ulysses_labels=batch.labels)
+        local_sum = out["loss"] if isinstance(out, dict) else out.loss
+        return global_mean_from_sum(local_sum, count, group)
+    out = model(**inputs)
+    logits = out["logits"] if isinstance(out, dict) else out.logits
+    return sequence_parallel_loss(logits, batch.labels, group, ignore_index=ignore_index)

@@ -1,0 +1,109 @@
+"""Gradient reduction for DP x SP training: SUM over the SP group, MEAN over DP (by hand,
+with DDP, or with FSDP2)."""
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..groups import resolve_group
+
+
+def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
+    """Reduce gradients of replicated parameters after `backward` without DDP/FSDP:
+    SUM over the SP group (each rank holds the gradient of its own tokens) and MEAN over
+    the DP group (each DP rank had its own batch). Gradients are flattened into one
+    buffer per dtype (one collective per group and dtype).
+    """
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    todo = [(sp_group, False)]  # sp_group None = the default group (package convention)
+    if dp_group is not None:
+        todo.append((dp_group, True))
+    for group, average in todo:
+        group, world, _ = resolve_group(group)
+        if group is None or world == 1:
+            continue
+        for gs in by_dtype.values():
+            flat = _flatten_dense_tensors(gs)
+            dist.all_reduce(flat, group=group)
+            if average:
+                flat.div_(world)
+            for g, r in zip(gs, _unflatten_dense_tensors(flat, gs)):
+                g.copy_(r)
+
+
+def apply_ddp(model: nn.Module, groups, **ddp_kwargs):
+    """Wrap `model` in DDP over the whole DP x SP world, reducing gradients as
+    SUM over SP and MEAN over DP (a comm hook that sums and divides by dp_size instead of
+    DDP's default division by the world size). `groups` is `init_sequence_parallel(...)`'s
+    result. Call `causal_lm_loss(ddp_model, ...)` as usual.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, **ddp_kwargs)
+    dp_size = groups.dp_size
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        buf.div_(dp_size)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def _decoder_layers(model: nn.Module) -> List[nn.Module]:
+    names = getattr(model, "_no_split_modules", None) or []
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    return layers
+
+
+def apply_fsdp(model: nn.Module, groups, *, shard: str = "world", reshard_after_forward: bool = True,
+               mp_policy=None, layers: Optional[Sequence[nn.Module]] = None) -> nn.Module:
+    """Shard `model` with FSDP2 (`fully_shard`) for DP x SP training.
+
+    shard="world": parameters sharded across the combined DP x SP mesh (every rank holds
+    1/world of each weight, as DeepSpeed combines Ulysses with ZeRO-3). shard="sp": HSDP,
+    sharded inside each SP group and replicated across DP. Each decoder layer becomes an
+    FSDP unit, then the root.
+
+    Gradient reduction is set to SUM with a post-division by dp_size (not the world size):
+    the SP ranks of a group see one batch and their gradients add up, the DP ranks see
+    different batches and are averaged. (FSDP's default AVG over the mesh would make the
+    gradient sp_size times too small; scaling the loss by sp_size is the equivalent
+    alternative.) Sum-only collectives also work on gloo, which has no PREMUL_SUM.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = groups.mesh
+    device_type = mesh.device_type if mesh is not None else "cpu"
+    if shard == "world":
+        fmesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_sp",))
+    elif shard == "sp":
+        fmesh = mesh  # (dp, sp): replicate over dp, shard over sp
+    else:
+        raise ValueError(f"apply_fsdp: shard must be 'world' or 'sp', got {shard!r}")
+    kw = dict(mesh=fmesh, reshard_after_forward=reshard_after_forward)
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    units = list(layers) if layers is not None else _decoder_layers(model)
+    for layer in units:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    for m in [*units, model]:
+        m.set_force_sum_reduction_for_comms(True)
+        m.set_gradient_divide_factor(float(groups.dp_size))
+    return model

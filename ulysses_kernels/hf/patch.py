@@ -1,0 +1,101 @@
+"""`patch_model`: tiled MLPs and a tiled LM head + loss on a loaded Hugging Face causal LM."""
+
+import types
+from typing import Optional
+
+from torch import nn
+
+from . import tiling
+from .tiling import tiled_cross_entropy_sum
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    name = type(module).__name__
+    if name.startswith("FSDP"):
+        name = name[4:]
+    return name.endswith("MLP") and not any(type(c).__name__.endswith("MLP") for c in module.children())
+
+
+def is_loss_patched(model) -> bool:
+    m = getattr(model, "module", model)  # DDP
+    return getattr(m, "_ulysses_tiled_loss", False)
+
+
+def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = True,
+                mlp_tile_tokens: Optional[int] = None, loss_tile_tokens: Optional[int] = None) -> nn.Module:
+    """Patch a loaded HF causal LM (in place) for long sequences; returns it.
+
+    tiled_mlp: every `*MLP` module runs over sequence tiles (default tile: hidden_size
+    tokens), its `[S, intermediate]` activations never existing for the whole sequence.
+    tiled_loss: `model(..., ulysses_labels=shifted_labels)` runs the backbone and returns
+    an output whose `loss` is the *sum* of the token losses of this rank computed tile by
+    tile through the LM head (default tile: ~16M logits), with `logits=None`. Use it via
+    `causal_lm_loss`, which divides by the global token count. The loss is computed inside
+    the model's forward, so FSDP has the head's weights gathered.
+
+    Both are compatible with activation checkpointing (`model.gradient_checkpointing_enable()`)
+    and exact (same numbers as the unpatched model up to float summation order). Apply before
+    or after FSDP/DDP wrapping. `unpatch_model` reverts.
+    """
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", 1024) or 1024
+    vocab = getattr(cfg, "vocab_size", 32000) or 32000
+    mlp_tile = int(mlp_tile_tokens or max(16, hidden))
+    loss_tile = int(loss_tile_tokens or max(16, (1 << 24) // vocab))
+    if tiled_mlp:
+        n = 0
+        for m in model.modules():
+            if _is_mlp(m) and not hasattr(m, "_ulysses_orig_forward"):
+                m._ulysses_orig_forward = m.forward
+                m._ulysses_tile = mlp_tile
+                m.forward = types.MethodType(_tiled_mlp_forward, m)
+                n += 1
+        if n == 0:
+            raise ValueError("patch_model: found no *MLP module to tile")
+    if tiled_loss and not getattr(model, "_ulysses_tiled_loss", False):
+        for attr in ("logit_scale", "logits_scaling"):
+            if getattr(cfg, attr, None) not in (None, 1, 1.0):
+                raise ValueError(f"patch_model: tiled loss does not support config.{attr}")
+        if model.get_output_embeddings() is None:
+            raise ValueError("patch_model: the model has no output embeddings (LM head)")
+        model._ulysses_orig_model_forward = model.forward
+        model._ulysses_loss_tile = loss_tile
+        model._ulysses_tiled_loss = True
+        model.forward = types.MethodType(_tiled_loss_forward, model)
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo `patch_model`."""
+    for m in model.modules():
+        if hasattr(m, "_ulysses_orig_forward"):
+            del m.forward
+            del m._ulysses_orig_forward
+    if getattr(model, "_ulysses_tiled_loss", False):
+        del model.forward
+        model._ulysses_tiled_loss = False
+    return model
+
+
+def _tiled_mlp_forward(self, x):
+    if x.dim() != 3:  # e.g. MoE experts called on [tokens, hidden]: nothing to tile along
+        return self._ulysses_orig_forward(x)
+    return tiling.tiled_mlp(self, x, self._ulysses_tile)
+
+
+def _tiled_loss_forward(self, *args, ulysses_labels=None, **kwargs):
+    if ulysses_labels is None:
+        return self._ulysses_orig_model_forward(*args, **kwargs)
+    if kwargs.get("labels") is not None:
+        raise ValueError("tiled loss: pass the shifted labels as ulysses_labels, not labels")
+    kwargs.pop("labels", None)
+    kwargs.pop("logits_to_keep", None)
+    backbone = getattr(self, self.base_model_prefix)
+    out = backbone(*args, **kwargs)
+    hidden = out[0] if not hasattr(out, "last_hidden_state") else out.last_hidden_state
+    local_sum = tiled_cross_entropy_sum(
+        hidden, self.get_output_embeddings(), ulysses_labels, tile_tokens=self._ulysses_loss_tile,
+        final_logit_softcapping=getattr(self.config, "final_logit_softcapping", None))
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(loss=local_sum, logits=None)

@@ -1,0 +1,140 @@
+"""THE layout rules shared by every execution path: how a sequence is cut over P ranks,
+and where each head goes in the sequence -> heads all-to-all (docs/architecture.md,
+"Layout rules").
+
+Everything here is pure arithmetic. The reference exchange, the Triton path, the fused
+path (which hands the numbers to the CUDA pack/unpack kernels as arguments), the fused
+layer's weight orders, the validation, the CLI and the benchmarks all ask this module;
+none of them decides a placement on its own.
+
+Head placement of one tensor with H heads over P ranks (`place_heads`):
+- split (`H % P == 0`): rank j receives the `H / P` heads `[j * H/P, (j+1) * H/P)`;
+- replicated (`P % H == 0`, fewer heads than ranks, GQA/MQA key/value heads): rank j
+  receives head `j // (P / H)`, so each head goes to the `P / H` consecutive ranks whose
+  query heads use it; their gradients are summed on the way back.
+Both are one formula: rank j's l-th local head is source head `(j // replicas) * local + l`
+with `local` heads per rank and `replicas` ranks per head.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+
+def split_lengths(total: int, parts: int) -> List[int]:
+    """Lengths of `torch.tensor_split(x, parts)` along a dim of size `total`.
+
+    The first `total % parts` chunks are one longer than the rest.
+    """
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class HeadPlacement:
+    """Where the heads of one tensor go over `world` ranks (see the module doc)."""
+
+    heads: int
+    world: int
+    local: int      # heads each rank receives
+    replicas: int   # ranks that receive each head (1: split)
+
+    @property
+    def split(self) -> bool:
+        return self.replicas == 1
+
+    def source_head(self, rank: int, local_index: int = 0) -> int:
+        """The head of the full tensor that `rank` holds at local index `local_index`."""
+        return (rank // self.replicas) * self.local + local_index
+
+    def sent_heads(self, offset: int, count: int) -> List[int]:
+        """The distinct source heads that local heads `[offset, offset + count)` of every
+        rank cover, in rank order (what a projection must compute for that slice)."""
+        heads: List[int] = []
+        for rank in range(0, self.world, self.replicas):
+            heads += [self.source_head(rank, offset + i) for i in range(count)]
+        return heads
+
+
+def place_heads(heads: int, world: int) -> HeadPlacement:
+    """The placement of `heads` heads over `world` ranks; ValueError if there is none."""
+    if heads <= 0 or world <= 0:
+        raise ValueError(f"cannot place {heads} heads over {world} ranks")
+    if heads % world == 0:
+        return HeadPlacement(heads, world, heads // world, 1)
+    if world % heads == 0:
+        return HeadPlacement(heads, world, 1, world // heads)
+    raise ValueError(f"{heads} heads can be neither split over nor replicated to {world} ranks "
+                     f"(need heads % P == 0 or P % heads == 0)")
+
+
+def head_plan_error(world: int, num_q_heads: int, num_kv_heads: int) -> Optional[str]:
+    """Why q/k/v with these head counts cannot be exchanged over `world` ranks (None: they can)."""
+    if num_q_heads % num_kv_heads != 0:
+        return (f"query heads ({num_q_heads}) must be a multiple of key/value heads "
+                f"({num_kv_heads}) for grouped-query attention")
+    if num_q_heads % world != 0:
+        return (f"query heads ({num_q_heads}) must be divisible by the sequence-parallel "
+                f"size ({world})")
+    if num_kv_heads % world != 0 and world % num_kv_heads != 0:
+        return (f"key/value heads ({num_kv_heads}) must either be divisible by the "
+                f"sequence-parallel size ({world}) or divide it (GQA replication)")
+    return None
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """The placement of q and k/v heads for one attention call over `world` ranks.
+
+    Query heads are always split; KV heads are split when `Hkv % P == 0`, else replicated
+    (`P % Hkv == 0`). Rank r's query heads `[r * Hq/P, (r+1) * Hq/P)` then read KV heads
+    that rank r holds: `q_head // (Hq/Hkv)` of the full tensor.
+    """
+
+    world: int
+    num_q_heads: int
+    num_kv_heads: int
+
+    def __post_init__(self):
+        err = head_plan_error(self.world, self.num_q_heads, self.num_kv_heads)
+        if err:
+            raise ValueError(err)
+
+    @property
+    def q(self) -> HeadPlacement:
+        return place_heads(self.num_q_heads, self.world)
+
+    @property
+    def kv(self) -> HeadPlacement:
+        return place_heads(self.num_kv_heads, self.world)
+
+    @property
+    def kv_split(self) -> bool:
+        return self.kv.split
+
+    @property
+    def local_q_heads(self) -> int:
+        return self.q.local
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv.local
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many ranks receive each KV head (1 when KV heads are split)."""
+        return self.kv.replicas
+
+    @property
+    def channels(self) -> int:
+        """Heads one rank receives for q, k and v together: `Hl_q + 2 * Hl_kv`."""
+        return self.local_q_heads + 2 * self.local_kv_heads
+
+    def q_head_start(self, rank: int) -> int:
+        return self.q.source_head(rank)
+
+    def kv_head_start(self, rank: int) -> int:
+        return self.kv.source_head(rank)
+
+    def placements(self) -> Tuple[HeadPlacement, HeadPlacement, HeadPlacement]:
+        """(q, k, v) placements, in the order the exchanges pack them."""
+        return self.q, self.kv, self.kv

@@ -1,0 +1,164 @@
+"""Sequence <-> head all-to-all exchanges with torch ops and torch.distributed: the
+semantics of the exchange, used by the reference and the Triton paths and by the public
+`seq_to_heads` / `heads_to_seq` / `qkv_seq_to_heads` (docs/architecture.md, "Data flow").
+
+Layout conventions:
+- send buffer of seq->heads: `[P, B, S_local, Hc, D]`, chunk j goes to rank j, where Hc is
+  the number of head channels one rank receives (for the q/k/v exchange
+  `Hc = Hl_q + 2 * Hl_kv`, replicated KV heads included). Which heads go where is
+  `ulysses_kernels.layout`'s placement.
+- receive buffer: the concatenation over source ranks i of `[B, S_i, Hc, D]` blocks.
+  Source-rank-major is sequence order, so for B == 1 it already is `[S, Hc, D]`.
+- heads->seq is the exact inverse: every rank sends, for each destination j, its heads
+  for j's sequence slice `[B, S_j, Hc, D]`; that send buffer has the same block layout
+  as the receive buffer above, which is what lets attention write its output there.
+
+The autograd functions are differentiable; the backward of an exchange is the inverse
+exchange (summing the gradients of replicated KV heads).
+"""
+
+from typing import List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..layout import HeadPlacement, place_heads
+
+
+def all_to_all(send: torch.Tensor, send_splits: List[int], recv_splits: List[int], group) -> torch.Tensor:
+    """Flat all_to_all_single with element split sizes; returns the flat receive buffer."""
+    send = send.reshape(-1)
+    recv = send.new_empty(sum(recv_splits))
+    if group is None:  # single process: the exchange is the identity
+        recv.copy_(send)
+        return recv
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits,
+                           input_split_sizes=send_splits, group=group)
+    return recv
+
+
+# ------------------------------------------------------------- raw (non-autograd) exchanges
+
+def exchange_seq_to_heads(send: torch.Tensor, seq_lens: List[int], rank: int, group) -> torch.Tensor:
+    """send `[P, B, S_rank, Hc, D]` -> flat receive buffer of `[B, S_i, Hc, D]` blocks."""
+    P, B, S_local, Hc, D = send.shape
+    per_token = B * Hc * D
+    return all_to_all(send, [S_local * per_token] * P, [n * per_token for n in seq_lens], group)
+
+
+def recv_blocks_to_bshd(recv: torch.Tensor, seq_lens: List[int], batch: int, channels: int,
+                        head_dim: int) -> torch.Tensor:
+    """Flat receive buffer -> `[B, S, Hc, D]` (a view for B == 1, one copy otherwise)."""
+    total = sum(seq_lens)
+    if batch == 1:
+        return recv.view(1, total, channels, head_dim)
+    blocks = torch.split(recv, [batch * n * channels * head_dim for n in seq_lens])
+    return torch.cat([b.view(batch, n, channels, head_dim) for b, n in zip(blocks, seq_lens)], dim=1)
+
+
+def exchange_heads_to_seq(x: torch.Tensor, seq_lens: List[int], rank: int, group) -> torch.Tensor:
+    """x `[B, S, Hc, D]` (this rank's heads, whole sequence) -> `[P, B, S_rank, Hc, D]`,
+    where slot i holds source rank i's heads for this rank's sequence slice."""
+    B, S, Hc, D = x.shape
+    P = len(seq_lens)
+    per_token = B * Hc * D
+    # Send blocks in destination order, each [B, S_j, Hc, D] contiguous.
+    send = torch.cat([c.reshape(-1) for c in torch.split(x, seq_lens, dim=1)]) if P > 1 else x.reshape(-1)
+    recv = all_to_all(send, [n * per_token for n in seq_lens], [seq_lens[rank] * per_token] * P, group)
+    return recv.view(P, B, seq_lens[rank], Hc, D)
+
+
+# --------------------------------------------------------------------- packing helpers
+
+def pack_for_heads(tensors: Sequence[torch.Tensor], placements: Sequence[HeadPlacement], world: int) -> torch.Tensor:
+    """Write tensors `[B, S_local, H_t, D]` into one send buffer `[P, B, S_local, Hc, D]`:
+    destination j receives the heads `placements[t]` gives it, in tensor order."""
+    B, S_local, _, D = tensors[0].shape
+    channels = sum(p.local for p in placements)
+    send = tensors[0].new_empty(world, B, S_local, channels, D)
+    for j in range(world):
+        c = 0
+        for t, p in zip(tensors, placements):
+            start = p.source_head(j)
+            send[j, :, :, c:c + p.local] = t[:, :, start:start + p.local]
+            c += p.local
+    return send
+
+
+def unpack_from_heads(recv: torch.Tensor, placements: Sequence[HeadPlacement]) -> List[torch.Tensor]:
+    """Inverse of `pack_for_heads` for gradients: `[P, B, S_local, Hc, D]` -> tensors
+    `[B, S_local, H_t, D]`, summing the replicas of replicated heads."""
+    P, B, S_local, _, D = recv.shape
+    out, c = [], 0
+    for p in placements:
+        part = recv[:, :, :, c:c + p.local]  # [P, B, S, local, D]
+        c += p.local
+        # ranks [g * replicas, (g + 1) * replicas) hold the same heads: sum them
+        grouped = part.reshape(P // p.replicas, p.replicas, B, S_local, p.local, D).sum(dim=1)
+        out.append(grouped.permute(1, 2, 0, 3, 4).reshape(B, S_local, p.heads, D).contiguous())
+    return out
+
+
+def placements_for(num_heads: Sequence[int], world: int) -> List[HeadPlacement]:
+    return [place_heads(h, world) for h in num_heads]
+
+
+# ------------------------------------------------------------------- autograd functions
+
+class SeqToHeads(torch.autograd.Function):
+    """Tensors `[B, S_local, H_t, D]` -> `[B, S, Hl_t, D]` in one exchange."""
+
+    @staticmethod
+    def forward(ctx, group, rank, seq_lens, *tensors):
+        world = len(seq_lens)
+        num_heads = [t.shape[2] for t in tensors]
+        placements = placements_for(num_heads, world)
+        B, _, _, D = tensors[0].shape
+        send = pack_for_heads(tensors, placements, world)
+        recv = exchange_seq_to_heads(send, seq_lens, rank, group)
+        channels = send.shape[3]
+        full = recv_blocks_to_bshd(recv, seq_lens, B, channels, D)
+        ctx.group, ctx.rank, ctx.seq_lens, ctx.placements = group, rank, seq_lens, placements
+        outs, c = [], 0
+        for p in placements:
+            outs.append(full[:, :, c:c + p.local])
+            c += p.local
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        B, S, _, D = next(g for g in grads if g is not None).shape
+        grads = [g if g is not None else torch.zeros(B, S, p.local, D, dtype=_dtype_of(grads), device=_device_of(grads))
+                 for g, p in zip(grads, ctx.placements)]
+        packed = torch.cat(grads, dim=2) if len(grads) > 1 else grads[0]
+        recv = exchange_heads_to_seq(packed, ctx.seq_lens, ctx.rank, ctx.group)
+        return (None, None, None) + tuple(unpack_from_heads(recv, ctx.placements))
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """`[B, S, Hl, D]` -> `[B, S_local, P*Hl, D]`."""
+
+    @staticmethod
+    def forward(ctx, group, rank, seq_lens, x):
+        ctx.group, ctx.rank, ctx.seq_lens = group, rank, seq_lens
+        recv = exchange_heads_to_seq(x, seq_lens, rank, group)
+        P, B, S_local, Hl, D = recv.shape
+        return recv.permute(1, 2, 0, 3, 4).reshape(B, S_local, P * Hl, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        world = len(ctx.seq_lens)
+        placements = placements_for([grad.shape[2]], world)
+        send = pack_for_heads([grad], placements, world)
+        recv = exchange_seq_to_heads(send, ctx.seq_lens, ctx.rank, ctx.group)
+        B, _, _, D = grad.shape
+        return None, None, None, recv_blocks_to_bshd(recv, ctx.seq_lens, B, placements[0].local, D)
+
+
+def _dtype_of(grads):
+    return next(g for g in grads if g is not None).dtype
+
+
+def _device_of(grads):
+    return next(g for g in grads if g is not None).device

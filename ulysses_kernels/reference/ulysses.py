@@ -1,0 +1,14 @@
+"""The reference path of `ulysses_attention` (docs/architecture.md, "Reference path"):
+one q/k/v exchange, exact torch attention over the whole sequence for this rank's heads,
+one exchange back. Every step is differentiable with torch autograd."""
+
+from .attention import reference_attention
+from .exchange import HeadsToSeq, SeqToHeads
+
+
+def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens):
+    """Called by `ulysses_kernels.ulysses_attention` after it validated the inputs:
+    `seq_lens` is every rank's local length, `group` None a single process."""
+    qh, kh, vh = SeqToHeads.apply(group, rank, seq_lens, q, k, v)
+    out, _ = reference_attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    return HeadsToSeq.apply(group, rank, seq_lens, out)

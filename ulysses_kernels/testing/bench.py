@@ -1,0 +1,30 @@
+"""Entry points that the benchmarks (bench/) time, built on the fused path's declared
+interface."""
+
+from typing import Sequence
+
+import torch
+
+from .. import fused
+from ..fused import ops
+from ..fused.streams import current_stream, event, on, wait
+from ..layout import HeadPlan
+
+
+def qkv_exchange(q, k, v, engine: fused.Engine, lens: Sequence[int]) -> torch.Tensor:
+    """One fused seq->heads exchange of q, k, v (no chunks, no autograd): the pack kernel
+    and one transport all-to-all on the engine's comm stream. Returns the flat receive
+    buffer (source-major `[B, S_i, Hl_q + 2*Hl_kv, D]` blocks)."""
+    P = engine.world
+    B, Sp, Hq, D = q.shape
+    heads = HeadPlan(P, Hq, k.shape[2])
+    ch = heads.channels
+    send = engine.buffer("x_send", P * B * Sp * ch * D, q.dtype).view(P, B, Sp, ch, D)
+    recv = torch.empty(B * sum(lens) * ch * D, dtype=q.dtype, device=q.device)
+    compute, comm = current_stream(q.device), engine.stream
+    wait(comm, event(compute))
+    with on(comm):
+        ops.pack_into([q, k, v], send, [0, 0, 0], [heads.local_q_heads, heads.local_kv_heads, heads.local_kv_heads])
+        engine.transport.all_to_all(send, recv, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
+    wait(compute, event(comm))
+    return recv
