@@ -2,8 +2,9 @@
 import finds this module).
 
 Smoke mode (`--smoke`, used by tests/test_bench_smoke.py on CPU): every code path of a
-benchmark runs once at tiny shapes on the CPU, with the torch stand-ins of the CUDA ops
-(`fused.ReferenceOps`), the test-only host transport and the Triton interpreter, so CI
+benchmark runs once at tiny shapes on the CPU, with the stand-ins of
+`ulysses_kernels.testing` (the torch versions of the CUDA ops and the host transport,
+installed through the fused path's declared interface) and the Triton interpreter, so CI
 catches a script that would crash on the GPU. Its numbers mean nothing.
 """
 
@@ -25,23 +26,19 @@ def fused_device(script: str, smoke: bool = False):
     module docstring says."""
     global SMOKE
     import torch
-    from ulysses_kernels import _backend, fused
+
+    from ulysses_kernels import fused
     if smoke:
+        from ulysses_kernels import testing
         SMOKE = True
-        fused._ops_override = fused.ReferenceOps
-        os.environ[fused.ENV_TRANSPORT] = "host"
-        # The fused path refuses CPU tensors; smoke mode runs its orchestration anyway.
-        fused.unsupported_reason = lambda *args: None
-        real_resolve = _backend.resolve_backend
-        _backend.resolve_backend = lambda backend, device, **kw: (
-            "fused" if backend == "fused" else real_resolve(backend, device, **kw))
+        testing.enable_fused_stand_ins()  # for the rest of this process
         return torch.device("cpu")
     if not torch.cuda.is_available():
         print(f"{script}: needs a CUDA GPU", file=sys.stderr)
         return None
-    module, reason = _backend.load_extension()
-    if module is None or not fused.is_supported():
-        print(f"{script}: the CUDA extension is unavailable: {reason or 'it lacks the fused ops'}", file=sys.stderr)
+    why = fused.problem(torch.device("cuda"), ())
+    if why:
+        print(f"{script}: the fused path {why}", file=sys.stderr)
         return None
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -61,9 +58,10 @@ def start(script: str, args):
 
 
 def ops():
-    """The pack/unpack ops: the CUDA kernels, or their torch stand-ins in smoke mode."""
-    from ulysses_kernels import fused
-    return fused._ops()
+    """The pack/unpack ops (`ulysses_kernels.fused.ops`: the CUDA kernels, or their torch
+    stand-ins in smoke mode), called with the placements of `ulysses_kernels.layout`."""
+    from ulysses_kernels.fused import ops as fused_ops
+    return fused_ops
 
 
 def bench(fn, warmup: int, rep: int) -> float:

@@ -65,7 +65,9 @@ def main():
     dev, dtype, meta = started
     import torch
     import torch.distributed as dist
-    from ulysses_kernels import fused
+
+    from ulysses_kernels import HeadPlan, fused
+    from ulysses_kernels.testing.bench import qkv_exchange
     ops = _fused_bench.ops()
     rows = []
 
@@ -84,7 +86,8 @@ def main():
         k = torch.randn(B, Sp, Hkv, D, device=dev, dtype=dtype)
         v = torch.randn(B, Sp, Hkv, D, device=dev, dtype=dtype)
         send = ops.pack([q, k, v], P)
-        hl_q, hl_kv = Hq // P, (Hkv // P if Hkv % P == 0 else 1)
+        heads = HeadPlan(P, Hq, Hkv)
+        hl_q, hl_kv = heads.local_q_heads, heads.local_kv_heads
         nbytes = send.numel() * send.element_size()
         src = torch.randn(send.numel(), device=dev, dtype=dtype)
         dst = torch.empty_like(src)
@@ -140,7 +143,7 @@ def main():
             return outs
 
         def fused_path():
-            return fused.qkv_exchange(q, k, v, engine, [S])
+            return qkv_exchange(q, k, v, engine, [S])
 
         t_torch = bench(torch_path, args.quick)
         t_fused = bench(fused_path, args.quick)

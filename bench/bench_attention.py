@@ -65,7 +65,8 @@ def main():
     except ImportError:
         print("bench_attention: torch is not installed", file=sys.stderr)
         return 2
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    from ulysses_kernels import env
+    interpret = env.interpreting()
     if args.smoke:
         if not interpret:
             print("bench_attention: --smoke runs the kernels in the interpreter: set TRITON_INTERPRET=1",
@@ -81,12 +82,18 @@ def main():
               file=sys.stderr)
         return 2
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    import torch.nn.functional as F
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
 
-    from ulysses_kernels.triton import flash_attention, flash_attention_backward, flash_attention_forward
-    from ulysses_kernels.triton import flash_bwd_dkdv, flash_bwd_dq, flash_fwd
+    from ulysses_kernels.triton import (
+        flash_attention,
+        flash_attention_backward,
+        flash_attention_forward,
+        flash_bwd_dkdv,
+        flash_bwd_dq,
+        flash_fwd,
+    )
 
     if args.seqlens:
         seqlens = [int(x) for x in args.seqlens.split(",")]

@@ -62,9 +62,10 @@ def run_streams(ops):
 
 
 def attention_ops(chunks, comm_in, compute, comm_out, after=()):
-    """fused.py's attention pipeline, per-chunk costs = totals / C: comm packs and sends
-    every chunk, compute runs chunk c's attention after its exchange, comm returns chunk c
-    after its attention. `after`: ops the first exchange waits for."""
+    """The fused attention pipeline (ulysses_kernels/fused/pipeline.py), per-chunk costs =
+    totals / C: comm packs and sends every chunk, compute runs chunk c's attention after its
+    exchange, comm returns chunk c after its attention. `after`: ops the first exchange
+    waits for."""
     ops = [(f"in{c}", "comm", comm_in / chunks, list(after)) for c in range(chunks)]
     for c in range(chunks):
         ops.append((f"attn{c}", "compute", compute / chunks, [f"in{c}"]))
@@ -80,9 +81,9 @@ def simulate(chunks, comm_in, compute, comm_out):
 def simulate_block(chunks, gemm_in, comm_in, compute, comm_out, gemm_out, overlap_projections, gemm_mid=0.0):
     """A self-attention block: projection GEMMs in and out around the attention pipeline.
     Plain composition: all of gemm_in and gemm_mid, then the attention op, then all of
-    gemm_out. fused_layer.py: chunk c's input GEMM precedes chunk c's exchange, gemm_mid
-    (dW_o in the backward) follows the input GEMMs, and chunk c's output GEMM runs after
-    chunk c+1's attention has been issued."""
+    gemm_out. The fused layer (ulysses_kernels/fused/layer.py): chunk c's input GEMM precedes
+    chunk c's exchange, gemm_mid (dW_o in the backward) follows the input GEMMs, and chunk
+    c's output GEMM runs after chunk c+1's attention has been issued."""
     if not overlap_projections:
         ops = [("gin", "compute", gemm_in + gemm_mid, [])]
         ops += attention_ops(chunks, comm_in, compute, comm_out, after=["gin"])
@@ -150,9 +151,10 @@ def main():
         return 2
     dev, dtype, meta = started
     import torch
+
     import ulysses_kernels as uk
-    from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward
     from ulysses_kernels import fused
+    from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward
     ops = _fused_bench.ops()
     esize = torch.empty((), dtype=dtype).element_size()
     P8 = args.world
@@ -173,8 +175,9 @@ def main():
 
         def layer(chunks):
             def run():
-                out = fused.ulysses_attention(q, k, v, group=None, rank=0, seq_lens=[S], causal=causal,
-                                              softmax_scale=scale, num_chunks=chunks)
+                os.environ[fused.ENV_CHUNKS] = str(chunks)
+                out = uk.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, seq_lens=[S],
+                                           backend="fused")
                 torch.autograd.grad(out, (q, k, v), do)
             return run
 
@@ -186,6 +189,7 @@ def main():
         row["triton_path_ms"] = bench(triton_layer, args.quick)
         for c in (1, 2, 4):
             row[f"fused_c{c}_ms"] = bench(layer(c), args.quick)
+        os.environ.pop(fused.ENV_CHUNKS, None)
         flops = 4 * B * Hq * S * S * D * (0.5 if causal else 1.0) * 3.5
         row["fused_c1_TFLOPs"] = flops / row["fused_c1_ms"] / 1e9
         measured.append(row)
@@ -210,12 +214,12 @@ def main():
     for overlap in (False, True):
         for chunks in (1, 4):
             block.overlap_projections = overlap
-            os.environ["ULYSSES_KERNELS_NUM_CHUNKS"] = str(chunks)
+            os.environ[fused.ENV_CHUNKS] = str(chunks)
             ms = bench(block_step, args.quick)
             blocks.append(dict(B=B, S=S, hidden=hidden, Hq=Hq, Hkv=Hkv, D=D, P=1, overlap_projections=overlap,
                                chunks=chunks, ms=ms))
             print(f"[P=1 block] overlap_projections={overlap} chunks={chunks}: {ms:.2f} ms", flush=True)
-    os.environ.pop("ULYSSES_KERNELS_NUM_CHUNKS", None)
+    os.environ.pop(fused.ENV_CHUNKS, None)
     block = x = dy = params = None
     fused.close()
     write_results(args, meta, measured, blocks, modelled)
@@ -225,8 +229,8 @@ def main():
     B, Hq, Hkv, D, causal = 1, 32, 8, 128, True
     if args.smoke:
         seqs, Hq, Hkv, D = [64], 16, 8, 16
-    hl_q, hl_kv = Hq // P8, (Hkv // P8 if Hkv % P8 == 0 else 1)
-    hc = hl_q + 2 * hl_kv
+    heads = uk.HeadPlan(P8, Hq, Hkv)
+    hl_q, hl_kv, hc = heads.local_q_heads, heads.local_kv_heads, heads.channels
     for S in seqs:
         Sp = S // P8
         # attention of one rank at P = 8: the whole sequence, Hq/P query heads
@@ -283,7 +287,7 @@ def main():
         row.update(gemm_qkv_ms=t_gq, gemm_o_ms=t_go, block_plain_c1_ms=block_ms(False, 1))
         for c in (2, 4):
             row[f"block_plain_c{c}_ms"] = block_ms(False, c)  # attention chunks overlap, projections do not
-            row[f"block_fused_c{c}_ms"] = block_ms(True, c)   # fused_layer.py: projections overlap too
+            row[f"block_fused_c{c}_ms"] = block_ms(True, c)   # the fused layer: projections overlap too
         modelled.append(row)
         print(f"[P={P8} model] S{S}: attn fwd {t_fwd:.2f} bwd {t_bwd:.2f} ms, a2a qkv {a_qkv:.3f} ms; "
               f"no overlap {row['no_overlap_ms']:.2f} ms, overlap c2 {row['overlap_c2_ms']:.2f}, "

@@ -64,7 +64,7 @@ class ByteTokenizer:
 
 def load_documents(path):
     if path is None:
-        files = [os.path.join(REPO, "README.md"), os.path.join(REPO, "DESIGN.md")]
+        files = [os.path.join(REPO, "README.md"), os.path.join(REPO, "docs", "architecture.md")]
         files += sorted(glob.glob(os.path.join(REPO, "ulysses_kernels", "*.py")))
         files += sorted(glob.glob(os.path.join(REPO, "tests", "*.py")))
     elif os.path.isdir(path):

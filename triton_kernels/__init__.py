@@ -12,8 +12,15 @@ On CPU tensors the kernels run only in the Triton interpreter (``TRITON_INTERPRE
 set before this module is imported).
 """
 
-from .ops import (flash_attention, flash_attention_backward, flash_attention_forward,
-                  triton_flash_bwd, triton_flash_bwd_out, triton_flash_fwd, triton_flash_fwd_out)
+from .ops import (
+    flash_attention,
+    flash_attention_backward,
+    flash_attention_forward,
+    triton_flash_bwd,
+    triton_flash_bwd_out,
+    triton_flash_fwd,
+    triton_flash_fwd_out,
+)
 
 __all__ = [
     "flash_attention",

@@ -14,8 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LOG2E, TunedLauncher, dot_precision, interpreting, maybe_fp32,
-                      rows_to_offsets, seq_bucket, token_rows)
+from ._common import (
+    LOG2E,
+    TunedLauncher,
+    dot_precision,
+    interpreting,
+    maybe_fp32,
+    rows_to_offsets,
+    seq_bucket,
+    token_rows,
+)
 
 LOG2E_C = tl.constexpr(LOG2E)
 

@@ -11,9 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (LN2, LOG2E, TunedLauncher, block_d, dot_precision, query_tile_key_range,
-                      interpreting, maybe_fp32, rows_to_offsets, seq_bucket, token_rows)
-
+from ._common import (
+    LN2,
+    LOG2E,
+    TunedLauncher,
+    block_d,
+    dot_precision,
+    interpreting,
+    maybe_fp32,
+    query_tile_key_range,
+    rows_to_offsets,
+    seq_bucket,
+    token_rows,
+)
 
 LN2_C = tl.constexpr(LN2)
 

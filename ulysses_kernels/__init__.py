@@ -6,8 +6,16 @@ a second all-to-all trades it back. docs/architecture.md walks one call through 
 package; this module only re-exports the public API.
 """
 
-from .api import (UlyssesAttention, flash_attention, gather_sequence, heads_to_seq, qkv_seq_to_heads,
-                  seq_to_heads, shard_sequence, ulysses_attention)
+from .api import (
+    UlyssesAttention,
+    flash_attention,
+    gather_sequence,
+    heads_to_seq,
+    qkv_seq_to_heads,
+    seq_to_heads,
+    shard_sequence,
+    ulysses_attention,
+)
 from .groups import ParallelGroups, init_sequence_parallel
 from .layout import HeadPlan, split_lengths
 from .modules import UlyssesSelfAttention

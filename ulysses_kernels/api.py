@@ -23,8 +23,15 @@ from .groups import collective_device, resolve_group
 from .layout import head_plan_error, split_lengths
 from .reference.exchange import HeadsToSeq, SeqToHeads
 from .reference.sequence import GatherSequence, ShardSequence
-from .validate import (build_descriptor, check_single, check_table, checked_lengths, exchange_and_check,
-                       shape_error, trusted_attention_lengths)
+from .validate import (
+    build_descriptor,
+    check_single,
+    check_table,
+    checked_lengths,
+    exchange_and_check,
+    shape_error,
+    trusted_attention_lengths,
+)
 
 # The `ulysses_attention` of each path: same arguments, validated inputs.
 _PATHS = {"reference": reference.ulysses_attention, "triton": triton_path.ulysses_attention,

@@ -6,6 +6,7 @@ instead of blocking forever; a rank that raises makes it raise `RankError` with 
 failing rank's traceback.
 """
 
+import multiprocessing as mp
 import os
 import pickle
 import tempfile
@@ -13,8 +14,6 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List, Sequence
-
-import multiprocessing as mp
 
 
 class RankError(RuntimeError):

@@ -22,8 +22,7 @@ import torch
 
 from . import env
 from .extensions import kernel_input_problem, triton_kernels
-from .reference.exchange import (all_to_all, exchange_seq_to_heads, pack_for_heads, placements_for,
-                                 unpack_from_heads)
+from .reference.exchange import all_to_all, exchange_seq_to_heads, pack_for_heads, placements_for, unpack_from_heads
 
 
 def problem(device: torch.device, tensors) -> Optional[str]:

@@ -36,7 +36,6 @@ from . import pipeline
 from .attention import prepare
 from .streams import current_stream, device_ctx, wait
 
-
 # ----------------------------------------------------------------------- head orders
 
 @dataclass(frozen=True)

@@ -61,8 +61,14 @@ Files: `attention.py` (registration, masks, the attention function), `batch.py`
 (tiled MLP and loss), `patch.py` (`patch_model`).
 """
 
-from .attention import (ATTN_IMPLEMENTATION, get_sequence_parallel_group, register, set_sequence_parallel_group,
-                        ulysses_attention_forward, ulysses_mask_function)
+from .attention import (
+    ATTN_IMPLEMENTATION,
+    get_sequence_parallel_group,
+    register,
+    set_sequence_parallel_group,
+    ulysses_attention_forward,
+    ulysses_mask_function,
+)
 from .batch import IGNORE_INDEX, SequenceParallelBatch, cu_seqlens_from_position_ids, shard_batch
 from .loss import causal_lm_loss, global_mean_from_sum, sequence_parallel_loss
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
