@@ -20,7 +20,7 @@ from torch import nn
 from . import dispatch, fused, reference, triton_path
 from .extensions import triton_kernels
 from .groups import collective_device, resolve_group
-from .layout import head_plan_error, split_lengths
+from .layout import head_plan_error, split_heads_error, split_lengths
 from .reference.exchange import HeadsToSeq, SeqToHeads
 from .reference.sequence import GatherSequence, ShardSequence
 from .validate import (
@@ -189,9 +189,9 @@ def seq_to_heads(x: torch.Tensor, group=None, *, seq_lens: Optional[Sequence[int
     """`[B, S_local, H, D]` sequence shard -> `[B, S, H/P, D]` head shard (differentiable)."""
     group, world, rank = resolve_group(group)
     lens = checked_lengths("seq_to_heads", group, world, rank, x, seq_lens, ["x"], [x])
-    if x.shape[2] % world:  # checked by the exchange too; the seq_lens path needs it here
-        raise ValueError(f"seq_to_heads: heads ({x.shape[2]}) must be divisible by the "
-                         f"sequence-parallel size ({world})")
+    err = split_heads_error(x.shape[2], world)  # checked by the exchange too; the seq_lens path needs it here
+    if err:
+        raise ValueError(f"seq_to_heads: {err}")
     return SeqToHeads.apply(group, rank, lens, x)[0]
 
 

@@ -67,6 +67,14 @@ def place_heads(heads: int, world: int) -> HeadPlacement:
                      f"(need heads % P == 0 or P % heads == 0)")
 
 
+def split_heads_error(heads: int, world: int) -> Optional[str]:
+    """Why `heads` heads of one tensor cannot be split evenly over `world` ranks (None: they
+    can); the exchange of a single tensor (`seq_to_heads`) splits, it never replicates."""
+    if heads % world != 0:
+        return f"heads ({heads}) must be divisible by the sequence-parallel size ({world})"
+    return None
+
+
 def head_plan_error(world: int, num_q_heads: int, num_kv_heads: int) -> Optional[str]:
     """Why q/k/v with these head counts cannot be exchanged over `world` ranks (None: they can)."""
     if num_q_heads % num_kv_heads != 0:

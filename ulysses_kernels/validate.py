@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .dispatch import BACKENDS
 from .groups import collective_device
-from .layout import head_plan_error, split_lengths
+from .layout import head_plan_error, split_heads_error, split_lengths
 
 _MAGIC = 0x554C59  # "ULY": a peer that sent something else is not running this library
 _KINDS = {"ulysses_attention": 1, "seq_to_heads": 2, "qkv_seq_to_heads": 3, "heads_to_seq": 4}
@@ -227,8 +227,7 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
     if len(names) == 3:
         err = head_plan_error(world, heads[0], heads[1])
     else:
-        err = None if heads[0] % world == 0 else (
-            f"heads ({heads[0]}) must be divisible by the sequence-parallel size ({world})")
+        err = split_heads_error(heads[0], world)
     if err:
         return err
 
