@@ -63,28 +63,39 @@ def _find_cuda_home():
     return next((c for c in candidates if _is_cuda_home(c)), None)
 
 
-def _nvidia_wheel_dirs(torch_cuda_major):
-    """Header and library folders shipped by the nvidia-* wheels torch depends on.
-
-    cu13 wheels put the toolkit headers under nvidia/cu13/include, cu12 wheels under
-    nvidia/cuda_runtime/include etc.; NCCL lives in nvidia/nccl for both.
-    """
-    includes, libs = [], []
+def _nvidia_wheel_root():
+    """The `nvidia/` folder of the nvidia-* wheels torch depends on (NCCL: nvidia/nccl)."""
     for site in sys.path:
         root = os.path.join(site, "nvidia")
-        if not os.path.isdir(root):
+        if os.path.exists(os.path.join(root, "nccl", "include", "nccl.h")):
+            return root
+    return None
+
+
+def _missing_toolkit_headers(root, torch_cuda_major, cuda_home):
+    """A folder of links to the headers that torch's CUDA headers include (cuBLAS,
+    cuSPARSE, ...) but the toolkit at `cuda_home` lacks (a minimal nvcc install), taken from
+    the wheels (cu13: nvidia/cu13/include; cu12: nvidia/*/include). Only missing names are
+    linked, so the toolkit's own headers are never shadowed by the wheels'. None when the
+    toolkit has them all."""
+    toolkit = os.path.join(cuda_home, "include")
+    wheel_dirs = [os.path.join(root, f"cu{torch_cuda_major}", "include")]
+    wheel_dirs += sorted(glob.glob(os.path.join(root, "*", "include")))
+    missing = {}
+    for d in wheel_dirs:
+        if not os.path.isdir(d) or d.startswith(os.path.join(root, "nccl")):
             continue
-        candidates = [os.path.join(root, f"cu{torch_cuda_major}", "include")]
-        candidates += glob.glob(os.path.join(root, "cuda_*", "include"))
-        includes += [c for c in candidates if os.path.isdir(c)]
-        nccl_inc = os.path.join(root, "nccl", "include")
-        nccl_lib = os.path.join(root, "nccl", "lib")
-        if os.path.exists(os.path.join(nccl_inc, "nccl.h")):
-            includes.insert(0, nccl_inc)
-            libs.append(nccl_lib)
-        if includes:
-            break
-    return includes, libs
+        for name in os.listdir(d):
+            if not os.path.exists(os.path.join(toolkit, name)):
+                missing.setdefault(name, os.path.join(d, name))
+    if not missing:
+        return None
+    folder = os.path.join(HERE, "build", "wheel_cuda_headers")
+    shutil.rmtree(folder, ignore_errors=True)
+    os.makedirs(folder)
+    for name, target in missing.items():
+        os.symlink(target, os.path.join(folder, name))
+    return folder
 
 
 def _cuda_extension_or_reason():
@@ -108,11 +119,18 @@ def _cuda_extension_or_reason():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     cuda_major = torch.version.cuda.split(".")[0]
-    wheel_includes, nccl_libs = _nvidia_wheel_dirs(cuda_major)
-    if not nccl_libs:
+    root = _nvidia_wheel_root()
+    if root is None:
         return [], {}, "NCCL headers not found (expected the nvidia-nccl wheel that torch depends on)"
+    # NCCL's folder, and from the other wheels only what the toolkit lacks.
+    wheel_includes = [os.path.join(root, "nccl", "include")]
+    extra = _missing_toolkit_headers(root, cuda_major, cuda_home)
+    wheel_includes += [extra] if extra else []
+    nccl_libs = [os.path.join(root, "nccl", "lib")]
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
-    nvcc_flags = ["-O3", "-std=c++20", "--use_fast_math", "-lineinfo",
+    # No --use_fast_math: the kernels are copies and fp32 sums, where it buys nothing and
+    # would flush subnormal gradients to zero.
+    nvcc_flags = ["-O3", "-std=c++20", "-lineinfo",
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
     ext = CUDAExtension(

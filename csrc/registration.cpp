@@ -4,7 +4,9 @@
 // ops with TORCH_LIBRARY_FRAGMENT / TORCH_LIBRARY_IMPL so each kernel stays in its own
 // file. Fake (meta) implementations live in Python (ulysses_kernels/fused/ops.py), which
 // keeps shape logic next to the reference path it must agree with.
-#include <torch/extension.h>
+// Only <torch/library.h> and <Python.h>: <torch/extension.h> (pybind11 and all of ATen)
+// is the slowest header to compile, and nothing here needs it.
+#include <Python.h>
 #include <torch/library.h>
 
 #include <cuda.h>
@@ -29,6 +31,9 @@ TORCH_LIBRARY(ulysses_kernels, m) {
   m.def("build_info() -> str", &ulysses_kernels::build_info);
 }
 
-// A Python module so `import ulysses_kernels._C` loads the library and runs the
+// An empty Python module so `import ulysses_kernels._C` loads the library and runs the
 // registrations above; all functionality is reached through torch.ops.ulysses_kernels.
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}
+// setup.py names the extension ulysses_kernels._C, hence PyInit__C.
+static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module_def); }
