@@ -178,9 +178,10 @@ setup(
     cmdclass=cmdclass,
     install_requires=["torch>=2.4", "triton>=3.6; platform_system == 'Linux'"],
     extras_require={
-        "test": ["pytest>=7", "numpy", "hypothesis", "ruff", "import-linter>=2.1"],
+        "test": ["pytest>=7", "numpy", "hypothesis", "ruff", "import-linter>=2.1", "pytest-timeout",
+                 "pytest-benchmark"],
         "hf": ["transformers>=4.56"],
-        "bench": ["matplotlib", "numpy"],
+        "bench": ["matplotlib", "numpy", "pytest-benchmark"],
     },
     entry_points={"console_scripts": ["ulysses-kernels=ulysses_kernels.cli:main"]},
     zip_safe=False,

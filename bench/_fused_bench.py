@@ -18,6 +18,28 @@ SMOKE = False
 def add_smoke_flag(parser):
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check of the script at tiny shapes (needs TRITON_INTERPRET=1); numbers mean nothing")
+    add_dry_run_flag(parser)
+
+
+def add_dry_run_flag(parser):
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the arguments and the imports, print what would run, exit (GPU_CHECK_DRY_RUN)")
+
+
+def dry_run_requested(args) -> bool:
+    """--dry-run, or GPU_CHECK_DRY_RUN set by `GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh`."""
+    from ulysses_kernels import env
+    return args.dry_run or env.flag("GPU_CHECK_DRY_RUN")
+
+
+def dry_run(script: str, args) -> int:
+    """--dry-run: the arguments parsed; import what a real run imports; say so."""
+    import torch  # noqa: F401
+
+    import ulysses_kernels  # noqa: F401
+    from ulysses_kernels import fused, testing  # noqa: F401
+    print(f"{script}: dry run, would run with {vars(args)}")
+    return 0
 
 
 def fused_device(script: str, smoke: bool = False):

@@ -1,10 +1,18 @@
-# Shared by bench/gpu_check.sh and bench/gpu_check_fused.sh (source it; set STEP_PREFIX
-# first). Sets ROOT, RESULTS, PYTHON, SUMMARY, FAILED and defines
+# Sourced by bench/gpu_check.sh (set STEP_PREFIX first). Sets ROOT, RESULTS, PYTHON,
+# SUMMARY, FAILED, DRY_RUN and defines
 #   step NAME TIMEOUT_S CMD...
 # which runs CMD under a timeout with its log in $RESULTS, prints the log's tail, records
-# ok / FAILED / TIMED OUT in $SUMMARY and never stops the calling script, and
-#   publish_results
-# which the outermost script calls last (see below).
+# ok / FAILED / TIMED OUT in $SUMMARY, returns CMD's status and never stops the calling
+# script;
+#   first_error NAME      the first error line of a failed step's log, into $SUMMARY;
+#   print_budget          the timeouts of the steps in $STEPS (array LIMIT) and their sum
+#                         (BUDGET_TOTAL);
+#   publish_results       called after every step and at exit (see below).
+#
+# Dry run (GPU_CHECK_DRY_RUN=1): steps run on the CPU with the GPU parts stubbed: pytest
+# only collects (PYTEST_ADDOPTS), the benchmarks stop after parsing their arguments and
+# importing what they need (they read GPU_CHECK_DRY_RUN), and the script itself stubs the
+# install.
 #
 # Where results go. Without $OUT: bench/results. With $OUT (the lent GPU machine), only
 # 8 files come back from $OUT, and a full run writes about 16 (logs, JSON, Markdown, a
@@ -26,8 +34,16 @@ if [ -z "${PYTHON:-}" ]; then
   if [ -x /opt/ukvenv/bin/python ]; then PYTHON=/opt/ukvenv/bin/python; else PYTHON="$(command -v python3 || command -v python)"; fi
 fi
 export PYTHON
-export TRITON_INTERPRET=0          # real kernels (the CPU test suite uses the interpreter)
 export PYTHONUNBUFFERED=1
+DRY_RUN=0
+case "${GPU_CHECK_DRY_RUN:-0}" in 1|true|yes|on) DRY_RUN=1 ;; esac
+if [ "$DRY_RUN" = 1 ]; then
+  export GPU_CHECK_DRY_RUN=1
+  export PYTEST_ADDOPTS="--collect-only -q ${PYTEST_ADDOPTS:-}"
+  export TRITON_INTERPRET=1        # CPU: kernel modules import for the interpreter
+else
+  export TRITON_INTERPRET=0        # real kernels (the CPU test suite uses the interpreter)
+fi
 FAILED=()
 trap publish_results EXIT
 SUMMARY="$RESULTS/gpu_check_${STEP_PREFIX}summary.txt"
@@ -38,7 +54,12 @@ step() {  # step NAME TIMEOUT_S CMD...
   local log="$RESULTS/gpu_check_${STEP_PREFIX}${name}.log"
   local t0=$SECONDS
   echo "=== [${STEP_PREFIX}${name}] $* (timeout ${limit}s) -> $log"
-  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  if [ "$DRY_RUN" = 1 ] && [ "$name" = install ] && [ "${GPU_CHECK_SIMULATE_BUILD_FAILURE:-0}" = 1 ]; then
+    echo "error: simulated build failure (GPU_CHECK_SIMULATE_BUILD_FAILURE=1)" >"$log"
+    false
+  else
+    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  fi
   local rc=$?
   local dt=$((SECONDS - t0))
   tail -n 25 "$log"
@@ -50,6 +71,23 @@ step() {  # step NAME TIMEOUT_S CMD...
     FAILED+=("$name")
   fi
   publish_results
+  return $rc
+}
+
+first_error() {  # first_error NAME: the first compiler/pip error of a failed step, for the report
+  local log="$RESULTS/gpu_check_${STEP_PREFIX}$1.log" line
+  line=$(grep -m1 -E "error:|Error:|ERROR|error [A-Z]+[0-9]+" "$log" 2>/dev/null)
+  echo "[$1] first error: ${line:-none found, see the log}" | tee -a "$SUMMARY"
+}
+
+print_budget() {  # the timeouts of the steps in $STEPS and their sum
+  BUDGET_TOTAL=0
+  local s line="step budget:"
+  for s in $STEPS; do
+    line+=" $s ${LIMIT[$s]}s +"
+    BUDGET_TOTAL=$((BUDGET_TOTAL + LIMIT[$s]))
+  done
+  echo "${line% +} = ${BUDGET_TOTAL} s (limit ${BUDGET_LIMIT} s; on a failed build the fused steps are skipped and fallback ${LIMIT[fallback]}s runs instead)" | tee -a "$SUMMARY"
 }
 
 # Runs after every step and on exit (trap): a call cut off at its time limit, or a failing
@@ -59,7 +97,7 @@ publish_results() {  # outermost script only, and only when $OUT is set
   local report="$OUT/gpu_check_report.md" f
   {
     echo "# gpu_check report ($(date -u +%FT%TZ))"
-    for f in gpu_check_env.txt gpu_check_summary.txt gpu_check_fused_summary.txt \
+    for f in gpu_check_env.txt gpu_check_summary.txt \
              attention_results.md a2a.md layer.md; do
       [ -f "$RESULTS/$f" ] || continue
       printf '\n## %s\n\n' "$f"
@@ -80,7 +118,7 @@ publish_results() {  # outermost script only, and only when $OUT is set
     done
   } > "$report"
   tar -czf "$OUT/gpu_check_results.tar.gz" -C "$RESULTS" .
-  for f in attention_tflops.png attention_results.json a2a.json layer.json; do
+  for f in attention_tflops.png attention_results.json a2a.json layer.json microbench.json; do
     [ -f "$RESULTS/$f" ] && cp "$RESULTS/$f" "$OUT/"
   done
   echo "published to \$OUT: $(cd "$OUT" && ls | tr '\n' ' ')"

@@ -59,6 +59,8 @@ def write_results(out, rows, meta):
 
 def main():
     args = parse_args()
+    if _fused_bench.dry_run_requested(args):
+        return _fused_bench.dry_run("bench_a2a", args)
     started = _fused_bench.start("bench_a2a", args)
     if started is None:
         return 2

@@ -46,6 +46,8 @@ def parse_args():
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the script (TRITON_INTERPRET=1, tiny shapes, fp32, no SDPA, one timed call, "
                         "one sweep config per kernel); numbers mean nothing (tests/test_bench_smoke.py)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the arguments and the imports, print what would run, exit (GPU_CHECK_DRY_RUN)")
     return p.parse_args()
 
 
@@ -57,6 +59,13 @@ TARGET_CAUSAL_RATIO = 0.85
 
 def main():
     args = parse_args()
+    from ulysses_kernels import env
+    if args.dry_run or env.flag("GPU_CHECK_DRY_RUN"):
+        import torch  # noqa: F401
+
+        import ulysses_kernels.triton  # noqa: F401
+        print(f"bench_attention: dry run, would run with {vars(args)}")
+        return 0
     os.makedirs(args.out, exist_ok=True)
     # Must be decided before the kernels are imported (the launchers read it once).
     os.environ["ULYSSES_KERNELS_TRITON_AUTOTUNE"] = "1" if args.autotune else "0"
@@ -65,7 +74,6 @@ def main():
     except ImportError:
         print("bench_attention: torch is not installed", file=sys.stderr)
         return 2
-    from ulysses_kernels import env
     interpret = env.interpreting()
     if args.smoke:
         if not interpret:

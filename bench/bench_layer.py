@@ -146,6 +146,8 @@ def write_results(args, meta, measured, blocks, modelled):
 
 def main():
     args = parse_args()
+    if _fused_bench.dry_run_requested(args):
+        return _fused_bench.dry_run("bench_layer", args)
     started = _fused_bench.start("bench_layer", args)
     if started is None:
         return 2

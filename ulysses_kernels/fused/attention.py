@@ -73,8 +73,8 @@ class _FusedUlyssesAttention(torch.autograd.Function):
         save = grad_enabled and any(ctx.needs_input_grad[:3])
         out = q.new_empty(q.shape)
         with device_ctx(q.device):
-            state = pipeline.forward(engine, _AttentionIo([q, k, v], [out], backward=False), q.shape, lens, causal, scale,
-                             cu_seqlens, plan, save, q.device, q.dtype)
+            state = pipeline.forward(engine, _AttentionIo([q, k, v], [out], backward=False), q.shape, lens, causal,
+                                     scale, cu_seqlens, plan, save, q.device, q.dtype)
         if save:
             ctx.engine, ctx.lens, ctx.rank, ctx.causal, ctx.scale = engine, lens, rank, causal, scale
             ctx.cu_seqlens, ctx.plan = cu_seqlens, plan
@@ -95,7 +95,7 @@ class _FusedUlyssesAttention(torch.autograd.Function):
         dk, dv = (dout.new_empty(B, Sp, ctx.kv_heads, D) for _ in range(2))
         with device_ctx(dout.device):
             pipeline.backward(ctx.engine, _AttentionIo([dout], [dq, dk, dv], backward=True), ctx.q_shape, ctx.lens,
-                      ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan, state, dout.device, dout.dtype)
+                              ctx.causal, ctx.scale, ctx.cu_seqlens, ctx.plan, state, dout.device, dout.dtype)
         return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -35,6 +35,7 @@ EXTENSION_DEVICE_TYPES = ("cuda",)
 
 _lock = threading.Lock()
 _fakes_registered = False
+_extension_supported = False  # the extension's answer never changes within a process
 _stand_ins = None
 
 
@@ -100,7 +101,8 @@ def _fake_mutating(*args):
 def is_supported() -> bool:
     """True when the active ops have everything the fused path needs: stand-ins, or the
     CUDA extension with every fused op (then their fake implementations are registered)."""
-    if _stand_ins is not None:
+    global _extension_supported
+    if _stand_ins is not None or _extension_supported:
         return True
     module, _ = load_extension()
     if module is None:
@@ -109,7 +111,8 @@ def is_supported() -> bool:
         register_fakes()
     except Exception:  # noqa: BLE001 - a broken build must read as "not supported"
         return False
-    return all(hasattr(torch.ops.ulysses_kernels, name) for name in FUSED_OPS)
+    _extension_supported = all(hasattr(torch.ops.ulysses_kernels, name) for name in FUSED_OPS)
+    return _extension_supported
 
 
 def register_fakes() -> bool:

@@ -28,3 +28,25 @@ def qkv_exchange(q, k, v, engine: fused.Engine, lens: Sequence[int]) -> torch.Te
         engine.transport.all_to_all(send, recv, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
     wait(compute, event(comm))
     return recv
+
+
+_reference_event = None
+
+
+def cuda_event_clock() -> float:
+    """Seconds on the GPU's timeline, read through CUDA events: records an event on the
+    current stream, waits for it and returns its time since a reference event. The
+    difference of two readings is the GPU time of the work queued between them. Used as
+    pytest-benchmark's timer by bench/bench_kernels.py (bench/pytest.ini); without CUDA it
+    is `time.perf_counter`."""
+    global _reference_event
+    if not torch.cuda.is_available():
+        import time
+        return time.perf_counter()
+    if _reference_event is None:
+        _reference_event = torch.cuda.Event(enable_timing=True)
+        _reference_event.record()
+    now = torch.cuda.Event(enable_timing=True)
+    now.record()
+    now.synchronize()
+    return _reference_event.elapsed_time(now) / 1e3
