@@ -35,10 +35,15 @@ if [ -z "${PYTHON:-}" ]; then
 fi
 export PYTHON
 export PYTHONUNBUFFERED=1
-DRY_RUN=0
-case "${GPU_CHECK_DRY_RUN:-0}" in 1|true|yes|on) DRY_RUN=1 ;; esac
+# The spellings of ulysses_kernels/env.py, which the Python steps use to read it too.
+case "$(echo "${GPU_CHECK_DRY_RUN:-0}" | tr '[:upper:]' '[:lower:]')" in
+  1|true|yes|on|y) DRY_RUN=1 ;;
+  ""|0|false|no|off|n) DRY_RUN=0 ;;
+  *) echo "GPU_CHECK_DRY_RUN=$GPU_CHECK_DRY_RUN is not a boolean (1/true/yes/on or 0/false/no/off)"; exit 2 ;;
+esac
+export GPU_CHECK_DRY_RUN=$DRY_RUN
+KILL_GRACE=5   # seconds a step may take to die after its timeout (timeout --kill-after)
 if [ "$DRY_RUN" = 1 ]; then
-  export GPU_CHECK_DRY_RUN=1
   export PYTEST_ADDOPTS="--collect-only -q ${PYTEST_ADDOPTS:-}"
   export TRITON_INTERPRET=1        # CPU: kernel modules import for the interpreter
 else
@@ -58,7 +63,7 @@ step() {  # step NAME TIMEOUT_S CMD...
     echo "error: simulated build failure (GPU_CHECK_SIMULATE_BUILD_FAILURE=1)" >"$log"
     false
   else
-    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    timeout --kill-after="$KILL_GRACE" "$limit" "$@" >"$log" 2>&1
   fi
   local rc=$?
   local dt=$((SECONDS - t0))
@@ -80,14 +85,15 @@ first_error() {  # first_error NAME: the first compiler/pip error of a failed st
   echo "[$1] first error: ${line:-none found, see the log}" | tee -a "$SUMMARY"
 }
 
-print_budget() {  # the timeouts of the steps in $STEPS and their sum
+print_budget() {  # the timeouts of the steps in $STEPS, each with its kill grace, and their sum
   BUDGET_TOTAL=0
-  local s line="step budget:"
+  local s n=0 line="step budget:"
   for s in $STEPS; do
     line+=" $s ${LIMIT[$s]}s +"
-    BUDGET_TOTAL=$((BUDGET_TOTAL + LIMIT[$s]))
+    BUDGET_TOTAL=$((BUDGET_TOTAL + LIMIT[$s] + KILL_GRACE))
+    n=$((n + 1))
   done
-  echo "${line% +} = ${BUDGET_TOTAL} s (limit ${BUDGET_LIMIT} s; on a failed build the fused steps are skipped and fallback ${LIMIT[fallback]}s runs instead)" | tee -a "$SUMMARY"
+  echo "${line% +}, + ${n} x ${KILL_GRACE}s kill grace = ${BUDGET_TOTAL} s (limit ${BUDGET_LIMIT} s; a failed build skips the fused steps and runs the fallback, ${LIMIT[fallback]}s, instead)" | tee -a "$SUMMARY"
 }
 
 # Runs after every step and on exit (trap): a call cut off at its time limit, or a failing

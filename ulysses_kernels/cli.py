@@ -52,7 +52,7 @@ def doctor(_args) -> int:
         _line("CUDA extension", f"built ({info}; arches {arches})")
         _line("  ops", ", ".join(ops))
         why = fused.problem(torch.device("cuda"), ())
-        _line("  fused path", "available" if why is None else f"unavailable: {why}")
+        _line("  fused path", "available" if why is None else f"unavailable: the fused path {why}")
     else:
         _line("CUDA extension", f"not available: {reason}")
     kernels, why = extensions.triton_kernels()

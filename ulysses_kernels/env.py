@@ -12,24 +12,24 @@ package is installed.
 import os
 
 _TRUE = ("1", "true", "yes", "on", "y")
-_FALSE = ("", "0", "false", "no", "off", "n")
+_FALSE = ("0", "false", "no", "off", "n")
 
 
 def flag(name: str, default: bool = False) -> bool:
-    """The value of the boolean environment variable `name` (`default` when unset).
+    """The value of the boolean environment variable `name` (`default` when unset or empty).
 
     Raises ValueError for a value that is neither true nor false, naming the variable.
     """
     raw = os.environ.get(name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return default
     value = raw.strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is not a boolean: use one of {', '.join(_TRUE[:4])} "
-                     f"or {', '.join(repr(v) for v in _FALSE[1:5])}")
+    raise ValueError(f"{name}={raw!r} is not a boolean: use one of {', '.join(_TRUE)} "
+                     f"or {', '.join(_FALSE)}")
 
 
 def number(name: str, default: float) -> float:

@@ -39,10 +39,12 @@ def build_info(name: str, default=None):
     """A value recorded by setup.py in `ulysses_kernels/_build_info.py` (absent in a
     source tree that was never installed)."""
     try:
-        from . import _build_info
+        # By name: a generated, git-ignored file (an import statement would make the
+        # import-linter graph depend on whether the package was installed).
+        module = importlib.import_module("ulysses_kernels._build_info")
     except ImportError:
         return default
-    return getattr(_build_info, name, default)
+    return getattr(module, name, default)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,15 +26,15 @@ from .reference.exchange import all_to_all, exchange_seq_to_heads, pack_for_head
 
 
 def problem(device: torch.device, tensors) -> Optional[str]:
-    """Why this path cannot run q/k/v `tensors` on `device` (None when it can); the phrase
-    follows "backend='triton' " in dispatch's errors."""
+    """Why this path cannot run q/k/v `tensors` on `device` (None when it can), phrased to
+    follow "backend='triton' " (dispatch's errors)."""
     # Check before importing: kernels imported without the interpreter cannot run on CPU.
     if device.type != "cuda" and not env.interpreting():
         return ("on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
                 "importing ulysses_kernels")
     module, reason = triton_kernels()
     if module is None:
-        return f"requested but the Triton kernels cannot be used: {reason}"
+        return f"needs the Triton kernels, which cannot be used: {reason}"
     why = kernel_input_problem("triton", tensors)
     return f"cannot run these inputs: {why}" if why else None
 

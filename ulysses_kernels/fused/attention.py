@@ -18,15 +18,15 @@ from .streams import device_ctx
 
 
 def problem(device: torch.device, tensors) -> Optional[str]:
-    """Why this path cannot run q/k/v `tensors` on `device` (None when it can); the phrase
-    follows "backend='fused' " in dispatch's errors."""
+    """Why this path cannot run q/k/v `tensors` on `device` (None when it can), phrased to
+    follow "backend='fused' " (dispatch's errors) or "the fused path " (doctor)."""
     if device.type not in ops.device_types():
         return f"needs CUDA tensors, got tensors on {device}"
     if not ops.is_supported():
         _, reason = load_extension()
-        why = f"the CUDA extension is unavailable ({reason})" if reason else \
-            "the CUDA extension was built without the fused exchange ops"
-        return f"requested but {why}"
+        if reason:
+            return f"needs the CUDA extension, which is unavailable ({reason})"
+        return "needs the CUDA extension's fused exchange ops, which this build lacks"
     why = unsupported_reason(*tensors) if tensors else None
     return f"cannot run these inputs: {why}" if why else None
 

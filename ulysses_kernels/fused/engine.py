@@ -119,11 +119,13 @@ def _close_all(engines: Sequence[Engine]) -> None:
 _transport_for: Dict[int, Callable] = {}
 
 
-def use_transport(group, factory=None) -> None:
+def use_transport(group, factory=None):
     """Build the engines of `group` (None = default group / single process) with
     `factory(group, world, rank, device)` instead of `NcclTransport` (None restores it).
-    Drops a cached engine of that group so the next call uses the new transport."""
+    Drops a cached engine of that group so the next call uses the new transport. Returns
+    the factory that was selected before (None: NcclTransport)."""
     key = _group_key(group)
+    previous = _transport_for.get(key)
     if factory is None or factory is NcclTransport:
         _transport_for.pop(key, None)
     else:
@@ -131,6 +133,7 @@ def use_transport(group, factory=None) -> None:
     with _engines_lock:
         stale = [_engines.pop(k) for k in [k for k in _engines if k[0] == key]]
     _close_all(stale)
+    return previous
 
 
 _ALL = object()

@@ -15,9 +15,10 @@ Errors. The NCCL communicator is non-blocking; init and enqueue are polled with 
 (`ULYSSES_KERNELS_NCCL_TIMEOUT`, seconds, default 600) and raise instead of hanging. With
 `ULYSSES_KERNELS_NCCL_CHECK=1` every call also waits (host side, with the same timeout)
 for its exchanges to finish, turning a hang inside NCCL into an exception.
-`ULYSSES_KERNELS_NCCL_BLOCKING=1` (read when a communicator is created) selects NCCL's
+`ULYSSES_KERNELS_NCCL_BLOCKING=1` selects NCCL's
 blocking mode instead: launches stay in the calling thread (NCCL >= 2.19 launches every
-non-blocking group from a helper thread), but init can then hang instead of timing out.
+non-blocking group from a helper thread), but init can then hang instead of timing out. The three are read when a communicator is
+created.
 """
 
 import torch
@@ -47,6 +48,9 @@ class NcclTransport:
 
     def __init__(self, group, world: int, rank: int, device: torch.device):
         self.world, self.rank, self.device = world, rank, device
+        # Read before any collective: a bad value raises here on every rank alike, not in
+        # the middle of a call with work queued on the comm stream.
+        self.check_each_call, blocking, self.timeout_s = env.flag(ENV_CHECK), env.flag(ENV_BLOCKING), timeout()
         uid = _extension_ops().nccl_unique_id() if rank == 0 else None
         if world > 1:
             obj = [bytes(uid.numpy().tobytes()) if rank == 0 else None]
@@ -54,15 +58,14 @@ class NcclTransport:
             bcast_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
             dist.broadcast_object_list(obj, src=src, group=group, device=bcast_device)
             uid = torch.frombuffer(bytearray(obj[0]), dtype=torch.uint8).clone()
-        self.handle = _extension_ops().nccl_comm_create(uid, world, rank, device.index, timeout(),
-                                                         env.flag(ENV_BLOCKING))
+        self.handle = _extension_ops().nccl_comm_create(uid, world, rank, device.index, self.timeout_s, blocking)
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
         _extension_ops().nccl_all_to_all(self.handle, send, recv, send_counts, recv_counts)
 
     def check(self):
-        if env.flag(ENV_CHECK) and not torch.cuda.is_current_stream_capturing():
-            _extension_ops().nccl_comm_wait(self.handle, timeout())
+        if self.check_each_call and not torch.cuda.is_current_stream_capturing():
+            _extension_ops().nccl_comm_wait(self.handle, self.timeout_s)
 
     def close(self):
         if self.handle is not None:

@@ -93,9 +93,9 @@ def unpack_from_heads(recv: torch.Tensor, placements: Sequence[HeadPlacement]) -
     for p in placements:
         part = recv[:, :, :, c:c + p.local]  # [P, B, S, local, D]
         c += p.local
-        # ranks [g * replicas, (g + 1) * replicas) hold the same heads: sum them
-        grouped = part.reshape(P // p.replicas, p.replicas, B, S_local, p.local, D).sum(dim=1)
-        out.append(grouped.permute(1, 2, 0, 3, 4).reshape(B, S_local, p.heads, D).contiguous())
+        if p.replicas > 1:  # ranks [g * replicas, (g + 1) * replicas) hold the same heads: sum them
+            part = part.reshape(P // p.replicas, p.replicas, B, S_local, p.local, D).sum(dim=1)
+        out.append(part.permute(1, 2, 0, 3, 4).reshape(B, S_local, p.heads, D).contiguous())
     return out
 
 

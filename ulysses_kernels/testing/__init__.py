@@ -23,12 +23,12 @@ __all__ = ["ReferenceOps", "HostTransport", "fused_stand_ins", "enable_fused_sta
 def enable_fused_stand_ins(group=None):
     """Install `ReferenceOps` and `HostTransport` (for `group`, None = the default group);
     returns a function that restores what was there."""
-    previous = fused.use_ops(ReferenceOps)
-    fused.use_transport(group, HostTransport)
+    previous_ops = fused.use_ops(ReferenceOps)
+    previous_transport = fused.use_transport(group, HostTransport)
 
     def restore():
-        fused.use_ops(previous)
-        fused.use_transport(group, None)
+        fused.use_ops(previous_ops)
+        fused.use_transport(group, previous_transport)
     return restore
 
 

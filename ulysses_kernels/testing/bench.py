@@ -1,5 +1,5 @@
-"""Entry points that the benchmarks (bench/) time, built on the fused path's declared
-interface."""
+"""Entry points that the benchmarks (bench/) time, built on the fused path's modules
+(its engine, op wrappers and stream helpers)."""
 
 from typing import Sequence
 

@@ -1,7 +1,10 @@
 """Pure-torch stand-ins of the CUDA pack/unpack ops (csrc/pack_kernels.cu), with the same
 arguments: the kernels must match them bitwise (replicated heads are summed in fp32 in
 replica order, like the kernel). Installed with `ulysses_kernels.fused.use_ops` they run
-the whole fused pipeline on CPU (see `fused_stand_ins`)."""
+the whole fused pipeline on CPU (see `fused_stand_ins`). Like the kernels, they take the
+placement (`local_heads`, `replicas`) as arguments and never decide one."""
+
+from ..layout import HeadPlacement
 
 
 class ReferenceOps:
@@ -14,8 +17,9 @@ class ReferenceOps:
         for x, off, cnt, local, rep in zip(srcs, offsets, counts, local_heads, replicas):
             if cnt == 0:
                 continue
+            placement = HeadPlacement(x.shape[2], P, local, rep)
             for j in range(P):
-                start = (j // rep) * local + off  # the placement the caller passed (layout.py)
+                start = placement.source_head(j, off)
                 send[j, :, :, ch:ch + cnt] = x[:, :, start:start + cnt]
             ch += cnt
 
@@ -26,8 +30,9 @@ class ReferenceOps:
         for x, off, cnt, local, rep in zip(outs, offsets, counts, local_heads, replicas):
             if cnt == 0:
                 continue
+            placement = HeadPlacement(x.shape[2], P, local, rep)
             for g in range(P // rep):  # ranks [g * rep, (g + 1) * rep) hold the same heads
-                first = g * local + off
+                first = placement.source_head(g * rep, off)
                 if rep == 1:
                     x[:, :, first:first + cnt] = recv[g, :, :, ch:ch + cnt]
                     continue
