@@ -37,7 +37,6 @@
 #include <nccl.h>
 
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>

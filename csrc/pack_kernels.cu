@@ -295,6 +295,7 @@ void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef of
   const int64_t n = static_cast<int64_t>(outs.size());
   check_lists(n, offsets, counts, local_heads, replicas, "unpack_into");
   const int64_t P = recv.size(0), B = recv.size(1), S = recv.size(2), C = recv.size(3), D = recv.size(4);
+  TORCH_CHECK(P >= 1, "unpack_into: world must be >= 1");
   c10::cuda::CUDAGuard guard(recv.device());
   UnpackParams p{};
   p.recv = static_cast<const char*>(recv.data_ptr());

@@ -33,7 +33,12 @@ TORCH_LIBRARY(ulysses_kernels, m) {
 
 // An empty Python module so `import ulysses_kernels._C` loads the library and runs the
 // registrations above; all functionality is reached through torch.ops.ulysses_kernels.
-// setup.py names the extension ulysses_kernels._C, hence PyInit__C.
-static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+// The init function is named after TORCH_EXTENSION_NAME (setup.py: ulysses_kernels._C).
+#define UK_CONCAT_(a, b) a##b
+#define UK_CONCAT(a, b) UK_CONCAT_(a, b)
+#define UK_STRING_(a) #a
+#define UK_STRING(a) UK_STRING_(a)
 
-PyMODINIT_FUNC PyInit__C() { return PyModule_Create(&module_def); }
+static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, UK_STRING(TORCH_EXTENSION_NAME), nullptr, -1, nullptr};
+
+PyMODINIT_FUNC UK_CONCAT(PyInit_, TORCH_EXTENSION_NAME)() { return PyModule_Create(&module_def); }
