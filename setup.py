@@ -178,7 +178,7 @@ setup(
     cmdclass=cmdclass,
     install_requires=["torch>=2.4", "triton>=3.6; platform_system == 'Linux'"],
     extras_require={
-        "test": ["pytest>=7", "numpy", "hypothesis", "ruff", "import-linter>=2.1", "pytest-timeout",
+        "test": ["pytest>=7", "numpy", "hypothesis", "ruff", "import-linter>=2.13", "pytest-timeout",
                  "pytest-benchmark"],
         "hf": ["transformers>=4.56"],
         "bench": ["matplotlib", "numpy", "pytest-benchmark"],
