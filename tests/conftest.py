@@ -1,6 +1,9 @@
 import os
+import signal
 import sys
+import threading
 
+import pytest
 import torch
 
 # Triton kernels run in the interpreter on machines without a GPU; this must be set before
@@ -8,6 +11,45 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Worker functions for multi-process tests live in tests/_dist_cases.py; spawned children
-# import them by module name, so keep this folder importable.
+# tests/helpers.py and the worker functions of multi-process tests (module-level functions
+# of the test modules) are imported by module name, also by spawned ranks: keep this
+# folder importable.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests are the ones marked `gpu` (next to the CPU tests of the same module);
+    without CUDA they skip one by one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Per-test time limit in seconds (bench/gpu_check.sh sets it for the GPU steps, where
+# pytest-timeout may be missing): a test that runs past it fails with TimeoutError instead
+# of eating the whole step. Unset, empty or 0: no limit.
+TEST_TIMEOUT = "ULYSSES_KERNELS_TEST_TIMEOUT"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    from ulysses_kernels import env  # imports nothing else of the package
+
+    limit = env.number(TEST_TIMEOUT, 0.0)
+    if limit <= 0 or not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TimeoutError(f"{item.nodeid} ran past {TEST_TIMEOUT}={limit:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

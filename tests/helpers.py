@@ -1,29 +1,111 @@
-"""Shared test utilities: inputs, float64 references and error measures."""
+"""Shared test helpers: inputs, float64 references, error measures, rotary tables and the
+skip helpers. Every test module imports these from here (tests/ is on sys.path, see
+conftest.py); worker functions that spawned ranks run live in the test module that uses
+them (they are pickled by module name).
+"""
 
+import pytest
 import torch
 
-from ulysses_kernels import reference_attention
+from ulysses_kernels import env, extensions, fused, reference_attention
+
+# Seconds a spawned process group may run (`ulysses_kernels.launch.spawn(..., timeout=)`):
+# a hang fails the test instead of blocking CI.
+SPAWN_TIMEOUT = 180
+# Spawns that run the Triton interpreter or load transformers on every rank.
+SLOW_SPAWN_TIMEOUT = 240
+
+
+# ------------------------------------------------------------------------- inputs
+
+def randn(*shape, dtype=torch.float32, seed=0, device="cpu") -> torch.Tensor:
+    """Standard normal values drawn in float32 on the CPU (the same values on every device
+    and, float32 being exact in float64, for float64 too), cast to `dtype`."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def make_qkv(B, S, Hq, Hkv, D, *, dtype=torch.float64, seed=0, Sk=None, device="cpu"):
+    """q `[B, S, Hq, D]`, k/v `[B, Sk, Hkv, D]` (Sk defaults to S) and an output gradient
+    `do` like q, drawn in this order from one generator in float32 (so the float32 and the
+    float64 version of a case hold the same values), then cast to `dtype`."""
+    Sk = S if Sk is None else Sk
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(B, S, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, D), (B, S, Hq, D)]
+    return tuple(torch.randn(*s, generator=g, dtype=torch.float32).to(device=device, dtype=dtype) for s in shapes)
+
+
+def param_id(value):
+    """Readable pytest ids for dtypes and case tuples ("bfloat16", "2-301-8-2-64-True-bfloat16-2"),
+    so `-k float32` selects the float32 cases (bench/gpu_check.sh splits the GPU steps so)."""
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, tuple):
+        return "-".join(param_id(v) for v in value)
+    return str(value)
+
+
+def shard(t: torch.Tensor, world: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's `torch.tensor_split` slice along the sequence (a contiguous copy)."""
+    return torch.tensor_split(t, world, dim=dim)[rank].clone()
+
+
+def seq_lens(total: int, world: int):
+    """Every rank's local length: the lengths of `torch.tensor_split`."""
+    return [len(c) for c in torch.tensor_split(torch.empty(total), world)]
+
+
+def rope_tables(B, S, D, device="cpu"):
+    """Rotary (cos, sin) `[B, S, D]` at global positions 0..S-1 (Llama convention)."""
+    freqs = 1.0 / (10000.0 ** (torch.arange(D // 2, dtype=torch.float32, device=device) / (D // 2)))
+    angles = torch.arange(S, dtype=torch.float32, device=device)[:, None] * freqs[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().expand(B, S, D), emb.sin().expand(B, S, D)
+
+
+# --------------------------------------------------------------------- references
+
+def reference_with_grads(q, k, v, do, causal, cu_seqlens=None, softmax_scale=None):
+    """Float64 (out, dq, dk, dv) of full single-process attention."""
+    out, _, dq, dk, dv = reference_with_lse(q, k, v, do, causal, cu_seqlens, softmax_scale)
+    return out, dq, dk, dv
+
+
+def reference_with_lse(q, k, v, do, causal, cu_seqlens=None, softmax_scale=None):
+    """Float64 (out, lse, dq, dk, dv) of full single-process attention."""
+    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    out, lse = reference_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
+    out.backward(do.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64."""
-    out, ref = out.double(), ref.double()
+    """||out - ref|| / ||ref|| in float64 (the absolute error when ref is zero)."""
+    out, ref = out.detach().double(), ref.detach().double().to(out.device)
     denom = ref.norm().item()
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
-def make_qkv(seed, B, S, Hq, Hkv, D, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, S, Hq, D, generator=g, dtype=torch.float64).to(dtype)
-    k = torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64).to(dtype)
-    v = torch.randn(B, S, Hkv, D, generator=g, dtype=torch.float64).to(dtype)
-    do = torch.randn(B, S, Hq, D, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v, do
+# ----------------------------------------------------------------------- skipping
+
+def needs_extension(fused_ops: bool = False):
+    """Skip unless the CUDA extension `ulysses_kernels._C` is built (and, with
+    `fused_ops`, has every op of the fused path); returns the module."""
+    module, reason = extensions.load_extension()
+    if module is None:
+        pytest.skip(f"ulysses_kernels._C is not built ({reason}); build with "
+                    "`pip install --no-build-isolation -e .`")
+    if fused_ops and fused.problem(torch.device("cuda"), ()) is not None:
+        pytest.skip(f"the CUDA extension lacks the fused path: {fused.problem(torch.device('cuda'), ())}")
+    return module
 
 
-def reference_with_grads(q, k, v, do, causal, cu_seqlens=None, softmax_scale=None):
-    """Float64 output and q/k/v gradients of full single-process attention."""
-    q, k, v = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    out, _ = reference_attention(q, k, v, causal=causal, cu_seqlens=cu_seqlens, softmax_scale=softmax_scale)
-    out.backward(do.double())
-    return out.detach(), q.grad, k.grad, v.grad
+def needs_interpreter():
+    """Skip unless Triton kernels can run on CPU tensors: TRITON_INTERPRET=1 (conftest.py
+    sets it without CUDA) and the kernels import."""
+    if not env.interpreting():
+        pytest.skip("the Triton interpreter is off (conftest.py sets TRITON_INTERPRET=1 without CUDA)")
+    module, reason = extensions.triton_kernels()
+    if module is None or not hasattr(module, "flash_attention_forward"):
+        pytest.skip(f"Triton kernels unavailable: {reason}")
+    return module

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+from ulysses_kernels import extensions
 from ulysses_kernels.demo import DemoConfig, run_demo
 
 
@@ -24,11 +25,12 @@ def test_doctor_reports_versions_and_paths():
     assert out.returncode == 0, out.stderr
     for needle in ("torch", "triton", "CUDA extension", "Triton attention", "default path (cpu)"):
         assert needle in out.stdout, out.stdout
-    from ulysses_kernels import _backend
-    if _backend.load_extension()[0] is not None:  # built: the fused ops are listed by name
+    if extensions.load_extension()[0] is not None:  # built: the fused ops are listed by name
         ops_line = next(line for line in out.stdout.splitlines() if line.strip().startswith("ops"))
-        for op in ("pack", "unpack", "nccl_all_to_all", "build_info"):
-            assert op in ops_line, ops_line
+        listed = {name.strip() for name in ops_line.split(None, 1)[1].split(",")}
+        for op in ("pack_into", "unpack_into", "nccl_all_to_all", "build_info"):
+            assert op in listed, ops_line
+        assert "fused path" in out.stdout, out.stdout
 
 
 def test_demo_rejects_bad_head_counts_before_spawning():

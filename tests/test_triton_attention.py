@@ -1,28 +1,23 @@
 """Triton flash attention (forward + backward) against a float64 reference.
 
-Runs on CPU in the Triton interpreter. TRITON_INTERPRET must be set before triton or the
-kernel modules are imported (conftest.py may set it too; setting it here keeps this file
-runnable on its own). GPU cases (real sizes, bf16) are marked `gpu`.
+Runs on CPU in the Triton interpreter (TRITON_INTERPRET must be set before triton or the
+kernel modules are imported: conftest.py sets it without CUDA). GPU cases (real sizes,
+bf16) are marked `gpu`.
 """
 
-import os
-
+import pytest
 import torch
+from helpers import make_qkv, param_id, reference_with_lse, rel_err
 
-# Must happen before triton / ulysses_kernels are imported. conftest.py sets it the same
-# way; repeating it keeps this file runnable alone. On a GPU machine the real compiler runs.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from ulysses_kernels.reference import reference_attention  # noqa: E402
+from ulysses_kernels import env
+from ulysses_kernels.layout import split_lengths
+from ulysses_kernels.reference import reference_attention
 
 uk_triton = pytest.importorskip("ulysses_kernels.triton")
 
 # On a GPU machine (bench/gpu_check.sh exports TRITON_INTERPRET=0) the CPU tests skip and
 # the `gpu` tests run.
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERP = env.interpreting()
 DEVICE = "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or INTERP,
@@ -32,40 +27,12 @@ interp_only = pytest.mark.skipif(not INTERP, reason="CPU test: needs TRITON_INTE
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
-
-
-def split_lengths(total, parts):
-    base, extra = divmod(total, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def reference(q, k, v, do, causal, cu_seqlens=None, scale=None):
-    """float64 out, lse, dq, dk, dv."""
-    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out, lse = reference_attention(q64, k64, v64, causal=causal, softmax_scale=scale,
-                                   cu_seqlens=cu_seqlens)
-    out.backward(do.double())
-    return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
-
-
 def check_lse(lse, ref_lse, tol=1e-4):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse), ~finite), "LSE -inf pattern differs from reference"
     assert not torch.isnan(lse).any()
     if finite.any():
         assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < tol
-
-
-def make_qkv(B, Sq, Sk, Hq, Hkv, D, dtype, seed=0, device=None):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, Sq, Hq, D, generator=g, dtype=torch.float32).to(dtype)
-    k = torch.randn(B, Sk, Hkv, D, generator=g, dtype=torch.float32).to(dtype)
-    v = torch.randn(B, Sk, Hkv, D, generator=g, dtype=torch.float32).to(dtype)
-    do = torch.randn(B, Sq, Hq, D, generator=g, dtype=torch.float32).to(dtype)
-    return [t.to(device or DEVICE) for t in (q, k, v, do)]
 
 
 def run_autograd(q, k, v, do, causal, cu_seqlens=None, scale=None):
@@ -80,7 +47,7 @@ def compare(q, k, v, do, causal, cu_seqlens=None, scale=None, tol=None):
     out, dq, dk, dv = run_autograd(q, k, v, do, causal, cu_seqlens, scale)
     _, lse = uk_triton.flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale,
                                                cu_seqlens=cu_seqlens)
-    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, do, causal, cu_seqlens, scale)
+    r_out, r_lse, r_dq, r_dk, r_dv = reference_with_lse(q, k, v, do, causal, cu_seqlens, scale)
     for name, t in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv), ("lse", lse)):
         assert not torch.isnan(t).any(), f"NaN in {name}"
     assert out.dtype == q.dtype and out.shape == q.shape
@@ -109,14 +76,14 @@ def compare(q, k, v, do, causal, cu_seqlens=None, scale=None, tol=None):
     (1, 30, 45, 4, 2, 16, True),      # Sq < Sk, bottom-right causal
 ])
 def test_fp32_against_reference(B, Sq, Sk, Hq, Hkv, D, causal):
-    q, k, v, do = make_qkv(B, Sq, Sk, Hq, Hkv, D, torch.float32)
+    q, k, v, do = make_qkv(B, Sq, Hq, Hkv, D, Sk=Sk, dtype=torch.float32)
     compare(q, k, v, do, causal)
 
 
 @interp_only
 def test_causal_sq_greater_than_sk_fully_masked_rows():
     B, Sq, Sk, Hq, Hkv, D = 1, 50, 20, 4, 2, 16
-    q, k, v, do = make_qkv(B, Sq, Sk, Hq, Hkv, D, torch.float32, seed=1)
+    q, k, v, do = make_qkv(B, Sq, Hq, Hkv, D, Sk=Sk, dtype=torch.float32, seed=1)
     out, lse, dq, dk, dv = compare(q, k, v, do, causal=True)
     dead = Sq - Sk  # rows i < Sq - Sk see no key
     assert torch.all(out[:, :dead] == 0)
@@ -127,28 +94,28 @@ def test_causal_sq_greater_than_sk_fully_masked_rows():
 
 @interp_only
 def test_custom_scale():
-    q, k, v, do = make_qkv(1, 23, 23, 2, 1, 32, torch.float32, seed=2)
+    q, k, v, do = make_qkv(1, 23, 2, 1, 32, dtype=torch.float32, seed=2)
     compare(q, k, v, do, causal=True, scale=0.3)
 
 
 @interp_only
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=param_id)
 @pytest.mark.parametrize("causal", [False, True])
 def test_half_precision(dtype, causal):
-    q, k, v, do = make_qkv(2, 33, 33, 4, 2, 64, dtype, seed=3)
+    q, k, v, do = make_qkv(2, 33, 4, 2, 64, dtype=dtype, seed=3)
     compare(q, k, v, do, causal)
 
 
 @interp_only
 def test_head_dim_128_bf16():
-    q, k, v, do = make_qkv(1, 40, 40, 2, 1, 128, torch.bfloat16, seed=4)
+    q, k, v, do = make_qkv(1, 40, 2, 1, 128, dtype=torch.bfloat16, seed=4)
     compare(q, k, v, do, causal=True)
 
 
 @interp_only
 def test_head_dim_48_padded():
     # D not a power of two: padded to 64 with masks.
-    q, k, v, do = make_qkv(1, 20, 20, 2, 2, 48, torch.float32, seed=5)
+    q, k, v, do = make_qkv(1, 20, 2, 2, 48, dtype=torch.float32, seed=5)
     compare(q, k, v, do, causal=False)
 
 
@@ -158,14 +125,14 @@ def test_head_dim_48_padded():
 def test_varlen_documents(causal, Hq, Hkv):
     # empty documents (repeated bounds) and a length-1 document
     cu = torch.tensor([0, 0, 10, 11, 11, 40, 64], dtype=torch.int32, device=DEVICE)
-    q, k, v, do = make_qkv(1, 64, 64, Hq, Hkv, 16, torch.float32, seed=6)
+    q, k, v, do = make_qkv(1, 64, Hq, Hkv, 16, dtype=torch.float32, seed=6)
     compare(q, k, v, do, causal, cu_seqlens=cu)
 
 
 @interp_only
 def test_varlen_single_token_documents_bf16():
     cu = torch.tensor([0, 1, 2, 3, 20, 21, 37], dtype=torch.int32, device=DEVICE)
-    q, k, v, do = make_qkv(1, 37, 37, 2, 1, 32, torch.bfloat16, seed=7)
+    q, k, v, do = make_qkv(1, 37, 2, 1, 32, dtype=torch.bfloat16, seed=7)
     compare(q, k, v, do, True, cu_seqlens=cu)
 
 
@@ -209,7 +176,7 @@ def unpack(x, B, P):
 def run_buffer_case(B, S, Hq, Hkv, D, P, causal, dtype=torch.float32, cu=None, seed=9, device=None,
                     tol=None):
     device = device or DEVICE
-    q, k, v, do = make_qkv(B, S, S, Hq, Hkv, D, dtype, seed=seed, device=device)
+    q, k, v, do = make_qkv(B, S, Hq, Hkv, D, dtype=dtype, seed=seed, device=device)
     _, (qb, kb, vb) = pack_buffer([q, k, v], P)
     # the reverse send buffer: out heads next to some other payload
     send = torch.full((B * S, Hq + 3, D), 7.0, dtype=dtype, device=device)
@@ -226,7 +193,7 @@ def run_buffer_case(B, S, Hq, Hkv, D, P, causal, dtype=torch.float32, cu=None, s
                                                     dk=dkb, dv=dvb, seq_splits=P, batch=B)
     assert dq.data_ptr() == dqb.data_ptr() and dk.data_ptr() == dkb.data_ptr()
     assert dv.data_ptr() == dvb.data_ptr()
-    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, do, causal, cu)
+    r_out, r_lse, r_dq, r_dk, r_dv = reference_with_lse(q, k, v, do, causal, cu)
     tol = tol if tol is not None else TOL[dtype]
     assert rel_err(unpack(out, B, P), r_out) < tol
     check_lse(lse, r_lse, max(1e-4, tol))
@@ -266,7 +233,7 @@ def test_buffer_read_in_place_without_copies(monkeypatch):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     B, S, Hq, Hkv, D, P = 2, 19, 2, 1, 16, 2
-    q, k, v, _ = make_qkv(B, S, S, Hq, Hkv, D, torch.float32, seed=10)
+    q, k, v, _ = make_qkv(B, S, Hq, Hkv, D, dtype=torch.float32, seed=10)
     recv, (qb, kb, vb) = pack_buffer([q, k, v], P)
     out_buf = torch.empty(B * S, Hq, D, device=DEVICE)
     ptr = out_buf.data_ptr()
@@ -309,7 +276,7 @@ def test_buffer_read_in_place_without_copies(monkeypatch):
 
 @interp_only
 def test_backward_deterministic():
-    q, k, v, do = make_qkv(1, 37, 37, 4, 1, 32, torch.bfloat16, seed=11)
+    q, k, v, do = make_qkv(1, 37, 4, 1, 32, dtype=torch.bfloat16, seed=11)
     first = run_autograd(q, k, v, do, causal=True)
     second = run_autograd(q, k, v, do, causal=True)
     for a, b in zip(first, second):
@@ -318,7 +285,7 @@ def test_backward_deterministic():
 
 @interp_only
 def test_input_errors():
-    q, k, v, _ = make_qkv(1, 8, 8, 2, 2, 16, torch.float32)
+    q, k, v, _ = make_qkv(1, 8, 2, 2, 16, dtype=torch.float32)
     with pytest.raises(ValueError):
         uk_triton.flash_attention(q[..., :8], k[..., :8], v[..., :8])  # D = 8
     with pytest.raises(ValueError):
@@ -341,7 +308,7 @@ def test_gpu_real_size_bf16(causal, Hq, Hkv):
     v = torch.randn(B, S, Hkv, D, device="cuda", dtype=torch.bfloat16)
     do = torch.randn_like(q)
     out, dq, dk, dv = run_autograd(q, k, v, do, causal)
-    r_out, r_lse, r_dq, r_dk, r_dv = reference(q, k, v, do, causal)
+    r_out, r_lse, r_dq, r_dk, r_dv = reference_with_lse(q, k, v, do, causal)
     _, lse = uk_triton.flash_attention_forward(q, k, v, causal=causal, softmax_scale=None)
     assert rel_err(out, r_out) < 1e-2
     check_lse(lse, r_lse, 1e-2)
@@ -357,7 +324,7 @@ def test_gpu_real_size_bf16(causal, Hq, Hkv):
 @needs_cuda
 def test_gpu_varlen_and_buffer_layout():
     cu = torch.tensor([0, 1000, 1001, 1001, 3000, 4093], dtype=torch.int32, device="cuda")
-    q, k, v, do = make_qkv(1, 4093, 4093, 8, 2, 128, torch.bfloat16, seed=1, device="cuda")
+    q, k, v, do = make_qkv(1, 4093, 8, 2, 128, dtype=torch.bfloat16, seed=1, device="cuda")
     compare(q, k, v, do, True, cu_seqlens=cu, tol=2e-2)
     run_buffer_case(2, 4093, 8, 2, 128, 4, causal=True, dtype=torch.bfloat16, device="cuda", tol=2e-2)
 
@@ -366,9 +333,9 @@ def test_gpu_varlen_and_buffer_layout():
 @needs_cuda
 def test_gpu_deterministic_and_head_dims():
     for D in (64, 128, 256):
-        q, k, v, do = make_qkv(2, 1500, 1500, 8, 2, D, torch.bfloat16, seed=D, device="cuda")
+        q, k, v, do = make_qkv(2, 1500, 8, 2, D, dtype=torch.bfloat16, seed=D, device="cuda")
         compare(q, k, v, do, True, tol=2e-2)
-    q, k, v, do = make_qkv(1, 4096, 4096, 8, 1, 128, torch.bfloat16, seed=2, device="cuda")
+    q, k, v, do = make_qkv(1, 4096, 8, 1, 128, dtype=torch.bfloat16, seed=2, device="cuda")
     a = run_autograd(q, k, v, do, causal=True)
     b = run_autograd(q, k, v, do, causal=True)
     for x, y in zip(a, b):
@@ -377,9 +344,9 @@ def test_gpu_deterministic_and_head_dims():
 
 @gpu
 @needs_cuda
-def test_gpu_fp32_inputs():
+def test_gpu_float32_inputs():
     """fp32 on the GPU runs tf32x3 dots with small tiles (the bf16 tiles do not fit in
     shared memory at 4 bytes per element); about fp32 accuracy."""
     for D, causal in ((128, True), (64, False)):
-        q, k, v, do = make_qkv(1, 300, 300, 4, 2, D, torch.float32, seed=D, device="cuda")
+        q, k, v, do = make_qkv(1, 300, 4, 2, D, dtype=torch.float32, seed=D, device="cuda")
         compare(q, k, v, do, causal, tol=1e-3)

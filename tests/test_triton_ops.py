@@ -1,39 +1,27 @@
 """torch.library registration of the Triton attention: opcheck, fake tensors, torch.compile.
 
 CPU only, Triton interpreter (TRITON_INTERPRET must be set before triton or the kernel
-modules are imported; conftest.py does the same).
+modules are imported: conftest.py sets it without CUDA).
 """
 
 import os
 
+import pytest
 import torch
+from helpers import make_qkv, rel_err
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from ulysses_kernels.reference import reference_attention  # noqa: E402
+from ulysses_kernels import env
+from ulysses_kernels.reference import reference_attention
 
 uk_triton = pytest.importorskip("ulysses_kernels.triton")
 
-INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-pytestmark = pytest.mark.skipif(not INTERP, reason="CPU test: needs TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(not env.interpreting(), reason="CPU test: needs TRITON_INTERPRET=1")
 
 OPS = torch.ops.ulysses_kernels
 
 
 def qkv(B=1, S=9, Hq=2, Hkv=1, D=16, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
-    k = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
-    v = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
-    return q, k, v
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
+    return make_qkv(B, S, Hq, Hkv, D, dtype=dtype, seed=seed)[:3]
 
 
 def test_ops_registered():
