@@ -36,7 +36,7 @@ TEST_TIMEOUT = "ULYSSES_KERNELS_TEST_TIMEOUT"
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    from ulysses_kernels import env  # imports nothing else of the package
+    from ulysses_kernels import env
 
     limit = env.number(TEST_TIMEOUT, 0.0)
     if limit <= 0 or not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():

@@ -350,8 +350,10 @@ def test_nccl_bad_counts_raise():  # before the capture test: a failed capture a
 @pytest.mark.parametrize("blocking", ["0", "1"])
 def test_fused_world1_cuda_graph_capture(blocking, monkeypatch):
     """With seq_lens given the forward has no host sync: capture it and replay. Both NCCL
-    modes: non-blocking (the default; NCCL >= 2.19 launches from a helper thread) and
-    blocking (ULYSSES_KERNELS_NCCL_BLOCKING=1, read when the communicator is created)."""
+    modes: non-blocking (the default; NCCL >= 2.19 launches from a helper thread, so the
+    capture must tolerate other threads: capture_error_mode="thread_local", as the README
+    says) and blocking (ULYSSES_KERNELS_NCCL_BLOCKING=1, read when the communicator is
+    created; the default global capture mode)."""
     needs_extension(fused_ops=True)
     monkeypatch.setenv(fused.ENV_BLOCKING, blocking)
     fused.close()  # the eager call below creates a communicator in this mode
@@ -366,7 +368,8 @@ def test_fused_world1_cuda_graph_capture(blocking, monkeypatch):
                 uk.ulysses_attention(q, k, k, backend="fused", seq_lens=[128])
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        mode = "thread_local" if blocking == "0" else "global"
+        with torch.cuda.graph(graph, capture_error_mode=mode):
             static = uk.ulysses_attention(q, k, k, backend="fused", seq_lens=[128])
         graph.replay()
         torch.cuda.synchronize()

@@ -55,7 +55,10 @@ def compare(q, k, v, do, causal, cu_seqlens=None, scale=None, tol=None):
     check_lse(lse, r_lse, tol=max(1e-4, tol))
     for name, got, want in (("dq", dq, r_dq), ("dk", dk, r_dk), ("dv", dv, r_dv)):
         if want.norm() == 0:
-            assert got.abs().max() == 0, f"{name} should be zero"
+            # Exactly zero in float64 (e.g. one visible key: dS = P * (dP - delta) = 0); the
+            # kernel's fp32 dP and delta are sums in different orders, so zero up to rounding
+            # of O(1) inputs: an absolute bound, far below any real contribution.
+            assert got.abs().max() <= tol, f"{name} should be zero, got max |{name}| {got.abs().max():.3e}"
         else:
             assert rel_err(got, want) < tol, f"{name} rel err {rel_err(got, want)}"
     return out, lse, dq, dk, dv
