@@ -329,3 +329,43 @@ def test_bad_arguments_raise():
         raw.unpack_into(send, [q], [0], [p.local], [p.local + 1], [p.replicas])
     with pytest.raises(RuntimeError, match="exceeds its 3 heads"):
         raw.pack_into([q], send, [1], [p.local], [p.local], [p.replicas])
+
+
+def test_stand_ins_restore_what_was_there():
+    """enable_fused_stand_ins / fused_stand_ins put back the ops and the transport that were
+    installed before, also when nested (use_ops and use_transport return the previous ones)."""
+    from ulysses_kernels.fused import engine as fused_engine
+    from ulysses_kernels.testing import HostTransport
+
+    class OtherTransport(HostTransport):
+        pass
+
+    previous = fused.use_transport(None, OtherTransport)
+    try:
+        with testing.fused_stand_ins():
+            assert ops.table() is ReferenceOps and fused_engine._transport_for[0] is HostTransport
+            with testing.fused_stand_ins():
+                assert ops.device_types() == ("cpu", "cuda")
+            assert ops.table() is ReferenceOps and fused_engine._transport_for[0] is HostTransport
+        assert ops.device_types() == ops.EXTENSION_DEVICE_TYPES
+        assert fused_engine._transport_for[0] is OtherTransport
+    finally:
+        fused.use_transport(None, previous)
+    assert 0 not in fused_engine._transport_for
+
+
+def test_nccl_transport_reads_its_switches_before_any_collective(monkeypatch):
+    """A bad ULYSSES_KERNELS_NCCL_CHECK raises when the communicator is created, before the
+    unique-id broadcast and any extension call, not in the middle of a call."""
+    from ulysses_kernels.fused import transport as fused_transport
+
+    calls = []
+    monkeypatch.setattr(fused_transport, "_extension_ops", lambda: calls.append(1))
+    monkeypatch.setenv(fused.ENV_CHECK, "maybe")
+    with pytest.raises(ValueError, match="ULYSSES_KERNELS_NCCL_CHECK='maybe' is not a boolean"):
+        fused.NcclTransport(None, 2, 0, torch.device("cpu"))
+    monkeypatch.setenv(fused.ENV_CHECK, "0")
+    monkeypatch.setenv(fused.ENV_BLOCKING, "sometimes")
+    with pytest.raises(ValueError, match="ULYSSES_KERNELS_NCCL_BLOCKING"):
+        fused.NcclTransport(None, 2, 0, torch.device("cpu"))
+    assert calls == []

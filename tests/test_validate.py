@@ -179,6 +179,16 @@ def _q_not_a_tensor(rank, world):
     return lambda: uk.ulysses_attention(q, k, v)
 
 
+def _seq_to_heads_heads_not_divisible(rank, world):
+    x, _, _ = _inputs(rank, world, Hq=2 * world + 1, Hkv=1)
+    return lambda: uk.seq_to_heads(x)
+
+
+def _seq_to_heads_heads_not_divisible_trusted(rank, world):
+    x, _, _ = _inputs(rank, world, Hq=2 * world + 1, Hkv=1)
+    return lambda: uk.seq_to_heads(x, seq_lens=seq_lens(4 * world + 1, world))
+
+
 def _heads_to_seq_lengths_differ(rank, world):
     # Each rank holds a head shard of the whole sequence: rank 0 believes it is one longer.
     x = torch.randn(1, 4 * world + 1 + (rank == 0), 2, 8, dtype=torch.float64)
@@ -197,6 +207,8 @@ def _self_attention_bad_hidden(rank, world):
 
 
 _SCENARIOS = {
+    "seq_to_heads_heads_not_divisible": _seq_to_heads_heads_not_divisible,
+    "seq_to_heads_heads_not_divisible_trusted": _seq_to_heads_heads_not_divisible_trusted,
     "self_attention_bad_hidden": _self_attention_bad_hidden,
     "heads_to_seq_lengths_differ": _heads_to_seq_lengths_differ,
     "heads_to_seq_heads_differ": _heads_to_seq_heads_differ,
@@ -238,6 +250,8 @@ def non_member_group(rank, world):
 # ------------------------------------------------------------------------- tests
 
 ERROR_SCENARIOS = {
+    "seq_to_heads_heads_not_divisible": "must be divisible by the sequence-parallel size",
+    "seq_to_heads_heads_not_divisible_trusted": "must be divisible by the sequence-parallel size",
     "self_attention_bad_hidden": "rank {last}: x must be [batch, seq_local, 16]",
     "heads_to_seq_lengths_differ": "ranks disagree on the sequence length",
     "heads_to_seq_heads_differ": "ranks disagree on the number of x heads",

@@ -7,30 +7,32 @@ placement (`local_heads`, `replicas`) as arguments and never decide one."""
 from ..layout import HeadPlacement
 
 
+def _jobs(tensors, world, offsets, counts, local_heads, replicas):
+    """(tensor, its placement, first local head, heads, first channel) of every tensor with
+    heads in this chunk, channels consecutive in tensor order: the jobs of the kernels."""
+    ch = 0
+    for x, off, cnt, local, rep in zip(tensors, offsets, counts, local_heads, replicas):
+        if cnt:
+            yield x, HeadPlacement(x.shape[2], world, local, rep), off, cnt, ch
+            ch += cnt
+
+
 class ReferenceOps:
     device_types = ("cpu", "cuda")
 
     @staticmethod
     def pack_into(srcs, send, offsets, counts, local_heads, replicas):
         P = send.shape[0]
-        ch = 0
-        for x, off, cnt, local, rep in zip(srcs, offsets, counts, local_heads, replicas):
-            if cnt == 0:
-                continue
-            placement = HeadPlacement(x.shape[2], P, local, rep)
+        for x, placement, off, cnt, ch in _jobs(srcs, P, offsets, counts, local_heads, replicas):
             for j in range(P):
                 start = placement.source_head(j, off)
                 send[j, :, :, ch:ch + cnt] = x[:, :, start:start + cnt]
-            ch += cnt
 
     @staticmethod
     def unpack_into(recv, outs, offsets, counts, local_heads, replicas):
         P = recv.shape[0]
-        ch = 0
-        for x, off, cnt, local, rep in zip(outs, offsets, counts, local_heads, replicas):
-            if cnt == 0:
-                continue
-            placement = HeadPlacement(x.shape[2], P, local, rep)
+        for x, placement, off, cnt, ch in _jobs(outs, P, offsets, counts, local_heads, replicas):
+            rep = placement.replicas
             for g in range(P // rep):  # ranks [g * rep, (g + 1) * rep) hold the same heads
                 first = placement.source_head(g * rep, off)
                 if rep == 1:
@@ -40,4 +42,3 @@ class ReferenceOps:
                 for r in range(1, rep):
                     acc = acc + recv[g * rep + r, :, :, ch:ch + cnt].float()
                 x[:, :, first:first + cnt] = acc.to(x.dtype)
-            ch += cnt
