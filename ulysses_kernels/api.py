@@ -22,7 +22,8 @@ from .extensions import triton_kernels
 from .groups import collective_device, resolve_group
 from .layout import head_plan_error, split_heads_error, split_lengths
 from .reference.exchange import HeadsToSeq, SeqToHeads
-from .reference.sequence import GatherSequence, ShardSequence
+from .reference.ring import RingSpec
+from .reference.sequence import GatherSequence, RingShard, ShardSequence, zigzag_restore
 from .validate import (
     build_descriptor,
     check_single,
@@ -32,17 +33,23 @@ from .validate import (
     shape_error,
     trusted_attention_lengths,
 )
+from .validate_ring import exchange_and_check_ring, trusted_ring_lengths
+from .zigzag import portion_lengths
+
+RING_NOT_FUSED = ("does not run the Ulysses x Ring hybrid yet (its ring exchange is not on the engine); "
+                  "the Triton path runs it on CUDA")
 
 # The `ulysses_attention` of each path: same arguments, validated inputs.
 _PATHS = {"reference": reference.ulysses_attention, "triton": triton_path.ulysses_attention,
           "fused": fused.ulysses_attention}
 
 
-def resolve_path(backend: Optional[str], device: torch.device, *, distributed: bool, tensors=()) -> str:
+def resolve_path(backend: Optional[str], device: torch.device, *, distributed: bool, tensors=(),
+                 ring: bool = False) -> str:
     """The path that runs q/k/v `tensors` on `device` (see dispatch.py): each faster path
-    says why it cannot run them, dispatch picks or raises."""
+    says why it cannot run them, dispatch picks or raises. `ring`: a Ulysses x Ring call."""
     problems = {"triton": lambda: triton_path.problem(device, tensors),
-                "fused": lambda: fused.problem(device, tensors)}
+                "fused": lambda: (RING_NOT_FUSED if ring else fused.problem(device, tensors))}
     return dispatch.resolve_backend(backend, device, distributed=distributed, problems=problems)
 
 
@@ -88,14 +95,21 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                       causal: bool = False, softmax_scale: Optional[float] = None,
                       seq_lens: Optional[Sequence[int]] = None, cu_seqlens=None,
-                      backend: Optional[str] = None) -> torch.Tensor:
+                      backend: Optional[str] = None, ring_group=None) -> torch.Tensor:
     """Exact attention over the global sequence, each rank holding a contiguous slice.
 
     q `[B, S_local, Hq, D]`, k/v `[B, S_local, Hkv, D]`; slices follow
     `torch.tensor_split(x, P, dim=1)`. See the README for the full contract. Returns
     `[B, S_local, Hq, D]`, differentiable with respect to q, k and v.
+
+    ring_group: the Ulysses x Ring hybrid. `group` is then this rank's Ulysses group and
+    `ring_group` its ring group (both from `init_sequence_parallel(sp, ring_size=R)`);
+    slices follow the zigzag layout of `shard_sequence(..., ring_group=...)`, `seq_lens`
+    (if given) lists every SP rank's length, ring rank major, and `cu_seqlens` covers
+    the global sequence. A ring group of one rank is pure Ulysses.
     """
-    call = prepare_attention(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend)
+    call = prepare_attention(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend,
+                             ring_group=ring_group)
     return run_attention(call, q, k, v)
 
 
@@ -111,15 +125,20 @@ class AttentionCall:
     causal: bool
     softmax_scale: float
     cu_seqlens: Optional[torch.Tensor]
+    ring: Optional[RingSpec] = None  # the ring of a Ulysses x Ring call
 
 
 def prepare_attention(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend,
-                      local_errors: Sequence[str] = ()) -> AttentionCall:
+                      local_errors: Sequence[str] = (), ring_group=None) -> AttentionCall:
     """Resolve the group and the path and validate the inputs on every rank (see
     ulysses_attention). q/k/v only need the right shapes, dtype and device here (the
     self-attention module passes stand-ins before projecting); `local_errors` are the
     caller's own findings, raised on every rank like the others."""
     group, world, rank = resolve_group(group)
+    ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
+    if ring_world > 1:
+        return _prepare_ring(q, k, v, group, world, rank, (ring_group, ring_world, ring_rank), causal,
+                             softmax_scale, seq_lens, cu_seqlens, backend, local_errors)
     # Nothing below may raise on one rank only before the checked exchange (its peers
     # would wait in the collective): local problems are collected and shared instead.
     local_errors = list(local_errors)
@@ -154,10 +173,45 @@ def prepare_attention(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlen
     return AttentionCall(path, group, world, rank, list(lens), bool(causal), float(softmax_scale), cu_seqlens)
 
 
+def _prepare_ring(q, k, v, group, world, rank, ring, causal, softmax_scale, seq_lens, cu_seqlens, backend,
+                  local_errors) -> AttentionCall:
+    """prepare_attention for a Ulysses x Ring call (validate_ring.py checks the grid)."""
+    ring_group, ring_world, ring_rank = ring
+    local_errors = list(local_errors)
+    path = None
+    try:
+        cu_seqlens = _as_cu_seqlens(cu_seqlens, getattr(q, "device", None))
+        if isinstance(q, torch.Tensor):
+            path = resolve_path(backend, q.device, distributed=True, tensors=(q, k, v), ring=True)
+    except (ValueError, RuntimeError, TypeError) as exc:
+        local_errors.append(str(exc))
+    if seq_lens is None:
+        options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                       backend=backend if backend in dispatch.BACKENDS else None)
+        all_lens = exchange_and_check_ring("ulysses_attention", group, ring_group, ["q", "k", "v"], [q, k, v],
+                                           local_errors=local_errors, **options)
+    else:
+        if local_errors:
+            raise ValueError(f"ulysses_attention: {local_errors[0]}")
+        all_lens = trusted_ring_lengths(seq_lens, world, ring_world, ring_rank * world + rank, q, k, v)
+    total = sum(all_lens)
+    documents = None
+    if cu_seqlens is not None:  # the ring's block plan needs the boundaries on the host
+        documents = tuple(int(x) for x in cu_seqlens.reshape(-1).tolist())
+        if documents[0] != 0 or documents[-1] != total or list(documents) != sorted(documents):
+            raise ValueError(f"ulysses_attention: cu_seqlens must rise from 0 to the global length {total}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    spec = RingSpec(ring_group, ring_world, ring_rank, total, bool(causal), float(softmax_scale), documents)
+    lens = all_lens[ring_rank * world:(ring_rank + 1) * world]
+    return AttentionCall(path, group, world, rank, list(lens), bool(causal), float(softmax_scale), cu_seqlens,
+                         spec)
+
+
 def run_attention(call: AttentionCall, q, k, v) -> torch.Tensor:
     """Run a prepared call on its path."""
     return _PATHS[call.path](q, k, v, group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
-                             softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens)
+                             softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens, ring=call.ring)
 
 
 class UlyssesAttention(nn.Module):
@@ -167,9 +221,10 @@ class UlyssesAttention(nn.Module):
     """
 
     def __init__(self, group=None, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, ring_group=None):
         super().__init__()
         self.group = group
+        self.ring_group = ring_group
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.backend = backend
@@ -177,7 +232,7 @@ class UlyssesAttention(nn.Module):
     def forward(self, q, k, v, *, seq_lens=None, cu_seqlens=None):
         return ulysses_attention(q, k, v, group=self.group, causal=self.causal,
                                  softmax_scale=self.softmax_scale, seq_lens=seq_lens,
-                                 cu_seqlens=cu_seqlens, backend=self.backend)
+                                 cu_seqlens=cu_seqlens, backend=self.backend, ring_group=self.ring_group)
 
     def extra_repr(self):
         return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend}"
@@ -235,18 +290,26 @@ def qkv_seq_to_heads(q, k, v, group=None, *, seq_lens: Optional[Sequence[int]] =
 
 # ---------------------------------------------------------- sharding along the sequence
 
-def shard_sequence(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, group=None, dim: int = 1, *, ring_group=None) -> torch.Tensor:
     """This rank's `torch.tensor_split(x, P, dim)[rank]` of a tensor every rank holds.
+
+    With `ring_group` (the Ulysses x Ring hybrid; `group` is then the Ulysses group):
+    this rank's slice of the zigzag layout (docs/architecture.md, "Ulysses x Ring"):
+    the sequence is cut into 2R chunks by `torch.tensor_split`, ring rank i keeps chunks
+    i and 2R-1-i, and its Ulysses ranks `tensor_split` that portion.
 
     Differentiable: the backward all-gathers, so each rank gets the full gradient.
     """
     group, world, rank = resolve_group(group)
     dim = dim % x.dim()
+    ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
+    if ring_world > 1:
+        x = RingShard.apply(ring_group, ring_world, ring_rank, dim, x)
     return ShardSequence.apply(group, world, rank, dim, x)
 
 
 def gather_sequence(x: torch.Tensor, group=None, dim: int = 1,
-                    seq_lens: Optional[Sequence[int]] = None) -> torch.Tensor:
+                    seq_lens: Optional[Sequence[int]] = None, *, ring_group=None) -> torch.Tensor:
     """Concatenate every rank's shard along `dim` (inverse of `shard_sequence`).
 
     Local lengths follow `torch.tensor_split`; pass `seq_lens` to skip the small length
@@ -255,6 +318,9 @@ def gather_sequence(x: torch.Tensor, group=None, dim: int = 1,
     """
     group, world, rank = resolve_group(group)
     dim = dim % x.dim()
+    ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
+    if ring_world > 1:
+        return _gather_ring(x, group, world, rank, (ring_group, ring_world, ring_rank), dim, seq_lens)
     if seq_lens is None:
         if group is None:
             seq_lens = [x.shape[dim]]
@@ -268,3 +334,33 @@ def gather_sequence(x: torch.Tensor, group=None, dim: int = 1,
         raise ValueError(f"gather_sequence: seq_lens {seq_lens} do not match the group size {world} "
                          f"or this rank's length {x.shape[dim]}")
     return GatherSequence.apply(group, world, rank, dim, seq_lens, x)
+
+
+def _all_lengths(n: int, group) -> List[int]:
+    mine = torch.tensor([n], dtype=torch.int64, device=collective_device(group))
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(got, mine, group=group)
+    return [int(g.item()) for g in got]
+
+
+def _gather_ring(x, group, world, rank, ring, dim, seq_lens):
+    """gather_sequence over the Ulysses x Ring grid: Ulysses group, then ring group, then
+    the zigzag portions back in global order. seq_lens: every SP rank's, ring rank major."""
+    ring_group, ring_world, ring_rank = ring
+    if seq_lens is None:
+        ulysses_lens = _all_lengths(x.shape[dim], group) if group is not None else [x.shape[dim]]
+        portions = _all_lengths(sum(ulysses_lens), ring_group)
+    else:
+        seq_lens = [int(n) for n in seq_lens]
+        if len(seq_lens) != world * ring_world:
+            raise ValueError(f"gather_sequence: with a ring group seq_lens must list all {world * ring_world} "
+                             f"SP ranks' lengths (ring rank major), got {len(seq_lens)}")
+        ulysses_lens = seq_lens[ring_rank * world:(ring_rank + 1) * world]
+        portions = [sum(seq_lens[r * world:(r + 1) * world]) for r in range(ring_world)]
+    total = sum(portions)
+    if ulysses_lens[rank] != x.shape[dim] or portions != portion_lengths(total, ring_world):
+        raise ValueError(f"gather_sequence: local lengths {ulysses_lens} / ring portions {portions} are not the "
+                         f"Ulysses x Ring layout of {total} tokens (see shard_sequence(..., ring_group=...))")
+    portion = GatherSequence.apply(group, world, rank, dim, ulysses_lens, x)
+    whole = GatherSequence.apply(ring_group, ring_world, ring_rank, dim, portions, portion)
+    return zigzag_restore(whole, total, ring_world, dim)

@@ -14,7 +14,7 @@ run; inputs that disagree between ranks are then the caller's responsibility.
 """
 
 import struct
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,8 @@ _MAX_TENSORS = 3
 _HEADER = 4  # magic, kind, number of tensors, local error flag
 _OPTIONS = 13
 DESCRIPTOR_LEN = _HEADER + _MAX_TENSORS * _TENSOR_FIELDS + _OPTIONS
+SEQ_FIELD = _HEADER + 3  # shape[1] of the first tensor: S_local
+ERROR_FIELD = 3
 _CHECKSUM_MOD = (1 << 61) - 1
 
 
@@ -106,6 +108,21 @@ def build_descriptor(kind: str, tensors: Sequence, *, causal=False, softmax_scal
     return row
 
 
+def with_sequence_length(row: List[int], length: int) -> List[int]:
+    """A copy of descriptor `row` whose tensors have sequence length `length` (the ring
+    check compares ring ranks' portions with the per-rank checks)."""
+    row = list(row)
+    for i in range(_MAX_TENSORS):
+        if row[_HEADER + i * _TENSOR_FIELDS]:
+            row[_HEADER + i * _TENSOR_FIELDS + 3] = length
+    return row
+
+
+def error_row(kind: str, count: int) -> List[int]:
+    """The descriptor of a rank that could not describe its inputs (error flag set)."""
+    return [_MAGIC, _KINDS[kind], count, 1] + [0] * (DESCRIPTOR_LEN - _HEADER)
+
+
 class _Row:
     """Named access to one rank's descriptor."""
 
@@ -150,10 +167,15 @@ def _disagreement(rows, what, key):
 
 
 def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
-                same_length: bool = True) -> Optional[str]:
+                same_length: bool = True, head_world: Optional[int] = None,
+                lengths_check: Callable[[List[int]], Optional[str]] = None,
+                documents: bool = True) -> Optional[str]:
     """Validate the gathered descriptors of all ranks; the same answer on every rank.
 
-    Returns an error message (without the function-name prefix) or None.
+    Returns an error message (without the function-name prefix) or None. The ring check
+    of the Ulysses x Ring hybrid (validate_ring.py) reuses it with the heads checked
+    against the Ulysses degree `head_world`, its own `lengths_check`, and `documents`
+    (the cu_seqlens check) only once the global length is known.
     """
     rows = [_Row(r, list(v)) for r, v in enumerate(table)]
     world = len(rows)
@@ -225,16 +247,16 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
     # Heads against the group size.
     heads = [rows[0].tensor(i)["shape"][2] for i in range(len(names))]
     if len(names) == 3:
-        err = head_plan_error(world, heads[0], heads[1])
+        err = head_plan_error(head_world or world, heads[0], heads[1])
     else:
-        err = split_heads_error(heads[0], world)
+        err = split_heads_error(heads[0], head_world or world)
     if err:
         return err
 
     # Local lengths must be the tensor_split of the global length.
     lengths = [r.tensor(0)["shape"][1] for r in rows]
-    err = lengths_error(lengths)
-    if err:
+    err = (lengths_check or lengths_error)(lengths)
+    if err or not documents:
         return err
 
     return cu_seqlens_error(rows[0].options[4:13], sum(lengths), rows[0].tensor(0)["shape"][0])
@@ -273,13 +295,24 @@ def exchange_and_check(kind: str, group, names: Sequence[str], tensors: Sequence
     Raises the same ValueError on every rank of the group if anything is wrong. For the
     whole-sequence kinds (heads_to_seq) every entry is the common sequence length.
     """
+    lens, err = gather_and_check(kind, group, names, tensors, local_errors=local_errors, **options)
+    if err:
+        raise ValueError(f"{kind}: {err}")
+    return lens
+
+
+def gather_and_check(kind: str, group, names: Sequence[str], tensors: Sequence, *,
+                     local_errors: Sequence[str] = (), documents: bool = True,
+                     **options) -> Tuple[List[int], Optional[str]]:
+    """`exchange_and_check` without the raise: (every rank's local length, the error
+    every rank of the group found, or None)."""
     world = dist.get_world_size(group)
     local_errors = list(local_errors)
     try:
         row = build_descriptor(kind, tensors, local_error=bool(local_errors), **options)
     except Exception as exc:  # never raise before the collective: peers would hang
         local_errors.append(f"could not describe the inputs: {type(exc).__name__}: {exc}")
-        row = [_MAGIC, _KINDS[kind], len(tensors), 1] + [0] * (DESCRIPTOR_LEN - _HEADER)
+        row = error_row(kind, len(tensors))
     device = collective_device(group)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -290,11 +323,9 @@ def exchange_and_check(kind: str, group, names: Sequence[str], tensors: Sequence
         messages = [None] * world
         dist.all_gather_object(messages, list(local_errors), group=group)
         first = next(r for r, m in enumerate(messages) if m)
-        raise ValueError(f"{kind}: rank {first}: {messages[first][0]}")
-    err = check_table(kind, table, names)
-    if err:
-        raise ValueError(f"{kind}: {err}")
-    return [r[_HEADER + 3] for r in table]  # shape[1] of the first tensor: S_local
+        return [], f"rank {first}: {messages[first][0]}"
+    err = check_table(kind, table, names, documents=documents)
+    return [r[SEQ_FIELD] for r in table], err
 
 
 def check_single(kind: str, names: Sequence[str], tensors: Sequence, *, same_length: bool = True,

@@ -101,11 +101,14 @@ class _FusedUlyssesAttention(torch.autograd.Function):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, rank: int,
                       seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
-                      num_chunks: Optional[int] = None) -> torch.Tensor:
+                      num_chunks: Optional[int] = None, ring=None) -> torch.Tensor:
     """Fused Ulysses attention (differentiable). Called by `ulysses_kernels.ulysses_attention`
     after it validated the inputs: `seq_lens` is every rank's local length, `group` None
     means the default group (or a single process when torch.distributed is not initialised).
+    `ring` must be None: dispatch sends Ulysses x Ring calls to the other paths.
     """
+    if ring is not None:
+        raise RuntimeError("the fused path does not run the Ulysses x Ring hybrid yet; use backend='triton'")
     why = problem(q.device, (q, k, v))
     if why:
         raise RuntimeError(f"the fused path {why}; use backend='triton' or 'reference'")

@@ -4,6 +4,7 @@ faster path is tested against, and runs anywhere (CPU with gloo included).
 - `attention.py`: exact single-device attention (`reference_attention`).
 - `exchange.py`: the sequence <-> head all-to-all exchanges (also used by the Triton path).
 - `sequence.py`: differentiable sharding and gathering along the sequence.
+- `ring.py`: ring attention over the ring group of the Ulysses x Ring hybrid.
 - `ulysses.py`: `ulysses_attention` on this path.
 """
 

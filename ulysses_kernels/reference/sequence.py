@@ -1,11 +1,13 @@
 """Differentiable sharding along the sequence: this rank's `torch.tensor_split` slice of
 a tensor every rank holds, and its inverse (the autograd functions behind the public
-`shard_sequence` / `gather_sequence`)."""
+`shard_sequence` / `gather_sequence`); with a ring group, the zigzag portions of
+`zigzag.py` first."""
 
 import torch
 import torch.distributed as dist
 
 from ..layout import split_lengths
+from ..zigzag import portion_lengths, zigzag_segments
 from .exchange import all_to_all
 
 
@@ -51,3 +53,37 @@ def _all_gather_seq(x, lengths, dim, group):
     parts = [torch.empty_like(padded) for _ in lengths]
     dist.all_gather(parts, padded.contiguous(), group=group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lengths)], dim=dim)
+
+
+# ------------------------------------------------------------- the ring's zigzag layout
+
+def zigzag_portion(x: torch.Tensor, total: int, ring: int, ring_rank: int, dim: int) -> torch.Tensor:
+    """Ring rank `ring_rank`'s portion (`zigzag.py`) of a full-sequence tensor (differentiable)."""
+    return torch.cat([x.narrow(dim, s, n) for s, n in zigzag_segments(total, ring, ring_rank)], dim=dim)
+
+
+def zigzag_restore(portions: torch.Tensor, total: int, ring: int, dim: int) -> torch.Tensor:
+    """The global order of the ring ranks' portions concatenated in ring-rank order
+    (inverse of `zigzag_portion` over all ring ranks; differentiable)."""
+    pieces, offset = {}, 0
+    for r in range(ring):
+        for s, n in zigzag_segments(total, ring, r):
+            pieces[s] = (offset, n)
+            offset += n
+    return torch.cat([portions.narrow(dim, o, n) for _, (o, n) in sorted(pieces.items())], dim=dim)
+
+
+class RingShard(torch.autograd.Function):
+    """This ring rank's portion of a tensor every rank holds; the backward all-gathers the
+    portions' gradients over the ring group, so every rank gets the full gradient (as
+    `ShardSequence` does over the Ulysses group)."""
+
+    @staticmethod
+    def forward(ctx, group, ring, ring_rank, dim, x):
+        ctx.group, ctx.ring, ctx.dim, ctx.total = group, ring, dim, x.shape[dim]
+        return zigzag_portion(x, x.shape[dim], ring, ring_rank, dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        whole = _all_gather_seq(grad.contiguous(), portion_lengths(ctx.total, ctx.ring), ctx.dim, ctx.group)
+        return None, None, None, None, zigzag_restore(whole, ctx.total, ctx.ring, ctx.dim)
