@@ -12,6 +12,7 @@ On CPU tensors the kernels run only in the Triton interpreter (``TRITON_INTERPRE
 set before this module is imported).
 """
 
+from .merge import merge_attention
 from .ops import (
     flash_attention,
     flash_attention_backward,
@@ -30,4 +31,5 @@ __all__ = [
     "triton_flash_bwd",
     "triton_flash_fwd_out",
     "triton_flash_bwd_out",
+    "merge_attention",
 ]

@@ -2,7 +2,9 @@
 
 Each rank of a sequence-parallel group holds a contiguous slice of the sequence; one
 all-to-all trades it for a head shard of the whole sequence, attention runs exactly, and
-a second all-to-all trades it back. docs/architecture.md walks one call through the
+a second all-to-all trades it back. Beyond the head count, the Ulysses x Ring hybrid
+runs ring attention over a second group (`init_sequence_parallel(sp, ring_size=R)`).
+docs/architecture.md walks one call through the
 package; this module only re-exports the public API.
 """
 
@@ -20,11 +22,12 @@ from .groups import ParallelGroups, init_sequence_parallel
 from .layout import HeadPlan, split_lengths
 from .modules import UlyssesSelfAttention
 from .reference import reference_attention
+from .zigzag import choose_ring_size, sp_lengths
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ulysses_attention", "UlyssesAttention", "UlyssesSelfAttention", "flash_attention", "reference_attention",
     "seq_to_heads", "heads_to_seq", "qkv_seq_to_heads", "shard_sequence", "gather_sequence",
-    "init_sequence_parallel", "ParallelGroups", "split_lengths", "HeadPlan",
+    "init_sequence_parallel", "ParallelGroups", "split_lengths", "HeadPlan", "choose_ring_size", "sp_lengths",
 ]

@@ -22,7 +22,16 @@ import torch
 
 from . import env
 from .extensions import kernel_input_problem, triton_kernels
-from .reference.exchange import all_to_all, exchange_seq_to_heads, pack_for_heads, placements_for, unpack_from_heads
+from .reference.exchange import (
+    HeadsToSeq,
+    SeqToHeads,
+    all_to_all,
+    exchange_seq_to_heads,
+    pack_for_heads,
+    placements_for,
+    unpack_from_heads,
+)
+from .reference.ring import ring_attention
 
 
 def problem(device: torch.device, tensors) -> Optional[str]:
@@ -101,5 +110,37 @@ class TritonUlyssesAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens):
+class TritonBlockOps:
+    """The ring's block computations (reference/ring.py) on the Triton kernels: flash
+    forward/backward of one block (diagonal blocks causal and/or with their documents),
+    and the fp32 merge kernel."""
+
+    @staticmethod
+    def _options(block, device):
+        docs = None
+        if block.documents is not None:
+            docs = torch.tensor(block.documents, dtype=torch.int32, device=device)
+        return dict(causal=block.diagonal and block.causal, cu_seqlens=docs)
+
+    @staticmethod
+    def forward(q, k, v, block, scale):
+        return _kernels().flash_attention_forward(q, k, v, softmax_scale=scale, **TritonBlockOps._options(block, q.device))
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, block, scale):
+        return _kernels().flash_attention_backward(do, q, k, v, out, lse, softmax_scale=scale,
+                                                   **TritonBlockOps._options(block, q.device))
+
+    @staticmethod
+    def merge(acc, acc_lse, out, lse):
+        _kernels().merge_attention(acc, acc_lse, out, lse)
+
+
+def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, ring=None):
+    if ring is not None:
+        # Ulysses x Ring: the exchange to head shards, then ring attention over the ring
+        # group with the Triton block kernels (docs/architecture.md, "Ulysses x Ring").
+        qh, kh, vh = SeqToHeads.apply(group, rank, list(seq_lens), q, k, v)
+        out = ring_attention(qh, kh, vh, ring, TritonBlockOps)
+        return HeadsToSeq.apply(group, rank, list(seq_lens), out)
     return TritonUlyssesAttention.apply(q, k, v, group, rank, list(seq_lens), causal, softmax_scale, cu_seqlens)

@@ -65,8 +65,8 @@ def exchange_and_check_ring(kind: str, group, ring_group, names: Sequence[str], 
         raise ValueError(f"{kind}: in the Ulysses group of ring rank {first}: {messages[first]}")
     grid = {(r[DESCRIPTOR_LEN], r[DESCRIPTOR_LEN + 1]) for r in table}
     if len(grid) > 1:
-        raise ValueError(f"{kind}: the ring group is not orthogonal to the Ulysses groups: its ranks have "
-                         f"(Ulysses degree, Ulysses rank) {sorted(grid)}; use the groups of "
+        raise ValueError(f"{kind}: the ring group is not orthogonal to the Ulysses groups (the members of a "
+                         "ring group must share their Ulysses degree and Ulysses rank); use the groups of "
                          "ulysses_kernels.init_sequence_parallel(sp_size, ring_size=...)")
     err = check_table(kind, [r[:DESCRIPTOR_LEN] for r in table], names, head_world=ulysses,
                       lengths_check=_portions_error)

@@ -1,0 +1,205 @@
+"""Ulysses x Ring (reference/ring.py, triton_path.py, validate_ring.py, the ring_group
+arguments of api.py and groups.py): exact attention on every grid of a world, against
+single-process float64 attention on the gathered tensors, and the same clear error on
+every rank of the grid.
+
+Worlds 4 (1x4 ring only, 2x2, 4x1) and 6 (3 Ulysses x 2 ring, 2 x 3); causal and not,
+GQA with fewer KV heads than the Ulysses degree, MQA, odd lengths, packed documents with
+an empty one and one spanning ring ranks, batch 2; float64 below 1e-9, float32 below 1e-5.
+"""
+
+import pytest
+import torch
+from helpers import SLOW_SPAWN_TIMEOUT, SPAWN_TIMEOUT, make_qkv, needs_interpreter, reference_with_grads, rel_err
+
+import ulysses_kernels as uk
+from ulysses_kernels.launch import RankError, spawn
+
+
+def _cases(ulysses: int):
+    """Cases whose head counts fit a Ulysses degree of `ulysses`."""
+    gqa_kv = 2 if ulysses % 2 == 0 else 1  # fewer KV heads than a Ulysses degree > 2: replicated
+    hq = 2 * ulysses if ulysses > 1 else 4
+    base = [
+        dict(B=1, S=53, Hq=hq, Hkv=1, causal=True),                              # MQA, odd length
+        dict(B=2, S=38, Hq=hq, Hkv=max(1, hq // 2), causal=False),              # batch 2, GQA
+        dict(B=1, S=61, Hq=hq, Hkv=gqa_kv, causal=True, cu=[0, 7, 7, 40, 61]),  # empty doc, doc across ranks
+        dict(B=1, S=45, Hq=hq, Hkv=gqa_kv, causal=False, cu=[0, 12, 20, 45]),
+    ]
+    cases = []
+    for i, c in enumerate(base):
+        for dtype in (torch.float64, torch.float32):
+            cases.append(dict(c, D=16, dtype=dtype, seed=31 * i + (dtype == torch.float32)))
+    return cases
+
+
+def grid_cases(rank, world, grids, backend):
+    """ring_cases for several (ring_size, cases) grids of one world, in one spawn."""
+    return [ring_cases(rank, world, ring_size, cases, backend) for ring_size, cases in grids]
+
+
+def ring_cases(rank, world, ring_size, cases, backend):
+    g = uk.init_sequence_parallel(world, ring_size=ring_size)
+    assert g.ulysses_size * g.ring_size == world and g.ring_size == ring_size
+    results = []
+    for c in cases:
+        q, k, v, do = make_qkv(c["B"], c["S"], c["Hq"], c["Hkv"], c["D"], dtype=c["dtype"], seed=c["seed"])
+        cu = torch.tensor(c["cu"], dtype=torch.int32) if c.get("cu") else None
+        shard = lambda t: uk.shard_sequence(t, g.ulysses_group, ring_group=g.ring_group)  # noqa: E731
+        local = [shard(t).detach().requires_grad_(True) for t in (q, k, v)]
+        out = uk.ulysses_attention(*local, group=g.ulysses_group, ring_group=g.ring_group, causal=c["causal"],
+                                   cu_seqlens=cu, backend=backend)
+        out.backward(shard(do))
+        gather = lambda t: uk.gather_sequence(t.detach(), g.ulysses_group, ring_group=g.ring_group)  # noqa: E731
+        results.append([gather(out)] + [gather(t.grad) for t in local])
+    return results
+
+
+def _check(cases, per_rank):
+    failures = []
+    for i, c in enumerate(cases):
+        q, k, v, do = make_qkv(c["B"], c["S"], c["Hq"], c["Hkv"], c["D"], dtype=c["dtype"], seed=c["seed"])
+        cu = torch.tensor(c["cu"], dtype=torch.int32) if c.get("cu") else None
+        ref = reference_with_grads(q, k, v, do, c["causal"], cu)
+        tol = 1e-9 if c["dtype"] == torch.float64 else 1e-5
+        for rank_results in per_rank:  # gathered: every rank holds the whole result
+            for name, got, want in zip(("out", "dq", "dk", "dv"), rank_results[i], ref):
+                assert got.dtype == c["dtype"]
+                err = rel_err(got, want)
+                if not err < tol:
+                    failures.append(f"case {c} {name}: rel err {err:.3e} >= {tol}")
+    assert not failures, "\n".join(sorted(set(failures)))
+
+
+@pytest.mark.parametrize("world,rings", [(4, (4, 2, 1)), (6, (2, 3))],
+                         ids=["4=1x4,2x2,4x1", "6=3x2,2x3"])
+def test_hybrid_matches_single_process(world, rings):
+    grids = [(ring, _cases(world // ring)) for ring in rings]
+    per_rank = spawn(grid_cases, world, args=(grids, "reference"), timeout=SPAWN_TIMEOUT)
+    for i, (_, cases) in enumerate(grids):
+        _check(cases, [r[i] for r in per_rank])
+
+
+def test_hybrid_triton_path_matches_single_process():
+    """backend="triton" (Triton interpreter on CPU): flash blocks plus the fp32 merge kernel."""
+    needs_interpreter()
+    cases = [c for c in _cases(2) if c["dtype"] == torch.float32][::2]  # MQA causal; documents causal
+    per_rank = spawn(ring_cases, 4, args=(2, cases, "triton"), timeout=SLOW_SPAWN_TIMEOUT)
+    _check(cases, per_rank)
+
+
+# ---------------------------------------------------------------- layout helpers
+
+def roundtrip(rank, world, ring_size):
+    g = uk.init_sequence_parallel(world, ring_size=ring_size)
+    x = torch.arange(2 * 23, dtype=torch.float64).view(2, 23, 1).requires_grad_(True)
+    local = uk.shard_sequence(x, g.ulysses_group, ring_group=g.ring_group)
+    full = uk.gather_sequence(local, g.ulysses_group, ring_group=g.ring_group)
+    lens = uk.sp_lengths(23, g.ring_size, g.ulysses_size)
+    again = uk.gather_sequence(local, g.ulysses_group, ring_group=g.ring_group, seq_lens=lens)
+    (full * (1 + rank)).sum().backward()  # every rank's gather; the shard's backward collects all
+    return local.shape[1], torch.equal(full, x.detach()), torch.equal(again, x.detach()), x.grad.clone()
+
+
+def roundtrip_and_trusted(rank, world):
+    return roundtrip(rank, world, 2), trusted_lengths(rank, world)
+
+
+def test_shard_gather_and_trusted_lengths_with_a_ring():
+    both = spawn(roundtrip_and_trusted, 4, timeout=SPAWN_TIMEOUT)
+    assert all(t for _, t in both)  # the trusted seq_lens path gives the checked path's result
+    reports = [r for r, _ in both]
+    assert [r[0] for r in reports] == uk.sp_lengths(23, 2, 2)
+    assert all(r[1] and r[2] for r in reports)
+    # d/dx of sum_r (1 + r) * gather(x) = sum over ranks of (1 + r) = 10, on every rank
+    for r in reports:
+        assert torch.equal(r[3], torch.full_like(r[3], 10.0))
+
+
+def groups_reports(rank, world, settings):
+    return [groups_report(rank, world, *s) for s in settings]
+
+
+def groups_report(rank, world, sp, ring, heads):
+    import torch.distributed as dist
+    kw = dict(num_heads=heads[0], num_kv_heads=heads[1]) if heads else {}
+    g = uk.init_sequence_parallel(sp, ring_size=ring, **kw)
+    members = lambda grp: dist.get_process_group_ranks(grp) if grp is not None else None  # noqa: E731
+    return dict(sp=members(g.sp_group), ulysses=members(g.ulysses_group), ring=members(g.ring_group),
+                sizes=(g.ulysses_size, g.ring_size), ranks=(g.ulysses_rank, g.ring_rank),
+                mesh=None if g.usp_mesh is None else g.usp_mesh.mesh_dim_names)
+
+
+def test_init_sequence_parallel_grid():
+    both = spawn(groups_reports, 8, args=([(8, "auto", (28, 4)), (4, 1, None)],), timeout=SPAWN_TIMEOUT)
+    for rank, (r, plain) in enumerate(both):
+        assert r["sizes"] == (4, 2)  # 28 query heads do not split over 8: Ulysses 4 x ring 2
+        assert r["ulysses"] == [4 * (rank // 4) + u for u in range(4)]  # consecutive ranks
+        assert r["ring"] == [rank % 4, rank % 4 + 4]                     # strided ranks
+        assert r["ranks"] == (rank % 4, rank // 4)
+        assert r["mesh"] == ("dp", "ring", "ulysses")
+        # ring_size 1: today's groups, no ring
+        assert plain["ring"] is None and plain["ulysses"] == plain["sp"] and plain["sizes"] == (4, 1)
+        assert plain["mesh"] is None
+
+
+# ------------------------------------------------------------------------- errors
+
+ERROR_CASES = [
+    (dict(tensor_split=True, S=23), "zigzag"),  # (with 24 tokens both layouts have the same lengths)
+    (dict(bad_dtype_rank=3), "in the Ulysses group of ring rank 1: rank 1: dtypes differ"),
+    (dict(Hq=3), "query heads (3) must be a multiple"),
+    (dict(cu=[0, 5, 23]), "global sequence length 24"),
+    (dict(world_as_ulysses=True), "not orthogonal"),
+    (dict(backend="fused"), "does not run the Ulysses x Ring hybrid yet"),
+]
+
+
+def ring_errors(rank, world, cases):
+    """Every case's message on this rank; the groups stay usable after each error."""
+    g = uk.init_sequence_parallel(world, ring_size=2)
+    messages = []
+    for case in cases:
+        S, Hq = case.get("S", 24), case.get("Hq", 4)
+        q, k, v, _ = make_qkv(1, S, Hq, 2, 16, dtype=torch.float64, seed=rank)
+        if case.get("tensor_split"):  # the pure-Ulysses layout, not the zigzag
+            local = [torch.tensor_split(t, world, dim=1)[rank] for t in (q, k, v)]
+        else:
+            local = [uk.shard_sequence(t, g.ulysses_group, ring_group=g.ring_group) for t in (q, k, v)]
+        if case.get("bad_dtype_rank") == rank:
+            local[0] = local[0].float()
+        group = None if case.get("world_as_ulysses") else g.ulysses_group
+        cu = torch.tensor(case["cu"], dtype=torch.int32) if "cu" in case else None
+        try:
+            uk.ulysses_attention(*local, group=group, ring_group=g.ring_group, causal=True, cu_seqlens=cu,
+                                 backend=case.get("backend"))
+            messages.append(None)
+        except (ValueError, RuntimeError) as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_hybrid_errors_reach_every_rank():
+    per_rank = spawn(ring_errors, 4, args=([c for c, _ in ERROR_CASES],), timeout=SPAWN_TIMEOUT)
+    for i, (case, needle) in enumerate(ERROR_CASES):
+        messages = [r[i] for r in per_rank]
+        assert all(m is not None and needle in m for m in messages), (case, messages)
+        assert len(set(messages)) == 1, (case, messages)  # the same words on every rank
+
+
+def trusted_lengths(rank, world):
+    g = uk.init_sequence_parallel(world, ring_size=2)
+    q, k, v, _ = make_qkv(1, 21, 4, 2, 16, dtype=torch.float64, seed=1)
+    local = [uk.shard_sequence(t, g.ulysses_group, ring_group=g.ring_group) for t in (q, k, v)]
+    lens = uk.sp_lengths(21, 2, 2)
+    checked = uk.ulysses_attention(*local, group=g.ulysses_group, ring_group=g.ring_group, causal=True)
+    trusted = uk.ulysses_attention(*local, group=g.ulysses_group, ring_group=g.ring_group, causal=True,
+                                   seq_lens=lens)
+    with pytest.raises(ValueError, match="every SP rank's length"):
+        uk.ulysses_attention(*local, group=g.ulysses_group, ring_group=g.ring_group, seq_lens=lens[:2])
+    return torch.equal(checked, trusted)
+
+
+def test_ring_size_must_divide_sp():
+    with pytest.raises(RankError, match="ring_size=3"):
+        spawn(groups_report, 2, args=(2, 3, None), timeout=SPAWN_TIMEOUT)
