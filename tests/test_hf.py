@@ -72,7 +72,7 @@ def make_batch(seed, S, doc_lens=None, B=1):
 
 def reference(case):
     """Single-process eager run: (logits, loss, {name: grad}) with HF's own loss."""
-    model = make_model(case["kind"], "eager", seed=case.get("seed", 0))
+    model = make_model(case["kind"], "eager", seed=case.get("seed", 0), **case.get("config", {}))
     ids, pos = make_batch(case["batch_seed"], case["S"], case.get("doc_lens"), case.get("B", 1))
     # use_cache=False: with a cache, transformers (5.x) ignores packed position_ids in eager/sdpa
     out = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
@@ -83,8 +83,16 @@ def reference(case):
 
 # ------------------------------------------------------------------ SP equivalence
 
-def sp_cases(rank, world, cases):
-    group = dist.group.WORLD
+def sp_cases(rank, world, cases, ring_size=None):
+    """Every case on the whole world as pure Ulysses, or (ring_size) as Ulysses x Ring,
+    where `init_sequence_parallel`'s groups go everywhere a group is asked for."""
+    if ring_size is None:
+        group = dist.group.WORLD
+    else:
+        import ulysses_kernels as uk
+
+        group = uk.init_sequence_parallel(world, ring_size=ring_size)
+        assert group.ring_size == ring_size
     ukhf.register(group)
     results = []
     for case in cases:
@@ -201,10 +209,44 @@ def dp_sp_train(rank, world, sp_size, modes, steps, seqs):
     return out
 
 
+WIDE = dict(kind="qwen2", config=dict(num_attention_heads=28, num_key_value_heads=4, hidden_size=224,
+                                      num_hidden_layers=1))  # Qwen2.5-7B's heads; world 8 on 2 cores: small
+WIDE_BATCH = dict(S=29, doc_lens=[12, 17], batch_seed=8)
+
+
+def wide_heads_train(rank, world, steps):
+    """A 28-query / 4-KV-head model at SP = world = 8: pure Ulysses raises on every rank;
+    ring_size="auto" (Ulysses 4 x ring 2) trains. Also reports the grid's groups."""
+    import ulysses_kernels as uk
+
+    plain = uk.init_sequence_parallel(world)
+    ukhf.register(plain)
+    model = make_model(WIDE["kind"], "ulysses", **WIDE["config"])
+    ids, pos = make_batch(WIDE_BATCH["batch_seed"], WIDE_BATCH["S"], WIDE_BATCH["doc_lens"])
+    pure_error = _catch(lambda: model(**ukhf.shard_batch(ids, plain, position_ids=pos).model_inputs()))
+    groups = uk.init_sequence_parallel(world, ring_size="auto", num_heads=28, num_kv_heads=4)
+    ukhf.register(groups)
+    batch = ukhf.shard_batch(ids, groups, position_ids=pos)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, first = [], None
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = ukhf.causal_lm_loss(model, batch, groups)
+        loss.backward()
+        ukhf.allreduce_gradients(model, groups)
+        losses.append(loss.item())
+        first = first or {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+    members = dict(ulysses=dist.get_process_group_ranks(groups.ulysses_group),
+                   ring=dist.get_process_group_ranks(groups.ring_group), sizes=(groups.ulysses_size, groups.ring_size))
+    return dict(pure_error=pure_error, losses=losses, grads=first, members=members)
+
+
 def run_jobs(rank, world, jobs):
     """Runs on every rank: several workers in one process group (spawning costs seconds),
     {name: result}."""
-    funcs = {"sp": sp_cases, "errors": error_cases, "dp_sp": dp_sp_train, "example": example_run}
+    funcs = {"sp": sp_cases, "errors": error_cases, "dp_sp": dp_sp_train, "example": example_run,
+             "sp_ring": sp_cases, "wide": wide_heads_train}
     return {name: funcs[name](rank, world, *args) for name, args in jobs}
 
 
@@ -253,7 +295,8 @@ _JOBS = {
     2: [("sp", (SP_CASES,)), ("errors", ()),
         ("example", (["--sp", "2", "--seq-len", "97", "--steps", "3", "--tiled", "--checkpointing",
                       "--parallel", "fsdp"],))],
-    4: [("sp", (SP_CASES,)), ("dp_sp", (2, DP_MODES, DP_STEPS, DP_SEQS))],
+    4: [("sp", (SP_CASES,)), ("dp_sp", (2, DP_MODES, DP_STEPS, DP_SEQS)), ("sp_ring", (SP_CASES, 2))],
+    8: [("wide", (2,))],
 }
 _RESULTS = {}
 
@@ -269,9 +312,9 @@ def _run(world):
     return _RESULTS[world]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sp_matches_single_process(world):
-    per_rank = [r["sp"] for r in _run(world)]
+@pytest.mark.parametrize("world,job", [(2, "sp"), (4, "sp"), (4, "sp_ring")], ids=["2", "4", "4=2x2ring"])
+def test_sp_matches_single_process(world, job):
+    per_rank = [r[job] for r in _run(world)]
     failures = []
     for i, case in enumerate(SP_CASES):
         logits, loss, grads = reference(case)
@@ -280,12 +323,43 @@ def test_sp_matches_single_process(world):
             if not err < TOL:
                 failures.append(f"case {i} rank {r} loss {per_rank[r][i]['loss']} vs {loss}: {err:.2e}")
         if "logits" in per_rank[0][i]:
-            got = torch.cat([per_rank[r][i]["logits"] for r in range(world)], dim=1)
+            got = _global_order(torch.cat([per_rank[r][i]["logits"] for r in range(world)], dim=1),
+                                world, 2 if job == "sp_ring" else 1)
             err = rel_err(got, logits)
             if not err < TOL:
                 failures.append(f"case {i} logits rel err {err:.2e}")
         for r in range(world):  # after the SP all-reduce every rank holds the full gradient
             failures += [f"case {i} rank {r} {m}" for m in _grad_errors(per_rank[r][i]["grads"], grads)]
+    assert not failures, "\n".join(failures)
+
+
+def _global_order(local_concat, world, ring):
+    """Rank-order concatenation of the shards -> global sequence order (the zigzag layout
+    with a ring; the identity without)."""
+    from ulysses_kernels.zigzag import local_ranges
+
+    S = local_concat.shape[1]
+    positions = [s + i for rank in range(world)
+                 for s, n in local_ranges(S, ring, world // ring, rank // (world // ring), rank % (world // ring))
+                 for i in range(n)]
+    out = torch.empty_like(local_concat)
+    out[:, positions] = local_concat
+    return out
+
+
+def test_wide_heads_train_with_a_ring_where_pure_ulysses_raises():
+    per_rank = [r["wide"] for r in _run(8)]
+    _, ref_loss, ref_grads = reference(dict(WIDE_BATCH, **WIDE))
+    failures = []
+    for rank, r in enumerate(per_rank):
+        assert r["pure_error"] and "query heads (28)" in r["pure_error"], r["pure_error"]
+        assert r["members"]["sizes"] == (4, 2)  # 28 heads split over 4, not 8
+        assert r["members"]["ulysses"] == [4 * (rank // 4) + u for u in range(4)]  # consecutive ranks
+        assert r["members"]["ring"] == [rank % 4, rank % 4 + 4]                     # strided ranks
+        if not abs(r["losses"][0] - ref_loss.item()) < TOL * abs(ref_loss.item()):
+            failures.append(f"rank {rank}: first loss {r['losses'][0]} vs {ref_loss.item()}")
+        failures += [f"rank {rank} {m}" for m in _grad_errors(r["grads"], ref_grads)]
+        assert r["losses"][-1] < r["losses"][0], r["losses"]
     assert not failures, "\n".join(failures)
 
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from ..api import gather_sequence, ulysses_attention
 from ..groups import collective_device, resolve_group
-from .batch import cu_seqlens_from_position_ids
+from ..zigzag import sp_lengths
+from .batch import cu_seqlens_from_position_ids, split_groups
 
 ATTN_IMPLEMENTATION = "ulysses"
 
@@ -29,7 +30,9 @@ def _require_transformers():
 # ----------------------------------------------------------------------------- state
 
 class _State:
-    group = None          # the SP process group (None: default group / single process)
+    group = None          # the SP process group (None: default group / single process);
+                          # with a ring, this rank's Ulysses group
+    ring_group = None     # the ring group of the Ulysses x Ring hybrid (None: pure Ulysses)
     group_set = False     # set_sequence_parallel_group was called
     backend: Optional[str] = None
     warned_local_positions = False
@@ -38,10 +41,13 @@ class _State:
 _STATE = _State()
 
 
-def set_sequence_parallel_group(group, *, backend: Optional[str] = None) -> None:
+def set_sequence_parallel_group(group, *, ring_group=None, backend: Optional[str] = None) -> None:
     """Set the SP process group (and optionally the `ulysses_attention` backend) that the
-    ``"ulysses"`` attention implementation uses. `group=None` means the default group."""
-    _STATE.group = group
+    ``"ulysses"`` attention implementation uses. `group=None` means the default group.
+
+    Ulysses x Ring: pass the Ulysses group and `ring_group`, or simply the `ParallelGroups`
+    returned by `init_sequence_parallel(sp, ring_size=R)`."""
+    _STATE.group, _STATE.ring_group = split_groups(group, ring_group)
     _STATE.group_set = True
     _STATE.backend = backend
 
@@ -61,7 +67,7 @@ def _sp_group():
     return resolve_group(_STATE.group)
 
 
-def register(group=None, *, backend: Optional[str] = None, name: str = ATTN_IMPLEMENTATION) -> str:
+def register(group=None, *, ring_group=None, backend: Optional[str] = None, name: str = ATTN_IMPLEMENTATION) -> str:
     """Register the ``"ulysses"`` attention (and its mask function) with transformers and
     set the SP group. Returns the implementation name to pass as `attn_implementation`
     (to `from_pretrained`/`from_config`, or `model.set_attn_implementation(name)`).
@@ -78,7 +84,7 @@ def register(group=None, *, backend: Optional[str] = None, name: str = ATTN_IMPL
         AttentionMaskInterface = None
     if AttentionMaskInterface is not None:
         AttentionMaskInterface.register(name, ulysses_mask_function)
-    set_sequence_parallel_group(group, backend=backend)
+    set_sequence_parallel_group(group, ring_group=ring_group, backend=backend)
     return name
 
 
@@ -115,7 +121,12 @@ def ulysses_mask_function(*args, attention_mask=None, **kwargs):
     """
     problem = _padding_problem(attention_mask)
     group, world, _ = _sp_group()
-    if group is not None and world > 1 and _group_any(problem is not None, group):
+    found = problem is not None
+    if group is not None and world > 1:
+        found = _group_any(found, group)
+    if _STATE.ring_group is not None:  # a ring group meets every Ulysses group: the OR over the grid
+        found = _group_any(found, _STATE.ring_group)
+    if found:
         problem = problem or "another rank of the sequence-parallel group got an unsupported attention_mask"
     if problem:
         raise ValueError(f"ulysses attention: {problem}. Sequence-parallel training expects "
@@ -126,29 +137,38 @@ def ulysses_mask_function(*args, attention_mask=None, **kwargs):
 
 # ------------------------------------------------------------------ packed documents
 
-def _global_positions(position_ids, group, world):
-    """All-gather the local position-id shard along the sequence (fallback path)."""
+def _global_positions(position_ids, group, world, ring_group=None):
+    """All-gather the local position-id shard along the sequence (fallback path); returns
+    the global positions and every SP rank's length."""
     pos = position_ids
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)
     pos = pos.detach().to(torch.int64)
+    if ring_group is not None:
+        dev = collective_device(ring_group)
+        full = gather_sequence(pos.to(dev), group, dim=1, ring_group=ring_group).to(position_ids.device)
+        return full, sp_lengths(full.shape[1], dist.get_world_size(ring_group), world)
     if group is None or world == 1:
         return pos, [pos.shape[1]]
-    # Ranks may hold [1, S] and [B, S] mixes; gather a [1, S_local] row unless truly batched.
     dev = collective_device(group)
     full = gather_sequence(pos.to(dev), group, dim=1).to(position_ids.device)
     lens = [len(c) for c in torch.tensor_split(torch.empty(full.shape[1]), world)]
     return full, lens
 
 
-def _lengths_only(local_len, group, world, device):
-    if group is None or world == 1:
-        return [local_len]
+def _gather_ints(values, group):
     dev = collective_device(group)
-    mine = torch.tensor([local_len], dtype=torch.int64, device=dev)
-    got = [torch.empty_like(mine) for _ in range(world)]
+    mine = torch.tensor(values, dtype=torch.int64, device=dev)
+    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, mine, group=group)
-    return [int(g.item()) for g in got]
+    return [int(x) for g in got for x in g.tolist()]
+
+
+def _lengths_only(local_len, group, world, device, ring_group=None):
+    lens = [local_len] if group is None or world == 1 else _gather_ints([local_len], group)
+    if ring_group is not None:  # every SP rank's length, ring rank major
+        lens = _gather_ints(lens, ring_group)
+    return lens
 
 
 def _warn_local_positions(pos, lens):
@@ -212,12 +232,13 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
         trusted = False
         pos = kwargs.get("position_ids")
         if pos is not None and isinstance(pos, torch.Tensor):
-            full, lens = _global_positions(pos, group, world)
-            _warn_local_positions(full, lens)
+            full, lens = _global_positions(pos, group, world, _STATE.ring_group)
+            if _STATE.ring_group is None:  # the heuristic knows the contiguous layout only
+                _warn_local_positions(full, lens)
             if cu_seqlens is None:
                 cu_seqlens = cu_seqlens_from_position_ids(full)
         else:
-            lens = _lengths_only(query.shape[2], group, world, query.device)
+            lens = _lengths_only(query.shape[2], group, world, query.device, _STATE.ring_group)
     total = sum(lens)
 
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
@@ -233,5 +254,5 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     v = value.transpose(1, 2)
     out = ulysses_attention(q, k, v, group=group, causal=bool(causal), softmax_scale=scaling,
                             seq_lens=lens if trusted else None, cu_seqlens=cu_seqlens,
-                            backend=_STATE.backend)
+                            backend=_STATE.backend, ring_group=_STATE.ring_group)
     return out, None

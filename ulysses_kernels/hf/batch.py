@@ -6,10 +6,25 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..groups import resolve_group
-from ..layout import split_lengths
+from ..groups import ParallelGroups, resolve_group
+from ..zigzag import local_ranges, sp_lengths
 
 IGNORE_INDEX = -100
+
+
+def split_groups(group, ring_group=None):
+    """(Ulysses group, ring group) from a process group (+ ring group), or from the
+    `ParallelGroups` of `init_sequence_parallel` (its Ulysses and ring groups)."""
+    if isinstance(group, ParallelGroups):
+        if ring_group is not None:
+            raise ValueError("pass either init_sequence_parallel's groups or a ring_group, not both")
+        return group.ulysses_group, group.ring_group
+    return group, ring_group
+
+
+def sp_group_of(group):
+    """The whole SP group (for the loss and gradient sums) from a group or `ParallelGroups`."""
+    return group.sp_group if isinstance(group, ParallelGroups) else group
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -54,9 +69,9 @@ class SequenceParallelBatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     cu_seqlens: Optional[torch.Tensor]
-    seq_lens: List[int]
-    rank: int
-    world: int
+    seq_lens: List[int]   # every SP rank's local length (ring rank major with a ring)
+    rank: int             # this rank's SP rank (ring rank * Ulysses degree + Ulysses rank)
+    world: int            # SP size (Ulysses degree x ring degree)
 
     def model_inputs(self) -> Dict[str, object]:
         """Keyword arguments for `model(**batch.model_inputs())` (no labels: see shard_batch)."""
@@ -68,7 +83,8 @@ class SequenceParallelBatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
-def shard_batch(input_ids: torch.Tensor, group=None, *, position_ids: Optional[torch.Tensor] = None,
+def shard_batch(input_ids: torch.Tensor, group=None, *, ring_group=None,
+                position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 ignore_index: int = IGNORE_INDEX, labels_shifted: bool = False,
                 mask_document_ends: bool = False) -> SequenceParallelBatch:
@@ -90,8 +106,14 @@ def shard_batch(input_ids: torch.Tensor, group=None, *, position_ids: Optional[t
     takes labels as already aligned (labels[t] = target of token t). An `attention_mask`
     may be passed only if it is all ones (padding is not supported; pack instead).
     S need not be divisible by the group size (shards follow `torch.tensor_split`).
+
+    Ulysses x Ring: pass `init_sequence_parallel`'s groups as `group` (or the Ulysses
+    group and `ring_group`): the shards then follow the zigzag layout of
+    `ulysses_kernels.shard_sequence(..., ring_group=...)`.
     """
+    group, ring_group = split_groups(group, ring_group)
     group, world, rank = resolve_group(group)
+    ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
     if input_ids.dim() != 2:
         raise ValueError(f"shard_batch: input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
     B, S = input_ids.shape
@@ -118,11 +140,12 @@ def shard_batch(input_ids: torch.Tensor, group=None, *, position_ids: Optional[t
         ends = cu_seqlens[1:].long() - 1
         ends = ends[ends >= 0]
         shifted[:, ends] = ignore_index
-    lens = split_lengths(S, world)
+    lens = sp_lengths(S, ring_world, world)
+    ranges = local_ranges(S, ring_world, world, ring_rank, rank)
 
     def cut(t):
-        return torch.tensor_split(t, world, dim=1)[rank].contiguous()
+        return torch.cat([t[:, start:start + n] for start, n in ranges], dim=1) if ranges else t[:, :0].clone()
 
     return SequenceParallelBatch(input_ids=cut(input_ids), position_ids=cut(position_ids),
                                  labels=cut(shifted), cu_seqlens=cu_seqlens, seq_lens=lens,
-                                 rank=rank, world=world)
+                                 rank=ring_rank * world + rank, world=world * ring_world)

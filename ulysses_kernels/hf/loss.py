@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..groups import collective_device, resolve_group
-from .batch import IGNORE_INDEX, SequenceParallelBatch
+from .batch import IGNORE_INDEX, SequenceParallelBatch, sp_group_of
 from .patch import is_loss_patched
 
 
@@ -21,9 +21,10 @@ def global_mean_from_sum(local_sum: torch.Tensor, local_count, group=None) -> to
     terms), the full gradient of a replicated parameter is the SUM of the ranks'
     gradients over the SP group: see `allreduce_gradients` / `apply_ddp` / `apply_fsdp`.
     Ranks with zero valid tokens return the global mean too (gradient 0) and must still
-    call backward. A group with no valid token at all gives 0.
+    call backward. A group with no valid token at all gives 0. `group`: the SP group, or
+    `init_sequence_parallel`'s groups (with a ring: the whole Ulysses x Ring grid).
     """
-    group, world, _ = resolve_group(group)
+    group, world, _ = resolve_group(sp_group_of(group))
     count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).reshape(())
     stats = torch.stack([local_sum.detach().to(torch.float64), count])
     if group is not None and world > 1:

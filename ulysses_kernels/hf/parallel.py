@@ -7,15 +7,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..groups import resolve_group
+from ..groups import ParallelGroups, resolve_group
 
 
 def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
     """Reduce gradients of replicated parameters after `backward` without DDP/FSDP:
     SUM over the SP group (each rank holds the gradient of its own tokens) and MEAN over
     the DP group (each DP rank had its own batch). Gradients are flattened into one
-    buffer per dtype (one collective per group and dtype).
+    buffer per dtype (one collective per group and dtype). `sp_group` may be
+    `init_sequence_parallel`'s groups: its SP group (the whole Ulysses x Ring grid) and
+    DP group.
     """
+    if isinstance(sp_group, ParallelGroups):
+        sp_group, dp_group = sp_group.sp_group, dp_group if dp_group is not None else sp_group.dp_group
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
