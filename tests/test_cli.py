@@ -36,7 +36,19 @@ def test_doctor_reports_versions_and_paths():
 def test_demo_rejects_bad_head_counts_before_spawning():
     out = _cli("demo", "--ranks", "3", "--heads", "4")
     assert out.returncode == 2
-    assert "--heads 4 must be divisible by --ranks 3" in out.stderr
+    assert "--heads 4 must be divisible by the Ulysses degree 3" in out.stderr
+    out = _cli("demo", "--ranks", "4", "--ring", "3")
+    assert out.returncode == 2 and "--ring 3 must be at least 1 and divide --ranks 4" in out.stderr
+
+
+def test_demo_ring_goes_beyond_the_head_count():
+    # 4 ranks, 2 query heads: pure Ulysses cannot run it; 2 Ulysses x 2 ring can
+    out = _cli("demo", "--ranks", "4", "--heads", "2", "--kv-heads", "1", "--dim", "16")
+    assert out.returncode == 2 and "raise --ring" in out.stderr
+    out = _cli("demo", "--ranks", "4", "--ring", "2", "--seq-len", "61", "--steps", "2", "--dim", "16",
+               "--heads", "2", "--kv-heads", "1", "--timeout", "200")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 Ulysses x 2 ring" in out.stdout and "verdict: PASS" in out.stdout, out.stdout
 
 
 def test_demo_end_to_end_prints_progress_and_verdict():

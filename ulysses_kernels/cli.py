@@ -110,19 +110,25 @@ def demo(args) -> int:
     from .demo import DemoConfig, run_demo
     from .layout import head_plan_error
 
-    heads, kv_heads, dim = _head_defaults(args.ranks, args.heads, args.kv_heads, args.dim)
+    ring = max(1, args.ring)
+    ulysses = args.ranks // ring if args.ranks >= 1 and args.ranks % ring == 0 else args.ranks
+    heads, kv_heads, dim = _head_defaults(ulysses, args.heads, args.kv_heads, args.dim)
     cfg = DemoConfig(ranks=args.ranks, seq_len=args.seq_len, steps=args.steps, dim=dim,
                      layers=args.layers, heads=heads, kv_heads=kv_heads, vocab=args.vocab,
-                     batch=args.batch, lr=args.lr, backend=args.backend, seed=args.seed)
+                     batch=args.batch, lr=args.lr, backend=args.backend, seed=args.seed, ring=ring)
     problems = []
     if cfg.ranks < 1:
         problems.append(f"--ranks must be at least 1, got {cfg.ranks}")
+    if args.ring < 1 or cfg.ranks % ring:
+        problems.append(f"--ring {args.ring} must be at least 1 and divide --ranks {cfg.ranks}")
     if cfg.dim % cfg.heads or (cfg.dim // cfg.heads) % 2:
         problems.append(f"--dim {cfg.dim} must be a multiple of 2 * --heads {cfg.heads}")
-    if cfg.heads % cfg.ranks:
-        problems.append(f"--heads {cfg.heads} must be divisible by --ranks {cfg.ranks}")
-    elif cfg.ranks >= 1 and head_plan_error(cfg.ranks, cfg.heads, cfg.kv_heads):
-        problems.append(f"--kv-heads {cfg.kv_heads} must divide --heads and divide or be divisible by --ranks")
+    if cfg.heads % ulysses:
+        problems.append(f"--heads {cfg.heads} must be divisible by the Ulysses degree {ulysses} "
+                        f"(--ranks {cfg.ranks} / --ring {ring}; raise --ring to go beyond the head count)")
+    elif ulysses >= 1 and head_plan_error(ulysses, cfg.heads, cfg.kv_heads):
+        problems.append(f"--kv-heads {cfg.kv_heads} must divide --heads and divide or be divisible by the Ulysses "
+                        f"degree {ulysses}")
     if cfg.seq_len < 4:
         problems.append("--seq-len must be at least 4")
     if problems:
@@ -168,6 +174,9 @@ def main(argv=None) -> int:
             d.add_argument(flag, type=type(default), default=default, help=f"{help_text} (default {default})")
     d.add_argument("--backend", choices=["reference", "triton", "fused"], default=None,
                    help="force an attention path (default: automatic)")
+    d.add_argument("--ring", type=int, default=1,
+                   help="ring degree of the Ulysses x Ring hybrid (default 1: pure Ulysses); the Ulysses "
+                        "degree is --ranks / --ring")
     d.add_argument("--timeout", type=float, default=3600.0, help="seconds before a hung run is killed")
     args = parser.parse_args(argv)
     return {"doctor": doctor, "demo": demo}[args.command](args)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ulysses_kernels as uk
+from ulysses_kernels.zigzag import local_ranges
 
 
 @dataclass
@@ -34,6 +35,7 @@ class DemoConfig:
     batch: int = 1
     lr: float = 3e-3
     backend: str = None
+    ring: int = 1          # ring degree of the Ulysses x Ring hybrid (Ulysses degree: ranks / ring)
     seed: int = 0
     grad_tol: float = 1e-4
 
@@ -50,13 +52,13 @@ def rope_tables(positions: torch.Tensor, head_dim: int):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DemoConfig, group):
+    def __init__(self, cfg: DemoConfig, group, ring_group=None):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.dim)
         # QKV projection -> rotary -> Ulysses attention -> output projection; on GPUs with the
         # extension built the projections overlap the all-to-all exchanges.
         self.attn = uk.UlyssesSelfAttention(cfg.dim, cfg.heads, cfg.kv_heads, group=group, causal=True,
-                                            backend=cfg.backend)
+                                            backend=cfg.backend, ring_group=ring_group)
         self.norm2 = nn.RMSNorm(cfg.dim)
         self.mlp = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim))
 
@@ -67,13 +69,13 @@ class Block(nn.Module):
 
 class TinyCausalLM(nn.Module):
     """`group`: the sequence-parallel group (None: the default group, or a single process
-    when torch.distributed is not initialised)."""
+    when torch.distributed is not initialised); with `ring_group`, the Ulysses group."""
 
-    def __init__(self, cfg: DemoConfig, group=None):
+    def __init__(self, cfg: DemoConfig, group=None, ring_group=None):
         super().__init__()
         self.head_dim = cfg.dim // cfg.heads
         self.embed = nn.Embedding(cfg.vocab, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg, group) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, group, ring_group) for _ in range(cfg.layers))
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
@@ -105,18 +107,18 @@ def copy_task_batch(cfg: DemoConfig, step: int):
 
 # --------------------------------------------------------------------------- training
 
-def sp_loss_and_grads(model, tokens, labels, group, rank, world, device):
+def sp_loss_and_grads(model, tokens, labels, group, rank, world, device, ring=1):
     """Sequence-parallel forward/backward on this rank's shard; returns the global loss.
 
     Gradients end up equal on every rank: each rank's backward yields the gradient of its
-    own tokens' share of the global mean, and an all-reduce sums the shares.
+    own tokens' share of the global mean, and an all-reduce sums the shares. With a ring,
+    the shard is this rank's slice of the zigzag layout (`ulysses_kernels.zigzag`).
     """
-    seq_lens = uk.split_lengths(tokens.shape[1], world)
-    start = sum(seq_lens[:rank])
-    local = slice(start, start + seq_lens[rank])
-    tok, lab = tokens[:, local].to(device), labels[:, local].to(device)
-    positions = torch.arange(start, start + seq_lens[rank], device=device)
-    logits = model(tok, positions, seq_lens)
+    seq_lens = uk.sp_lengths(tokens.shape[1], ring, world // ring)
+    ranges = local_ranges(tokens.shape[1], ring, world // ring, rank // (world // ring), rank % (world // ring))
+    positions = torch.cat([torch.arange(s, s + n) for s, n in ranges]) if ranges else torch.zeros(0, dtype=torch.long)
+    tok, lab = tokens[:, positions].to(device), labels[:, positions].to(device)
+    logits = model(tok, positions.to(device), seq_lens)
     local_sum = F.cross_entropy(logits.flatten(0, 1).float(), lab.flatten(), ignore_index=-100, reduction="sum")
     count = (labels != -100).sum().item()
     (local_sum / count).backward()
@@ -165,12 +167,15 @@ def worker(rank: int, world: int, cfg_dict: dict):
     cfg = DemoConfig(**cfg_dict)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     group = dist.group.WORLD
+    grid = uk.init_sequence_parallel(world, ring_size=cfg.ring)
     torch.manual_seed(cfg.seed)
-    model = TinyCausalLM(cfg, group).to(device)  # same seed: identical weights on all ranks
+    # same seed: identical weights on all ranks
+    model = TinyCausalLM(cfg, grid.ulysses_group, grid.ring_group).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"demo: {world} ranks ({dist.get_backend()}), sequence {cfg.seq_len} tokens "
+    layout = f"{grid.ulysses_size} Ulysses x {grid.ring_size} ring, " if cfg.ring > 1 else ""
+    say(f"demo: {world} ranks ({layout}{dist.get_backend()}), sequence {cfg.seq_len} tokens "
         f"({uk.split_lengths(cfg.seq_len, world)[0]} per rank), {cfg.layers} layers, dim {cfg.dim}, "
         f"{cfg.heads} query / {cfg.kv_heads} kv heads, {n_params / 1e3:.0f}k parameters, copy task "
         f"(second half repeats the first)")
@@ -179,7 +184,7 @@ def worker(rank: int, world: int, cfg_dict: dict):
         tokens, labels = copy_task_batch(cfg, step)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = sp_loss_and_grads(model, tokens, labels, group, rank, world, device)
+        loss = sp_loss_and_grads(model, tokens, labels, group, rank, world, device, cfg.ring)
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -192,7 +197,7 @@ def worker(rank: int, world: int, cfg_dict: dict):
     # Parity: the same weights and batch through the SP model and a single-process model.
     tokens, labels = copy_task_batch(cfg, 10**6)
     model.zero_grad(set_to_none=True)
-    sp_loss = sp_loss_and_grads(model, tokens, labels, group, rank, world, device)
+    sp_loss = sp_loss_and_grads(model, tokens, labels, group, rank, world, device, cfg.ring)
     alone = dist.new_group([0])  # the single-process run: a group of rank 0 alone (every rank must call this)
     verdict = None
     if rank == 0:

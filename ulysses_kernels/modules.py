@@ -28,12 +28,14 @@ class UlyssesSelfAttention(nn.Module):
     `overlap_projections=True` and the weights in the activation dtype (no autocast), the
     projection GEMMs run chunk by chunk inside the exchange pipeline
     (`ulysses_kernels.fused.layer`); otherwise the block is the plain composition.
+    `ring_group`: the Ulysses x Ring hybrid (`group` is then the Ulysses group; see
+    `ulysses_attention`), which runs the plain composition.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, *, group=None, causal: bool = True,
                  softmax_scale: Optional[float] = None, bias: bool = False, backend: Optional[str] = None,
-                 overlap_projections: bool = True, device=None, dtype=None):
+                 overlap_projections: bool = True, device=None, dtype=None, ring_group=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
@@ -43,6 +45,7 @@ class UlyssesSelfAttention(nn.Module):
         self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
             hidden_size, num_heads, num_kv_heads, head_dim)
         self.group, self.causal, self.softmax_scale, self.backend = group, causal, softmax_scale, backend
+        self.ring_group = ring_group
         self.overlap_projections = overlap_projections
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, **kw)
@@ -76,7 +79,7 @@ class UlyssesSelfAttention(nn.Module):
     def forward(self, x, *, position_embeddings=None, seq_lens=None, cu_seqlens=None):
         q, k, v, errors = self._placeholders(x, position_embeddings)
         call = prepare_attention(q, k, v, self.group, self.causal, self.softmax_scale, seq_lens, cu_seqlens,
-                        self.backend, local_errors=errors)
+                                 self.backend, local_errors=errors, ring_group=self.ring_group)
         B, S, _ = x.shape
         if call.path == "fused" and self._overlap_ok(x):
             return fused.self_attention(
