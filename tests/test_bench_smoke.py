@@ -65,3 +65,15 @@ def test_bench_attention_smoke(tmp_path):
     assert {e["kernel"] for e in data["sweep"]} == {"fwd", "dq", "dkdv"}
     assert all("error" not in e for e in data["sweep"]), data["sweep"]
     assert (tmp_path / "attention_results.md").exists() and (tmp_path / "attention_tflops.png").exists()
+
+
+def test_bench_hybrid_model(tmp_path):
+    """The Ulysses x Ring model: every layout of 8 and 16 GPUs, invalid ones named."""
+    _run("bench_hybrid_model.py", tmp_path)
+    data = json.loads((tmp_path / "hybrid_model.json").read_text())
+    rows = data["rows"]
+    assert {(r["ulysses"], r["ring"]) for r in rows if r["gpus"] == 16} == {(16, 1), (8, 2), (4, 4), (2, 8), (1, 16)}
+    invalid = [r for r in rows if not r["valid"]]
+    assert invalid and all(r["model"] == "qwen2.5-7b" and "28" in r["why_not"] for r in invalid)
+    assert all(r["layer_ms"] >= r["compute_ms"] > 0 for r in rows if r["valid"])
+    assert "Sources of the defaults" in (tmp_path / "hybrid_model.md").read_text()
