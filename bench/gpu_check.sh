@@ -13,7 +13,7 @@
 #                         build log's first error is reported and the package is reinstalled
 #                         pure Python (fallback, 40 s), so the Triton steps still run
 #   preflight        25   CUDA visible, kernels import, extension status, doctor
-#   fused_tests      90   fused path GPU tests (bf16/fp16) + extension schemas      [extension]
+#   fused_tests      90   fused path GPU tests (bf16/fp16, the hybrid too) + schemas [extension]
 #   bench_a2a        35   pack/unpack and exchange benchmark                        [extension]
 #   bench_layer      40   layer benchmark and the P = 8 model                       [extension]
 #   triton_tests     80   Triton kernel GPU tests (bf16/fp16)
@@ -58,8 +58,8 @@ declare -A LIMIT=([env]=15 [install]=100 [fallback]=40 [preflight]=25 [fused_tes
                   [bench_layer]=40 [triton_tests]=80 [bench_attention]=55 [fp32_tests]=90 [microbench]=60)
 BUDGET_LIMIT=480
 PYTEST=("$PYTHON" -m pytest -v -p no:cacheprovider -rs --durations=10)
-FUSED_TESTS=(tests/test_fused_ops.py tests/test_fused_pipeline.py tests/test_fused_layer.py)
-TRITON_TESTS=(tests/test_triton_attention.py tests/test_triton_ops.py)
+FUSED_TESTS=(tests/test_fused_ops.py tests/test_fused_pipeline.py tests/test_fused_layer.py tests/test_ring.py)
+TRITON_TESTS=(tests/test_triton_attention.py tests/test_triton_ops.py tests/test_triton_merge.py)
 
 STEPS="${GPU_CHECK_STEPS:-$DEFAULT_STEPS}"
 print_budget

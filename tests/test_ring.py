@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SLOW_SPAWN_TIMEOUT, SPAWN_TIMEOUT, make_qkv, needs_interpreter, reference_with_grads, rel_err
+from helpers import (
+    SLOW_SPAWN_TIMEOUT,
+    SPAWN_TIMEOUT,
+    make_qkv,
+    needs_interpreter,
+    param_id,
+    reference_with_grads,
+    rel_err,
+)
 
 import ulysses_kernels as uk
 from ulysses_kernels.launch import RankError, spawn
@@ -43,36 +51,38 @@ def grid_cases(rank, world, grids, backend):
     return [ring_cases(rank, world, ring_size, cases, backend) for ring_size, cases in grids]
 
 
-def ring_cases(rank, world, ring_size, cases, backend):
-    g = uk.init_sequence_parallel(world, ring_size=ring_size)
+def ring_cases(rank, world, ring_size, cases, backend, device_type="cpu", groups=None):
+    g = groups or uk.init_sequence_parallel(world, ring_size=ring_size)
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
     assert g.ulysses_size * g.ring_size == world and g.ring_size == ring_size
     results = []
     for c in cases:
-        q, k, v, do = make_qkv(c["B"], c["S"], c["Hq"], c["Hkv"], c["D"], dtype=c["dtype"], seed=c["seed"])
-        cu = torch.tensor(c["cu"], dtype=torch.int32) if c.get("cu") else None
+        q, k, v, do = make_qkv(c["B"], c["S"], c["Hq"], c["Hkv"], c["D"], dtype=c["dtype"], seed=c["seed"],
+                               device=device)
+        cu = torch.tensor(c["cu"], dtype=torch.int32, device=device) if c.get("cu") else None
         shard = lambda t: uk.shard_sequence(t, g.ulysses_group, ring_group=g.ring_group)  # noqa: E731
         local = [shard(t).detach().requires_grad_(True) for t in (q, k, v)]
         out = uk.ulysses_attention(*local, group=g.ulysses_group, ring_group=g.ring_group, causal=c["causal"],
                                    cu_seqlens=cu, backend=backend)
         out.backward(shard(do))
-        gather = lambda t: uk.gather_sequence(t.detach(), g.ulysses_group, ring_group=g.ring_group)  # noqa: E731
+        gather = lambda t: uk.gather_sequence(t.detach().cpu(), g.ulysses_group, ring_group=g.ring_group)  # noqa: E731
         results.append([gather(out)] + [gather(t.grad) for t in local])
     return results
 
 
-def _check(cases, per_rank):
+def _check(cases, per_rank, tol=None):
     failures = []
     for i, c in enumerate(cases):
         q, k, v, do = make_qkv(c["B"], c["S"], c["Hq"], c["Hkv"], c["D"], dtype=c["dtype"], seed=c["seed"])
         cu = torch.tensor(c["cu"], dtype=torch.int32) if c.get("cu") else None
         ref = reference_with_grads(q, k, v, do, c["causal"], cu)
-        tol = 1e-9 if c["dtype"] == torch.float64 else 1e-5
+        limit = tol or (1e-9 if c["dtype"] == torch.float64 else 1e-5)
         for rank_results in per_rank:  # gathered: every rank holds the whole result
             for name, got, want in zip(("out", "dq", "dk", "dv"), rank_results[i], ref):
                 assert got.dtype == c["dtype"]
                 err = rel_err(got, want)
-                if not err < tol:
-                    failures.append(f"case {c} {name}: rel err {err:.3e} >= {tol}")
+                if not err < limit:
+                    failures.append(f"case {c} {name}: rel err {err:.3e} >= {limit}")
     assert not failures, "\n".join(sorted(set(failures)))
 
 
@@ -91,6 +101,46 @@ def test_hybrid_triton_path_matches_single_process():
     cases = [c for c in _cases(2) if c["dtype"] == torch.float32][::2]  # MQA causal; documents causal
     per_rank = spawn(ring_cases, 4, args=(2, cases, "triton"), timeout=SLOW_SPAWN_TIMEOUT)
     _check(cases, per_rank)
+
+
+def fused_ring_cases(rank, world, ring_size, cases, device_type):
+    """The fused path of the hybrid: on CPU with the stand-ins (pure-torch pack/unpack ops
+    and the host transport for both the Ulysses and the ring group's engines, the Triton
+    kernels in the interpreter); on a GPU with the real pack kernels and streams, ranks
+    sharing the GPU through the host transport (NCCL refuses two ranks on one device)."""
+    from ulysses_kernels import fused, testing
+
+    g = uk.init_sequence_parallel(world, ring_size=ring_size)
+    restore = (testing.enable_fused_stand_ins(g.ulysses_group) if device_type == "cpu"
+               else (lambda previous: lambda: fused.use_transport(g.ulysses_group, previous))(
+                   fused.use_transport(g.ulysses_group, testing.HostTransport)))
+    previous_ring = fused.use_transport(g.ring_group, testing.HostTransport)
+    try:
+        return ring_cases(rank, world, ring_size, cases, "fused", device_type, groups=g)
+    finally:
+        fused.use_transport(g.ring_group, previous_ring)
+        restore()
+        fused.close()
+
+
+def test_hybrid_fused_path_with_stand_ins_matches_single_process():
+    """backend="fused" with a ring: the Ulysses exchanges through the engine's pack/unpack
+    ops and transport, the ring's transfers through the ring group's engine (a shift is an
+    all-to-all with two non-zero counts), batch 2 (the block reordering) and documents."""
+    needs_interpreter()
+    cases = [c for c in _cases(2) if c["dtype"] == torch.float32][1:3]  # batch 2 GQA; documents, causal
+    per_rank = spawn(fused_ring_cases, 4, args=(2, cases, "cpu"), timeout=SLOW_SPAWN_TIMEOUT)
+    _check(cases, per_rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_hybrid_fused_path_gpu(dtype):
+    """Every CUDA part of the fused hybrid (pack kernels, both engines' comm streams, the
+    Triton blocks and merge kernel) on one GPU, 2 ranks as 1 Ulysses x 2 ring."""
+    cases = [dict(c, dtype=dtype) for c in _cases(1) if c["dtype"] == torch.float32][:3]
+    per_rank = spawn(fused_ring_cases, 2, args=(2, cases, "cuda"), timeout=SLOW_SPAWN_TIMEOUT, backend="gloo")
+    _check(cases, per_rank, tol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 # ---------------------------------------------------------------- layout helpers
@@ -153,7 +203,7 @@ ERROR_CASES = [
     (dict(Hq=3), "query heads (3) must be a multiple"),
     (dict(cu=[0, 5, 23]), "global sequence length 24"),
     (dict(world_as_ulysses=True), "not orthogonal"),
-    (dict(backend="fused"), "does not run the Ulysses x Ring hybrid yet"),
+    (dict(backend="fused"), "backend='fused' needs CUDA tensors"),  # on CPU, without the stand-ins
 ]
 
 

@@ -22,7 +22,7 @@ from .extensions import triton_kernels
 from .groups import collective_device, resolve_group
 from .layout import head_plan_error, split_heads_error, split_lengths
 from .reference.exchange import HeadsToSeq, SeqToHeads
-from .reference.ring import RingSpec
+from .reference.ring import RingSpec, TorchBlockOps
 from .reference.sequence import GatherSequence, RingShard, ShardSequence, zigzag_restore
 from .validate import (
     build_descriptor,
@@ -36,20 +36,16 @@ from .validate import (
 from .validate_ring import exchange_and_check_ring, trusted_ring_lengths
 from .zigzag import portion_lengths
 
-RING_NOT_FUSED = ("does not run the Ulysses x Ring hybrid yet (its ring exchange is not on the engine); "
-                  "the Triton path runs it on CUDA")
-
 # The `ulysses_attention` of each path: same arguments, validated inputs.
 _PATHS = {"reference": reference.ulysses_attention, "triton": triton_path.ulysses_attention,
           "fused": fused.ulysses_attention}
 
 
-def resolve_path(backend: Optional[str], device: torch.device, *, distributed: bool, tensors=(),
-                 ring: bool = False) -> str:
+def resolve_path(backend: Optional[str], device: torch.device, *, distributed: bool, tensors=()) -> str:
     """The path that runs q/k/v `tensors` on `device` (see dispatch.py): each faster path
-    says why it cannot run them, dispatch picks or raises. `ring`: a Ulysses x Ring call."""
+    says why it cannot run them, dispatch picks or raises."""
     problems = {"triton": lambda: triton_path.problem(device, tensors),
-                "fused": lambda: (RING_NOT_FUSED if ring else fused.problem(device, tensors))}
+                "fused": lambda: fused.problem(device, tensors)}
     return dispatch.resolve_backend(backend, device, distributed=distributed, problems=problems)
 
 
@@ -182,7 +178,7 @@ def _prepare_ring(q, k, v, group, world, rank, ring, causal, softmax_scale, seq_
     try:
         cu_seqlens = _as_cu_seqlens(cu_seqlens, getattr(q, "device", None))
         if isinstance(q, torch.Tensor):
-            path = resolve_path(backend, q.device, distributed=True, tensors=(q, k, v), ring=True)
+            path = resolve_path(backend, q.device, distributed=True, tensors=(q, k, v))
     except (ValueError, RuntimeError, TypeError) as exc:
         local_errors.append(str(exc))
     if seq_lens is None:
@@ -202,7 +198,11 @@ def _prepare_ring(q, k, v, group, world, rank, ring, causal, softmax_scale, seq_
             raise ValueError(f"ulysses_attention: cu_seqlens must rise from 0 to the global length {total}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    spec = RingSpec(ring_group, ring_world, ring_rank, total, bool(causal), float(softmax_scale), documents)
+    # The ring's blocks run on the path's attention: torch math, or the Triton kernels
+    # (the fused path too; it brings its own transfers, fused/ring.py).
+    block_ops = TorchBlockOps if path == "reference" else triton_path.TritonBlockOps
+    spec = RingSpec(ring_group, ring_world, ring_rank, total, bool(causal), float(softmax_scale), documents,
+                    block_ops)
     lens = all_lens[ring_rank * world:(ring_rank + 1) * world]
     return AttentionCall(path, group, world, rank, list(lens), bool(causal), float(softmax_scale), cu_seqlens,
                          spec)

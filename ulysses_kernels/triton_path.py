@@ -141,6 +141,6 @@ def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, 
         # Ulysses x Ring: the exchange to head shards, then ring attention over the ring
         # group with the Triton block kernels (docs/architecture.md, "Ulysses x Ring").
         qh, kh, vh = SeqToHeads.apply(group, rank, list(seq_lens), q, k, v)
-        out = ring_attention(qh, kh, vh, ring, TritonBlockOps)
+        out = ring_attention(qh, kh, vh, ring)  # api set ring.block_ops = TritonBlockOps
         return HeadsToSeq.apply(group, rank, list(seq_lens), out)
     return TritonUlyssesAttention.apply(q, k, v, group, rank, list(seq_lens), causal, softmax_scale, cu_seqlens)

@@ -14,6 +14,7 @@ from ..layout import HeadPlan, split_lengths
 from . import ops, pipeline
 from .engine import Engine, get_engine
 from .plan import Chunk, plan_chunks, resolve_num_chunks
+from .ring import ulysses_ring_attention
 from .streams import device_ctx
 
 
@@ -105,13 +106,14 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """Fused Ulysses attention (differentiable). Called by `ulysses_kernels.ulysses_attention`
     after it validated the inputs: `seq_lens` is every rank's local length, `group` None
     means the default group (or a single process when torch.distributed is not initialised).
-    `ring` must be None: dispatch sends Ulysses x Ring calls to the other paths.
+    `ring`: the `RingSpec` of a Ulysses x Ring call (fused/ring.py).
     """
-    if ring is not None:
-        raise RuntimeError("the fused path does not run the Ulysses x Ring hybrid yet; use backend='triton'")
     why = problem(q.device, (q, k, v))
     if why:
         raise RuntimeError(f"the fused path {why}; use backend='triton' or 'reference'")
+    if ring is not None:
+        return ulysses_ring_attention(q, k, v, group=group, world=len(seq_lens), rank=rank, seq_lens=seq_lens,
+                                      ring=ring)
     setup = prepare(q.shape, k.shape[2], q.dtype, q.device, group=group, rank=rank, seq_lens=seq_lens,
                     cu_seqlens=cu_seqlens, num_chunks=num_chunks)
     return _FusedUlyssesAttention.apply(q, k, v, setup.engine, setup.lens, rank, bool(causal), float(softmax_scale),

@@ -10,13 +10,14 @@ ring again, and with them an fp32 accumulator of their dK/dV, which comes home a
 full turn (the scheme of ring-flash-attn); dQ accumulates locally. Summation orders are
 fixed, so results are deterministic.
 
-The block computations are pluggable (`BlockOps`): `TorchBlockOps` here (plain torch, the
-semantics, any dtype, used by the reference path), the Triton kernels in
-`triton_path.py`.
+The block computations are pluggable (`RingSpec.block_ops`): `TorchBlockOps` here (plain
+torch, the semantics, any dtype, used by the reference path), the Triton kernels of
+`triton_path.py` (Triton and fused paths). So are the transfers (`RingSpec.shift`):
+torch.distributed P2P here, the ring engine's transport on the fused path.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,11 @@ class RingSpec:
     causal: bool
     softmax_scale: float
     documents: Optional[Tuple[int, ...]] = None  # global cu_seqlens, on the host
+    # How blocks are computed (the caller's path chooses; None: TorchBlockOps) and how a
+    # buffer moves to the next ring rank: shift(send, recv) -> object with wait() (None:
+    # torch.distributed P2P, `RingShift`; the fused path passes its engine's transport).
+    block_ops: object = None
+    shift: Optional[Callable] = None
 
     def portion(self, ring_rank: int) -> int:
         return portion_lengths(self.total, self.world)[ring_rank]
@@ -152,6 +158,14 @@ class RingShift:
         self.works = []
 
 
+def _shift(spec: RingSpec, send, recv, tag):
+    return spec.shift(send, recv) if spec.shift is not None else RingShift(spec, send, recv, tag)
+
+
+def _ops(spec: RingSpec):
+    return spec.block_ops if spec.block_ops is not None else TorchBlockOps
+
+
 def _kv_numel(k, length):
     B, _, H, D = k.shape
     return 2 * B * length * H * D
@@ -169,9 +183,10 @@ def _rows(t, start, stop):
 
 # --------------------------------------------------------------------- forward, backward
 
-def ring_forward(q, k, v, spec: RingSpec, ops):
+def ring_forward(q, k, v, spec: RingSpec):
     """(out `[B, L, H, D]` in q's dtype, lse `[B, H, L]` fp32/fp64) of this rank's queries."""
     B, L, H, D = q.shape
+    ops = _ops(spec)
     acc = accumulate_dtype(q.dtype)
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
@@ -181,7 +196,7 @@ def ring_forward(q, k, v, spec: RingSpec, ops):
         shift = None
         if step + 1 < spec.world:  # the next block travels while this one is computed
             incoming = kv.new_empty(_kv_numel(k, spec.portion((src - 1) % spec.world)))
-            shift = RingShift(spec, kv, incoming, tag=1)
+            shift = _shift(spec, kv, incoming, tag=1)
         kb, vb = _split_kv(kv, k, spec.portion(src))
         for b in spec.blocks(src):
             o, l_ = ops.forward(_rows(q, b.q_start, b.q_stop), _rows(kb, b.k_start, b.k_stop),
@@ -193,8 +208,9 @@ def ring_forward(q, k, v, spec: RingSpec, ops):
     return out.to(q.dtype), lse
 
 
-def ring_backward(do, q, k, v, out, lse, spec: RingSpec, ops):
+def ring_backward(do, q, k, v, out, lse, spec: RingSpec):
     """(dq, dk, dv) of this rank's q/k/v: dQ locally, dK/dV travelling with their K/V."""
+    ops = _ops(spec)
     acc = accumulate_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.cat([k.reshape(-1), v.reshape(-1)])
@@ -205,7 +221,7 @@ def ring_backward(do, q, k, v, out, lse, spec: RingSpec, ops):
         shift = None
         if step + 1 < spec.world:
             incoming = kv.new_empty(_kv_numel(k, spec.portion((src - 1) % spec.world)))
-            shift = RingShift(spec, kv, incoming, tag=2)
+            shift = _shift(spec, kv, incoming, tag=2)
         kb, vb = _split_kv(kv, k, length)
         dkv = torch.zeros(_kv_numel(k, length), dtype=acc, device=q.device)
         dkb, dvb = _split_kv(dkv, k, length)
@@ -221,7 +237,7 @@ def ring_backward(do, q, k, v, out, lse, spec: RingSpec, ops):
             travelling[0].wait()
             dkv += travelling[1]
         home = dkv.new_empty(_kv_numel(k, spec.portion((src - 1) % spec.world)))
-        travelling = (RingShift(spec, dkv, home, tag=3), home)
+        travelling = (_shift(spec, dkv, home, tag=3), home)
         if shift is not None:
             shift.wait()
             kv = incoming
@@ -234,18 +250,20 @@ class RingAttention(torch.autograd.Function):
     """Differentiable ring attention of head-sharded portions `[B, L, H, D]`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: RingSpec, ops):
-        out, lse = ring_forward(q, k, v, spec, ops)
+    def forward(ctx, q, k, v, spec: RingSpec):
+        out, lse = ring_forward(q, k, v, spec)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.ops = spec, ops
+        ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.spec, ctx.ops)
-        return dq, dk, dv, None, None
+        dq, dk, dv = ring_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.spec)
+        return dq, dk, dv, None
 
 
-def ring_attention(q, k, v, spec: RingSpec, ops=TorchBlockOps) -> torch.Tensor:
-    return RingAttention.apply(q, k, v, spec, ops)
+def ring_attention(q, k, v, spec: RingSpec) -> torch.Tensor:
+    """Ring attention of head-sharded portions q `[B, L, Hq, D]`, k/v `[B, L, Hkv, D]`
+    (differentiable), with the spec's block ops and transfers."""
+    return RingAttention.apply(q, k, v, spec)

@@ -5,7 +5,7 @@ step is differentiable."""
 
 from .attention import reference_attention
 from .exchange import HeadsToSeq, SeqToHeads
-from .ring import TorchBlockOps, ring_attention
+from .ring import ring_attention
 
 
 def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, ring=None):
@@ -14,7 +14,7 @@ def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, 
     `RingSpec` of a Ulysses x Ring call (None: pure Ulysses)."""
     qh, kh, vh = SeqToHeads.apply(group, rank, seq_lens, q, k, v)
     if ring is not None:
-        out = ring_attention(qh, kh, vh, ring, TorchBlockOps)
+        out = ring_attention(qh, kh, vh, ring)
     else:
         out, _ = reference_attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
     return HeadsToSeq.apply(group, rank, seq_lens, out)
