@@ -81,7 +81,7 @@ class UlyssesSelfAttention(nn.Module):
         call = prepare_attention(q, k, v, self.group, self.causal, self.softmax_scale, seq_lens, cu_seqlens,
                                  self.backend, local_errors=errors, ring_group=self.ring_group)
         B, S, _ = x.shape
-        if call.path == "fused" and self._overlap_ok(x):
+        if call.path == "fused" and call.ring is None and self._overlap_ok(x):  # the layer has no ring
             return fused.self_attention(
                 x, self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight, self.o_proj.bias,
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
