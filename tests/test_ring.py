@@ -38,6 +38,7 @@ def _cases(ulysses: int):
         dict(B=2, S=38, Hq=hq, Hkv=max(1, hq // 2), causal=False),              # batch 2, GQA
         dict(B=1, S=61, Hq=hq, Hkv=gqa_kv, causal=True, cu=[0, 7, 7, 40, 61]),  # empty doc, doc across ranks
         dict(B=1, S=45, Hq=hq, Hkv=gqa_kv, causal=False, cu=[0, 12, 20, 45]),
+        dict(B=1, S=3, Hq=hq, Hkv=1, causal=True),  # fewer tokens than chunks: empty shards and portions
     ]
     cases = []
     for i, c in enumerate(base):
@@ -98,7 +99,7 @@ def test_hybrid_matches_single_process(world, rings):
 def test_hybrid_triton_path_matches_single_process():
     """backend="triton" (Triton interpreter on CPU): flash blocks plus the fp32 merge kernel."""
     needs_interpreter()
-    cases = [c for c in _cases(2) if c["dtype"] == torch.float32][::2]  # MQA causal; documents causal
+    cases = [c for c in _cases(2) if c["dtype"] == torch.float32][:3:2]  # MQA causal; documents causal
     per_rank = spawn(ring_cases, 4, args=(2, cases, "triton"), timeout=SLOW_SPAWN_TIMEOUT)
     _check(cases, per_rank)
 
@@ -221,6 +222,7 @@ ERROR_CASES = [
     (dict(Hq=3), "query heads (3) must be a multiple"),
     (dict(cu=[0, 5, 23]), "global sequence length 24"),
     (dict(world_as_ulysses=True), "not orthogonal"),
+    (dict(shard_with_default_group=True), "pass this rank's Ulysses group"),
     (dict(backend="fused"), "backend='fused' needs CUDA tensors"),  # on CPU, without the stand-ins
 ]
 
@@ -232,6 +234,13 @@ def ring_errors(rank, world, cases):
     for case in cases:
         S, Hq = case.get("S", 24), case.get("Hq", 4)
         q, k, v, _ = make_qkv(1, S, Hq, 2, 16, dtype=torch.float64, seed=rank)
+        if case.get("shard_with_default_group"):
+            try:
+                uk.shard_sequence(q, None, ring_group=g.ring_group)
+                messages.append(None)
+            except ValueError as exc:
+                messages.append(str(exc))
+            continue
         if case.get("tensor_split"):  # the pure-Ulysses layout, not the zigzag
             local = [torch.tensor_split(t, world, dim=1)[rank] for t in (q, k, v)]
         else:

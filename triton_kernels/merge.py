@@ -7,9 +7,10 @@ Two attentions of the same queries over disjoint key sets, ``(acc, lse_acc)`` an
     acc_new = acc * exp(lse_acc - lse_new) + out * exp(lse - lse_new)
 
 One program merges a ``[BLOCK_M, D]`` tile of one (batch, head) in registers: the block
-output is read once in its dtype (bf16/fp16/fp32), the accumulator is fp32 and updated in
-place, so no 16-bit rounding happens between ring steps. Rows with ``-inf`` on both sides
-(no key seen yet) stay ``0`` / ``-inf``.
+output is read once in its dtype (bf16/fp16/fp32: the attention kernel rounds each
+block's output once, as in ring-flash-attn), the accumulator is fp32 and updated in
+place, so the running result is never rounded to 16 bits between ring steps. Rows with
+``-inf`` on both sides (no key seen yet) stay ``0`` / ``-inf``.
 """
 
 import torch
@@ -29,8 +30,8 @@ def _merge_kernel(
     n_rows, HQ,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid_bh = tl.program_id(0).to(tl.int64)  # batch x heads on axis 0 (no 65535 limit)
+    pid_m = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -72,6 +73,6 @@ def merge_attention(acc: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
         return
     block_d = max(16, triton.next_power_of_2(D))
     block_m = 32 if interpreting() else 64
-    grid = (triton.cdiv(n, block_m), B * H)
+    grid = (B * H, triton.cdiv(n, block_m))
     _merge_kernel[grid](acc, acc_lse, out, lse, *acc.stride(), *acc_lse.stride(), *out.stride(), *lse.stride(),
                         n, H, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=block_m, num_warps=4)

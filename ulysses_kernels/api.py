@@ -196,6 +196,8 @@ def _prepare_ring(q, k, v, group, world, rank, ring, causal, softmax_scale, seq_
         documents = tuple(int(x) for x in cu_seqlens.reshape(-1).tolist())
         if documents[0] != 0 or documents[-1] != total or list(documents) != sorted(documents):
             raise ValueError(f"ulysses_attention: cu_seqlens must rise from 0 to the global length {total}")
+        if q.shape[0] != 1:  # checked exchange: already refused on every rank; trusted path: here
+            raise ValueError(f"ulysses_attention: cu_seqlens (packed documents) needs batch size 1, got {q.shape[0]}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     # The ring's blocks run on the path's attention: torch math, or the Triton kernels
@@ -302,7 +304,7 @@ def shard_sequence(x: torch.Tensor, group=None, dim: int = 1, *, ring_group=None
     """
     group, world, rank = resolve_group(group)
     dim = dim % x.dim()
-    ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
+    ring_group, ring_world, ring_rank = _resolve_ring("shard_sequence", group, ring_group)
     if ring_world > 1:
         x = RingShard.apply(ring_group, ring_world, ring_rank, dim, x)
     return ShardSequence.apply(group, world, rank, dim, x)
@@ -318,7 +320,7 @@ def gather_sequence(x: torch.Tensor, group=None, dim: int = 1,
     """
     group, world, rank = resolve_group(group)
     dim = dim % x.dim()
-    ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
+    ring_group, ring_world, ring_rank = _resolve_ring("gather_sequence", group, ring_group)
     if ring_world > 1:
         return _gather_ring(x, group, world, rank, (ring_group, ring_world, ring_rank), dim, seq_lens)
     if seq_lens is None:
@@ -334,6 +336,18 @@ def gather_sequence(x: torch.Tensor, group=None, dim: int = 1,
         raise ValueError(f"gather_sequence: seq_lens {seq_lens} do not match the group size {world} "
                          f"or this rank's length {x.shape[dim]}")
     return GatherSequence.apply(group, world, rank, dim, seq_lens, x)
+
+
+def _resolve_ring(kind: str, group, ring_group):
+    """(ring group, size, rank); with a ring, `group` must be the Ulysses group (the
+    default group contains the ring's ranks: it cannot be, and the layout would be wrong)."""
+    if ring_group is None:
+        return None, 1, 0
+    ring = resolve_group(ring_group)
+    if ring[1] > 1 and (group is None or group is dist.group.WORLD):
+        raise ValueError(f"{kind}: with a ring_group, pass this rank's Ulysses group as `group` (e.g. "
+                         "init_sequence_parallel(...).ulysses_group), not the default group")
+    return ring
 
 
 def _all_lengths(n: int, group) -> List[int]:

@@ -115,11 +115,19 @@ class TritonBlockOps:
     forward/backward of one block (diagonal blocks causal and/or with their documents),
     and the fp32 merge kernel."""
 
+    _documents = {}  # (local boundaries, device) -> int32 tensor: one host->device copy per block shape
+
     @staticmethod
     def _options(block, device):
         docs = None
         if block.documents is not None:
-            docs = torch.tensor(block.documents, dtype=torch.int32, device=device)
+            key = (block.documents, str(device))
+            docs = TritonBlockOps._documents.get(key)
+            if docs is None:
+                if len(TritonBlockOps._documents) > 1024:
+                    TritonBlockOps._documents.clear()
+                docs = torch.tensor(block.documents, dtype=torch.int32, device=device)
+                TritonBlockOps._documents[key] = docs
         return dict(causal=block.diagonal and block.causal, cu_seqlens=docs)
 
     @staticmethod

@@ -140,7 +140,9 @@ def _block_mask(block: Block, rows: int, keys: int, device):
 class RingShift:
     """Send one flat buffer to the next ring rank and receive the previous rank's, in the
     background (torch.distributed P2P: NCCL runs it on its own stream, so it overlaps
-    with the block computations; gloo uses its own threads)."""
+    with the block computations; gloo uses its own threads). The send and the receive are
+    one batch (`batch_isend_irecv`): NCCL groups them, so no rank's send waits for a
+    receive that its peer has not posted yet (a ring of sends first can deadlock)."""
 
     def __init__(self, spec: RingSpec, send: torch.Tensor, recv: torch.Tensor, tag: int):
         self.works = []
@@ -149,8 +151,8 @@ class RingShift:
             return
         nxt = dist.get_global_rank(spec.group, (spec.rank + 1) % spec.world)
         prv = dist.get_global_rank(spec.group, (spec.rank - 1) % spec.world)
-        self.works = [dist.isend(send, nxt, group=spec.group, tag=tag),
-                      dist.irecv(recv, prv, group=spec.group, tag=tag)]
+        self.works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, nxt, spec.group, tag),
+                                             dist.P2POp(dist.irecv, recv, prv, spec.group, tag)])
 
     def wait(self):
         for w in self.works:
