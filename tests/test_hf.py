@@ -242,11 +242,47 @@ def wide_heads_train(rank, world, steps):
     return dict(pure_error=pure_error, losses=losses, grads=first, members=members)
 
 
+def offload_steps(model, ids, pos, group=None, steps=2):
+    """Loss and gradients of `steps` training steps (no optimizer: the same weights)."""
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        if group is None:
+            loss = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
+        else:
+            loss = ukhf.causal_lm_loss(model, ukhf.shard_batch(ids, group, position_ids=pos), group)
+        loss.backward()
+        if group is not None:
+            ukhf.allreduce_gradients(model, group)
+        out.append((loss.detach().clone(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}))
+    return out
+
+
+def offload_parity(rank, world):
+    """SP = world, activation checkpointing, with and without checkpoint offload (the host
+    and device roles simulated on CPU: device_type="cpu"): bitwise the same losses and
+    gradients; the saved inputs went to the pool, reused on the second step."""
+    group = dist.group.WORLD if world > 1 else None
+    ukhf.register(group)
+    ids, pos = make_batch(5, 41, [19, 22])
+    results, offload = [], None
+    for use in (False, True):
+        model = make_model("llama", "ulysses", num_hidden_layers=3)
+        enable_checkpointing(model)
+        if use:
+            offload = ukhf.CheckpointOffload(device_type="cpu", min_bytes=0)
+            ukhf.patch_model(model, tiled_mlp=False, tiled_loss=False, offload_checkpoints=offload)
+        results.append(offload_steps(model, ids, pos, group))
+    same = all(torch.equal(la, lb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+               for (la, ga), (lb, gb) in zip(*results))
+    return dict(same=same, packed=offload.packed, allocations=offload.pool.allocations)
+
+
 def run_jobs(rank, world, jobs):
     """Runs on every rank: several workers in one process group (spawning costs seconds),
     {name: result}."""
     funcs = {"sp": sp_cases, "errors": error_cases, "dp_sp": dp_sp_train, "example": example_run,
-             "sp_ring": sp_cases, "wide": wide_heads_train}
+             "sp_ring": sp_cases, "wide": wide_heads_train, "offload": offload_parity}
     return {name: funcs[name](rank, world, *args) for name, args in jobs}
 
 
@@ -292,7 +328,7 @@ DP_STEPS = 3
 
 # One spawn per world size (process start-up dominates on CPU); the tests share it.
 _JOBS = {
-    2: [("sp", (SP_CASES,)), ("errors", ()),
+    2: [("sp", (SP_CASES,)), ("errors", ()), ("offload", ()),
         ("example", (["--sp", "2", "--seq-len", "97", "--steps", "3", "--tiled", "--checkpointing",
                       "--parallel", "fsdp"],))],
     4: [("sp", (SP_CASES,)), ("dp_sp", (2, DP_MODES, DP_STEPS, DP_SEQS)), ("sp_ring", (SP_CASES, 2))],
@@ -361,6 +397,55 @@ def test_wide_heads_train_with_a_ring_where_pure_ulysses_raises():
         failures += [f"rank {rank} {m}" for m in _grad_errors(r["grads"], ref_grads)]
         assert r["losses"][-1] < r["losses"][0], r["losses"]
     assert not failures, "\n".join(failures)
+
+
+def test_checkpoint_offload_is_exact_at_sp2():
+    for r in [r["offload"] for r in _run(2)]:
+        assert r["same"], "losses or gradients differ with checkpoint offload"
+        # 3 layers: the inputs of the first 2 are offloaded (the last stays), on each of 2 steps;
+        # the second step reuses the first step's host buffers
+        assert r["packed"] == 4 and r["allocations"] == 2, r
+
+
+def test_checkpoint_offload_saves_host_buffers_from_the_pool():
+    model = make_model("qwen2", "eager", num_hidden_layers=3)
+    enable_checkpointing(model)
+    offload = ukhf.CheckpointOffload(device_type="cpu", min_bytes=0)
+    ukhf.patch_model(model, tiled_mlp=False, tiled_loss=False, offload_checkpoints=offload)
+    ids, pos = make_batch(6, 23)
+    out = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
+    handles, h = [], offload._last
+    while h is not None:  # what the autograd graph holds now: host buffers of the pool
+        handles.append(h)
+        h = h.previous
+    assert len(handles) == 2 and all(offload.pool.owns(h.host) and h.host.device.type == "cpu" for h in handles)
+    assert [h.shape for h in handles] == [(1, 23, 64)] * 2
+    out.loss.backward()
+    assert all(h.host is None for h in handles)  # read back once, buffers returned to the pool
+    with pytest.raises(ValueError, match="needs activation checkpointing"):
+        ukhf.patch_model(make_model("llama", "eager"), tiled_mlp=False, tiled_loss=False, offload_checkpoints=True)
+    ukhf.unpatch_model(model)
+    model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
+    assert offload.packed == 2  # unpatched: nothing more offloaded
+
+
+@pytest.mark.gpu
+def test_checkpoint_offload_gpu_pinned_and_exact():
+    """On a GPU: the saved inputs go to pinned host buffers on a side stream and come back
+    bitwise; the second step allocates no host memory."""
+    ids, pos = make_batch(7, 257)
+    ids, pos = ids.cuda(), pos.cuda()
+    results, offload = [], None
+    for use in (False, True):
+        model = make_model("llama", "eager", num_hidden_layers=3).cuda()
+        enable_checkpointing(model)
+        if use:
+            offload = ukhf.CheckpointOffload(min_bytes=0)
+            ukhf.patch_model(model, tiled_mlp=False, tiled_loss=False, offload_checkpoints=offload)
+        results.append(offload_steps(model, ids, pos))
+    for (la, ga), (lb, gb) in zip(*results):
+        assert torch.equal(la, lb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+    assert offload.packed == 4 and offload.pool.allocations == 2 and offload.pool.pin
 
 
 def test_unsupported_masks_raise_on_every_rank():

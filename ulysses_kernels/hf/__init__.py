@@ -54,11 +54,13 @@ Design notes
   on the whole DP x SP world to reduce with SUM and divide by dp_size only.
 * **Memory.** `patch_model` makes the MLPs and the LM head + cross-entropy loop over
   sequence tiles (recomputing each tile in backward), so neither the MLP intermediate
-  `[S, intermediate]` nor the logits `[S, vocab]` of the whole local sequence ever exist.
+  `[S, intermediate]` nor the logits `[S, vocab]` of the whole local sequence ever exist;
+  `patch_model(..., offload_checkpoints=True)` keeps the checkpointed layers' saved inputs
+  in pinned host memory until the backward (`offload.py`).
 
 Files: `attention.py` (registration, masks, the attention function), `batch.py`
 (`shard_batch`), `loss.py`, `parallel.py` (gradient reduction, DDP, FSDP2), `tiling.py`
-(tiled MLP and loss), `patch.py` (`patch_model`).
+(tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
 """
 
 from .attention import (
@@ -71,6 +73,7 @@ from .attention import (
 )
 from .batch import IGNORE_INDEX, SequenceParallelBatch, cu_seqlens_from_position_ids, shard_batch
 from .loss import causal_lm_loss, global_mean_from_sum, sequence_parallel_loss
+from .offload import CheckpointOffload, HostBufferPool
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .patch import patch_model, unpatch_model
 from .tiling import tiled_cross_entropy_sum, tiled_mlp
@@ -80,5 +83,5 @@ __all__ = [
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
     "SequenceParallelBatch", "shard_batch", "sequence_parallel_loss", "global_mean_from_sum",
     "causal_lm_loss", "allreduce_gradients", "apply_ddp", "apply_fsdp",
-    "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model",
+    "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
 ]

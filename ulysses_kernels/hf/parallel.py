@@ -66,7 +66,7 @@ def apply_ddp(model: nn.Module, groups, **ddp_kwargs):
     return ddp
 
 
-def _decoder_layers(model: nn.Module) -> List[nn.Module]:
+def decoder_layers(model: nn.Module) -> List[nn.Module]:
     names = getattr(model, "_no_split_modules", None) or []
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
@@ -103,7 +103,7 @@ def apply_fsdp(model: nn.Module, groups, *, shard: str = "world", reshard_after_
     kw = dict(mesh=fmesh, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    units = list(layers) if layers is not None else _decoder_layers(model)
+    units = list(layers) if layers is not None else decoder_layers(model)
     for layer in units:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

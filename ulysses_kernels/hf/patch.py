@@ -1,11 +1,14 @@
-"""`patch_model`: tiled MLPs and a tiled LM head + loss on a loaded Hugging Face causal LM."""
+"""`patch_model`: tiled MLPs, a tiled LM head + loss and checkpoint offload on a loaded
+Hugging Face causal LM."""
 
 import types
-from typing import Optional
+from typing import Optional, Union
 
 from torch import nn
 
 from . import tiling
+from .offload import CheckpointOffload, enable_checkpoint_offload
+from .parallel import decoder_layers
 from .tiling import tiled_cross_entropy_sum
 
 
@@ -22,7 +25,8 @@ def is_loss_patched(model) -> bool:
 
 
 def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = True,
-                mlp_tile_tokens: Optional[int] = None, loss_tile_tokens: Optional[int] = None) -> nn.Module:
+                mlp_tile_tokens: Optional[int] = None, loss_tile_tokens: Optional[int] = None,
+                offload_checkpoints: Union[bool, CheckpointOffload] = False) -> nn.Module:
     """Patch a loaded HF causal LM (in place) for long sequences; returns it.
 
     tiled_mlp: every `*MLP` module runs over sequence tiles (default tile: hidden_size
@@ -36,6 +40,11 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
     Both are compatible with activation checkpointing (`model.gradient_checkpointing_enable()`)
     and exact (same numbers as the unpatched model up to float summation order). Apply before
     or after FSDP/DDP wrapping. `unpatch_model` reverts.
+
+    offload_checkpoints: keep the inputs that each checkpointed decoder layer (but the
+    last) saves in pinned host memory until the backward (`offload.CheckpointOffload`;
+    pass an instance to choose its options). Needs activation checkpointing enabled first;
+    exact (the same bytes come back); on CPU tensors a no-op.
     """
     cfg = getattr(model, "config", None)
     hidden = getattr(cfg, "hidden_size", 1024) or 1024
@@ -52,6 +61,19 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
                 n += 1
         if n == 0:
             raise ValueError("patch_model: found no *MLP module to tile")
+    if offload_checkpoints and not getattr(model, "_ulysses_offload_handles", None):
+        checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x
+        if checkpointing is None:
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        if not checkpointing:
+            raise ValueError("patch_model: offload_checkpoints needs activation checkpointing; call "
+                             "model.gradient_checkpointing_enable() first")
+        offload = offload_checkpoints if isinstance(offload_checkpoints, CheckpointOffload) else CheckpointOffload()
+        layers = decoder_layers(model)
+        if len(layers) < 2:
+            raise ValueError("patch_model: offload_checkpoints found fewer than 2 decoder layers")
+        model._ulysses_offload = offload
+        model._ulysses_offload_handles = enable_checkpoint_offload(layers, offload)
     if tiled_loss and not getattr(model, "_ulysses_tiled_loss", False):
         for attr in ("logit_scale", "logits_scaling"):
             if getattr(cfg, attr, None) not in (None, 1, 1.0):
@@ -74,6 +96,9 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     if getattr(model, "_ulysses_tiled_loss", False):
         del model.forward
         model._ulysses_tiled_loss = False
+    for handle in getattr(model, "_ulysses_offload_handles", None) or []:
+        handle.remove()
+    model._ulysses_offload_handles = None
     return model
 
 
