@@ -1,4 +1,4 @@
-"""Command line: `ulysses-kernels doctor` and `ulysses-kernels demo`."""
+"""Command line: `ulysses-kernels doctor`, `ulysses-kernels demo` and `ulysses-kernels plan`."""
 
 import argparse
 import os
@@ -178,8 +178,68 @@ def main(argv=None) -> int:
                    help="ring degree of the Ulysses x Ring hybrid (default 1: pure Ulysses); the Ulysses "
                         "degree is --ranks / --ring")
     d.add_argument("--timeout", type=float, default=3600.0, help="seconds before a hung run is killed")
+    _plan_arguments(sub.add_parser("plan", help="per-GPU memory of a training step and the longest sequence that "
+                                                "fits (a model, not a measurement)"))
     args = parser.parse_args(argv)
-    return {"doctor": doctor, "demo": demo}[args.command](args)
+    return {"doctor": doctor, "demo": demo, "plan": plan}[args.command](args)
+
+
+def _plan_arguments(p):
+    from .planner import PRESETS
+
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a config.json / checkpoint folder")
+    p.add_argument("--seq-len", type=int, required=True, help="global sequence length (tokens)")
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
+    p.add_argument("--sp", type=int, default=None, help="sequence-parallel size (default: all GPUs)")
+    p.add_argument("--ring", type=int, default=1, help="ring degree of Ulysses x Ring (default 1)")
+    p.add_argument("--offload", action="store_true", help="checkpoint offload + FSDP2 CPU offload of parameters, "
+                                                          "gradients and optimizer states")
+    p.add_argument("--checkpoint-offload", action="store_true")
+    p.add_argument("--fsdp-cpu-offload", action="store_true")
+    p.add_argument("--tiled", action="store_true", help="tiled MLP and tiled loss")
+    p.add_argument("--tiled-mlp", action="store_true")
+    p.add_argument("--tiled-loss", action="store_true")
+    p.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing (default: on)")
+    p.add_argument("--no-fsdp", action="store_true", help="replicated parameters and optimizer states")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
+    p.add_argument("--reserve-gib", type=float, default=2.0, help="CUDA context, NCCL buffers, fragmentation")
+    p.add_argument("--json", action="store_true")
+
+
+def plan(args) -> int:
+    import json
+    from dataclasses import asdict
+
+    from .planner import PRESETS, PlanOptions, format_plan, shape_from_config
+    from .planner import plan as make_plan
+
+    try:
+        shape = PRESETS[args.model.lower()] if args.model.lower() in PRESETS else shape_from_config(args.model)
+    except (OSError, KeyError, ValueError) as exc:
+        print(f"ulysses-kernels plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+              f"readable config.json: {exc}", file=sys.stderr)
+        return 2
+    options = PlanOptions(seq_len=args.seq_len, gpus_per_node=args.gpus, nodes=args.nodes,
+                          gpu_memory_gib=args.gpu_memory_gib, sp_size=args.sp, ring_size=args.ring,
+                          fsdp=not args.no_fsdp, fsdp_cpu_offload=args.offload or args.fsdp_cpu_offload,
+                          checkpointing=not args.no_checkpointing,
+                          checkpoint_offload=args.offload or args.checkpoint_offload,
+                          tiled_mlp=args.tiled or args.tiled_mlp, tiled_loss=args.tiled or args.tiled_loss,
+                          dtype_bytes=4 if args.dtype == "fp32" else 2, reserve_gib=args.reserve_gib)
+    try:
+        result = make_plan(shape, options)
+    except ValueError as exc:
+        print(f"ulysses-kernels {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": args.model, "fits": result.fits, "max_seq_len": result.max_seq_len,
+                          "per_gpu_gib": round(result.per_gpu_gib, 3), "terms_gib": result.terms_gib,
+                          "host_gib": result.host_gib, "params": shape.params, "options": asdict(options)}, indent=1))
+    else:
+        print(format_plan(args.model, options, result))
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from typing import Optional, Union
 
 from torch import nn
 
+from ..planner import loss_tile_tokens as default_loss_tile
+from ..planner import mlp_tile_tokens as default_mlp_tile
 from . import tiling
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .parallel import decoder_layers
@@ -49,8 +51,8 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
     cfg = getattr(model, "config", None)
     hidden = getattr(cfg, "hidden_size", 1024) or 1024
     vocab = getattr(cfg, "vocab_size", 32000) or 32000
-    mlp_tile = int(mlp_tile_tokens or max(16, hidden))
-    loss_tile = int(loss_tile_tokens or max(16, (1 << 24) // vocab))
+    mlp_tile = int(mlp_tile_tokens or default_mlp_tile(hidden))  # the planner's model uses the same defaults
+    loss_tile = int(loss_tile_tokens or default_loss_tile(vocab))
     if tiled_mlp:
         n = 0
         for m in model.modules():

@@ -1,0 +1,211 @@
+"""Memory planner: what one training step of a causal LM needs per GPU with Ulysses (x Ring)
+sequence parallelism, and the longest sequence that fits (`ulysses-kernels plan`).
+
+The model is a sum of named terms (bytes per GPU), each a formula of the model config and
+the options; docs/architecture.md ("Memory planner") lists them. It describes this
+package's training recipe: FSDP2 over all GPUs (fp32 sharded parameters, gradients and
+AdamW states, bf16 compute copies gathered one layer at a time, one prefetched),
+activation checkpointing per decoder layer, the Ulysses exchange and flash attention,
+tiled MLP and tiled loss when asked, checkpoint offload when asked. Defaults that the code
+chooses (tile sizes) come from the same functions the code uses.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Dict, Optional
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+
+    @property
+    def layer_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
+        bias = (self.heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
+        return attn + bias + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied_embeddings else 2) + self.layers * self.layer_params + self.hidden
+
+
+# Published configurations (the models' config.json on the Hugging Face hub).
+PRESETS: Dict[str, ModelShape] = {
+    "llama-3-8b": ModelShape(4096, 32, 32, 8, 128, 14336, 128256),
+    "llama-3-70b": ModelShape(8192, 80, 64, 8, 128, 28672, 128256),
+    "qwen2.5-7b": ModelShape(3584, 28, 28, 4, 128, 18944, 152064, qkv_bias=True),
+    "qwen2.5-72b": ModelShape(8192, 80, 64, 8, 128, 29568, 152064, qkv_bias=True),
+    "qwen3-8b": ModelShape(4096, 36, 32, 8, 128, 12288, 151936),
+    "mistral-7b": ModelShape(4096, 32, 32, 8, 128, 14336, 32000),
+}
+
+
+def shape_from_config(path: str) -> ModelShape:
+    """A ModelShape from a local Hugging Face `config.json` (or the folder holding it)."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    heads = cfg["num_attention_heads"]
+    return ModelShape(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
+                      kv_heads=cfg.get("num_key_value_heads", heads),
+                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                      intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                      tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                      qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
+
+
+def mlp_tile_tokens(hidden: int) -> int:
+    """patch_model's default MLP tile (hf/patch.py uses this function)."""
+    return max(16, hidden)
+
+
+def loss_tile_tokens(vocab: int) -> int:
+    """patch_model's default loss tile: about 16M logits (hf/patch.py uses this function)."""
+    return max(16, (1 << 24) // vocab)
+
+
+@dataclass
+class PlanOptions:
+    seq_len: int
+    gpus_per_node: int = 8
+    nodes: int = 1
+    gpu_memory_gib: float = 80.0
+    sp_size: Optional[int] = None     # default: every GPU (DP 1)
+    ring_size: int = 1
+    fsdp: bool = True                 # parameters, gradients, optimizer states sharded over all GPUs
+    fsdp_cpu_offload: bool = False    # ... and kept in host memory
+    checkpointing: bool = True
+    checkpoint_offload: bool = False
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    dtype_bytes: int = 2              # compute dtype (bf16); master weights and AdamW states fp32
+    reserve_gib: float = 2.0          # CUDA context, NCCL buffers, allocator fragmentation
+    attention: str = "flash"          # "flash" (Triton / fused paths) or "reference" (O(S^2) probabilities)
+
+
+@dataclass
+class Plan:
+    gpus: int
+    sp_size: int
+    local_tokens: int
+    terms_gib: Dict[str, float] = field(default_factory=dict)
+    host_gib: Dict[str, float] = field(default_factory=dict)
+    per_gpu_gib: float = 0.0
+    fits: bool = False
+    max_seq_len: int = 0
+
+
+def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
+    """Bytes per GPU, by term, for one training step at o.seq_len tokens."""
+    world = o.gpus_per_node * o.nodes
+    sp = o.sp_size or world
+    S, p = o.seq_len, o.dtype_bytes
+    s = math.ceil(S / sp)                   # tokens per rank
+    n = shape.params
+    shard = world if o.fsdp else 1
+    on_gpu = 0.0 if o.fsdp_cpu_offload else 1.0
+    t: Dict[str, float] = {}
+    t["weights (fp32, sharded)"] = on_gpu * 4 * n / shard
+    t["gradients (fp32, sharded)"] = on_gpu * 4 * n / shard
+    t["optimizer (AdamW fp32 m, v)"] = on_gpu * 8 * n / shard
+    gathered = 2 * shape.layer_params + shape.vocab * shape.hidden  # a layer + the prefetched one, the head
+    t["gathered compute weights"] = p * gathered if o.fsdp else 0.0
+    kept = shape.layers if o.checkpointing else 0
+    if o.checkpoint_offload:
+        kept = min(kept, 1)                 # the last layer's input stays
+    t["checkpointed layer inputs"] = kept * s * shape.hidden * p
+    qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
+    # one layer in its backward (or every layer without checkpointing): q|k|v, their exchange
+    # send/receive buffers and gradients (x6), attention output, dO and o_proj input (x3),
+    # residual / norm inputs and grads (x6)
+    layer = s * p * (6 * qkv + 3 * shape.heads * shape.head_dim + 6 * shape.hidden)
+    mlp_rows = min(s, mlp_tile_tokens(shape.hidden)) if o.tiled_mlp else s
+    layer += mlp_rows * p * 6 * shape.intermediate  # gate, up, act, product and their grads
+    heads_here = math.ceil(shape.heads / (sp // o.ring_size))
+    if o.attention == "reference":
+        layer += 3 * heads_here * (S // o.ring_size) * S * 4  # scores, probabilities, their grad (fp32)
+    else:
+        layer += 2 * heads_here * S * 4  # LSE and delta (fp32)
+    if o.ring_size > 1:
+        kv_heads_here = max(1, shape.kv_heads // (sp // o.ring_size))
+        portion = S / o.ring_size
+        layer += portion * kv_heads_here * shape.head_dim * (2 * 2 * p + 2 * 4)  # K|V x2 buffers, fp32 dK|dV
+    t["one layer's working set"] = layer * (1 if o.checkpointing else shape.layers)
+    logit_rows = min(s, loss_tile_tokens(shape.vocab)) if o.tiled_loss else s
+    t["logits and loss"] = logit_rows * shape.vocab * (p + 4 + 4)  # logits, fp32 softmax, its grad
+    t["reserve (context, NCCL, fragmentation)"] = o.reserve_gib * GIB
+    return t
+
+
+def host_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
+    world = o.gpus_per_node * o.nodes
+    s = math.ceil(o.seq_len / (o.sp_size or world))
+    host: Dict[str, float] = {}
+    if o.fsdp_cpu_offload:
+        host["parameters, gradients, optimizer (fp32)"] = 16 * shape.params / (world if o.fsdp else 1)
+    if o.checkpoint_offload and o.checkpointing:
+        host["offloaded layer inputs"] = (shape.layers - 1) * s * shape.hidden * o.dtype_bytes
+    return host
+
+
+def plan(shape: ModelShape, o: PlanOptions) -> Plan:
+    world = o.gpus_per_node * o.nodes
+    sp = o.sp_size or world
+    if world % sp or sp % o.ring_size:
+        raise ValueError(f"plan: sp_size {sp} must divide the {world} GPUs and ring_size {o.ring_size} divide sp_size")
+    terms = memory_terms(shape, o)
+    total = sum(terms.values())
+    result = Plan(gpus=world, sp_size=sp, local_tokens=math.ceil(o.seq_len / sp),
+                  terms_gib={k: v / GIB for k, v in terms.items()},
+                  host_gib={k: v / GIB for k, v in host_terms(shape, o).items()},
+                  per_gpu_gib=total / GIB, fits=total <= o.gpu_memory_gib * GIB)
+    result.max_seq_len = max_seq_len(shape, o)
+    return result
+
+
+def max_seq_len(shape: ModelShape, o: PlanOptions, granularity: int = 1024) -> int:
+    """The longest sequence (a multiple of `granularity`) whose plan fits; 0 if none."""
+    def fits(S):
+        trial = PlanOptions(**{**asdict(o), "seq_len": S})
+        return sum(memory_terms(shape, trial).values()) <= o.gpu_memory_gib * GIB
+    lo, hi = 0, granularity
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 34:
+            break
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        if mid <= lo:
+            break
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def format_plan(name: str, o: PlanOptions, result: Plan) -> str:
+    lines = [f"{name}: {o.seq_len:,} tokens on {result.gpus} GPU(s) x {o.gpu_memory_gib:g} GiB, SP {result.sp_size}"
+             f"{f' (ring {o.ring_size})' if o.ring_size > 1 else ''}, {result.local_tokens:,} tokens per GPU", ""]
+    width = max(len(k) for k in result.terms_gib)
+    for k, v in result.terms_gib.items():
+        lines.append(f"  {k:<{width}}  {v:9.2f} GiB")
+    lines.append(f"  {'total per GPU':<{width}}  {result.per_gpu_gib:9.2f} GiB  "
+                 f"({'fits' if result.fits else 'does NOT fit'} in {o.gpu_memory_gib:g} GiB)")
+    for k, v in result.host_gib.items():
+        lines.append(f"  host memory per GPU: {k}: {v:.2f} GiB")
+    lines.append(f"\nlongest sequence that fits with these options: {result.max_seq_len:,} tokens")
+    return "\n".join(lines)
