@@ -46,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--tiled", action="store_true", help="tiled MLP and tiled LM-head loss")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--offload", action="store_true", help="checkpoint offload to host memory (needs --checkpointing)")
+    p.add_argument("--ring", type=int, default=1, help="ring degree of Ulysses x Ring (default 1)")
     p.add_argument("--parallel", choices=["fsdp", "hsdp", "ddp", "none"], default="fsdp")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--backend", default=None, help="ulysses_attention backend (default: auto)")
@@ -145,18 +147,21 @@ def run(rank, world, argv=None):
     if sp * dp != world:
         raise SystemExit(f"--sp {sp} x --dp {dp} != world size {world}")
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    groups = uk.init_sequence_parallel(sp)
-    ukhf.register(groups.sp_group, backend=args.backend)
+    groups = uk.init_sequence_parallel(sp, ring_size=args.ring)
+    ukhf.register(groups, backend=args.backend)  # the Ulysses (and ring) groups
 
     tok = load_tokenizer(args)
     docs = [tok.encode(d) for d in load_documents(args.text)]
     vocab = getattr(tok, "vocab_size", 256)
     model = build_model(args, vocab, ukhf.ATTN_IMPLEMENTATION).to(device).train()
-    if args.tiled:
-        ukhf.patch_model(model)
     if args.checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
+    if args.offload and not args.checkpointing:
+        raise SystemExit("--offload needs --checkpointing")
+    offload = ukhf.CheckpointOffload() if args.offload else False
+    if args.tiled or args.offload:
+        ukhf.patch_model(model, tiled_mlp=args.tiled, tiled_loss=args.tiled, offload_checkpoints=offload)
     if args.parallel == "fsdp":
         model = ukhf.apply_fsdp(model, groups, shard="world")
     elif args.parallel == "hsdp":
@@ -177,8 +182,8 @@ def run(rank, world, argv=None):
         seqs = [next(stream) for _ in range(dp)]
         ids, pos = seqs[groups.dp_rank]
         t0 = time.perf_counter()
-        batch = ukhf.shard_batch(ids.to(device), groups.sp_group, position_ids=pos.to(device))
-        loss = ukhf.causal_lm_loss(model, batch, groups.sp_group)
+        batch = ukhf.shard_batch(ids.to(device), groups, position_ids=pos.to(device))
+        loss = ukhf.causal_lm_loss(model, batch, groups)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if args.parallel == "none":
@@ -190,13 +195,15 @@ def run(rank, world, argv=None):
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        mem = torch.tensor([peak_memory_mib(device)], dtype=torch.float64, device=device)
+        host = offload.pool.allocated_bytes / 2**20 if offload else 0.0
+        mem = torch.tensor([peak_memory_mib(device), host], dtype=torch.float64, device=device)
         dist.all_reduce(mem, op=dist.ReduceOp.MAX)
         losses.append(mean_loss)
         if rank == 0:
             print(f"step {step + 1}/{args.steps}  loss {mean_loss:.4f}  "
                   f"tokens/s {dp * args.seq_len / dt:,.0f}  step {dt * 1000:.0f} ms  "
-                  f"peak mem/rank {mem.item():,.0f} MiB", flush=True)
+                  f"peak mem/rank {mem[0].item():,.0f} MiB (max over ranks)"
+                  + (f"  offload host buffers/rank {mem[1].item():,.1f} MiB" if offload else ""), flush=True)
     return losses
 
 

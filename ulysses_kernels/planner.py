@@ -17,6 +17,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, Optional
 
 GIB = float(1 << 30)
+# Activation multiples of one decoder layer (see memory_terms), fitted on CPU measurements
+# of Hugging Face Llama layers (bench/plan_validation.py).
+SAVED_HIDDEN, SAVED_QKV, SAVED_OUT, SAVED_MLP, TRANSIENT_MLP = 4, 3, 2, 4, 3
 
 
 @dataclass(frozen=True)
@@ -131,26 +134,42 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
         kept = min(kept, 1)                 # the last layer's input stays
     t["checkpointed layer inputs"] = kept * s * shape.hidden * p
     qkv = (shape.heads + 2 * shape.kv_heads) * shape.head_dim
-    # one layer in its backward (or every layer without checkpointing): q|k|v, their exchange
-    # send/receive buffers and gradients (x6), attention output, dO and o_proj input (x3),
-    # residual / norm inputs and grads (x6)
-    layer = s * p * (6 * qkv + 3 * shape.heads * shape.head_dim + 6 * shape.hidden)
+    # What one decoder layer keeps for its backward (its recomputation, with checkpointing):
+    # norm inputs, residual, projections' inputs (SAVED_HIDDEN x hidden), q|k|v before and
+    # after rotary and the exchange (SAVED_QKV x q|k|v width), the attention output and
+    # o_proj input (SAVED_OUT x query width); the MLP's gate, up, activation and product
+    # (SAVED_MLP x intermediate), or only its input when tiled.
+    saved = s * p * (SAVED_HIDDEN * shape.hidden + SAVED_QKV * qkv + SAVED_OUT * shape.heads * shape.head_dim)
+    saved += s * p * (shape.hidden if o.tiled_mlp else SAVED_MLP * shape.intermediate)
     mlp_rows = min(s, mlp_tile_tokens(shape.hidden)) if o.tiled_mlp else s
-    layer += mlp_rows * p * 6 * shape.intermediate  # gate, up, act, product and their grads
-    heads_here = math.ceil(shape.heads / (sp // o.ring_size))
-    if o.attention == "reference":
-        layer += 3 * heads_here * (S // o.ring_size) * S * 4  # scores, probabilities, their grad (fp32)
+    transient = mlp_rows * p * TRANSIENT_MLP * shape.intermediate  # the MLP backward of a tile
+    ulysses = sp // o.ring_size
+    heads_here = math.ceil(shape.heads / ulysses)
+    queries = S // o.ring_size if o.ring_size > 1 else S
+    if o.attention == "reference":  # probabilities kept (fp32) and, per chunk, their gradients
+        saved += heads_here * queries * S * 4
+        transient = max(transient, 2 * 4 * min(heads_here * queries * S, 1 << 24))
     else:
-        layer += 2 * heads_here * S * 4  # LSE and delta (fp32)
+        saved += 2 * heads_here * queries * 4  # LSE and delta (fp32)
     if o.ring_size > 1:
-        kv_heads_here = max(1, shape.kv_heads // (sp // o.ring_size))
-        portion = S / o.ring_size
-        layer += portion * kv_heads_here * shape.head_dim * (2 * 2 * p + 2 * 4)  # K|V x2 buffers, fp32 dK|dV
-    t["one layer's working set"] = layer * (1 if o.checkpointing else shape.layers)
+        kv_heads_here = max(1, shape.kv_heads // ulysses)
+        saved += queries * kv_heads_here * shape.head_dim * (2 * 2 * p + 2 * 4)  # K|V x2 buffers, fp32 dK|dV
+    if o.checkpointing:
+        t["one layer in its backward (peak phase)"] = saved + transient
+    else:
+        t["every layer's saved activations"] = shape.layers * saved
+        t["the backward's temporaries (peak phase)"] = transient
     logit_rows = min(s, loss_tile_tokens(shape.vocab)) if o.tiled_loss else s
-    t["logits and loss"] = logit_rows * shape.vocab * (p + 4 + 4)  # logits, fp32 softmax, its grad
+    t["logits and loss (peak phase)"] = logit_rows * shape.vocab * (p + 4 + 4)  # logits, fp32 softmax, its grad
     t["reserve (context, NCCL, fragmentation)"] = o.reserve_gib * GIB
     return t
+
+
+def peak_bytes(terms: Dict[str, float]) -> float:
+    """The step's peak: everything that lives through the step, plus the largest of the
+    phases that do not overlap (the loss, one layer's backward), marked "(peak phase)"."""
+    phases = [v for k, v in terms.items() if k.endswith("(peak phase)")]
+    return sum(v for k, v in terms.items() if not k.endswith("(peak phase)")) + max(phases, default=0.0)
 
 
 def host_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
@@ -170,7 +189,7 @@ def plan(shape: ModelShape, o: PlanOptions) -> Plan:
     if world % sp or sp % o.ring_size:
         raise ValueError(f"plan: sp_size {sp} must divide the {world} GPUs and ring_size {o.ring_size} divide sp_size")
     terms = memory_terms(shape, o)
-    total = sum(terms.values())
+    total = peak_bytes(terms)
     result = Plan(gpus=world, sp_size=sp, local_tokens=math.ceil(o.seq_len / sp),
                   terms_gib={k: v / GIB for k, v in terms.items()},
                   host_gib={k: v / GIB for k, v in host_terms(shape, o).items()},
@@ -183,7 +202,7 @@ def max_seq_len(shape: ModelShape, o: PlanOptions, granularity: int = 1024) -> i
     """The longest sequence (a multiple of `granularity`) whose plan fits; 0 if none."""
     def fits(S):
         trial = PlanOptions(**{**asdict(o), "seq_len": S})
-        return sum(memory_terms(shape, trial).values()) <= o.gpu_memory_gib * GIB
+        return peak_bytes(memory_terms(shape, trial)) <= o.gpu_memory_gib * GIB
     lo, hi = 0, granularity
     while fits(hi):
         lo, hi = hi, hi * 2
@@ -200,10 +219,11 @@ def max_seq_len(shape: ModelShape, o: PlanOptions, granularity: int = 1024) -> i
 def format_plan(name: str, o: PlanOptions, result: Plan) -> str:
     lines = [f"{name}: {o.seq_len:,} tokens on {result.gpus} GPU(s) x {o.gpu_memory_gib:g} GiB, SP {result.sp_size}"
              f"{f' (ring {o.ring_size})' if o.ring_size > 1 else ''}, {result.local_tokens:,} tokens per GPU", ""]
-    width = max(len(k) for k in result.terms_gib)
+    total_label = "peak per GPU (the largest phase counted)"
+    width = max(len(k) for k in list(result.terms_gib) + [total_label])
     for k, v in result.terms_gib.items():
         lines.append(f"  {k:<{width}}  {v:9.2f} GiB")
-    lines.append(f"  {'total per GPU':<{width}}  {result.per_gpu_gib:9.2f} GiB  "
+    lines.append(f"  {total_label:<{width}}  {result.per_gpu_gib:9.2f} GiB  "
                  f"({'fits' if result.fits else 'does NOT fit'} in {o.gpu_memory_gib:g} GiB)")
     for k, v in result.host_gib.items():
         lines.append(f"  host memory per GPU: {k}: {v:.2f} GiB")

@@ -1,0 +1,83 @@
+"""ulysses_kernels.planner and `ulysses-kernels plan`: the published parameter counts of the
+presets, the JSON contract, what each option saves, max_seq_len at the edge, and the
+model against measured peak memory of training steps on CPU (bench/plan_validation.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ulysses_kernels.planner import GIB, PRESETS, PlanOptions, max_seq_len, memory_terms, peak_bytes, plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("name,billions", [("llama-3-8b", 8.03), ("llama-3-70b", 70.55), ("qwen2.5-7b", 7.62),
+                                           ("qwen2.5-72b", 72.7), ("qwen3-8b", 8.19), ("mistral-7b", 7.24)])
+def test_preset_parameter_counts_match_the_published_sizes(name, billions):
+    assert abs(PRESETS[name].params / 1e9 - billions) / billions < 0.01, PRESETS[name].params
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ulysses_kernels.cli", "plan", *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_plan_cli_json_contract_and_options():
+    base = ["--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "8", "--gpu-memory-gib", "80", "--json"]
+    results = {}
+    for extra in ((), ("--tiled",), ("--offload", "--tiled")):
+        out = _cli(*base, *extra)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert isinstance(data["fits"], bool) and isinstance(data["max_seq_len"], int)
+        assert isinstance(data["per_gpu_gib"], float)
+        results[extra] = data
+    plain, tiled, offload = results.values()
+    assert not plain["fits"] and tiled["fits"] and offload["fits"]
+    assert plain["max_seq_len"] < tiled["max_seq_len"] < offload["max_seq_len"]
+    assert offload["host_gib"] and not plain["host_gib"]
+    table = _cli("--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "8", "--tiled")
+    assert "longest sequence that fits" in table.stdout and "checkpointed layer inputs" in table.stdout
+    bad = _cli("--model", "no-such-model", "--seq-len", "1000")
+    assert bad.returncode == 2 and "neither a preset" in bad.stderr
+
+
+def test_plan_from_a_config_file(tmp_path):
+    cfg = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+               intermediate_size=704, vocab_size=2048, model_type="llama")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = _cli("--model", str(tmp_path), "--seq-len", "4096", "--gpus", "2", "--gpu-memory-gib", "1", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["params"] == 2 * 2048 * 256 + 4 * (256 * 12 * 32 + 256 * 256 + 3 * 256 * 704
+                                                                      + 2 * 256) + 256
+
+
+def test_each_option_lowers_the_peak_and_max_seq_len_is_the_edge():
+    shape = PRESETS["qwen2.5-7b"]
+    base = dict(seq_len=262144, gpus_per_node=8, ring_size=2)
+    peaks = []
+    for extra in ({}, dict(tiled_loss=True), dict(tiled_loss=True, tiled_mlp=True),
+                  dict(tiled_loss=True, tiled_mlp=True, checkpoint_offload=True),
+                  dict(tiled_loss=True, tiled_mlp=True, checkpoint_offload=True, fsdp_cpu_offload=True)):
+        peaks.append(peak_bytes(memory_terms(shape, PlanOptions(**base, **extra))))
+    assert all(b < a for a, b in zip(peaks, peaks[1:])), peaks
+    o = PlanOptions(seq_len=1024, gpus_per_node=8, gpu_memory_gib=80, tiled_loss=True, tiled_mlp=True)
+    edge = max_seq_len(shape, o)
+    fits = lambda S: peak_bytes(memory_terms(shape, PlanOptions(**{**o.__dict__, "seq_len": S}))) <= 80 * GIB  # noqa: E731
+    assert fits(edge) and not fits(edge + 1024)
+    with pytest.raises(ValueError, match="must divide"):
+        plan(shape, PlanOptions(seq_len=1024, gpus_per_node=8, ring_size=3))
+
+
+def test_planner_within_15_percent_of_measured_cpu_peaks():
+    """Two of bench/plan_validation.py's cases at SP 2 (the attention-dominated and the
+    logits-dominated one); the full table is bench/results/plan_validation_cpu.md."""
+    pytest.importorskip("transformers")
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_validation.py"), "--sp", "2", "--cases", "0",
+                          "4", "--check", "--json"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = json.loads(out.stdout[out.stdout.index("["):out.stdout.rindex("]") + 1])
+    assert len(rows) == 2 and all(0.85 <= r["ratio"] <= 1.15 for r in rows), rows
