@@ -16,7 +16,7 @@
 #   fused_tests      90   fused path GPU tests (bf16/fp16, the hybrid too) + schemas [extension]
 #   bench_a2a        35   pack/unpack and exchange benchmark                        [extension]
 #   bench_layer      40   layer benchmark and the P = 8 model                       [extension]
-#   triton_tests     80   Triton kernel GPU tests (bf16/fp16)
+#   triton_tests     80   Triton kernel GPU tests (bf16/fp16), checkpoint offload on the GPU
 #   bench_attention  55   attention TFLOP/s next to SDPA (cuDNN, flash)
 #   fp32_tests       90   the fp32 GPU cases (tf32x3 compiles are the slowest)      [second call]
 #   microbench       60   `pytest bench/` kernel microbenchmarks (pytest-benchmark)  [second call]
@@ -59,7 +59,7 @@ declare -A LIMIT=([env]=15 [install]=100 [fallback]=40 [preflight]=25 [fused_tes
 BUDGET_LIMIT=480
 PYTEST=("$PYTHON" -m pytest -v -p no:cacheprovider -rs --durations=10)
 FUSED_TESTS=(tests/test_fused_ops.py tests/test_fused_pipeline.py tests/test_fused_layer.py tests/test_ring.py)
-TRITON_TESTS=(tests/test_triton_attention.py tests/test_triton_ops.py tests/test_triton_merge.py)
+TRITON_TESTS=(tests/test_triton_attention.py tests/test_triton_ops.py tests/test_triton_merge.py tests/test_hf_offload.py)
 
 STEPS="${GPU_CHECK_STEPS:-$DEFAULT_STEPS}"
 print_budget
