@@ -174,15 +174,21 @@ def test_fused_pipeline_cpu_multirank(world, case):
 
 # ----------------------------------------------------------------------- the engine
 
-def test_default_group_engine_key_and_transport_override(monkeypatch, tmp_path):
-    """`ulysses_attention` resolves group=None to dist.group.WORLD once torch.distributed
-    is initialised; `use_transport(None, ...)` (what the one-GPU multi-rank GPU tests
-    use) must reach that engine, and a replaced engine must be closed."""
+def _single_rank_group(monkeypatch, tmp_path):
+    """A one-rank gloo default group and empty engine tables (restored by monkeypatch);
+    the caller destroys the group."""
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     monkeypatch.setattr(fused_engine, "_transport_for", {})
     monkeypatch.setattr(fused_engine, "_engines", {})
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+
+
+def test_default_group_engine_key_and_transport_override(monkeypatch, tmp_path):
+    """`ulysses_attention` resolves group=None to dist.group.WORLD once torch.distributed
+    is initialised; `use_transport(None, ...)` (what the one-GPU multi-rank GPU tests
+    use) must reach that engine, and a replaced engine must be closed."""
+    _single_rank_group(monkeypatch, tmp_path)
     try:
         assert fused_engine._group_key(None) == fused_engine._group_key(dist.group.WORLD) == 0
         fused.use_transport(None, HostTransport)
@@ -203,11 +209,7 @@ def test_default_group_engine_key_and_transport_override(monkeypatch, tmp_path):
 def test_engines_of_destroyed_groups_are_closed(monkeypatch, tmp_path):
     """An engine holds a communicator and grow-only buffers: once its group is destroyed,
     the next engine creation closes it, and close(group) closes one group's engines only."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    monkeypatch.setattr(fused_engine, "_transport_for", {})
-    monkeypatch.setattr(fused_engine, "_engines", {})
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    _single_rank_group(monkeypatch, tmp_path)
     try:
         first, second, third = dist.new_group([0]), dist.new_group([0]), dist.new_group([0])
         for group in (first, second, third, None):

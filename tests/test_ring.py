@@ -223,6 +223,7 @@ ERROR_CASES = [
     (dict(cu=[0, 5, 23]), "global sequence length 24"),
     (dict(world_as_ulysses=True), "not orthogonal"),
     (dict(shard_with_default_group=True), "pass this rank's Ulysses group"),
+    (dict(B=2, cu=[0, 10, 24], trusted=True), "needs batch size 1, got 2"),  # the seq_lens path too
     (dict(backend="fused"), "backend='fused' needs CUDA tensors"),  # on CPU, without the stand-ins
 ]
 
@@ -233,7 +234,7 @@ def ring_errors(rank, world, cases):
     messages = []
     for case in cases:
         S, Hq = case.get("S", 24), case.get("Hq", 4)
-        q, k, v, _ = make_qkv(1, S, Hq, 2, 16, dtype=torch.float64, seed=rank)
+        q, k, v, _ = make_qkv(case.get("B", 1), S, Hq, 2, 16, dtype=torch.float64, seed=rank)
         if case.get("shard_with_default_group"):
             try:
                 uk.shard_sequence(q, None, ring_group=g.ring_group)
@@ -250,8 +251,9 @@ def ring_errors(rank, world, cases):
         group = None if case.get("world_as_ulysses") else g.ulysses_group
         cu = torch.tensor(case["cu"], dtype=torch.int32) if "cu" in case else None
         try:
+            lens = uk.sp_lengths(S, 2, 2) if case.get("trusted") else None
             uk.ulysses_attention(*local, group=group, ring_group=g.ring_group, causal=True, cu_seqlens=cu,
-                                 backend=case.get("backend"))
+                                 backend=case.get("backend"), seq_lens=lens)
             messages.append(None)
         except (ValueError, RuntimeError) as exc:
             messages.append(str(exc))

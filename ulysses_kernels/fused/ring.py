@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from ..layout import place_heads
-from ..reference.exchange import recv_blocks_to_bshd
+from ..reference.exchange import bshd_to_blocks, recv_blocks_to_bshd
 from ..reference.ring import RingSpec, ring_attention
 from . import ops
 from .engine import Engine, get_engine
@@ -65,14 +65,6 @@ def _heads(tensors, world):
     return [place_heads(t.shape[2], world).local for t in tensors]
 
 
-def _bshd_to_blocks(x: torch.Tensor, lens) -> torch.Tensor:
-    """`[B, S, C, D]` -> flat block layout (the `[B, S_i, C, D]` block of every source rank
-    in turn): the heads -> seq send buffer."""
-    if x.shape[0] == 1:
-        return x.reshape(-1)
-    return torch.cat([b.reshape(-1) for b in torch.split(x, list(lens), dim=1)])
-
-
 class _SeqToHeads(torch.autograd.Function):
     """q, k, v `[B, S_p, H_t, D]` -> head shards `[B, S, Hl_t, D]` of the portion."""
 
@@ -102,7 +94,7 @@ class _SeqToHeads(torch.autograd.Function):
         grads = [g if g is not None else like.new_zeros(B, sum(lens), n, D) for g, n in zip((dq, dk, dv), local)]
         P = engine.world
         Sp, channels = ctx.shapes[0][1], sum(local)
-        send = _bshd_to_blocks(torch.cat(grads, dim=2), lens).contiguous()
+        send = bshd_to_blocks(torch.cat(grads, dim=2), lens).contiguous()
         recv = engine.buffer("ring_seq_grecv", P * B * Sp * channels * D, send.dtype).view(P, B, Sp, channels, D)
         outs = [send.new_empty(s) for s in ctx.shapes]
         _record(engine, send, *outs)
@@ -121,7 +113,7 @@ class _HeadsToSeq(torch.autograd.Function):
     def forward(ctx, engine, lens, rank, x):
         P, (B, _, hl, D) = engine.world, x.shape
         Sp = lens[rank]
-        send = _bshd_to_blocks(x.contiguous(), lens).contiguous()
+        send = bshd_to_blocks(x.contiguous(), lens).contiguous()
         recv = engine.buffer("ring_head_recv", P * B * Sp * hl * D, x.dtype).view(P, B, Sp, hl, D)
         out = x.new_empty(B, Sp, P * hl, D)  # query heads are split, never replicated
         _record(engine, send, out)

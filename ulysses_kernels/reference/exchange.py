@@ -56,14 +56,21 @@ def recv_blocks_to_bshd(recv: torch.Tensor, seq_lens: List[int], batch: int, cha
     return torch.cat([b.view(batch, n, channels, head_dim) for b, n in zip(blocks, seq_lens)], dim=1)
 
 
+def bshd_to_blocks(x: torch.Tensor, seq_lens: List[int]) -> torch.Tensor:
+    """`[B, S, Hc, D]` -> flat block layout (the `[B, S_j, Hc, D]` block of every rank j in
+    turn, each contiguous): the heads -> seq send buffer; inverse of `recv_blocks_to_bshd`."""
+    if x.shape[0] == 1 or len(seq_lens) == 1:
+        return x.reshape(-1)
+    return torch.cat([c.reshape(-1) for c in torch.split(x, list(seq_lens), dim=1)])
+
+
 def exchange_heads_to_seq(x: torch.Tensor, seq_lens: List[int], rank: int, group) -> torch.Tensor:
     """x `[B, S, Hc, D]` (this rank's heads, whole sequence) -> `[P, B, S_rank, Hc, D]`,
     where slot i holds source rank i's heads for this rank's sequence slice."""
     B, S, Hc, D = x.shape
     P = len(seq_lens)
     per_token = B * Hc * D
-    # Send blocks in destination order, each [B, S_j, Hc, D] contiguous.
-    send = torch.cat([c.reshape(-1) for c in torch.split(x, seq_lens, dim=1)]) if P > 1 else x.reshape(-1)
+    send = bshd_to_blocks(x, seq_lens)
     recv = all_to_all(send, [n * per_token for n in seq_lens], [seq_lens[rank] * per_token] * P, group)
     return recv.view(P, B, seq_lens[rank], Hc, D)
 
