@@ -5,6 +5,8 @@ kernel modules are imported: conftest.py sets it without CUDA). GPU cases (real 
 bf16) are marked `gpu`.
 """
 
+import os
+
 import pytest
 import torch
 from helpers import make_qkv, param_id, reference_with_lse, rel_err
@@ -330,6 +332,44 @@ def test_gpu_varlen_and_buffer_layout():
     q, k, v, do = make_qkv(1, 4093, 8, 2, 128, dtype=torch.bfloat16, seed=1, device="cuda")
     compare(q, k, v, do, True, cu_seqlens=cu, tol=2e-2)
     run_buffer_case(2, 4093, 8, 2, 128, 4, causal=True, dtype=torch.bfloat16, device="cuda", tol=2e-2)
+
+
+# Forward and backward of the kernels' mask variants on small, ragged shapes, run by
+# test_gpu_memcheck in a process of its own under compute-sanitizer.
+_MEMCHECK_SCRIPT = """
+import torch
+from ulysses_kernels import triton as kernels
+torch.manual_seed(0)
+for causal, (hq, hkv), s in ((False, (4, 2), 1000), (True, (4, 4), 777)):
+    q = torch.randn(2, s, hq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, s, hkv, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, s, hkv, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kernels.flash_attention(q, k, v, causal=causal).backward(torch.randn(2, s, hq, 128, device="cuda", dtype=torch.bfloat16))
+torch.cuda.synchronize()
+print("memcheck script done")
+"""
+
+
+@gpu
+@needs_cuda
+def test_gpu_memcheck():
+    """No kernel forms an address outside its tensors, masked lanes and the software
+    pipeliner's early loads included (the first GPU run: the dK/dV kernel's empty
+    non-causal phase divided by zero into an illegal address). compute-sanitizer with
+    the caching allocator off, so every tensor ends where its allocation does."""
+    import shutil
+    import subprocess
+    import sys
+
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    run_env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", ULYSSES_KERNELS_TRITON_AUTOTUNE="0",
+                   TRITON_INTERPRET="0")
+    proc = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit", "5",
+                           sys.executable, "-c", _MEMCHECK_SCRIPT], capture_output=True, text=True,
+                          timeout=55, env=run_env)
+    assert proc.returncode == 0 and "memcheck script done" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
 
 
 @gpu

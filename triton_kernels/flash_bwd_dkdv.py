@@ -44,22 +44,31 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
     """
     d_ok = offs_d < HEAD_DIM
     nblk = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    # Every address the body forms must lie inside the tensors for ANY `it`, the empty
+    # loop's included: the software pipeliner may issue a first iteration's loads ahead of
+    # the trip-count test. With `it // nblk` and an empty phase (nblk = 0, the non-causal
+    # first phase) the head index was a division by zero, the rows were valid, so the
+    # load was real: an illegal address on an H200 (Triton 3.6, 8 warps, 2 stages; see
+    # docs/architecture.md, "First GPU run"). Hence a divisor >= 1, the head clamped to
+    # the group and the address rows clamped to the sequence (masked lanes read row Sq-1).
+    per_head = tl.maximum(nblk, 1)
     for it in range(0, nblk * GROUP):
-        g = it // nblk
+        g = tl.minimum(it // per_head, GROUP - 1)
         h = (hk * GROUP + g).to(tl.int64)
         q_head = h * sq_h
         do_head = h * sdo_h
         lse_base = (b * HQ + h) * Sq
-        start_m = lo + (it - g * nblk) * BLOCK_M
+        start_m = lo + (it - g * per_head) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Sq
+        addr_m = tl.minimum(offs_m, Sq - 1)
         tile_mask = m_ok[:, None] & d_ok[None, :]
-        rows = token_rows(offs_m, b, Sq, B, P, SPLIT)  # shared by Q and dO
+        rows = token_rows(addr_m, b, Sq, B, P, SPLIT)  # shared by Q and dO
         q_rows = rows_to_offsets(rows, b, sq_b, sq_s, SPLIT)
         do_rows = rows_to_offsets(rows, b, sdo_b, sdo_s, SPLIT)
         q = tl.load(Q + q_head + q_rows[:, None] + offs_d[None, :] * sq_d, mask=tile_mask, other=0.0)
         q = maybe_fp32(q, FP32_DOT)
-        lse = tl.load(LSE + lse_base + offs_m, mask=m_ok, other=float("inf"))
+        lse = tl.load(LSE + lse_base + addr_m, mask=m_ok, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
@@ -68,13 +77,13 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
             if CAUSAL:
                 valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
             if VARLEN:
-                doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
+                doc_q = tl.load(DOCS + addr_m, mask=m_ok, other=-2)
                 valid = valid & (doc_k[:, None] == doc_q[None, :])
             pT = tl.where(valid, pT, 0.0)
         do = tl.load(DO + do_head + do_rows[:, None] + offs_d[None, :] * sdo_d, mask=tile_mask, other=0.0)
         do = maybe_fp32(do, FP32_DOT)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        delta = tl.load(DELTA + lse_base + offs_m, mask=m_ok, other=0.0)
+        delta = tl.load(DELTA + lse_base + addr_m, mask=m_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dsT = pT * (dpT - delta[None, :])
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
