@@ -13,6 +13,9 @@ Environment variables:
   CUDA_HOME                           CUDA toolkit (default: the one holding `nvcc` on PATH,
                                       else /usr/local/cuda)
   MAX_JOBS                            parallel compile jobs (ninja)
+  ULYSSES_KERNELS_HOST_COMPILER       the C++ compiler (g++) to build with; default: CXX when
+                                      its libstdc++ is the one torch runs with, else a g++ on
+                                      PATH whose libstdc++ is (see _match_host_compiler)
 
 Install with `pip install --no-build-isolation -e .` so the build sees your torch.
 """
@@ -21,6 +24,7 @@ import glob
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 
 from setuptools import setup
@@ -98,6 +102,62 @@ def _missing_toolkit_headers(root, torch_cuda_major, cuda_home):
     return folder
 
 
+def _loaded_libstdcxx():
+    """Real path of the libstdc++ this process runs with (torch is imported), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return os.path.realpath(path)
+    except OSError:
+        pass
+    return None
+
+
+def _compiler_libstdcxx(compiler):
+    """Real path of the libstdc++ that `compiler` links against, or None."""
+    try:
+        out = subprocess.run([compiler, "-print-file-name=libstdc++.so.6"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return os.path.realpath(out) if os.path.isabs(out) and os.path.exists(out) else None
+
+
+def _match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=shutil.which):
+    """The C++ compiler to build with, and why, or (None, None) to keep the default.
+
+    An extension linked by a GCC whose libstdc++ differs from the one torch runs with can
+    load fine and still crash the process on its first C++ exception (seen on the first GPU
+    run: the image's CXX, a second GCC under /opt, segfaulted in every TORCH_CHECK; the
+    system g++ built a working one). So when CXX's libstdc++ is not the loaded one, a g++
+    on PATH whose libstdc++ is, is used instead.
+    """
+    forced = environ.get("ULYSSES_KERNELS_HOST_COMPILER")
+    if forced:
+        return forced, "ULYSSES_KERNELS_HOST_COMPILER"
+    current = environ.get("CXX") or "c++"
+    mine = runtime_of(current)
+    if loaded is None or mine is None or mine == loaded:
+        return None, None
+    for candidate in ("g++", "c++", "/usr/bin/g++", "/usr/bin/c++"):
+        path = which(candidate)
+        if path and runtime_of(path) == loaded:
+            return path, f"CXX={current} links {mine}, torch runs with {loaded}"
+    print(f"ulysses-kernels: warning: CXX={current} links {mine} but torch runs with {loaded}, "
+          "and no g++ on PATH matches: C++ errors of the extension may crash the process; set "
+          "ULYSSES_KERNELS_HOST_COMPILER", file=sys.stderr)
+    return None, None
+
+
+def _use_host_compiler(compiler, why):
+    """CXX: the C++ files and the link. CC (nvcc's -ccbin) stays: that combination is the
+    one the first GPU run verified, and nvcc accepts only some GCC versions."""
+    os.environ["CXX"] = compiler
+    print(f"ulysses-kernels: host compiler {compiler} ({why})", file=sys.stderr)
+
+
 def _cuda_extension_or_reason():
     """Return (list_of_extensions, cmdclass, reason_if_skipped)."""
     if _env_flag("ULYSSES_KERNELS_SKIP_CUDA_BUILD"):
@@ -116,6 +176,9 @@ def _cuda_extension_or_reason():
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         if not torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    compiler, why = _match_host_compiler(os.environ, _loaded_libstdcxx())
+    if compiler:
+        _use_host_compiler(compiler, why)
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     cuda_major = torch.version.cuda.split(".")[0]
@@ -130,7 +193,11 @@ def _cuda_extension_or_reason():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
     # No --use_fast_math: the kernels are copies and fp32 sums, where it buys nothing and
     # would flush subnormal gradients to zero.
-    nvcc_flags = ["-O3", "-std=c++20", "-lineinfo",
+    # torch's std::string ABI, stated: cpp_extension no longer passes it, and a GCC built
+    # with the old default (devtoolset-style) would lay out c10::Error's strings unlike the
+    # torch that catches it.
+    abi = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    nvcc_flags = abi + ["-O3", "-std=c++20", "-lineinfo",
                   "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
                   "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
     ext = CUDAExtension(
@@ -140,7 +207,7 @@ def _cuda_extension_or_reason():
         library_dirs=nccl_libs,
         # libnccl.so.2 is what torch itself loads; link the soname so both share one copy.
         extra_link_args=[f"-Wl,-rpath,{d}" for d in nccl_libs] + ["-l:libnccl.so.2"],
-        extra_compile_args={"cxx": ["-O3", "-std=c++20"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": abi + ["-O3", "-std=c++20"], "nvcc": nvcc_flags},
     )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, None
 

@@ -64,6 +64,15 @@ def test_mutability_annotations():
 
 # ----------------------------------------------------- NCCL engine host-side errors
 
+def test_cpp_errors_reach_python_in_a_fresh_process():
+    """The doctor's probe: a TORCH_CHECK in the extension is a RuntimeError, not a crash
+    (the first GPU run's extension, linked by a second GCC, segfaulted here)."""
+    needs_extension()
+    from ulysses_kernels import extensions
+
+    assert extensions.error_path_problem() is None
+
+
 def test_nccl_unique_id_and_handle_errors():
     needs_extension()
     ops = torch.ops.ulysses_kernels

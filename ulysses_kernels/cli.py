@@ -53,6 +53,8 @@ def doctor(_args) -> int:
         _line("  ops", ", ".join(ops))
         why = fused.problem(torch.device("cuda"), ())
         _line("  fused path", "available" if why is None else f"unavailable: the fused path {why}")
+        broken = extensions.error_path_problem()
+        _line("  C++ errors", "raised as RuntimeError" if broken is None else f"BROKEN: {broken}")
     else:
         _line("CUDA extension", f"not available: {reason}")
     kernels, why = extensions.triton_kernels()

@@ -10,6 +10,8 @@ keeps working.
 
 import functools
 import importlib
+import subprocess
+import sys
 from typing import Optional, Tuple
 
 import torch
@@ -33,6 +35,37 @@ def load_extension() -> Tuple[Optional[object], Optional[str]]:
                       f"`pip install --no-build-isolation -e .`: {reason}")
         return None, reason
     return module, None
+
+
+# An op that raises in C++ on any machine (an unknown communicator handle), in a fresh
+# process: if the throw crashes it, this one survives to say so.
+_ERROR_PROBE = """
+import torch, ulysses_kernels._C
+try:
+    torch.ops.ulysses_kernels.nccl_comm_wait(-424242, 1.0)
+except RuntimeError as error:
+    print("raised:", str(error).splitlines()[0])
+"""
+
+
+def error_path_problem(timeout_s: float = 120.0) -> Optional[str]:
+    """Why an error raised by the extension's C++ code does NOT reach Python as a
+    RuntimeError (None when it does). On the first GPU run an extension linked by a GCC
+    whose libstdc++ was not torch's loaded fine and segfaulted on its first TORCH_CHECK;
+    setup.py now picks a matching compiler, and this probe (doctor, gpu_check) tells."""
+    if load_extension()[0] is None:
+        return "the extension is not loaded"
+    try:
+        proc = subprocess.run([sys.executable, "-c", _ERROR_PROBE], capture_output=True,
+                              text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"the probe did not finish in {timeout_s:g} s"
+    if proc.returncode == 0 and "raised:" in proc.stdout:
+        return None
+    how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+    return (f"a C++ error of the extension ended the process ({how}): rebuild with a compiler "
+            f"whose libstdc++ is torch's (ULYSSES_KERNELS_HOST_COMPILER, setup.py); "
+            f"{(proc.stderr.strip().splitlines() or [''])[-1][:200]}")
 
 
 def build_info(name: str, default=None):
