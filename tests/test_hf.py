@@ -278,11 +278,61 @@ def offload_parity(rank, world):
     return dict(same=same, packed=offload.packed, allocations=offload.pool.allocations)
 
 
+# ------------------------------------------------------------------- generation
+
+GEN_NEW_TOKENS = 24
+# (kind, config overrides) per world: GQA with KV heads split and replicated, MHA, MQA.
+GEN_MODELS = {
+    2: [("llama", {}), ("qwen2", dict(num_key_value_heads=4))],
+    3: [("qwen2", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96)),
+        ("llama", dict(num_attention_heads=6, num_key_value_heads=1, hidden_size=96))],
+    4: [("qwen2", {}), ("llama", dict(num_key_value_heads=4))],
+}
+
+
+def gen_prompt(seed, S, B=2):
+    return torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+
+
+def gen_model(kind, attn, config):
+    model = make_model(kind, attn, seed=7, **config)
+    return model.eval()
+
+
+def generation_cases(rank, world):
+    """Greedy generate, prefill logits and cache bytes for GEN_MODELS[world] (odd prompt,
+    batch 2), a prompt shorter than the group, seeded sampling with a different seed on
+    every rank, and the errors (on every rank)."""
+    group = dist.group.WORLD
+    ukhf.register(group)
+    out = {"greedy": [], "prefill": [], "cache_bytes": []}
+    ids = gen_prompt(3, 37)
+    for kind, config in GEN_MODELS[world]:
+        model = gen_model(kind, "ulysses", config)
+        out["greedy"].append(ukhf.generate(model, ids, max_new_tokens=GEN_NEW_TOKENS, do_sample=False))
+        logits, cache = ukhf.prefill(model, ids)
+        out["prefill"].append(logits)
+        out["cache_bytes"].append(cache.bytes_per_rank())
+    model = gen_model(GEN_MODELS[world][0][0], "ulysses", GEN_MODELS[world][0][1])
+    out["short"] = ukhf.generate(model, gen_prompt(4, 2, B=1), max_new_tokens=5, do_sample=False)
+    torch.manual_seed(100 + rank)   # different on every rank: generate shares the first rank's state
+    out["sampled"] = ukhf.generate(model, gen_prompt(5, 19, B=1), max_new_tokens=12, do_sample=True,
+                                   top_k=20, temperature=0.9)
+    out["beam_error"] = _catch(lambda: ukhf.generate(model, ids, max_new_tokens=3, num_beams=2))
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    out["padding_error"] = _catch(lambda: ukhf.generate(model, ids, max_new_tokens=3, attention_mask=mask))
+    out["prompt_error"] = _catch(lambda: ukhf.generate(model, gen_prompt(6 + rank, 37), max_new_tokens=3))
+    out["after"] = ukhf.generate(model, ids[:1], max_new_tokens=3, do_sample=False)   # the group still works
+    return out
+
+
 def run_jobs(rank, world, jobs):
     """Runs on every rank: several workers in one process group (spawning costs seconds),
     {name: result}."""
     funcs = {"sp": sp_cases, "errors": error_cases, "dp_sp": dp_sp_train, "example": example_run,
-             "sp_ring": sp_cases, "wide": wide_heads_train, "offload": offload_parity}
+             "sp_ring": sp_cases, "wide": wide_heads_train, "offload": offload_parity,
+             "generate": generation_cases}
     return {name: funcs[name](rank, world, *args) for name, args in jobs}
 
 
@@ -328,10 +378,12 @@ DP_STEPS = 3
 
 # One spawn per world size (process start-up dominates on CPU); the tests share it.
 _JOBS = {
-    2: [("sp", (SP_CASES,)), ("errors", ()), ("offload", ()),
+    2: [("sp", (SP_CASES,)), ("errors", ()), ("offload", ()), ("generate", ()),
         ("example", (["--sp", "2", "--seq-len", "97", "--steps", "3", "--tiled", "--checkpointing",
                       "--parallel", "fsdp"],))],
-    4: [("sp", (SP_CASES,)), ("dp_sp", (2, DP_MODES, DP_STEPS, DP_SEQS)), ("sp_ring", (SP_CASES, 2))],
+    3: [("generate", ())],
+    4: [("sp", (SP_CASES,)), ("dp_sp", (2, DP_MODES, DP_STEPS, DP_SEQS)), ("sp_ring", (SP_CASES, 2)),
+        ("generate", ())],
     8: [("wide", (2,))],
 }
 _RESULTS = {}
@@ -366,6 +418,46 @@ def test_sp_matches_single_process(world, job):
                 failures.append(f"case {i} logits rel err {err:.2e}")
         for r in range(world):  # after the SP all-reduce every rank holds the full gradient
             failures += [f"case {i} rank {r} {m}" for m in _grad_errors(per_rank[r][i]["grads"], grads)]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_generate_matches_single_device(world):
+    """Greedy tokens equal single-device `model.generate` (eager) on every rank; prefill
+    logits < 1e-5; every rank's cache holds 1/P of the single-device cache (1/Hkv when
+    the KV heads are replicated); seeded sampling identical on every rank."""
+    from transformers import DynamicCache
+
+    per_rank = [r["generate"] for r in _run(world)]
+    ids = gen_prompt(3, 37)
+    failures = []
+    for i, (kind, config) in enumerate(GEN_MODELS[world]):
+        ref = gen_model(kind, "eager", config)
+        want = ref.generate(ids, max_new_tokens=GEN_NEW_TOKENS, do_sample=False)
+        cache = DynamicCache()
+        logits = ref(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        full_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        kv_heads = config.get("num_key_value_heads", 2)
+        share = world if kv_heads % world == 0 else kv_heads
+        for r, got in enumerate(per_rank):
+            if not torch.equal(got["greedy"][i], want):
+                failures.append(f"{kind} {config} rank {r}: tokens differ")
+            err = rel_err(got["prefill"][i], logits)
+            if not err < TOL:
+                failures.append(f"{kind} {config} rank {r}: prefill logits rel err {err:.2e}")
+            if got["cache_bytes"][i] * share != full_bytes:
+                failures.append(f"{kind} {config} rank {r}: cache {got['cache_bytes'][i]} B, single device "
+                                f"{full_bytes} B, expected 1/{share}")
+    kind, config = GEN_MODELS[world][0]
+    ref = gen_model(kind, "eager", config)
+    assert torch.equal(per_rank[0]["short"], ref.generate(gen_prompt(4, 2, B=1), max_new_tokens=5, do_sample=False))
+    for r, got in enumerate(per_rank):
+        assert torch.equal(got["sampled"], per_rank[0]["sampled"]), f"rank {r} sampled other tokens"
+        assert torch.equal(got["short"], per_rank[0]["short"]) and torch.equal(got["after"], per_rank[0]["after"])
+        assert "beam search" in got["beam_error"], got["beam_error"]
+        assert "padded prompts" in got["padding_error"], got["padding_error"]
+        assert "different prompts" in got["prompt_error"], got["prompt_error"]
+    assert per_rank[0]["sampled"].shape == (1, 19 + 12)
     assert not failures, "\n".join(failures)
 
 

@@ -81,3 +81,21 @@ def test_planner_within_15_percent_of_measured_cpu_peaks():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads(out.stdout[out.stdout.index("["):out.stdout.rindex("]") + 1])
     assert len(rows) == 2 and all(0.85 <= r["ratio"] <= 1.15 for r in rows), rows
+
+
+def test_prefill_terms_kv_cache_and_limits():
+    """The prefill model: the KV cache term is this rank's heads (1/P split, one head when
+    replicated) of layers x 2 x head_dim x S; the longest prefill grows with memory and
+    with a tiled MLP, and fits exactly at its own answer."""
+    from ulysses_kernels.planner import GIB, max_prefill_len, prefill_terms
+
+    llama = PRESETS["llama-3-8b"]          # 8 KV heads: split over 8, replicated over 16
+    S = 1 << 20
+    per_token = llama.layers * 2 * llama.head_dim * 2
+    assert prefill_terms(llama, S, 8)["KV cache (this rank's heads)"] == per_token * S
+    assert prefill_terms(llama, S, 16)["KV cache (this rank's heads)"] == per_token * S
+    assert prefill_terms(llama, S, 4)["KV cache (this rank's heads)"] == 2 * per_token * S
+    n = max_prefill_len(llama, 8, 80.0)
+    assert n > 0 and sum(prefill_terms(llama, n, 8).values()) <= 80 * GIB
+    assert sum(prefill_terms(llama, n + (1 << 14), 8).values()) > 80 * GIB
+    assert max_prefill_len(llama, 8, 80.0, mlp_tile=4096) > n > max_prefill_len(llama, 8, 40.0)

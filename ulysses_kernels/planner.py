@@ -229,3 +229,47 @@ def format_plan(name: str, o: PlanOptions, result: Plan) -> str:
         lines.append(f"  host memory per GPU: {k}: {v:.2f} GiB")
     lines.append(f"\nlongest sequence that fits with these options: {result.max_seq_len:,} tokens")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- inference (prefill)
+
+def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int = 2, batch: int = 1,
+                  mlp_tile: Optional[int] = None, reserve_gib: float = 2.0) -> Dict[str, float]:
+    """Per-GPU bytes of `hf.prefill` of `seq_len` tokens over `sp` GPUs (no gradients,
+    ``logits_to_keep=1``): the replicated weights, this rank's head-sharded KV cache of
+    every layer, and the largest phase of one layer (attention: the sequence shard's
+    q/k/v and output, their head-sharded copies over the whole sequence and the cache's
+    own K/V exchange; MLP: gate, up and their product, over the local tokens or one
+    `mlp_tile` of them with `patch_model`'s tiled MLP). A model, not a measurement."""
+    local = math.ceil(seq_len / sp) * batch
+    total = seq_len * batch
+    d, b = shape.head_dim, dtype_bytes
+    kv_local = shape.kv_heads // sp if shape.kv_heads % sp == 0 else 1
+    q_local = shape.heads // sp
+    hidden = 2 * local * shape.hidden * b                          # residual stream + its norm
+    attention = (local * (2 * shape.heads + 2 * shape.kv_heads) * d * b   # q, k, v and the output, local
+                 + total * (2 * q_local + 2 * kv_local) * d * b           # the same, head-sharded
+                 + total * 2 * kv_local * d * b)                          # the cache's K/V exchange
+    mlp = 3 * min(local, mlp_tile or local) * shape.intermediate * b
+    return {
+        "weights (replicated)": shape.params * b,
+        "KV cache (this rank's heads)": shape.layers * 2 * kv_local * d * total * b,
+        "hidden states": hidden,
+        "one layer (peak phase)": max(attention, mlp),
+        "last-position logits": batch * shape.vocab * 4,
+        "reserve": reserve_gib * GIB,
+    }
+
+
+def max_prefill_len(shape: ModelShape, sp: int, gpu_memory_gib: float, granularity: int = 1 << 14,
+                    **options) -> int:
+    """The longest prompt (a multiple of `granularity`) whose `prefill_terms` fit; 0 if none."""
+    def fits(S):
+        return sum(prefill_terms(shape, S, sp, **options).values()) <= gpu_memory_gib * GIB
+    lo, hi = 0, granularity
+    while fits(hi) and hi < 1 << 34:
+        lo, hi = hi, hi * 2
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
