@@ -324,7 +324,28 @@ def generation_cases(rank, world):
     out["padding_error"] = _catch(lambda: ukhf.generate(model, ids, max_new_tokens=3, attention_mask=mask))
     out["prompt_error"] = _catch(lambda: ukhf.generate(model, gen_prompt(6 + rank, 37), max_new_tokens=3))
     out["after"] = ukhf.generate(model, ids[:1], max_new_tokens=3, do_sample=False)   # the group still works
+    if world == 2:   # chunked prefill: chunks of 10 (the last of 7), and of 1 (every chunk replicated)
+        out["chunked"] = [(ukhf.prefill(model, ids, chunk_size=n)[0],
+                           ukhf.generate(model, ids, max_new_tokens=8, do_sample=False, prefill_chunk_size=n))
+                          for n in (10, 1)]
     return out
+
+
+def ring_generation_cases(rank, world):
+    """Ulysses 2 x ring 2: greedy tokens, prefill logits (one chunk per ring rank, and
+    chunks of 5) and the cache (each ring rank holds its chunks' tokens)."""
+    import ulysses_kernels as uk
+
+    groups = uk.init_sequence_parallel(world, ring_size=2)
+    ukhf.register(groups)
+    ids = gen_prompt(3, 37)
+    kind, config = GEN_MODELS[4][0]
+    model = gen_model(kind, "ulysses", config)
+    logits, cache = ukhf.prefill(model, ids, groups)
+    return dict(greedy=ukhf.generate(model, ids, groups, max_new_tokens=GEN_NEW_TOKENS, do_sample=False),
+                greedy_chunked=ukhf.generate(model, ids, max_new_tokens=6, do_sample=False, prefill_chunk_size=5),
+                prefill=logits, cache_bytes=cache.bytes_per_rank(), held=list(cache.held),
+                ranks=(groups.ulysses_rank, groups.ring_rank))
 
 
 def run_jobs(rank, world, jobs):
@@ -332,8 +353,17 @@ def run_jobs(rank, world, jobs):
     {name: result}."""
     funcs = {"sp": sp_cases, "errors": error_cases, "dp_sp": dp_sp_train, "example": example_run,
              "sp_ring": sp_cases, "wide": wide_heads_train, "offload": offload_parity,
-             "generate": generation_cases}
+             "generate": generation_cases, "generate_ring": ring_generation_cases,
+             "example_generate": example_generate_run}
     return {name: funcs[name](rank, world, *args) for name, args in jobs}
+
+
+def example_generate_run(rank, world, argv):
+    """examples/generate_hf.py's run() in this process group."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import generate_hf
+
+    return generate_hf.run(rank, world, argv)
 
 
 def example_run(rank, world, argv):
@@ -379,11 +409,12 @@ DP_STEPS = 3
 # One spawn per world size (process start-up dominates on CPU); the tests share it.
 _JOBS = {
     2: [("sp", (SP_CASES,)), ("errors", ()), ("offload", ()), ("generate", ()),
+        ("example_generate", (["--prompt-len", "61", "--new-tokens", "6", "--check"],)),
         ("example", (["--sp", "2", "--seq-len", "97", "--steps", "3", "--tiled", "--checkpointing",
                       "--parallel", "fsdp"],))],
     3: [("generate", ())],
     4: [("sp", (SP_CASES,)), ("dp_sp", (2, DP_MODES, DP_STEPS, DP_SEQS)), ("sp_ring", (SP_CASES, 2)),
-        ("generate", ())],
+        ("generate", ()), ("generate_ring", ())],
     8: [("wide", (2,))],
 }
 _RESULTS = {}
@@ -458,7 +489,56 @@ def test_generate_matches_single_device(world):
         assert "padded prompts" in got["padding_error"], got["padding_error"]
         assert "different prompts" in got["prompt_error"], got["prompt_error"]
     assert per_rank[0]["sampled"].shape == (1, 19 + 12)
+    if world == 2:
+        kind, config = GEN_MODELS[2][0]
+        ref = gen_model(kind, "eager", config)
+        want_logits = ref(ids).logits[:, -1]
+        want = ref.generate(ids, max_new_tokens=8, do_sample=False)
+        for r, got in enumerate(per_rank):
+            for n, (logits, tokens) in zip((10, 1), got["chunked"]):
+                err = rel_err(logits, want_logits)
+                if not err < TOL:
+                    failures.append(f"rank {r} chunk {n}: prefill logits rel err {err:.2e}")
+                if not torch.equal(tokens, want):
+                    failures.append(f"rank {r} chunk {n}: tokens differ")
     assert not failures, "\n".join(failures)
+
+
+def test_example_generate_hf_runs():
+    """examples/generate_hf.py at SP 2: the tokens of single-device generate, the same on
+    both ranks, and its measurements."""
+    per_rank = [r["example_generate"] for r in _run(2)]
+    assert per_rank[0]["matches_single_device"] is True
+    assert torch.equal(per_rank[0]["tokens"], per_rank[1]["tokens"])
+    assert per_rank[0]["tokens"].shape == (1, 61 + 6)
+    for r in per_rank:
+        assert r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0 and r["cache_bytes"] > 0 and r["peak_bytes"] > 0
+
+
+def test_generate_with_ulysses_x_ring():
+    """SP 4 = Ulysses 2 x ring 2: the same tokens as single-device generate; the ring ranks
+    hold the prompt's tokens between them (19 + 18), each for its Ulysses rank's KV head."""
+    from transformers import DynamicCache
+
+    per_rank = [r["generate_ring"] for r in _run(4)]
+    kind, config = GEN_MODELS[4][0]
+    ref = gen_model(kind, "eager", config)
+    ids = gen_prompt(3, 37)
+    want = ref.generate(ids, max_new_tokens=GEN_NEW_TOKENS, do_sample=False)
+    want_short = ref.generate(ids, max_new_tokens=6, do_sample=False)
+    cache = DynamicCache()
+    logits = ref(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    full_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    for r, got in enumerate(per_rank):
+        assert torch.equal(got["greedy"], want), f"rank {r}"
+        assert torch.equal(got["greedy_chunked"], want_short), f"rank {r} (chunks of 5)"
+        assert rel_err(got["prefill"], logits) < TOL
+        assert got["held"] == [19, 18]
+    by_ulysses = {}
+    for got in per_rank:
+        by_ulysses.setdefault(got["ranks"][0], 0)
+        by_ulysses[got["ranks"][0]] += got["cache_bytes"]
+    assert all(b * 2 == full_bytes for b in by_ulysses.values()), (by_ulysses, full_bytes)
 
 
 def _global_order(local_concat, world, ring):

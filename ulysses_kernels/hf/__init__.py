@@ -32,7 +32,9 @@ Design notes
   any rank of the group: the ranks agree through one tiny all-reduce per forward, so all
   of them raise together instead of some hanging) raises `ValueError`; so do custom 4-D
   masks, sliding windows shorter than the global sequence, attention logit softcapping,
-  attention sinks, dropout > 0 and KV caches (generation). Nothing is silently dropped.
+  attention sinks, dropout > 0 and KV caches outside `generate` / `prefill` (inference.py:
+  sequence-parallel prefill and generation from a head-sharded cache). Nothing is
+  silently dropped.
 * **Packed documents.** Position ids restarting at 0 (any break in `p[t] = p[t-1] + 1`,
   the rule transformers itself uses) mark document boundaries; attention never crosses
   them. The robust path is `shard_batch`: it computes the *global* `cu_seqlens` once from
@@ -58,7 +60,8 @@ Design notes
   `patch_model(..., offload_checkpoints=True)` keeps the checkpointed layers' saved inputs
   in pinned host memory until the backward (`offload.py`).
 
-Files: `attention.py` (registration, masks, the attention function), `batch.py`
+Files: `attention.py` (registration, masks, the attention function), `inference.py`
+(`generate`, `prefill`, the head-sharded KV cache), `batch.py`
 (`shard_batch`), `loss.py`, `parallel.py` (gradient reduction, DDP, FSDP2), `tiling.py`
 (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
 """

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..api import flash_attention, gather_sequence, ulysses_attention
+from ..api import gather_sequence, ulysses_attention
 from ..groups import collective_device, resolve_group
 from ..zigzag import sp_lengths
 from .batch import cu_seqlens_from_position_ids, split_groups
@@ -36,7 +36,7 @@ class _State:
     group_set = False     # set_sequence_parallel_group was called
     backend: Optional[str] = None
     warned_local_positions = False
-    decode_cache = None   # the HeadShardedCache of a decode in progress (inference.decoding)
+    inference_cache = None   # the HeadShardedCache of a prefill/decode in progress (inference.decoding)
 
 
 _STATE = _State()
@@ -219,9 +219,9 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     for kw, what in _UNSUPPORTED_KW.items():
         if kwargs.get(kw) is not None:
             raise ValueError(f"{where}: {what} ({kw}) is not supported")
-    if _STATE.decode_cache is not None:
+    if _STATE.inference_cache is not None:   # hf.prefill / hf.generate: a chunk over the KV cache
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        return decode_attention(_STATE.decode_cache, query, key, value, scaling, causal), None
+        return _STATE.inference_cache.attention(query, key, value, scaling, causal), None
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"{where}: query length {query.shape[2]} != key length {key.shape[2]} "
                          "(a KV cache / generation?): train with use_cache=False, generate with "
@@ -262,18 +262,3 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                             backend=_STATE.backend, ring_group=_STATE.ring_group)
     return out, None
 
-
-def decode_attention(cache, query, key, value, scaling, causal):
-    """A decode step (see hf/inference.py): query `[B, Hq, T, D]` (every head, the same on
-    every rank), key/value `[B, Hkv_local, S, D]` (this rank's cache after its update) ->
-    `[B, T, Hq, D]`: this rank's query heads over its cache (bottom-right causal), the
-    head outputs all-gathered in rank order, so every rank continues with every head."""
-    q = query[:, cache.own_q_heads()].transpose(1, 2)
-    k, v = key.transpose(1, 2), value.transpose(1, 2)
-    out = flash_attention(q, k, v, causal=causal, softmax_scale=scaling).contiguous()
-    if cache.world == 1:
-        return out
-    dev = collective_device(cache.group)
-    parts = [torch.empty(out.shape, dtype=out.dtype, device=dev) for _ in range(cache.world)]
-    dist.all_gather(parts, out.to(dev), group=cache.group)
-    return torch.cat(parts, dim=2).to(out.device)

@@ -1,39 +1,49 @@
 """Sequence-parallel inference for Hugging Face causal LMs: a Ulysses prefill of a long
-prompt, then generation from a head-sharded KV cache.
+prompt (in chunks if asked), then generation from a head-sharded KV cache.
 
-After the prefill's all-to-all every rank holds the K/V of *its* heads for the *whole*
-prompt, which is the layout decoding wants, so the cache is kept exactly so
-(`HeadShardedCache`) and never reshuffled:
+After a Ulysses all-to-all every rank holds *its* heads for the *whole* sequence, which
+is the layout decoding wants, so the cache keeps exactly that (`HeadShardedCache`) and is
+never reshuffled. Every model forward of the prefill and the decode is a **chunk** of new
+tokens, attending to the cache and causally to itself:
 
-* **Prefill** (`prefill`): the prompt is sharded along the sequence (`shard_batch`) and
-  the model runs on every rank with the ``"ulysses"`` attention. Each layer's
-  `cache.update` receives the rank's sequence shard of K/V for every KV head, trades it
-  for its own KV heads over the whole shard set (one more all-to-all of K/V only) and
-  stores that; the attention itself runs as in training. ``logits_to_keep=1``: no
-  `[S, vocab]` logits; the last position's logits come from the rank that holds it.
-* **Decode** (`generate`, or `model(next_ids, past_key_values=cache)` inside
-  `decoding(cache)`): every rank runs the model on the same new token(s) (weights are
-  replicated in a sequence-parallel group). In each layer the cache appends the new K/V
-  of the rank's own KV heads; the attention computes the rank's query heads over its
-  cache (bottom-right causal) and all-gathers the head outputs, so every rank goes on
-  with the same full hidden state and draws the same token.
+* **Sharded chunk** (the prefill, `prefill`): the chunk is split along the sequence over
+  the Ulysses group. Each layer's `cache.update` trades the rank's shard of K/V for its
+  own KV heads over the whole chunk (one all-to-all of K/V); the attention trades the
+  queries likewise, attends over the cache, and trades the output back (heads to
+  sequence). ``logits_to_keep=1``: no `[S, vocab]` logits.
+* **Replicated chunk** (decode, and chunks shorter than the Ulysses degree): every rank
+  runs the model on the same token(s) (weights are replicated in a sequence-parallel
+  group); the cache keeps the rank's own KV heads, the attention computes the rank's
+  query heads and all-gathers the head outputs, so every rank continues with the same
+  hidden state and draws the same token.
+* **Ulysses x Ring**: the ring dimension holds sequence shards of the cache. All ring
+  ranks run the same chunk (each with its Ulysses group); one of them, the one holding
+  the fewest tokens, appends the chunk's K/V; each attends over what it holds (causally
+  only where the chunk is) and the partial outputs are merged by log-sum-exp over the
+  ring group. Prefill uses one chunk per ring rank by default, so each holds 1/R of the
+  prompt. The non-attention layers of a chunk run on every ring rank (R times).
 
-Per-rank KV memory is 1/P of a single-device cache when the KV heads split over the P
-ranks, 1/Hkv when they are replicated (fewer KV heads than ranks).
+Per-rank KV memory: the prompt's K/V over the KV heads split (or, with fewer KV heads
+than the Ulysses degree, replicated) over the Ulysses ranks, and over ring ranks by tokens.
 """
 
 import contextlib
+import inspect
+import math
 from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..api import flash_attention, heads_to_seq, resolve_path, seq_to_heads
+from ..extensions import triton_kernels
 from ..groups import collective_device, resolve_group
-from ..layout import head_plan_error, place_heads
+from ..layout import head_plan_error, place_heads, split_lengths
+from ..reference import reference_attention
 from ..reference.exchange import SeqToHeads
 from .attention import _STATE as _ATTN_STATE
-from .attention import _require_transformers, _sp_group, get_sequence_parallel_group
-from .batch import shard_batch, split_groups
+from .attention import _require_transformers, _sp_group
+from .batch import split_groups
 
 _UNSUPPORTED_GENERATION = {
     "num_beams": (1, "beam search"),
@@ -44,174 +54,174 @@ _UNSUPPORTED_GENERATION = {
 }
 
 
-# ------------------------------------------------------------------------ the cache
-
-def _cache_base():
-    _require_transformers()
-    from transformers import DynamicCache
-
-    return DynamicCache
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 def _head_counts(model) -> Tuple[int, int]:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     hq = int(config.num_attention_heads)
-    hkv = int(getattr(config, "num_key_value_heads", None) or hq)
-    return hq, hkv
+    return hq, int(getattr(config, "num_key_value_heads", None) or hq)
 
+
+def _resolve_groups(group):
+    """(Ulysses group, ring group or None): from `group` (a process group or the groups of
+    `init_sequence_parallel`), else from the groups `register` set."""
+    if group is None:
+        _sp_group()  # refuses an unset group in a multi-rank world
+        return _ATTN_STATE.group, _ATTN_STATE.ring_group
+    return split_groups(group)
+
+
+# ------------------------------------------------------------------------ the cache
 
 def make_cache(model, group=None):
-    """A `HeadShardedCache` for `model` on this rank of `group` (default: the group set by
-    `register` / `set_sequence_parallel_group`). It is a transformers `DynamicCache`."""
-    base = _cache_base()
-    group = group if group is not None else get_sequence_parallel_group()
+    """A `HeadShardedCache` for `model` on this rank (groups as in `generate`). It is a
+    transformers `DynamicCache`; `prefill` fills it, `decoding(cache)` reads it."""
+    _require_transformers()
+    from transformers import DynamicCache
 
-    class HeadShardedCache(base):
-        """KV cache of one rank of a Ulysses group: the K/V of the KV heads this rank owns
-        (split, or replicated when Hkv < P), for the whole sequence. `update` knows two
-        modes: during `prefill` it receives the rank's sequence shard of every KV head and
-        exchanges it; while decoding it receives the new tokens' K/V of every KV head,
-        identical on every rank, and keeps its own heads."""
+    ulysses_group, ring_group = _resolve_groups(group)
+
+    class HeadShardedCache(DynamicCache):
+        """One rank's KV cache: the KV heads it owns in its Ulysses group, for the tokens
+        its ring rank holds (all of them without a ring). See the module doc."""
 
         def __init__(self):
             super().__init__()
-            self.group, self.world, self.rank = resolve_group(group)
+            self.ulysses = resolve_group(ulysses_group)
+            self.ring = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
             self.num_q_heads, self.num_kv_heads = _head_counts(model)
-            err = head_plan_error(self.world, self.num_q_heads, self.num_kv_heads)
+            err = head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
             if err:
                 raise ValueError(f"HeadShardedCache: {err}")
-            self.q_heads = place_heads(self.num_q_heads, self.world)
-            self.kv_heads = place_heads(self.num_kv_heads, self.world)
-            self.prefill_lens: Optional[List[int]] = None   # set while a prefill runs
+            self.q_place = place_heads(self.num_q_heads, self.ulysses[1])
+            self.kv_place = place_heads(self.num_kv_heads, self.ulysses[1])
+            self.held = [0] * self.ring[1]      # tokens each ring rank holds (the same list on every rank)
+            self.chunk_lens: Optional[List[int]] = None   # Ulysses shard lengths of a sharded chunk
+            self._holds_chunk = True
 
-        def own_q_heads(self) -> slice:
-            start = self.q_heads.source_head(self.rank)
-            return slice(start, start + self.q_heads.local)
-
-        def own_kv_heads(self) -> slice:
-            start = self.kv_heads.source_head(self.rank)
-            return slice(start, start + self.kv_heads.local)
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            # transformers' layout: [B, H, S, D]
-            if self.prefill_lens is not None:
-                if self.world == 1:
-                    mine = key_states, value_states
-                else:
-                    k, v = (x.transpose(1, 2).contiguous() for x in (key_states, value_states))
-                    k, v = SeqToHeads.apply(self.group, self.rank, self.prefill_lens, k, v)
-                    mine = k.transpose(1, 2), v.transpose(1, 2)
-                super().update(mine[0], mine[1], layer_idx, *args, **kwargs)
-                return key_states, value_states   # the prefill's attention runs as in training
-            own = self.own_kv_heads()
-            return super().update(key_states[:, own], value_states[:, own], layer_idx, *args, **kwargs)
+        # -- bookkeeping
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            return sum(self.held)
 
         def bytes_per_rank(self) -> int:
             """Bytes of K/V this rank holds."""
-            total = 0
-            for layer in self.layers:
-                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                    if isinstance(t, torch.Tensor):
-                        total += t.numel() * t.element_size()
-            return total
+            return sum(t.numel() * t.element_size() for layer in self.layers
+                       for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                       if isinstance(t, torch.Tensor))
+
+        def _own(self, place) -> slice:
+            start = place.source_head(self.ulysses[2])
+            return slice(start, start + place.local)
+
+        # -- the two halves of a layer's attention
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            """K/V of the chunk `[B, Hkv, T_local, D]` -> this rank's held K/V `[B, Hkv_own, S_held, D]`."""
+            sharded = self.chunk_lens is not None
+            if layer_idx == 0:   # a new chunk: the ring rank holding the fewest tokens takes it
+                total = sum(self.chunk_lens) if sharded else key_states.shape[2]
+                holder = min(range(len(self.held)), key=lambda i: self.held[i])
+                self.held[holder] += total
+                self._holds_chunk = holder == self.ring[2]
+            if sharded:
+                k, v = (x.transpose(1, 2).contiguous() for x in (key_states, value_states))
+                group, _, rank = self.ulysses
+                k, v = SeqToHeads.apply(group, rank, self.chunk_lens, k, v)
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            else:
+                own = self._own(self.kv_place)
+                k, v = key_states[:, own], value_states[:, own]
+            if self._holds_chunk:
+                return super().update(k, v, layer_idx, *args, **kwargs)
+            if layer_idx < len(self.layers) and getattr(self.layers[layer_idx], "keys", None) is not None \
+                    and self.layers[layer_idx].keys.numel():
+                return self.layers[layer_idx].keys, self.layers[layer_idx].values
+            return k[:, :, :0], v[:, :, :0]
+
+        def attention(self, query, key, value, scaling, causal):
+            """query `[B, Hq, T_local, D]`, key/value from `update` -> `[B, T_local, Hq, D]`."""
+            group, world, _ = self.ulysses
+            q = query.transpose(1, 2)
+            sharded = self.chunk_lens is not None and world > 1
+            if sharded:
+                q = seq_to_heads(q.contiguous(), group, seq_lens=self.chunk_lens)
+            else:
+                q = q[:, :, self._own(self.q_place)]
+            k, v = key.transpose(1, 2), value.transpose(1, 2)
+            causal = causal and self._holds_chunk   # keys held elsewhere all precede the chunk
+            if self.ring[1] == 1:
+                out = flash_attention(q, k, v, causal=causal, softmax_scale=scaling)
+            else:
+                out = _merge_over_ring(*_attention_with_lse(q, k, v, causal, scaling), self.ring[0], q.dtype)
+            if sharded:
+                return heads_to_seq(out.contiguous(), group, seq_lens=self.chunk_lens)
+            return _all_gather_heads(out.contiguous(), group, world)
 
     return HeadShardedCache()
 
 
 def is_head_sharded(cache) -> bool:
-    return cache is not None and type(cache).__name__ == "HeadShardedCache" and hasattr(cache, "prefill_lens")
+    return cache is not None and type(cache).__name__ == "HeadShardedCache" and hasattr(cache, "held")
 
 
-# ------------------------------------------------------------------------ decoding
+def _attention_with_lse(q, k, v, causal, scale):
+    """(out, lse `[B, H, T]`) of one ring rank's keys; no keys: zeros and -inf."""
+    B, T, H, D = q.shape
+    if k.shape[1] == 0:
+        return torch.zeros_like(q), torch.full((B, H, T), float("-inf"), device=q.device)
+    if resolve_path(None, q.device, distributed=False, tensors=(q, k, v)) == "reference":
+        return reference_attention(q, k, v, causal=causal, softmax_scale=scale)
+    kernels, why = triton_kernels()
+    if kernels is None:
+        raise RuntimeError(f"ulysses_kernels.hf inference: the Triton kernels cannot be used: {why}")
+    return kernels.flash_attention_forward(q, k, v, causal=causal, softmax_scale=scale)
+
+
+def _merge_over_ring(out, lse, ring_group, dtype):
+    """The softmax-weighted merge of every ring rank's partial attention (identical on every
+    ring rank: the same gathered lists, the same arithmetic, in fp32)."""
+    world = dist.get_world_size(ring_group)
+    dev = collective_device(ring_group)
+    outs = [torch.empty(out.shape, dtype=torch.float32, device=dev) for _ in range(world)]
+    lses = [torch.empty(lse.shape, dtype=torch.float32, device=dev) for _ in range(world)]
+    dist.all_gather(outs, out.float().to(dev), group=ring_group)
+    dist.all_gather(lses, lse.float().to(dev), group=ring_group)
+    lse_all = torch.stack(lses)                                   # [R, B, H, T]
+    total = torch.logsumexp(lse_all, dim=0)
+    safe = torch.where(torch.isinf(total), torch.zeros_like(total), total)
+    weights = torch.exp(lse_all - safe).transpose(2, 3).unsqueeze(-1)   # [R, B, T, H, 1]
+    return (weights * torch.stack(outs)).sum(0).to(device=out.device, dtype=dtype)
+
+
+def _all_gather_heads(out, group, world):
+    if world == 1:
+        return out
+    dev = collective_device(group)
+    parts = [torch.empty(out.shape, dtype=out.dtype, device=dev) for _ in range(world)]
+    dist.all_gather(parts, out.to(dev), group=group)
+    return torch.cat(parts, dim=2).to(out.device)
+
 
 @contextlib.contextmanager
 def decoding(cache):
-    """Within this context every call of the ``"ulysses"`` attention is a decode step
-    over `cache` (`attention.decode_attention`): the new tokens, the same on every rank,
-    attend to the cache of this rank's heads. `generate` enters it."""
+    """Within this context every call of the ``"ulysses"`` attention is a chunk over
+    `cache` (see the module doc): `model(next_ids, cache=cache)` works in custom loops.
+    `generate` and `prefill` enter it themselves."""
     if not is_head_sharded(cache):
         raise TypeError(f"decoding() needs the HeadShardedCache of prefill/make_cache, got {type(cache).__name__}")
-    previous, _ATTN_STATE.decode_cache = _ATTN_STATE.decode_cache, cache
+    previous, _ATTN_STATE.inference_cache = _ATTN_STATE.inference_cache, cache
     try:
         yield cache
     finally:
-        _ATTN_STATE.decode_cache = previous
+        _ATTN_STATE.inference_cache = previous
 
 
 # ----------------------------------------------------------------------- public API
 
-def _groups(group):
-    group = group if group is not None else get_sequence_parallel_group()
-    group, ring = split_groups(group)
-    if ring is not None or _ATTN_STATE.ring_group is not None:
-        raise ValueError("ulysses_kernels.hf inference: Ulysses x Ring groups are not supported yet "
-                         "(pure Ulysses only: the ring dimension would hold sequence shards of the cache)")
-    if group is None:
-        group = _ATTN_STATE.group if _ATTN_STATE.group_set else None
-    _sp_group()  # refuses an unset group in a multi-rank world
-    return group
-
-
-def _same_prompt_everywhere(input_ids, group, where):
-    """Every rank must pass the same prompt: one all-gather of (shape, checksum) so a
-    mismatch raises on every rank instead of desynchronising the collectives."""
-    group, world, _ = resolve_group(group)
-    if input_ids.dim() != 2:
-        raise ValueError(f"{where}: input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
-    if group is None or world == 1:
-        return
-    ids = input_ids.detach().to(torch.int64).cpu()
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64).view_as(ids) % 1000003
-    mine = torch.tensor([ids.shape[0], ids.shape[1], int((ids * weights).sum())], dtype=torch.int64)
-    dev = collective_device(group)
-    got = [torch.empty(3, dtype=torch.int64, device=dev) for _ in range(world)]
-    dist.all_gather(got, mine.to(dev), group=group)
-    if any(not torch.equal(g.cpu(), got[0].cpu()) for g in got):
-        raise ValueError(f"{where}: the ranks of the sequence-parallel group passed different prompts "
-                         f"(shapes/checksums {[g.tolist() for g in got]}); every rank must pass the same input_ids")
-
-
-@torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None):
-    """Run the prompt `[B, S]` (the same on every rank) through `model` sequence-parallel
-    and return ``(logits, cache)``: the last position's logits `[B, vocab]` (on every rank)
-    and a `HeadShardedCache` holding this rank's KV heads for all S tokens, which
-    plugs into the model's next forward inside `decoding(cache)`. An existing `cache`
-    is extended (chunked prefill: each chunk attends to the cache and causally to itself
-    is NOT supported yet; pass a fresh cache)."""
-    group = _groups(group)
-    _same_prompt_everywhere(input_ids, group, "prefill")
-    cache = cache if cache is not None else make_cache(model, group)
-    if cache.get_seq_length() != 0:
-        raise ValueError("prefill: the cache already holds tokens; chunked prefill (appending a chunk to a "
-                         "filled cache) is not supported yet: prefill the whole prompt into a fresh cache")
-    group, world, rank = resolve_group(group)
-    batch = shard_batch(input_ids, group)
-    if input_ids.shape[1] < world:
-        raise ValueError(f"prefill: a prompt of {input_ids.shape[1]} tokens is shorter than the "
-                         f"sequence-parallel group ({world} ranks); every rank needs at least one token")
-    cache.prefill_lens = list(batch.seq_lens)
-    try:
-        out = model(input_ids=batch.input_ids, position_ids=batch.position_ids, **{_cache_keyword(model): cache},
-                    use_cache=True, logits_to_keep=1, ulysses_cu_seqlens=batch.cu_seqlens,
-                    ulysses_seq_lens=list(batch.seq_lens))
-    finally:
-        cache.prefill_lens = None
-    logits = out.logits[:, -1].contiguous()
-    if world > 1:  # the last token lives on the last rank of the group
-        dev = collective_device(group)
-        last = logits.to(dev)
-        src = dist.get_global_rank(group, world - 1) if group is not None else world - 1
-        dist.broadcast(last, src=src, group=group)
-        logits = last.to(logits.device)
-    return logits, cache
-
-
 def _cache_keyword(model) -> str:
     """transformers renamed the forward's `past_key_values` to `cache` (5.2x, with a
     deprecation warning for the old name): use whichever this model's forward takes."""
-    import inspect
-
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -219,86 +229,149 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _grid(cache):
+    return [g for g in (cache.ulysses[0], cache.ring[0]) if g is not None and dist.get_world_size(g) > 1]
+
+
+def _same_everywhere(t: torch.Tensor, groups, what: str, error=ValueError):
+    """`t` (small, int64) equal on every rank of every group, else `error` on every rank."""
+    for group in groups:
+        world = dist.get_world_size(group)
+        dev = collective_device(group)
+        got = [torch.empty(t.shape, dtype=t.dtype, device=dev) for _ in range(world)]
+        dist.all_gather(got, t.to(dev), group=group)
+        if any(not torch.equal(g, got[0]) for g in got):
+            raise error(what)
+
+
+def _prompt_signature(input_ids):
+    ids = input_ids.detach().to(torch.int64).cpu()
+    weights = (torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1000003).view_as(ids)
+    return torch.tensor([ids.shape[0], ids.shape[1], int((ids * weights).sum())], dtype=torch.int64)
+
+
+def _check_prompt(input_ids, cache, where):
+    if input_ids.dim() != 2:
+        raise ValueError(f"{where}: input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+    _same_everywhere(_prompt_signature(input_ids), _grid(cache),
+                     f"{where}: the ranks of the sequence-parallel group passed different prompts; every rank "
+                     f"must pass the same input_ids")
+
+
+def _run_chunk(model, cache, ids, start):
+    """One forward of `ids` `[B, T]` (global positions from `start`) over the cache; returns
+    the last position's logits `[B, vocab]`, the same on every rank."""
+    group, world, rank = cache.ulysses
+    B, T = ids.shape
+    positions = torch.arange(start, start + T, device=ids.device).unsqueeze(0).expand(B, T)
+    sharded = world > 1 and T >= world
+    if sharded:
+        lens = split_lengths(T, world)
+        lo = sum(lens[:rank])
+        ids, positions = ids[:, lo:lo + lens[rank]], positions[:, lo:lo + lens[rank]]
+        cache.chunk_lens = lens
+    try:
+        with decoding(cache):
+            out = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **{_cache_keyword(model): cache})
+    finally:
+        cache.chunk_lens = None
+    logits = out.logits[:, -1].contiguous()
+    if sharded:   # the last token lives on the last Ulysses rank
+        dev = collective_device(group)
+        last = logits.to(dev)
+        dist.broadcast(last, src=dist.get_global_rank(group, world - 1), group=group)
+        logits = last.to(logits.device)
+    return logits
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_size: Optional[int] = None):
+    """Run the prompt `[B, S]` (the same on every rank) through `model` sequence-parallel
+    and return ``(logits, cache)``: the last position's logits `[B, vocab]` (the same on
+    every rank) and the `HeadShardedCache` (extended when given). Use the cache inside
+    `decoding(cache)`: ``model(next_ids, cache=cache)``.
+
+    chunk_size: tokens per forward (default: the whole prompt; with a ring, one chunk per
+    ring rank). Each chunk attends to the cache and causally to itself, so activation
+    memory is bounded by the chunk while the cache grows.
+    """
+    cache = cache if cache is not None else make_cache(model, group)
+    _check_prompt(input_ids, cache, "prefill")
+    S = input_ids.shape[1]
+    if S == 0:
+        raise ValueError("prefill: an empty prompt")
+    if chunk_size is None:
+        chunk_size = math.ceil(S / cache.ring[1])
+    if chunk_size < 1:
+        raise ValueError(f"prefill: chunk_size must be positive, got {chunk_size}")
+    start, logits = cache.get_seq_length(), None
+    for c0 in range(0, S, chunk_size):
+        logits = _run_chunk(model, cache, input_ids[:, c0:c0 + chunk_size], start + c0)
+    return logits, cache
+
+
 def _check_generation_kwargs(model, kwargs):
     config = kwargs.get("generation_config")
     for name, (neutral, what) in _UNSUPPORTED_GENERATION.items():
         value = kwargs.get(name, getattr(config, name, neutral) if config is not None else neutral)
-        if value is None and neutral is None:
-            continue
         if value != neutral:
             raise ValueError(f"ulysses_kernels.hf.generate: {what} ({name}={value!r}) is not supported")
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(mask.bool().all()):
         raise ValueError("ulysses_kernels.hf.generate: padded prompts (attention_mask with zeros) are not "
                          "supported; generate prompts of one length together, or one at a time")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = _text_config(model)
     window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and \
-            any(t == "sliding_attention" for t in (getattr(config, "layer_types", None) or ["sliding_attention"])):
+    layer_types = getattr(config, "layer_types", None) or []
+    if window is not None and getattr(config, "use_sliding_window", True) is not False and \
+            (not layer_types or "sliding_attention" in layer_types):
         raise ValueError(f"ulysses_kernels.hf.generate: sliding-window attention (window {window}) is not supported")
 
 
-def _share_rng(group, device):
-    """The first rank's default RNG state on every rank, so sampling draws the same tokens
-    everywhere (the logits are identical on every rank)."""
-    group, world, _ = resolve_group(group)
-    if group is None or world == 1:
-        return
-    dev = collective_device(group)
-    src = dist.get_global_rank(group, 0)
-    state = torch.get_rng_state().to(dev)
-    dist.broadcast(state, src=src, group=group)
-    torch.set_rng_state(state.cpu())
-    if device.type == "cuda":
-        cuda_state = torch.cuda.get_rng_state(device).to(dev)
-        dist.broadcast(cuda_state, src=src, group=group)
-        torch.cuda.set_rng_state(cuda_state.cpu(), device)
+def _share_rng(cache, device):
+    """The first rank's default RNG state on every rank of the grid, so sampling draws the
+    same tokens everywhere (the logits are identical on every rank)."""
+    for group in _grid(cache):
+        src = dist.get_global_rank(group, 0)
+        dev = collective_device(group)
+        state = torch.get_rng_state().to(dev)
+        dist.broadcast(state, src=src, group=group)
+        torch.set_rng_state(state.cpu())
+        if device.type == "cuda":
+            cuda_state = torch.cuda.get_rng_state(device).to(dev)
+            dist.broadcast(cuda_state, src=src, group=group)
+            torch.cuda.set_rng_state(cuda_state.cpu(), device)
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, group=None, **generation_kwargs) -> torch.Tensor:
+def generate(model, input_ids: torch.Tensor, group=None, *, prefill_chunk_size: Optional[int] = None,
+             **generation_kwargs):
     """`model.generate` over a sequence-parallel group: call it on every rank with the same
-    prompt(s) `[B, S]`; every rank returns the same tokens as `model.generate` on one device.
+    prompt(s) `[B, S]`; every rank returns what `model.generate` returns on one device.
 
-    The prompt but its last token is prefilled sequence-parallel (`prefill`), then
-    transformers' own generation loop runs on every rank in lockstep from the
-    head-sharded cache (greedy and sampling, logits processors, stopping criteria: all of
-    it is transformers'). Sampling draws from the first rank's RNG state, copied to every
-    rank first. The ranks' tokens are compared at the end; a difference raises.
-    Not supported (a ValueError on every rank): beam search and the other multi-candidate
-    modes, padded prompts, sliding-window models, Ulysses x Ring groups.
+    group: a process group (pure Ulysses), `init_sequence_parallel`'s groups (Ulysses x
+    Ring too), or None for the groups `register` set. The prompt but its last token is
+    prefilled sequence-parallel (`prefill`, `prefill_chunk_size`), then transformers' own
+    generation loop runs on every rank in lockstep from the head-sharded cache (greedy and
+    sampling, logits processors, stopping criteria: all of it is transformers'). Sampling
+    draws from the first rank's RNG state, copied to every rank first; the ranks' tokens
+    are compared at the end (a difference raises). Not supported, with a ValueError on
+    every rank: beam search and the other multi-candidate modes, padded prompts,
+    sliding-window models.
     """
     _check_generation_kwargs(model, generation_kwargs)
-    group = _groups(group)
-    _same_prompt_everywhere(input_ids, group, "generate")
-    _, world, _ = resolve_group(group)
     cache = make_cache(model, group)
-    if input_ids.shape[1] - 1 >= max(world, 1):
-        prefill(model, input_ids[:, :-1], group, cache=cache)
-    elif input_ids.shape[1] > 1:   # too short to shard: every rank computes its heads
-        with decoding(cache):
-            model(input_ids=input_ids[:, :-1], **{_cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
-    _share_rng(group, input_ids.device)
+    _check_prompt(input_ids, cache, "generate")
+    if input_ids.shape[1] > 1:
+        prefill(model, input_ids[:, :-1], cache=cache, chunk_size=prefill_chunk_size)
+    _share_rng(cache, input_ids.device)
     with decoding(cache):
         out = model.generate(input_ids, **{_cache_keyword(model): cache}, **generation_kwargs)
     tokens = out.sequences if hasattr(out, "sequences") else out
-    _same_tokens_everywhere(tokens, group)
+    _same_everywhere(torch.tensor(list(tokens.shape), dtype=torch.int64), _grid(cache),
+                     "generate: the ranks generated sequences of different lengths", RuntimeError)
+    _same_everywhere(tokens.detach().to(torch.int64).cpu(), _grid(cache),
+                     "generate: the ranks generated different tokens (their logits differ: nondeterministic "
+                     "kernels, or different weights or generation settings per rank)", RuntimeError)
     return out
-
-
-def _same_tokens_everywhere(tokens, group):
-    group, world, _ = resolve_group(group)
-    if group is None or world == 1:
-        return
-    dev = collective_device(group)
-    mine = torch.tensor(list(tokens.shape), dtype=torch.int64, device=dev)
-    shapes = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(shapes, mine, group=group)
-    same = all(torch.equal(s, shapes[0]) for s in shapes)
-    if same:
-        got = [torch.empty_like(tokens, device=dev) for _ in range(world)]
-        dist.all_gather(got, tokens.to(dev), group=group)
-        same = all(torch.equal(g, got[0]) for g in got)
-    if not same:
-        raise RuntimeError("ulysses_kernels.hf.generate: the ranks generated different tokens (their logits "
-                           "differ: nondeterministic kernels, or different weights/generation settings per rank)")
