@@ -744,3 +744,26 @@ def test_patched_model_single_process_with_checkpointing():
     assert not _grad_errors(got, want)
     ukhf.unpatch_model(model)
     assert not hasattr(model.model.layers[0].mlp, "_ulysses_orig_forward")
+
+
+def test_generate_refuses_unsupported_modes_before_any_collective():
+    """Checked from the arguments and the config alone, so every rank raises the same error
+    without communicating: beam search, assisted generation, padded prompts, sliding windows."""
+    ukhf.register(None)
+    model = gen_model("llama", "ulysses", {})
+    ids = gen_prompt(3, 9)
+    with pytest.raises(ValueError, match="beam search"):
+        ukhf.generate(model, ids, max_new_tokens=2, num_beams=3)
+    with pytest.raises(ValueError, match="assisted generation"):
+        ukhf.generate(model, ids, max_new_tokens=2, assistant_model=model)
+    mask = torch.ones_like(ids)
+    mask[1, 0] = 0
+    with pytest.raises(ValueError, match="padded prompts"):
+        ukhf.generate(model, ids, max_new_tokens=2, attention_mask=mask)
+    sliding = gen_model("qwen2", "ulysses", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0,
+                                                 layer_types=["sliding_attention", "sliding_attention"]))
+    with pytest.raises(ValueError, match="sliding-window"):
+        ukhf.generate(sliding, ids, max_new_tokens=2)
+    # a single process (no group) generates like model.generate
+    assert torch.equal(ukhf.generate(model, ids, max_new_tokens=4, do_sample=False),
+                       gen_model("llama", "eager", {}).generate(ids, max_new_tokens=4, do_sample=False))
