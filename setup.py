@@ -247,7 +247,8 @@ setup(
     extras_require={
         "test": ["pytest>=7", "numpy", "hypothesis", "ruff", "import-linter>=2.13", "pytest-timeout",
                  "pytest-benchmark"],
-        "hf": ["transformers>=4.56"],
+        # Trainer / TRL integration (hf/trainer.py): the versions it is tested with.
+        "hf": ["transformers>=5.24,<6", "accelerate>=1.15,<2", "trl>=1.16,<2", "datasets>=5"],
         "bench": ["matplotlib", "numpy", "pytest-benchmark"],
     },
     entry_points={"console_scripts": ["ulysses-kernels=ulysses_kernels.cli:main"]},

@@ -81,11 +81,12 @@ from .offload import CheckpointOffload, HostBufferPool
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .patch import patch_model, unpatch_model
 from .tiling import tiled_cross_entropy_sum, tiled_mlp
+from .trainer import SequenceParallelTrainerMixin
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "set_sequence_parallel_group", "get_sequence_parallel_group",
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
-    "SequenceParallelBatch", "shard_batch", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
+    "SequenceParallelBatch", "shard_batch", "SequenceParallelTrainerMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
     "causal_lm_loss", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
 ]

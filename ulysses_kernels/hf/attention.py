@@ -23,7 +23,7 @@ def _require_transformers():
         import transformers  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without transformers
         raise ImportError("ulysses_kernels.hf needs Hugging Face transformers: "
-                          "pip install 'ulysses-kernels[hf]' (or 'transformers>=4.56')") from exc
+                          "pip install 'ulysses-kernels[hf]' (or 'transformers>=5.24')") from exc
     return transformers
 
 

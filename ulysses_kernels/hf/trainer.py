@@ -1,0 +1,166 @@
+"""Sequence parallelism inside transformers' `Trainer` and TRL's `SFTTrainer`.
+
+    from ulysses_kernels.hf import SequenceParallelTrainerMixin
+
+    class SPTrainer(SequenceParallelTrainerMixin, SFTTrainer):   # or Trainer
+        pass
+
+    groups = ulysses_kernels.init_sequence_parallel(sp_size)   # after the process group exists
+    trainer = SPTrainer(model=model, args=args, train_dataset=ds, sp_groups=groups)
+
+The model must be loaded with ``attn_implementation="ulysses"`` (``ukhf.register(groups)``
+first). What the mixin changes, through Trainer's public hooks where they exist:
+
+* **Data.** Every rank of an SP group must see the same batch and DP groups different
+  ones. The dataloaders are built by Trainer as usual, then sharded by accelerate's
+  `prepare_data_loader` over the DP dimension only (`num_processes = dp_size`,
+  `process_index = dp_rank`), so a DP x SP run sees exactly the batches of a DP-only run.
+* **Loss.** `compute_loss` shards the batch along the sequence (`shard_batch`: labels, or
+  a collator's pre-shifted `shift_labels`, shifted before sharding; packed documents from
+  `position_ids`), runs the model and sums the cross-entropy of this rank's tokens. The
+  token count of the whole optimizer step (every micro-batch of the gradient-accumulation
+  window, every DP group) is counted once per step (`get_batch_samples`), so the loss is
+  the token-weighted mean of Trainer's own loss with `average_tokens_across_devices`.
+  Each rank returns ``world * local_sum / count``: DDP and FSDP average gradients over the
+  world, which turns that into the sum over SP ranks (their tokens partition the
+  sequence) and the mean over DP; the mean of the returned values over the world, which
+  Trainer logs, is the true global loss.
+* **Evaluation** runs the same sequence-parallel forward.
+* **Checkpoints**: Trainer's own (model, optimizer, scheduler, RNG, data position); the
+  data order depends only on the DP rank, so a resumed run continues the same curve.
+
+Padding (an `attention_mask` with zeros) is refused by the attention, on every rank:
+pack documents (TRL's ``padding_free=True``) or use equal-length batches.
+"""
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..groups import ParallelGroups, collective_device
+from .attention import register
+from .batch import IGNORE_INDEX, shard_batch
+from .patch import is_loss_patched
+
+TESTED_VERSIONS = {"transformers": "5.24", "accelerate": "1.15", "trl": "1.16"}
+
+
+class SequenceParallelTrainerMixin:
+    """Put before `Trainer` / `SFTTrainer` in the bases; pass ``sp_groups=`` (the groups of
+    `ulysses_kernels.init_sequence_parallel`). See the module doc."""
+
+    def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, **kwargs):
+        if not isinstance(sp_groups, ParallelGroups):
+            raise ValueError("SequenceParallelTrainerMixin needs sp_groups=ulysses_kernels.init_sequence_parallel(sp) "
+                             f"(got {type(sp_groups).__name__})")
+        self.sp_groups = sp_groups
+        register(sp_groups)   # the attention's groups (idempotent)
+        super().__init__(*args, **kwargs)
+        # Hooks this relies on beyond Trainer's documented overrides: a clear error on a
+        # transformers / accelerate without them (tested: TESTED_VERSIONS).
+        missing = [what for what, ok in (
+            ("Trainer.loss_is_scaled_for_ga", hasattr(self, "loss_is_scaled_for_ga")),
+            ("Trainer.get_batch_samples", hasattr(super(), "get_batch_samples")),
+            ("Accelerator._dataloaders", isinstance(getattr(self.accelerator, "_dataloaders", None), list)))
+            if not ok]
+        if missing:
+            raise RuntimeError(f"SequenceParallelTrainerMixin needs {', '.join(missing)}; tested with "
+                               f"{TESTED_VERSIONS} (pip install 'ulysses-kernels[hf]')")
+        # The loss is computed here, normalised over the whole step: Trainer must neither
+        # pass num_items_in_batch to the model nor divide by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = True
+        if self.accelerator.num_processes != dist.get_world_size():
+            raise ValueError(f"SequenceParallelTrainerMixin: accelerate sees {self.accelerator.num_processes} "
+                             f"processes, torch.distributed {dist.get_world_size()}")
+
+    # ------------------------------------------------------------------ data
+
+    @contextlib.contextmanager
+    def _shard_over_dp(self):
+        """Within: `accelerator.prepare(dataloader)` shards over the DP dimension only."""
+        from accelerate.data_loader import prepare_data_loader
+
+        acc = self.accelerator
+        original = acc.prepare
+
+        def prepare(*objects, **kwargs):
+            if len(objects) != 1 or not isinstance(objects[0], torch.utils.data.DataLoader):
+                return original(*objects, **kwargs)
+            loader = prepare_data_loader(
+                objects[0], acc.device, num_processes=self.sp_groups.dp_size, process_index=self.sp_groups.dp_rank,
+                split_batches=acc.split_batches, put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(),
+                dispatch_batches=acc.dispatch_batches, even_batches=acc.even_batches,
+                use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
+                non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
+            acc._dataloaders.append(loader)   # as accelerate's own prepare does (state, skipping)
+            return loader
+
+        acc.prepare = prepare
+        try:
+            yield
+        finally:
+            acc.prepare = original
+
+    def get_train_dataloader(self):
+        with self._shard_over_dp():
+            return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self._shard_over_dp():
+            return super().get_eval_dataloader(eval_dataset)
+
+    # ------------------------------------------------------------------ loss
+
+    @staticmethod
+    def _targets(inputs):
+        """(labels, already shifted?) of a batch."""
+        if inputs.get("shift_labels") is not None:
+            return inputs["shift_labels"], True
+        if inputs.get("labels") is not None:
+            return inputs["labels"], False
+        return inputs["input_ids"], False
+
+    @staticmethod
+    def _count(inputs) -> int:
+        labels, shifted = SequenceParallelTrainerMixin._targets(inputs)
+        labels = labels if shifted else labels[..., 1:]
+        return int((labels != IGNORE_INDEX).sum())
+
+    def _over_dp(self, count: int) -> torch.Tensor:
+        """The sum of a per-DP-group count over the DP groups (every SP rank has it whole)."""
+        t = torch.tensor([count], dtype=torch.float64)
+        group = self.sp_groups.dp_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dev = collective_device(group)
+            t = t.to(dev)
+            dist.all_reduce(t, group=group)
+        return t.cpu()[0]
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        count = self._over_dp(sum(self._count(b) for b in batch_samples)) if batch_samples else None
+        return batch_samples, count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels, shifted = self._targets(inputs)
+        mask = inputs.get("attention_mask")
+        batch = shard_batch(inputs["input_ids"], self.sp_groups, position_ids=inputs.get("position_ids"),
+                            labels=labels, labels_shifted=shifted, attention_mask=mask)
+        count = num_items_in_batch if num_items_in_batch is not None else self._over_dp(self._count(inputs))
+        model_inputs = batch.model_inputs()
+        if is_loss_patched(self.accelerator.unwrap_model(model)):
+            outputs = model(**model_inputs, ulysses_labels=batch.labels)
+            local_sum = outputs["loss"] if isinstance(outputs, dict) else outputs.loss
+        else:
+            outputs = model(**model_inputs)
+            logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
+            local_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                        batch.labels.reshape(-1).to(logits.device),
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
+        count = torch.clamp(torch.as_tensor(count, dtype=torch.float64), min=1.0)
+        loss = local_sum * (self.accelerator.num_processes / count).to(local_sum.dtype)
+        return (loss, outputs) if return_outputs else loss
