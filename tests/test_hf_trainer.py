@@ -102,11 +102,14 @@ def finish(trainer):
         dist.all_reduce(losses)
         losses /= dist.get_world_size()
     params = {n: p.detach().clone() for n, p in trainer.accelerator.unwrap_model(trainer.model).named_parameters()}
+    if hasattr(trainer, "eval_loss"):
+        params["eval_loss"] = torch.tensor(trainer.eval_loss, dtype=torch.float64)   # compared like a parameter
     return losses, params
 
 
 def trainer_args(out, sft=False, **extra):
-    common = dict(output_dir=out, per_device_train_batch_size=1, max_steps=STEPS, learning_rate=1e-3,
+    common = dict(output_dir=out, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=STEPS,
+                  learning_rate=1e-3,
                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                   ddp_backend="gloo" if dist.is_initialized() else None)
     common.update(extra)
@@ -140,6 +143,8 @@ def run_plain(kind, out):
         trainer = recording(Trainer)(model=make_model("eager"), args=trainer_args(out),
                                      train_dataset=PackedDocuments())
     trainer.train()
+    if kind != "sft":
+        trainer.eval_loss = trainer.evaluate(eval_dataset=PackedDocuments())["eval_loss"]
     return finish(trainer)
 
 
@@ -169,12 +174,14 @@ def sp_jobs(rank, world):
     out = {}
     trainer = run_sp("trainer", 2, shared_dir("sp2"), save_strategy="steps", save_steps=2)
     trainer.train()
+    trainer.eval_loss = trainer.evaluate(eval_dataset=PackedDocuments())["eval_loss"]
     out["sp2"] = finish(trainer)
     resumed = run_sp("trainer", 2, shared_dir("sp2"), save_strategy="steps", save_steps=2)
     resumed.train(resume_from_checkpoint=os.path.join(shared_dir("sp2"), "checkpoint-2"))
     out["resumed"] = finish(resumed)
     trainer = run_sp("trainer", 4, shared_dir("sp4"))
     trainer.train()
+    trainer.eval_loss = trainer.evaluate(eval_dataset=PackedDocuments())["eval_loss"]
     out["sp4"] = finish(trainer)
     trainer = run_sp("sft", 2, shared_dir("sft"))
     trainer.train()
@@ -228,7 +235,7 @@ def test_trainer_resumes_on_the_same_curve():
         full_losses, full_params = result["sp2"]
         assert losses.shape == (STEPS - 2,), losses
         assert rel_err(losses, full_losses[2:]) < TOL, (rank, losses.tolist(), full_losses.tolist())
-        assert all(rel_err(params[n], p) < TOL for n, p in full_params.items()), rank
+        assert all(rel_err(params[n], p) < TOL for n, p in full_params.items() if n != "eval_loss"), rank
 
 
 def test_trainer_sp4_matches_single_process_run(tmp_path):
@@ -246,3 +253,42 @@ def test_sft_trainer_padding_free_sp2_dp2_matches_dp_only_run():
     for rank, result in enumerate(_run(4)):
         errors += _compare(result["sft_sp2"], reference, f"rank {rank}")
     assert not errors, "\n".join(errors)
+
+
+def _launch(cmd, timeout=150):
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc.stdout
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_accelerate_launch_runs_the_trl_example():
+    """`accelerate launch` (4 CPU processes) runs examples/sft_trl.py at SP 2 x DP 2."""
+    import sys
+
+    pytest.importorskip("trl")
+    out = _launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_cpu.yaml",
+                   "--main_process_port", str(_free_port()), "examples/sft_trl.py", "--sp", "2", "--steps", "3"])
+    assert "done: 3 steps at SP 2 x DP 2" in out, out[-2000:]
+
+
+def test_torchrun_runs_the_trainer_example(tmp_path):
+    """`torchrun` runs examples/train_trainer.py at SP 4: trains, evaluates, saves."""
+    import sys
+
+    out = _launch([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(_free_port()),
+                   "examples/train_trainer.py", "--sp", "4", "--steps", "2", "--output-dir", str(tmp_path)])
+    assert "done: 2 steps at SP 4 x DP 1" in out, out[-2000:]
+    assert (tmp_path / "final").is_dir()
