@@ -186,6 +186,9 @@ def sp_jobs(rank, world):
     trainer = run_sp("sft", 2, shared_dir("sft"))
     trainer.train()
     out["sft_sp2"] = finish(trainer)
+    trainer = run_sp("sft", 4, shared_dir("sft4"))
+    trainer.train()
+    out["sft_sp4"] = finish(trainer)
     return out
 
 
@@ -243,6 +246,15 @@ def test_trainer_sp4_matches_single_process_run(tmp_path):
     errors = []
     for rank, result in enumerate(_run(4)):
         errors += _compare(result["sp4"], reference, f"rank {rank}")
+    assert not errors, "\n".join(errors)
+
+
+def test_sft_trainer_padding_free_sp4_matches_single_process_run(tmp_path):
+    pytest.importorskip("trl")
+    reference = run_plain("sft", str(tmp_path))
+    errors = []
+    for rank, result in enumerate(_run(4)):
+        errors += _compare(result["sft_sp4"], reference, f"rank {rank}")
     assert not errors, "\n".join(errors)
 
 
