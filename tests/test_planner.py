@@ -99,3 +99,25 @@ def test_prefill_terms_kv_cache_and_limits():
     assert n > 0 and sum(prefill_terms(llama, n, 8).values()) <= 80 * GIB
     assert sum(prefill_terms(llama, n + (1 << 14), 8).values()) > 80 * GIB
     assert max_prefill_len(llama, 8, 80.0, mlp_tile=4096) > n > max_prefill_len(llama, 8, 40.0)
+
+
+def test_plan_cli_inference_and_chunks():
+    """`plan --inference`: the prefill terms, JSON contract; chunks shrink the activations
+    (never the cache), so the longest prompt grows."""
+    import json
+    import subprocess
+    import sys
+
+    def run(*extra):
+        out = subprocess.run([sys.executable, "-m", "ulysses_kernels.cli", "plan", "--model", "llama-3-8b",
+                              "--seq-len", "1048576", "--inference", "--json", *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    one, chunked = run(), run("--chunk", "65536")
+    assert one["fits"] and one["sp"] == 8 and one["max_prefill_len"] > 1048576
+    cache = "KV cache (this rank's heads)"
+    assert chunked["terms_gib"][cache] == one["terms_gib"][cache] == 16.0
+    assert chunked["terms_gib"]["one layer (peak phase)"] < one["terms_gib"]["one layer (peak phase)"]
+    assert chunked["max_prefill_len"] > one["max_prefill_len"]

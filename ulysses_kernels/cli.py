@@ -207,6 +207,10 @@ def _plan_arguments(p):
     p.add_argument("--no-fsdp", action="store_true", help="replicated parameters and optimizer states")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="compute dtype")
     p.add_argument("--reserve-gib", type=float, default=2.0, help="CUDA context, NCCL buffers, fragmentation")
+    p.add_argument("--inference", action="store_true",
+                   help="plan hf.prefill of --seq-len tokens (weights, head-sharded KV cache, one layer) instead of "
+                        "a training step; --tiled-mlp with patch_model's tile")
+    p.add_argument("--chunk", type=int, default=None, help="with --inference: tokens per prefill chunk")
     p.add_argument("--json", action="store_true")
 
 
@@ -223,6 +227,8 @@ def plan(args) -> int:
         print(f"ulysses-kernels plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
               f"readable config.json: {exc}", file=sys.stderr)
         return 2
+    if args.inference:
+        return _plan_inference(args, shape)
     options = PlanOptions(seq_len=args.seq_len, gpus_per_node=args.gpus, nodes=args.nodes,
                           gpu_memory_gib=args.gpu_memory_gib, sp_size=args.sp, ring_size=args.ring,
                           fsdp=not args.no_fsdp, fsdp_cpu_offload=args.offload or args.fsdp_cpu_offload,
@@ -241,6 +247,35 @@ def plan(args) -> int:
                           "host_gib": result.host_gib, "params": shape.params, "options": asdict(options)}, indent=1))
     else:
         print(format_plan(args.model, options, result))
+    return 0
+
+
+def _plan_inference(args, shape) -> int:
+    """`plan --inference`: the per-GPU terms of one prefill (planner.prefill_terms)."""
+    import json
+
+    from .planner import GIB, max_prefill_len, mlp_tile_tokens, prefill_terms
+
+    sp = args.sp or args.gpus * args.nodes
+    options = dict(dtype_bytes=4 if args.dtype == "fp32" else 2, reserve_gib=args.reserve_gib,
+                   mlp_tile=mlp_tile_tokens(shape.hidden) if (args.tiled or args.tiled_mlp) else None,
+                   chunk=args.chunk)
+    terms = prefill_terms(shape, args.seq_len, sp, **options)
+    total = sum(terms.values())
+    longest = max_prefill_len(shape, sp, args.gpu_memory_gib, **options)
+    if args.json:
+        print(json.dumps({"model": args.model, "sp": sp, "seq_len": args.seq_len, "per_gpu_gib": round(total / GIB, 3),
+                          "fits": total <= args.gpu_memory_gib * GIB, "max_prefill_len": longest,
+                          "terms_gib": {k: v / GIB for k, v in terms.items()}}, indent=1))
+        return 0
+    print(f"{args.model}: prefill of {args.seq_len:,} tokens over SP {sp}, {args.gpu_memory_gib:g} GiB per GPU "
+          f"(a model of hf.prefill, not a measurement)")
+    for name, value in terms.items():
+        print(f"  {name:<32} {value / GIB:8.2f} GiB")
+    print(f"  {'total':<32} {total / GIB:8.2f} GiB: {'fits' if total <= args.gpu_memory_gib * GIB else 'does NOT fit'}")
+    print(f"  longest prompt that fits: {longest:,} tokens"
+          + (f" in chunks of {args.chunk:,}" if args.chunk else " in one prefill (--chunk N: chunked prefill, whose "
+             "activations are the chunk's; the KV cache still holds every token)"))
     return 0
 
 

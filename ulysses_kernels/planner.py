@@ -234,15 +234,19 @@ def format_plan(name: str, o: PlanOptions, result: Plan) -> str:
 # ---------------------------------------------------------------- inference (prefill)
 
 def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int = 2, batch: int = 1,
-                  mlp_tile: Optional[int] = None, reserve_gib: float = 2.0) -> Dict[str, float]:
+                  mlp_tile: Optional[int] = None, chunk: Optional[int] = None,
+                  reserve_gib: float = 2.0) -> Dict[str, float]:
     """Per-GPU bytes of `hf.prefill` of `seq_len` tokens over `sp` GPUs (no gradients,
     ``logits_to_keep=1``): the replicated weights, this rank's head-sharded KV cache of
     every layer, and the largest phase of one layer (attention: the sequence shard's
     q/k/v and output, their head-sharded copies over the whole sequence and the cache's
     own K/V exchange; MLP: gate, up and their product, over the local tokens or one
-    `mlp_tile` of them with `patch_model`'s tiled MLP). A model, not a measurement."""
-    local = math.ceil(seq_len / sp) * batch
-    total = seq_len * batch
+    `mlp_tile` of them with `patch_model`'s tiled MLP). `chunk`: tokens per forward of a
+    chunked prefill (the activations are the chunk's; the cache still holds every token).
+    A model, not a measurement."""
+    active = min(seq_len, chunk or seq_len)
+    local = math.ceil(active / sp) * batch
+    total = active * batch
     d, b = shape.head_dim, dtype_bytes
     kv_local = shape.kv_heads // sp if shape.kv_heads % sp == 0 else 1
     q_local = shape.heads // sp
@@ -253,7 +257,7 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
     mlp = 3 * min(local, mlp_tile or local) * shape.intermediate * b
     return {
         "weights (replicated)": shape.params * b,
-        "KV cache (this rank's heads)": shape.layers * 2 * kv_local * d * total * b,
+        "KV cache (this rank's heads)": shape.layers * 2 * kv_local * d * seq_len * batch * b,
         "hidden states": hidden,
         "one layer (peak phase)": max(attention, mlp),
         "last-position logits": batch * shape.vocab * 4,
