@@ -61,7 +61,8 @@ Design notes
   in pinned host memory until the backward (`offload.py`).
 
 Files: `attention.py` (registration, masks, the attention function), `inference.py`
-(`generate`, `prefill`, the head-sharded KV cache), `batch.py`
+(`generate`, `prefill`, the head-sharded KV cache), `trainer.py`
+(`SequenceParallelTrainerMixin` for transformers' Trainer and TRL's SFTTrainer), `batch.py`
 (`shard_batch`), `loss.py`, `parallel.py` (gradient reduction, DDP, FSDP2), `tiling.py`
 (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
 """
