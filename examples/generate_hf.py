@@ -15,9 +15,7 @@ already initialised; returns a dict of the measurements and the tokens.
 """
 
 import argparse
-import os
 import resource
-import sys
 import time
 
 import torch
@@ -118,18 +116,9 @@ def run(rank, world, argv=None):
 
 
 def main():
-    if "RANK" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --nproc-per-node 4 examples/generate_hf.py")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend)
-    try:
-        run(dist.get_rank(), dist.get_world_size(), sys.argv[1:])
-    finally:
-        dist.destroy_process_group()
+    from ulysses_kernels.launch import torchrun_main
+
+    torchrun_main(run, "torchrun --nproc-per-node 4 examples/generate_hf.py")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import argparse
 import glob
 import os
 import resource
-import sys
 import time
 
 import torch
@@ -208,18 +207,9 @@ def run(rank, world, argv=None):
 
 
 def main():
-    if "RANK" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --nproc-per-node 4 examples/train_hf.py --sp 2 --dp 2")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    dist.init_process_group(backend)
-    try:
-        run(dist.get_rank(), dist.get_world_size(), sys.argv[1:])
-    finally:
-        dist.destroy_process_group()
+    from ulysses_kernels.launch import torchrun_main
+
+    torchrun_main(run, "torchrun --nproc-per-node 4 examples/train_hf.py --sp 2 --dp 2")
 
 
 if __name__ == "__main__":

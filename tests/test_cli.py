@@ -51,3 +51,17 @@ def test_demo_end_to_end_prints_progress_and_verdict():
     assert "2 Ulysses x 2 ring" in out.stdout
     assert "step   2/2 | loss" in out.stdout and "tok/s" in out.stdout and "peak mem" in out.stdout
     assert "verdict: PASS" in out.stdout, out.stdout
+
+
+def test_examples_started_without_torchrun_say_how_to_launch():
+    """launch.torchrun_main (the examples' main): no RANK in the environment -> exit with
+    the torchrun line, before any process group."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    for script in ("examples/generate_hf.py", "examples/train_hf.py"):
+        proc = subprocess.run([sys.executable, script], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and f"launch with torchrun, e.g. torchrun --nproc-per-node 4 {script}" in proc.stderr

@@ -7,6 +7,7 @@ step-2 checkpoint must continue the uninterrupted run's steps 3-4.
 """
 
 import os
+import sys
 import tempfile
 
 import pytest
@@ -21,7 +22,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, rel_err  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 TOL = 1e-5
-SEQ, N_SEQ, STEPS, VOCAB = 29, 12, 4, 128
+SEQ, N_SEQ, STEPS = 29, 12, 4
 
 
 class PackedDocuments(torch.utils.data.Dataset):
@@ -41,36 +42,15 @@ class PackedDocuments(torch.utils.data.Dataset):
         return dict(input_ids=self.ids[i], labels=labels, position_ids=position_ids)
 
 
-def make_model(attn):
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                      max_position_embeddings=512, attention_dropout=0.0, use_cache=False)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
-
-
-def tokenizer():
-    """A word-level tokenizer over the model's vocabulary, built offline (TRL wants one)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(VOCAB - 2)}
-    vocab.update({"<pad>": VOCAB - 2, "<eos>": VOCAB - 1})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+# The examples' tiny model, tokenizer and documents (examples/_tiny.py): the tests train
+# what the examples train.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from _tiny import VOCAB, synthetic_documents, tiny_tokenizer  # noqa: E402
+from _tiny import tiny_model as make_model  # noqa: E402
 
 
 def sft_dataset():
-    from datasets import Dataset
-
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.randint(5, 20, (32,), generator=g)
-    return Dataset.from_dict({"input_ids": [torch.randint(0, VOCAB - 2, (int(n),), generator=g).tolist()
-                                            for n in lengths]})
+    return synthetic_documents(32, 5, 19, seed=3)
 
 
 def shared_dir(name):
@@ -138,7 +118,7 @@ def run_plain(kind, out, **extra):
         from trl import SFTTrainer
 
         trainer = recording(SFTTrainer)(model=make_model("eager"), args=trainer_args(out, sft=True),
-                                        train_dataset=sft_dataset(), processing_class=tokenizer())
+                                        train_dataset=sft_dataset(), processing_class=tiny_tokenizer())
     else:
         trainer = recording(Trainer)(model=make_model("eager"), args=trainer_args(out, **extra),
                                      train_dataset=PackedDocuments())
@@ -159,7 +139,7 @@ def run_sp(kind, sp, out, **extra):
 
         cls = recording(type("SPSFTTrainer", (ukhf.SequenceParallelTrainerMixin, SFTTrainer), {}))
         trainer = cls(model=make_model("ulysses"), args=trainer_args(out, sft=True, **extra),
-                      train_dataset=sft_dataset(), processing_class=tokenizer(), sp_groups=groups)
+                      train_dataset=sft_dataset(), processing_class=tiny_tokenizer(), sp_groups=groups)
     else:
         from transformers import Trainer
 
@@ -266,20 +246,15 @@ def test_trainer_resumes_on_the_same_curve():
         assert all(rel_err(params[n], p) < TOL for n, p in full_params.items() if n != "eval_loss"), rank
 
 
-def test_trainer_sp4_matches_single_process_run(tmp_path):
-    reference = run_plain("trainer", str(tmp_path))
+@pytest.mark.parametrize("kind", ["trainer", "sft"])
+def test_sp4_matches_single_process_run(kind, tmp_path):
+    """Trainer and padding-free SFTTrainer at SP 4 (DP 1) against one process."""
+    if kind == "sft":
+        pytest.importorskip("trl")
+    reference = run_plain(kind, str(tmp_path))
     errors = []
     for rank, result in enumerate(_run(4)):
-        errors += _compare(result["sp4"], reference, f"rank {rank}")
-    assert not errors, "\n".join(errors)
-
-
-def test_sft_trainer_padding_free_sp4_matches_single_process_run(tmp_path):
-    pytest.importorskip("trl")
-    reference = run_plain("sft", str(tmp_path))
-    errors = []
-    for rank, result in enumerate(_run(4)):
-        errors += _compare(result["sft_sp4"], reference, f"rank {rank}")
+        errors += _compare(result["sp4" if kind == "trainer" else "sft_sp4"], reference, f"rank {rank}")
     assert not errors, "\n".join(errors)
 
 

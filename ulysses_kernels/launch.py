@@ -97,3 +97,26 @@ def spawn(fn: Callable, world_size: int, *, args: Sequence[Any] = (), backend: s
     if errors:
         raise RankError(errors)
     return [results[r] for r in range(world_size)]
+
+
+def torchrun_main(run: Callable, example: str) -> None:
+    """The body of a script launched by `torchrun`: one process group (NCCL with one GPU per
+    rank, else gloo with the cores shared out), `run(rank, world, argv)`, teardown.
+    `example` is the launch line printed when the script is started without torchrun."""
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        sys.exit(f"launch with torchrun, e.g. {example}")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    dist.init_process_group(backend)
+    try:
+        run(dist.get_rank(), dist.get_world_size(), sys.argv[1:])
+    finally:
+        dist.destroy_process_group()
