@@ -37,9 +37,10 @@ def check_lse(lse, ref_lse, tol=1e-4):
         assert (lse.double()[finite] - ref_lse[finite]).abs().max().item() < tol
 
 
-def run_autograd(q, k, v, do, causal, cu_seqlens=None, scale=None):
+def run_autograd(q, k, v, do, causal, cu_seqlens=None, scale=None, deterministic=None):
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = uk_triton.flash_attention(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu_seqlens)
+    out = uk_triton.flash_attention(q, k, v, causal=causal, softmax_scale=scale, cu_seqlens=cu_seqlens,
+                                    deterministic=deterministic)
     out.backward(do)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -179,7 +180,7 @@ def unpack(x, B, P):
 
 
 def run_buffer_case(B, S, Hq, Hkv, D, P, causal, dtype=torch.float32, cu=None, seed=9, device=None,
-                    tol=None):
+                    tol=None, deterministic=None):
     device = device or DEVICE
     q, k, v, do = make_qkv(B, S, Hq, Hkv, D, dtype=dtype, seed=seed, device=device)
     _, (qb, kb, vb) = pack_buffer([q, k, v], P)
@@ -195,7 +196,8 @@ def run_buffer_case(B, S, Hq, Hkv, D, P, causal, dtype=torch.float32, cu=None, s
     dqb, dkb, dvb = grad_buf[:, :Hq], grad_buf[:, Hq:Hq + Hkv], grad_buf[:, Hq + Hkv:]
     dq, dk, dv = uk_triton.flash_attention_backward(dob, qb, kb, vb, out, lse, causal=causal,
                                                     softmax_scale=None, cu_seqlens=cu, dq=dqb,
-                                                    dk=dkb, dv=dvb, seq_splits=P, batch=B)
+                                                    dk=dkb, dv=dvb, seq_splits=P, batch=B,
+                                                    deterministic=deterministic)
     assert dq.data_ptr() == dqb.data_ptr() and dk.data_ptr() == dkb.data_ptr()
     assert dv.data_ptr() == dvb.data_ptr()
     r_out, r_lse, r_dq, r_dk, r_dv = reference_with_lse(q, k, v, do, causal, cu)
@@ -282,10 +284,103 @@ def test_buffer_read_in_place_without_copies(monkeypatch):
 @interp_only
 def test_backward_deterministic():
     q, k, v, do = make_qkv(1, 37, 4, 1, 32, dtype=torch.bfloat16, seed=11)
-    first = run_autograd(q, k, v, do, causal=True)
-    second = run_autograd(q, k, v, do, causal=True)
+    first = run_autograd(q, k, v, do, causal=True, deterministic=True)
+    second = run_autograd(q, k, v, do, causal=True, deterministic=True)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+@interp_only
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,causal,docs", [
+    (2, 45, 4, 2, 32, True, None),     # GQA, causal, batch 2
+    (1, 40, 6, 1, 16, False, None),    # MQA, non-causal (empty first phase)
+    (1, 33, 4, 2, 16, True, [0, 7, 7, 20, 33]),  # documents
+])
+def test_atomic_backward_matches_deterministic(B, S, Hq, Hkv, D, causal, docs):
+    """The default 5-GEMM backward (dQ by fp32 atomics) agrees with the deterministic
+    7-GEMM one to 1e-5 in float32, and both with the float64 reference."""
+    q, k, v, do = make_qkv(B, S, Hq, Hkv, D, dtype=torch.float32, seed=S)
+    cu = torch.tensor(docs, dtype=torch.int32) if docs else None
+    atomic = run_autograd(q, k, v, do, causal, cu, deterministic=False)
+    determ = run_autograd(q, k, v, do, causal, cu, deterministic=True)
+    torch.testing.assert_close(atomic[0], determ[0], rtol=0, atol=0)  # same forward
+    for a, d in zip(atomic[1:], determ[1:]):
+        assert rel_err(a, d) < 1e-5
+    r_out, _, r_dq, r_dk, r_dv = reference_with_lse(q, k, v, do, causal, cu)
+    for got, want in zip(atomic[1:], (r_dq, r_dk, r_dv)):
+        assert rel_err(got, want) < 1e-5
+
+
+@interp_only
+def test_deterministic_environment_variable(monkeypatch):
+    """ULYSSES_KERNELS_DETERMINISTIC=1 selects the two-kernel backward: no fp32 dQ
+    accumulator is allocated (the atomic mode's only extra buffer)."""
+    from ulysses_kernels.triton import flash_bwd
+
+    calls = []
+    real = flash_bwd.launch_dkdv
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("dq_acc") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flash_bwd, "launch_dkdv", spy)
+    q, k, v, do = make_qkv(1, 20, 2, 1, 16, dtype=torch.float32, seed=3)
+    run_autograd(q, k, v, do, causal=True)
+    monkeypatch.setenv("ULYSSES_KERNELS_DETERMINISTIC", "1")
+    run_autograd(q, k, v, do, causal=True)
+    run_autograd(q, k, v, do, causal=True, deterministic=False)  # the argument wins
+    assert calls == [True, False, True]
+
+
+@interp_only
+@pytest.mark.parametrize("splits", [2, 4])
+def test_atomic_backward_head_splits(monkeypatch, splits):
+    """A KV head's query-head group divided over several programs (small grids): the
+    dK/dV partial sums meet in fp32 accumulators; same gradients as the reference."""
+    monkeypatch.setenv("ULYSSES_KERNELS_BWD_HEAD_SPLITS", str(splits))
+    q, k, v, do = make_qkv(2, 29, 8, 2, 16, dtype=torch.float32, seed=splits)
+    compare(q, k, v, do, causal=True)
+    run_buffer_case(2, 29, 8, 2, 16, 2, causal=False)
+    monkeypatch.setenv("ULYSSES_KERNELS_BWD_HEAD_SPLITS", "3")
+    with pytest.raises(ValueError, match="does not divide"):
+        run_autograd(q, k, v, do, causal=True)
+
+
+def test_head_splits_rule():
+    from ulysses_kernels.triton.flash_bwd_dkdv import head_splits
+
+    # One KV head, S = 8k in 128-key blocks, 132 SMs: 64 programs -> split the group of 4 in 4.
+    assert head_splits(64, 1, 1, 4, 132) == 4
+    assert head_splits(100, 1, 1, 4, 132) == 4   # 200 < 264: two is not enough
+    assert head_splits(140, 1, 1, 4, 132) == 2   # 280 >= 264
+    assert head_splits(64, 1, 1, 6, 132) == 6
+    assert head_splits(64, 1, 1, 1, 132) == 1    # MHA: nothing to split
+    assert head_splits(300, 1, 1, 8, 132) == 1   # large grid already
+    assert head_splits(64, 1, 1, 8, 0) == 1      # SM count unknown
+
+
+def test_split_mode_rule(monkeypatch):
+    from ulysses_kernels.triton._common import affine_align, split_mode
+
+    a = affine_align()
+    assert split_mode(False, 4, 1, (100, 100)) == 0      # plain tensors
+    assert split_mode(True, 1, 8, (8 * a + 3, 8 * a)) == 0  # batch 1: rows are positions
+    assert split_mode(True, 4, 1, (77, 77)) == 0          # one block: [B, S] rows
+    assert split_mode(True, 2, 4, (4 * a, 8 * a)) == 1    # every block a tile multiple
+    assert split_mode(True, 2, 4, (4 * a, 4 * a + 4)) == 2  # uneven: per token
+
+
+@interp_only
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("P,B,S,causal", [(2, 2, 128, True), (4, 3, 128, False), (2, 2, 64, True)])
+def test_receive_buffer_affine_tiles(P, B, S, causal, deterministic):
+    """Blocks of S/P tokens, a multiple of every tile: the affine-tile addressing
+    (SPLIT=1), batch > 1, forward and both backward modes."""
+    from ulysses_kernels.triton._common import affine_align, split_mode
+
+    assert split_mode(True, B, P, (S, S)) == 1 and S % (P * affine_align()) == 0
+    run_buffer_case(B, S, 4, 2, 16, P, causal=causal, deterministic=deterministic, seed=P + S)
 
 
 @interp_only
@@ -332,6 +427,10 @@ def test_gpu_varlen_and_buffer_layout():
     q, k, v, do = make_qkv(1, 4093, 8, 2, 128, dtype=torch.bfloat16, seed=1, device="cuda")
     compare(q, k, v, do, True, cu_seqlens=cu, tol=2e-2)
     run_buffer_case(2, 4093, 8, 2, 128, 4, causal=True, dtype=torch.bfloat16, device="cuda", tol=2e-2)
+    # blocks of 1024 tokens: the affine-tile addressing (SPLIT=1), both backward modes
+    for deterministic in (False, True):
+        run_buffer_case(2, 4096, 8, 2, 128, 4, causal=True, dtype=torch.bfloat16, device="cuda", tol=2e-2,
+                        deterministic=deterministic)
 
 
 # Forward and backward of the kernels' mask variants on small, ragged shapes, run by
@@ -340,11 +439,14 @@ _MEMCHECK_SCRIPT = """
 import torch
 from ulysses_kernels import triton as kernels
 torch.manual_seed(0)
-for causal, (hq, hkv), s in ((False, (4, 2), 1000), (True, (4, 4), 777)):
+cases = ((False, (4, 2), 1000, False), (True, (4, 4), 777, False), (True, (8, 1), 1000, True),
+         (False, (4, 1), 300, None))
+for causal, (hq, hkv), s, det in cases:  # det None: the atomic mode with split head groups
     q = torch.randn(2, s, hq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, s, hkv, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2, s, hkv, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    kernels.flash_attention(q, k, v, causal=causal).backward(torch.randn(2, s, hq, 128, device="cuda", dtype=torch.bfloat16))
+    out = kernels.flash_attention(q, k, v, causal=causal, deterministic=bool(det))
+    out.backward(torch.randn(2, s, hq, 128, device="cuda", dtype=torch.bfloat16))
 torch.cuda.synchronize()
 print("memcheck script done")
 """
@@ -379,10 +481,13 @@ def test_gpu_deterministic_and_head_dims():
         q, k, v, do = make_qkv(2, 1500, 8, 2, D, dtype=torch.bfloat16, seed=D, device="cuda")
         compare(q, k, v, do, True, tol=2e-2)
     q, k, v, do = make_qkv(1, 4096, 8, 1, 128, dtype=torch.bfloat16, seed=2, device="cuda")
-    a = run_autograd(q, k, v, do, causal=True)
-    b = run_autograd(q, k, v, do, causal=True)
+    a = run_autograd(q, k, v, do, causal=True, deterministic=True)
+    b = run_autograd(q, k, v, do, causal=True, deterministic=True)
     for x, y in zip(a, b):
         assert torch.equal(x, y)
+    c = run_autograd(q, k, v, do, causal=True, deterministic=False)  # the atomic default
+    for x, y in zip(a[1:], c[1:]):
+        assert rel_err(x, y) < 1e-2
 
 
 @gpu

@@ -1,32 +1,84 @@
-"""Flash-attention backward: delta preprocess, dK/dV kernel (GQA loop), dQ kernel.
+"""Flash-attention backward: delta preprocess, then either the 5-GEMM kernel (dK/dV with
+dQ accumulated by fp32 atomics, the default) or, deterministic, the dK/dV kernel and the
+separate dQ kernel (7 GEMMs, no atomics). See docs/architecture.md, "Attention kernels:
+backward".
 
 Host-side orchestration only; the kernels live in ``flash_bwd_preprocess.py``,
 ``flash_bwd_dkdv.py`` and ``flash_bwd_dq.py``.
 """
 
 import torch
+import triton
 
-from .flash_bwd_dkdv import launch_dkdv
+from ..env import flag, number
+from .flash_bwd_dkdv import _launch_atomic, head_splits, launch_dkdv
 from .flash_bwd_dq import launch_dq
 from .flash_bwd_preprocess import launch_preprocess
 
 
-def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides, batch, seqlen_q,
+def deterministic_default() -> bool:
+    """``ULYSSES_KERNELS_DETERMINISTIC=1`` makes every backward deterministic."""
+    return flag("ULYSSES_KERNELS_DETERMINISTIC", default=False)
+
+
+def _head_splits(q, batch, seqlen_k, num_q_heads, num_kv_heads, block_d) -> int:
+    """ULYSSES_KERNELS_BWD_HEAD_SPLITS (a divisor of the GQA group) or the grid rule."""
+    group = num_q_heads // num_kv_heads
+    forced = int(number("ULYSSES_KERNELS_BWD_HEAD_SPLITS", 0))
+    if forced > 0:
+        if group % forced:
+            raise ValueError(f"ULYSSES_KERNELS_BWD_HEAD_SPLITS={forced} does not divide the GQA group {group}")
+        return forced
+    if q.device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    block_n = _launch_atomic.default(block_d)[1]
+    return head_splits(triton.cdiv(seqlen_k, block_n), batch, num_kv_heads, group, sms)
+
+
+def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_of, batch, seqlen_q,
                seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
-               split, seq_splits):
-    """strides: dict name -> (batch, seq, head, dim) strides for q k v out do dq dk dv."""
+               split, seq_splits, deterministic):
+    """strides_of(t): t's (batch, seq, head, dim) strides as the kernels address it."""
     delta = torch.empty((batch, num_q_heads, seqlen_q), dtype=torch.float32, device=q.device)
     common = dict(batch=batch, seqlen_q=seqlen_q, split=split, seq_splits=seq_splits)
-    launch_preprocess(out, do, delta, so_strides=strides["out"], sdo_strides=strides["do"],
+    shape = dict(seqlen_k=seqlen_k, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, block_d=block_d, causal=causal, softmax_scale=softmax_scale)
+    launch_preprocess(out, do, delta, so_strides=strides_of(out), sdo_strides=strides_of(do),
                       num_q_heads=num_q_heads, head_dim=head_dim, block_d=block_d, **common)
-    launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens,
-                strides=(strides["q"], strides["k"], strides["v"], strides["do"], strides["dk"],
-                         strides["dv"]),
-                seqlen_k=seqlen_k, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                head_dim=head_dim, block_d=block_d, causal=causal, softmax_scale=softmax_scale,
-                **common)
-    launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens,
-              strides=(strides["q"], strides["k"], strides["v"], strides["do"], strides["dq"]),
-              seqlen_k=seqlen_k, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-              head_dim=head_dim, block_d=block_d, causal=causal, softmax_scale=softmax_scale,
-              **common)
+    base = tuple(strides_of(t) for t in (q, k, v, do))
+    if deterministic:
+        launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens,
+                    strides=base + (strides_of(dk), strides_of(dv)), **shape, **common)
+        launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens,
+                  strides=base + (strides_of(dq),), **shape, **common)
+        return
+    # fp32 accumulators [B, H, S, block_d] by position (compile-time strides in the
+    # kernel, see flash_bwd_dkdv); one elementwise pass puts them into q's/k's layout.
+    dq_acc = torch.zeros((batch, num_q_heads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
+    splits = _head_splits(q, batch, seqlen_k, num_q_heads, num_kv_heads, block_d)
+    dk_out, dv_out = dk, dv
+    if splits > 1:
+        dk_out, dv_out = (torch.zeros((batch, num_kv_heads, seqlen_k, block_d), dtype=torch.float32,
+                                      device=k.device) for _ in range(2))
+    launch_dkdv(q, k, v, do, dk_out, dv_out, lse, delta, docs, cu_seqlens,
+                strides=base + (strides_of(dk_out), strides_of(dv_out)) if splits == 1 else base + (base[1],) * 2,
+                dq_acc=dq_acc, splits=splits, **shape, **common)
+    copy_positions(dq, dq_acc.mul_(softmax_scale), head_dim, batch, seq_splits)
+    if splits > 1:
+        copy_positions(dk, dk_out, head_dim, batch, seq_splits)
+        copy_positions(dv, dv_out, head_dim, batch, seq_splits)
+
+
+def copy_positions(dst, acc, head_dim, batch, seq_splits):
+    """dst (4-D ``[B, S, H, D]``, or a 3-D all-to-all buffer view ``[B*S, H, D]`` of
+    seq_splits blocks) = acc ``[B, H, S, >= D]`` (by position), cast to dst's dtype."""
+    src = acc[..., :head_dim].transpose(1, 2)  # [B, S, H, D]
+    if dst.dim() == 4:
+        dst.copy_(src)
+        return
+    row = 0
+    for part in torch.tensor_split(src, seq_splits, dim=1):  # block i: rows [B, S_i] in order
+        n = part.shape[0] * part.shape[1]
+        dst[row:row + n].view(part.shape).copy_(part)
+        row += n

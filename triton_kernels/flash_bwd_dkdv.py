@@ -1,10 +1,21 @@
-"""Flash-attention backward, dK/dV kernel.
+"""Flash-attention backward, dK/dV kernel, optionally accumulating dQ (the 5-GEMM backward).
 
 One program owns a ``[BLOCK_N, D]`` tile of dK and dV for one (batch, KV head) and loops
-over every query head of its GQA group (``h = hk*G .. hk*G + G - 1``) and over the query
+over the query heads of its GQA group (``h = hk*G .. hk*G + G - 1``) and over the query
 rows that can see the tile: ``P^T = exp2(K Q^T * scale*log2e - lse*log2e)``,
 ``dV += P^T dO``, ``dS^T = P^T * (V dO^T - delta)``, ``dK += dS^T Q``; finally
-``dK *= scale``. The GQA reduction happens in registers: no atomics, deterministic.
+``dK *= scale``. The GQA reduction happens in registers.
+
+Two modes (docs/architecture.md, "Attention kernels: backward"):
+
+* ``DQ_ATOMIC=False`` (``deterministic=True``): dK/dV only, 4 GEMMs per step; dQ comes
+  from the separate dQ kernel (3 more GEMMs, recomputing P and dP). No atomics.
+* ``DQ_ATOMIC=True`` (default): the same step also forms ``dQ += dS K`` (the 5th GEMM)
+  and adds it to an fp32 dQ accumulator with atomics: 5 GEMMs instead of 7, at the price
+  of a summation order that varies from run to run. ``HEAD_SPLITS`` > 1 divides a KV
+  head's query-head group over that many programs (more programs when the grid is small:
+  one KV head per rank is the usual Ulysses case); their dK/dV partials are then added
+  with atomics too (``KV_ATOMIC``, fp32 accumulators).
 
 Query rows are visited in three phases: masked (causal diagonal / document start),
 unmasked (rows that see the whole key tile), masked (document end / sequence end).
@@ -20,22 +31,23 @@ from ._common import (
     dot_precision,
     interpreting,
     maybe_fp32,
-    rows_to_offsets,
     seq_bucket,
-    token_rows,
+    seq_offsets,
 )
 
 LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
+def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                 sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
                 b, Sq, B, P, lo, hi, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-                FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """Query rows [lo, hi) of every query head of the GQA group, as ONE flat loop.
+                SPLIT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
+                PRECISION: tl.constexpr):
+    """Query rows [lo, hi) of query heads ``hk*GROUP + g_lo ..`` (g_cnt of them), as ONE
+    flat loop.
 
     A loop over the heads around the row loop would nest three software-pipelined loops
     in a runtime loop: Triton 3.6 then spills hundreds of bytes of registers (sm_90
@@ -43,6 +55,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
     iteration ``it`` covers head ``it // nblk`` and row block ``it % nblk``.
     """
     d_ok = offs_d < HEAD_DIM
+    local_m = tl.arange(0, BLOCK_M)
     nblk = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
     # Every address the body forms must lie inside the tensors for ANY `it`, the empty
     # loop's included: the software pipeliner may issue a first iteration's loads ahead of
@@ -50,26 +63,28 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
     # first phase) the head index was a division by zero, the rows were valid, so the
     # load was real: an illegal address on an H200 (Triton 3.6, 8 warps, 2 stages; see
     # docs/architecture.md, "First GPU run"). Hence a divisor >= 1, the head clamped to
-    # the group and the address rows clamped to the sequence (masked lanes read row Sq-1).
+    # the group and the per-row reads (LSE, delta, documents) clamped to the sequence.
     per_head = tl.maximum(nblk, 1)
-    for it in range(0, nblk * GROUP):
-        g = tl.minimum(it // per_head, GROUP - 1)
-        h = (hk * GROUP + g).to(tl.int64)
-        q_head = h * sq_h
-        do_head = h * sdo_h
+    for it in range(0, nblk * g_cnt):
+        g = tl.minimum(it // per_head, g_cnt - 1)
+        h = (hk * GROUP + g_lo + g).to(tl.int64)
         lse_base = (b * HQ + h) * Sq
         start_m = lo + (it - g * per_head) * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_m = start_m + local_m
         m_ok = offs_m < Sq
         addr_m = tl.minimum(offs_m, Sq - 1)
         tile_mask = m_ok[:, None] & d_ok[None, :]
-        rows = token_rows(addr_m, b, Sq, B, P, SPLIT)  # shared by Q and dO
-        q_rows = rows_to_offsets(rows, b, sq_b, sq_s, SPLIT)
-        do_rows = rows_to_offsets(rows, b, sdo_b, sdo_s, SPLIT)
-        q = tl.load(Q + q_head + q_rows[:, None] + offs_d[None, :] * sq_d, mask=tile_mask, other=0.0)
+        q_base, q_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+        do_base, do_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+        q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
+                    mask=tile_mask, other=0.0)
         q = maybe_fp32(q, FP32_DOT)
         lse = tl.load(LSE + lse_base + addr_m, mask=m_ok, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+        delta = tl.load(DELTA + lse_base + addr_m, mask=m_ok, other=0.0)
+        do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_d[None, :] * sdo_d),
+                     mask=tile_mask, other=0.0)
+        do = maybe_fp32(do, FP32_DOT)
         qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
@@ -80,37 +95,48 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
                 doc_q = tl.load(DOCS + addr_m, mask=m_ok, other=-2)
                 valid = valid & (doc_k[:, None] == doc_q[None, :])
             pT = tl.where(valid, pT, 0.0)
-        do = tl.load(DO + do_head + do_rows[:, None] + offs_d[None, :] * sdo_d, mask=tile_mask, other=0.0)
-        do = maybe_fp32(do, FP32_DOT)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        delta = tl.load(DELTA + lse_base + addr_m, mask=m_ok, other=0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dsT = pT * (dpT - delta[None, :])
-        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
+        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
+        if DQ_ATOMIC:
+            # dQ rows of this block += dS K (unscaled; the host scales the fp32 sum). The
+            # accumulator is [B, HQ, Sq, BLOCK_D] by position, whatever q's layout: with
+            # compile-time strides the atomics' addresses are one base register plus
+            # immediates (runtime strides cost a 64-bit address per element: spills).
+            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)
+            dq_ptrs = DQ_ACC + ((b * HQ + h) * Sq + start_m) * BLOCK_D + (local_m[:, None] * BLOCK_D + offs_d[None, :])
+            tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP", "HEAD_SPLITS"])
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, LSE, DELTA, DOCS, CU,
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOCS, CU,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sv_b, sv_s, sv_h, sv_d,
     sdo_b, sdo_s, sdo_h, sdo_d,
     sdk_b, sdk_s, sdk_h, sdk_d,
     sdv_b, sdv_s, sdv_h, sdv_d,
-    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY, HQ, HKV, GROUP,
+    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY, HQ, HKV, GROUP, HEAD_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, KV_ATOMIC: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(1).to(tl.int64)
+    part = pid % HEAD_SPLITS
+    pid_bh = pid // HEAD_SPLITS
     b = pid_bh // HKV
     hk = pid_bh % HKV
+    g_cnt = GROUP // HEAD_SPLITS  # the host makes HEAD_SPLITS divide GROUP
+    g_lo = part * g_cnt
     n0 = pid_n * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    local_n = tl.arange(0, BLOCK_N)
+    offs_n = n0 + local_n
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < Sk
     d_ok = offs_d < HEAD_DIM
@@ -118,11 +144,12 @@ def _flash_bwd_dkdv_kernel(
     causal_off = Sk - Sq
     kv_mask = n_ok[:, None] & d_ok[None, :]
 
-    n_rows = token_rows(offs_n, b, Sk, B, P, SPLIT)  # shared by K, V, dK and dV
-    k_rows = rows_to_offsets(n_rows, b, sk_b, sk_s, SPLIT)
-    v_rows = rows_to_offsets(n_rows, b, sv_b, sv_s, SPLIT)
-    k = tl.load(K + hk * sk_h + k_rows[:, None] + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
-    v = tl.load(V + hk * sv_h + v_rows[:, None] + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+    k_base, k_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+    v_base, v_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+    k = tl.load(K + (hk * sk_h + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d), mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + (hk * sv_h + v_base) + (v_rows[:, None] + offs_d[None, :] * sv_d), mask=kv_mask,
+                other=0.0)
     k = maybe_fp32(k, FP32_DOT)
     v = maybe_fp32(v, FP32_DOT)
 
@@ -156,43 +183,66 @@ def _flash_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    # Three phases, each over all query heads of the group (see _dkdv_inner).
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
+    # Three phases, each over the query heads of this program (see _dkdv_inner).
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
                          b, Sq, B, P, lo, a_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                         True, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
+                         True, CAUSAL, VARLEN, SPLIT, DQ_ATOMIC, BLOCK_M, HEAD_DIM, BLOCK_D, FP32_DOT,
+                         PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
                          b, Sq, B, P, a_end, b_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                         False, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, hk, GROUP, HQ, sq_h, sdo_h,
+                         False, CAUSAL, VARLEN, SPLIT, DQ_ATOMIC, BLOCK_M, HEAD_DIM, BLOCK_D, FP32_DOT,
+                         PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
                          b, Sq, B, P, b_end, hi, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                         True, CAUSAL, VARLEN, SPLIT, BLOCK_M, HEAD_DIM, FP32_DOT, PRECISION)
+                         True, CAUSAL, VARLEN, SPLIT, DQ_ATOMIC, BLOCK_M, HEAD_DIM, BLOCK_D, FP32_DOT,
+                         PRECISION)
     dk = dk * sm_scale
-    dk_rows = rows_to_offsets(n_rows, b, sdk_b, sdk_s, SPLIT)
-    dv_rows = rows_to_offsets(n_rows, b, sdv_b, sdv_s, SPLIT)
-    tl.store(DK + hk * sdk_h + dk_rows[:, None] + offs_d[None, :] * sdk_d,
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + hk * sdv_h + dv_rows[:, None] + offs_d[None, :] * sdv_d,
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    if KV_ATOMIC:
+        # Partial sums of a split query-head group, into fp32 accumulators laid out
+        # [B, HKV, Sk, BLOCK_D] by position (compile-time strides, as for dQ).
+        acc_offs = ((b * HKV + hk) * Sk + n0) * BLOCK_D + (local_n[:, None] * BLOCK_D + offs_d[None, :])
+        tl.atomic_add(DK + acc_offs, dk, mask=n_ok[:, None], sem="relaxed")
+        tl.atomic_add(DV + acc_offs, dv, mask=n_ok[:, None], sem="relaxed")
+    else:
+        dk_base, dk_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sdk_b, sdk_s, SPLIT)
+        dv_base, dv_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sdv_b, sdv_s, SPLIT)
+        tl.store(DK + (hk * sdk_h + dk_base) + (dk_rows[:, None] + offs_d[None, :] * sdk_d),
+                 dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + (hk * sdv_h + dv_base) + (dv_rows[:, None] + offs_d[None, :] * sdv_d),
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; first = default.
-# The dK/dV accumulators (2 x BLOCK_N x D fp32) dominate the registers: with D = 128 and
-# 8 warps they take 128 per thread, so BLOCK_M stays at 32 (BLOCK_M = 64 spills) and
-# BLOCK_N at 128, the Triton tutorial's Hopper tiles (BLOCK_M1=32 / BLOCK_N1=128; its
-# 4 warps would need 256 registers per thread for the accumulators alone, hence 8 here).
-# Measured with sm_90 builds (cuobjdump -res-usage): (32, 128, 8, 2) has no spills in the
-# plain layout under Triton 3.6 and 3.8; 3 stages spill under 3.8 (kept as a candidate for
-# autotuning only). The VARLEN+SPLIT variant spills a few registers (<= 40 bytes) either way.
+# Deterministic mode (dK/dV only). The dK/dV accumulators (2 x BLOCK_N x D fp32) dominate
+# the registers: with D = 128 and 8 warps they take 128 per thread at BLOCK_N = 128 (the
+# Triton tutorial's Hopper tile, BLOCK_M1=32 / BLOCK_N1=128), which spills 8-16 B in every
+# layout with Triton 3.8 (bench/sass_report.py); the D = 128 default is 32x64 (205
+# registers, no spills), 32x128 stays an autotuning candidate.
 # D = 256: 8 warps only (4 warps give mma.sync instead of wgmma, and spill).
 _DKDV_CONFIGS = {
     16: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
     32: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
     64: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
-    128: [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 8, 2)],
+    128: [(32, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3)],
     256: [(16, 64, 8, 2)],
+}
+# Atomic-dQ mode (the default). BLOCK_M >= 64 would keep every wgmma at N >= 64 (K Q^T
+# and V dO^T have N = BLOCK_M) and give the 5th GEMM (dS^T)^T K a warpgroup's M = 64,
+# but no such D = 128 tile builds without spills under Triton 3.8 (sm_90, measured with
+# the sass_report build: 64x64x8w 104 B, 64x128x8w 168 B, 4 warps 344+ B; a query-major
+# loop order spilled more). K and V as wgmma A operands sit in registers, duplicated per
+# warpgroup when two split N. So the default stays 32x128 (no spills, 236 registers),
+# whose dQ GEMM (M = 32) runs on mma.sync; the BLOCK_M = 64 tiles remain autotuning
+# candidates, timed against it on the GPU.
+_ATOMIC_CONFIGS = {
+    16: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
+    32: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
+    64: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
+    128: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
+    256: [(16, 64, 8, 2), (64, 32, 8, 2)],
 }
 _INTERPRET_BLOCKS = (16, 32)
 
@@ -203,21 +253,51 @@ _DKDV_FP32_CONFIGS = {16: (16, 64, 4, 2), 32: (16, 64, 4, 2), 64: (16, 64, 4, 2)
 
 _launch = TunedLauncher(_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, _INTERPRET_BLOCKS,
                         fp32_configs=_DKDV_FP32_CONFIGS)
+# Autotuning runs the kernel once per candidate: the accumulators restart from zero.
+_launch_atomic = TunedLauncher(_flash_bwd_dkdv_kernel, _ATOMIC_CONFIGS, _INTERPRET_BLOCKS,
+                               fp32_configs=_DKDV_FP32_CONFIGS, reset_to_zero=["DQ_ACC", "DK", "DV"])
+
+
+def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_count: int) -> int:
+    """How many programs share one KV head's query-head group in the atomic backward.
+
+    One program per (key block, batch, KV head) leaves SMs idle when that grid is small
+    (one KV head per rank at S = 8k: 64 programs on 132 SMs, each G times longer). The
+    smallest divisor of the group that reaches two programs per SM; 1 when it is large
+    enough already or the SM count is unknown (0).
+    """
+    programs = key_blocks * batch * num_kv_heads
+    if sm_count <= 0 or programs >= 2 * sm_count:
+        return 1
+    for d in range(2, group + 1):
+        if group % d == 0 and programs * d >= 2 * sm_count:
+            return d
+    return group
 
 
 def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q,
                 seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
-                split, seq_splits):
-    """strides: (q, k, v, do, dk, dv) stride 4-tuples."""
+                split, seq_splits, dq_acc=None, splits=1):
+    """strides: (q, k, v, do, dk, dv) stride 4-tuples.
+
+    dq_acc: atomic mode, a zero-filled fp32 ``[B, Hq, Sq, block_d]`` accumulator (by
+    position) that receives the unscaled dS K. splits > 1 (atomic mode only): dk/dv are
+    zero-filled fp32 ``[B, Hkv, Sk, block_d]`` accumulators for the partial sums."""
     fp32_dot = interpreting()
     varlen = docs is not None
-    args = (q, k, v, do, dk, dv, lse, delta, docs if varlen else lse, cu_seqlens if varlen else lse,
+    atomic = dq_acc is not None
+    if splits > 1 and (not atomic or dk.dtype != torch.float32 or (num_q_heads // num_kv_heads) % splits):
+        raise ValueError("launch_dkdv: head splits need atomic mode, fp32 dk/dv and a divisor of the group")
+    args = (q, k, v, do, dk, dv, dq_acc if atomic else lse, lse, delta, docs if varlen else lse,
+            cu_seqlens if varlen else lse,
             *strides[0], *strides[1], *strides[2], *strides[3], *strides[4], *strides[5],
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_kv_heads,
-            num_q_heads // num_kv_heads)
+            num_q_heads // num_kv_heads, splits)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d,
-                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
+                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
+                DQ_ATOMIC=atomic, KV_ATOMIC=splits > 1,
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, block_d))
-    _launch(lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * num_kv_heads), args, meta, block_d, fp32_dot,
-            q.dtype == torch.float32)
+    launcher = _launch_atomic if atomic else _launch
+    launcher(lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * num_kv_heads * splits), args, meta, block_d,
+             fp32_dot, q.dtype == torch.float32)

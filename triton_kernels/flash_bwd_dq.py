@@ -17,9 +17,8 @@ from ._common import (
     interpreting,
     maybe_fp32,
     query_tile_key_range,
-    rows_to_offsets,
     seq_bucket,
-    token_rows,
+    seq_offsets,
 )
 
 LOG2E_C = tl.constexpr(LOG2E)
@@ -31,17 +30,26 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
               b, Sk, B, P, lo, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
               SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-              FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
+    local_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = start_n + local_n
         n_ok = offs_n < Sk
-        rows = token_rows(offs_n, b, Sk, B, P, SPLIT)  # shared by K and V
-        k_rows = rows_to_offsets(rows, b, sk_b, sk_s, SPLIT)
-        v_rows = rows_to_offsets(rows, b, sv_b, sv_s, SPLIT)
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + k_head + k_rows[:, None] + offs_d[None, :] * sk_d, mask=kv_mask, other=0.0)
-        v = tl.load(V + v_head + v_rows[:, None] + offs_d[None, :] * sv_d, mask=kv_mask, other=0.0)
+        k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+        v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+        k_ptrs = K + (k_head + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d)
+        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_d[None, :] * sv_d)
+        if MASKED:
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif HEAD_DIM == BLOCK_D:  # whole key blocks, no padded dims: no mask
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         k = maybe_fp32(k, FP32_DOT)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse2[:, None])
@@ -80,7 +88,8 @@ def _flash_bwd_dq_kernel(
     h = pid_bh % HQ
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    local_m = tl.arange(0, BLOCK_M)
+    offs_m = m0 + local_m
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
@@ -88,11 +97,12 @@ def _flash_bwd_dq_kernel(
     causal_off = Sk - Sq
     tile_mask = m_ok[:, None] & d_ok[None, :]
 
-    m_rows = token_rows(offs_m, b, Sq, B, P, SPLIT)  # shared by Q, dO and dQ
-    q_rows = rows_to_offsets(m_rows, b, sq_b, sq_s, SPLIT)
-    do_rows = rows_to_offsets(m_rows, b, sdo_b, sdo_s, SPLIT)
-    q = tl.load(Q + h * sq_h + q_rows[:, None] + offs_d[None, :] * sq_d, mask=tile_mask, other=0.0)
-    do = tl.load(DO + h * sdo_h + do_rows[:, None] + offs_d[None, :] * sdo_d, mask=tile_mask, other=0.0)
+    q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+    do_base, do_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+    q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d), mask=tile_mask,
+                other=0.0)
+    do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_d[None, :] * sdo_d),
+                 mask=tile_mask, other=0.0)
     q = maybe_fp32(q, FP32_DOT)
     do = maybe_fp32(do, FP32_DOT)
     lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=m_ok, other=float("inf"))
@@ -109,14 +119,14 @@ def _flash_bwd_dq_kernel(
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
                    sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                    b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
-                   False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+                   False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT, PRECISION)
     dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
                    sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                    b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
-                   True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+                   True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT, PRECISION)
     dq = dq * sm_scale
-    dq_rows = rows_to_offsets(m_rows, b, sdq_b, sdq_s, SPLIT)
-    tl.store(DQ + h * sdq_h + dq_rows[:, None] + offs_d[None, :] * sdq_d,
+    dq_base, dq_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdq_b, sdq_s, SPLIT)
+    tl.store(DQ + (h * sdq_h + dq_base) + (dq_rows[:, None] + offs_d[None, :] * sdq_d),
              dq.to(DQ.dtype.element_ty), mask=tile_mask)
 
 
@@ -152,7 +162,7 @@ def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, 
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d,
-                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
+                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, block_d))
     _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, block_d, fp32_dot,
             q.dtype == torch.float32)

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from ._common import interpreting, rows_to_offsets, token_rows
+from ._common import interpreting, seq_offsets
 
 
 @triton.jit(do_not_specialize=["Sq", "B", "P", "HQ"])
@@ -19,15 +19,17 @@ def _flash_bwd_preprocess_kernel(
     pid_bh = tl.program_id(1).to(tl.int64)
     b = pid_bh // HQ
     h = pid_bh % HQ
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = pid_m * BLOCK_M
+    local_m = tl.arange(0, BLOCK_M)
+    offs_m = m0 + local_m
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Sq
     mask = m_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    rows = token_rows(offs_m, b, Sq, B, P, SPLIT)
-    o_rows = rows_to_offsets(rows, b, so_b, so_s, SPLIT)
-    do_rows = rows_to_offsets(rows, b, sdo_b, sdo_s, SPLIT)
-    o = tl.load(O + h * so_h + o_rows[:, None] + offs_d[None, :] * so_d, mask=mask, other=0.0)
-    do = tl.load(DO + h * sdo_h + do_rows[:, None] + offs_d[None, :] * sdo_d, mask=mask, other=0.0)
+    o_base, o_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, so_b, so_s, SPLIT)
+    do_base, do_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+    o = tl.load(O + (h * so_h + o_base) + (o_rows[:, None] + offs_d[None, :] * so_d), mask=mask, other=0.0)
+    do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_d[None, :] * sdo_d), mask=mask,
+                 other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + pid_bh * Sq + offs_m, delta, mask=m_ok)
 
@@ -39,5 +41,5 @@ def launch_preprocess(out, do, delta, *, so_strides, sdo_strides, batch, seqlen_
     grid = (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
     _flash_bwd_preprocess_kernel[grid](
         out, do, delta, *so_strides, *sdo_strides, seqlen_q, batch, seq_splits, num_q_heads,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=bool(split), BLOCK_M=bm,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=int(split), BLOCK_M=bm,
         num_warps=4 if block_d <= 64 else 8)

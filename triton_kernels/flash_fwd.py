@@ -20,9 +20,8 @@ from ._common import (
     interpreting,
     maybe_fp32,
     query_tile_key_range,
-    rows_to_offsets,
     seq_bucket,
-    token_rows,
+    seq_offsets,
 )
 
 LN2_C = tl.constexpr(LN2)
@@ -34,16 +33,23 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
                b, Sk, B, P, lo, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
                SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
+    local_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_n = start_n + local_n
         n_ok = offs_n < Sk
-        rows = token_rows(offs_n, b, Sk, B, P, SPLIT)  # shared by K and V
-        k_rows = rows_to_offsets(rows, b, sk_b, sk_s, SPLIT)
-        v_rows = rows_to_offsets(rows, b, sv_b, sv_s, SPLIT)
-        kt = tl.load(K + k_head + k_rows[None, :] + offs_d[:, None] * sk_d,
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+        v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+        # Scalar base + tile offsets (loop invariant for SPLIT 0/1): see _common.
+        kt_ptrs = K + (k_head + k_base) + (k_rows[None, :] + offs_d[:, None] * sk_d)
+        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_d[None, :] * sv_d)
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        elif HEAD_DIM == BLOCK_D:  # whole blocks of keys and no padded dims: no mask at all
+            kt = tl.load(kt_ptrs)
+        else:
+            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         qk = tl.dot(maybe_fp32(q, FP32_DOT), maybe_fp32(kt, FP32_DOT), input_precision=PRECISION)
         qk = qk * qk_scale
         if MASKED:
@@ -64,8 +70,12 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        v = tl.load(V + v_head + v_rows[:, None] + offs_d[None, :] * sv_d,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif HEAD_DIM == BLOCK_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
         if FP32_DOT:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision=PRECISION)
         else:
@@ -95,17 +105,18 @@ def _flash_fwd_kernel(
     h = pid_bh % HQ
     hk = h // GROUP
     m0 = pid_m * BLOCK_M
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    local_m = tl.arange(0, BLOCK_M)
+    offs_m = m0 + local_m
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
     m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
     causal_off = Sk - Sq
+    tile_ok = m_ok[:, None] & d_ok[None, :]
 
-    m_rows = token_rows(offs_m, b, Sq, B, P, SPLIT)  # shared by Q and O
-    q_rows = rows_to_offsets(m_rows, b, sq_b, sq_s, SPLIT)
-    q = tl.load(Q + h * sq_h + q_rows[:, None] + offs_d[None, :] * sq_d,
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+    q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
+                mask=tile_ok, other=0.0)
 
     doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                        DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
@@ -119,20 +130,22 @@ def _flash_fwd_kernel(
                                sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, doc_q, DOCS,
                                qk_scale, causal_off,
-                               False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+                               False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT,
+                               PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
                                sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, doc_q, DOCS,
                                qk_scale, causal_off,
-                               True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, FP32_DOT, PRECISION)
+                               True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT,
+                               PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
-    o_rows = rows_to_offsets(m_rows, b, so_b, so_s, SPLIT)
-    tl.store(O + h * so_h + o_rows[:, None] + offs_d[None, :] * so_d,
-             out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    o_base, o_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, so_b, so_s, SPLIT)
+    tl.store(O + (h * so_h + o_base) + (o_rows[:, None] + offs_d[None, :] * so_d),
+             out.to(O.dtype.element_ty), mask=tile_ok)
     tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=m_ok)
 
 
@@ -140,16 +153,18 @@ def _flash_fwd_kernel(
 # The first entry is the default used when autotuning is off. Q is the shared-memory A
 # operand of the QK^T wgmma: with BLOCK_N = 64 its re-reads put QK^T at the shared-memory
 # bandwidth limit, BLOCK_N = 128 leaves headroom (FlashAttention-3 and the Triton tutorial
-# use 128x128 with 2 warpgroups for D = 128 on Hopper). sm_90 builds of every entry were
-# checked for register spills with Triton 3.6 and 3.8 (ptxas, no GPU needed).
+# use 128x128 with 2 warpgroups for D = 128 on Hopper). D = 128 default: 2 stages, which
+# builds without spills for the plain layout and the buffer with affine tiles alike (3
+# stages spill 40 B there: bench/sass_report.py, Triton 3.8); 3 stages stay a candidate.
 _FWD_CONFIGS = {
     16: [(128, 64, 4, 4), (64, 64, 4, 4)],
     32: [(128, 64, 4, 4), (64, 64, 4, 4)],
     64: [(128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)],
-    128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+    128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)],
     256: [(64, 64, 8, 2), (128, 32, 8, 2)],
 }
-# VARLEN / SPLIT variants (more index registers): 128x128x3 stages spills there.
+# VARLEN / per-token SPLIT=2 variants (more index registers): 128x128x3 stages spills there.
+# The all-to-all buffer with affine tiles (SPLIT=1) uses the plain configs.
 _FWD_MASKED_CONFIGS = {
     128: [(128, 64, 8, 3), (128, 128, 8, 2)],
 }
@@ -168,7 +183,8 @@ _launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS, _FWD
 def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
                batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim,
                causal, softmax_scale, docs, cu_seqlens, split, seq_splits):
-    """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides."""
+    """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides;
+    split is the SPLIT mode (_common.split_mode)."""
     bd = block_d(head_dim)
     fp32_dot = interpreting()
     precision = dot_precision(q.dtype, bd)
@@ -179,7 +195,7 @@ def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_stri
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale * LOG2E,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
-                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=bool(split),
+                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 FP32_DOT=fp32_dot, PRECISION=precision)
     _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, bd, fp32_dot,
             q.dtype == torch.float32)

@@ -2,11 +2,18 @@
 
 Custom ops (namespace ``ulysses_kernels``):
 
-* ``triton_flash_fwd(q, k, v, causal, softmax_scale, cu_seqlens) -> (out, lse)``
-* ``triton_flash_bwd(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens) -> (dq, dk, dv)``
+* ``triton_flash_fwd(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False) -> (out, lse)``
+  (deterministic only travels to the backward)
+* ``triton_flash_bwd(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False)
+  -> (dq, dk, dv)``
 * ``triton_flash_fwd_out(q, k, v, out!, lse!, causal, softmax_scale, cu_seqlens, seq_splits, batch) -> ()``
 * ``triton_flash_bwd_out(do, q, k, v, out, lse, dq!, dk!, dv!, causal, softmax_scale, cu_seqlens,
-  seq_splits, batch) -> ()``
+  seq_splits, batch, deterministic=False) -> ()``
+
+Backward modes: by default dQ is accumulated with fp32 atomics (5 GEMMs, run-to-run
+differences of rounding order); ``deterministic=True`` (or the environment variable
+``ULYSSES_KERNELS_DETERMINISTIC=1``) uses the separate dQ kernel (7 GEMMs, bitwise
+reproducible).
 
 The functional pair (4-D ``[B, S, H, D]`` tensors, any strides) carries the autograd
 formula used by :func:`flash_attention`; the in-place pair backs the low-level
@@ -19,8 +26,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._common import block_d, interpreting
-from .flash_bwd import launch_bwd
+from ._common import MAX_ROW_STRIDE, block_d, interpreting, split_mode
+from .flash_bwd import deterministic_default, launch_bwd
 from .flash_fwd import launch_fwd
 
 _NS = "ulysses_kernels"
@@ -50,13 +57,21 @@ class _Geom:
             self.batch, self.sq, self.hq, self.d = q.shape
             self.sk, self.hkv = k.shape[1], k.shape[2]
         self.seq_splits = int(seq_splits)
+        # The kernels' SPLIT constexpr: strided, buffer with affine tiles, or per token.
+        self.mode = split_mode(self.split, self.batch, self.seq_splits, (self.sq, self.sk))
         if self.batch * self.hq > 65535:
             raise ValueError(f"flash_attention: batch * heads = {self.batch * self.hq} exceeds the "
                              f"CUDA grid limit of 65535")
 
     def strides(self, t):
+        """(batch, seq, head, dim) element strides of t as the kernels' SPLIT mode reads them."""
+        if abs(t.stride(-3)) > MAX_ROW_STRIDE:  # tile offsets are int32 (see _common.seq_offsets)
+            raise ValueError(f"flash_attention: a sequence stride of {t.stride(-3)} elements exceeds "
+                             f"{MAX_ROW_STRIDE}; pass contiguous tensors")
         if self.split:
-            return (0, t.stride(0), t.stride(1), t.stride(2))
+            # A buffer read as strided (mode 0: batch 1, or one block) is [B, S] rows.
+            stride_b = (t.shape[0] // self.batch) * t.stride(0) if self.mode == 0 else 0
+            return (stride_b, t.stride(0), t.stride(1), t.stride(2))
         return tuple(t.stride())
 
 
@@ -101,6 +116,10 @@ def _kernel_cu_seqlens(cu_seqlens, total):
     return docs.contiguous(), table.to(torch.int32).contiguous()
 
 
+def _deterministic(value: Optional[bool]) -> bool:
+    return deterministic_default() if value is None else bool(value)
+
+
 def _resolve_scale(softmax_scale, d):
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
@@ -123,10 +142,11 @@ def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, b
                sv_strides=g.strides(v), so_strides=g.strides(out),
                batch=g.batch, seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv,
                head_dim=g.d, causal=causal, softmax_scale=softmax_scale, docs=docs,
-               cu_seqlens=table, split=g.split, seq_splits=g.seq_splits)
+               cu_seqlens=table, split=g.mode, seq_splits=g.seq_splits)
 
 
-def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch):
+def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
+             deterministic):
     g = _Geom(q, k, seq_splits, batch)
     if g.batch == 0 or g.hq == 0:
         return
@@ -136,13 +156,10 @@ def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlen
         dv.zero_()
         return
     docs, table = _kernel_cu_seqlens(cu_seqlens, g.sk)
-    strides = {name: g.strides(t) for name, t in
-               (("q", q), ("k", k), ("v", v), ("out", out), ("do", do), ("dq", dq), ("dk", dk),
-                ("dv", dv))}
-    launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, table, strides=strides, batch=g.batch,
+    launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, table, strides_of=g.strides, batch=g.batch,
                seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv, head_dim=g.d,
-               block_d=block_d(g.d), causal=causal, softmax_scale=softmax_scale, split=g.split,
-               seq_splits=g.seq_splits)
+               block_d=block_d(g.d), causal=causal, softmax_scale=softmax_scale, split=g.mode,
+               seq_splits=g.seq_splits, deterministic=deterministic)
 
 
 # ------------------------------------------------------------------------ custom ops
@@ -150,8 +167,8 @@ def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlen
 
 @torch.library.custom_op(f"{_NS}::triton_flash_fwd", mutates_args=())
 def triton_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                     softmax_scale: float, cu_seqlens: Optional[torch.Tensor]
-                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+                     softmax_scale: float, cu_seqlens: Optional[torch.Tensor],
+                     deterministic: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     B, Sq, Hq, D = q.shape
     out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
@@ -160,7 +177,7 @@ def triton_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
 
 
 @triton_flash_fwd.register_fake
-def _(q, k, v, causal, softmax_scale, cu_seqlens):
+def _(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False):
     B, Sq, Hq, D = q.shape
     return (q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32))
 
@@ -168,17 +185,17 @@ def _(q, k, v, causal, softmax_scale, cu_seqlens):
 @torch.library.custom_op(f"{_NS}::triton_flash_bwd", mutates_args=())
 def triton_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
-                     cu_seqlens: Optional[torch.Tensor]
+                     cu_seqlens: Optional[torch.Tensor], deterministic: bool = False
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, 1, None)
+    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, 1, None, deterministic)
     return dq, dk, dv
 
 
 @triton_flash_bwd.register_fake
-def _(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens):
+def _(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -198,18 +215,22 @@ def _(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch):
 def triton_flash_bwd_out(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                          dv: torch.Tensor, causal: bool, softmax_scale: float,
-                         cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int) -> None:
-    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch)
+                         cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int,
+                         deterministic: bool = False) -> None:
+    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
+             deterministic)
 
 
 @triton_flash_bwd_out.register_fake
-def _(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch):
+def _(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
+      deterministic=False):
     return None
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, cu_seqlens = inputs
+    q, k, v, causal, softmax_scale, cu_seqlens, *rest = inputs
     out, lse = output
+    ctx.deterministic = bool(rest[0]) if rest else False
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
@@ -219,10 +240,10 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
     if grad_out is None:
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     dq, dk, dv = triton_flash_bwd(grad_out, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                  cu_seqlens)
-    return dq, dk, dv, None, None, None
+                                  cu_seqlens, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -233,7 +254,8 @@ triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: Optional[float] = None,
-                    cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    cu_seqlens: Optional[torch.Tensor] = None,
+                    deterministic: Optional[bool] = None) -> torch.Tensor:
     """Exact attention (flash, Triton), differentiable w.r.t. q, k, v.
 
     q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` with any strides (views into larger
@@ -242,11 +264,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     causal: bottom-right aligned (query i sees key j iff ``j <= i + Sk - Sq``).
     cu_seqlens: int32 document boundaries (B == 1, Sq == Sk); attention stays within a
     document. Rows that see no key give zeros. Returns ``[B, Sq, Hq, D]`` in q's dtype.
+    deterministic: backward without atomics (None: ``ULYSSES_KERNELS_DETERMINISTIC``).
     Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     _check_inputs(q, k, v, split=False)
     scale = _resolve_scale(softmax_scale, q.shape[-1])
-    out, _ = triton_flash_fwd(q, k, v, bool(causal), scale, cu_seqlens)
+    out, _ = triton_flash_fwd(q, k, v, bool(causal), scale, cu_seqlens, _deterministic(deterministic))
     return out
 
 
@@ -299,13 +322,14 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              cu_seqlens: Optional[torch.Tensor] = None,
                              dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None,
                              dv: Optional[torch.Tensor] = None, seq_splits: int = 1,
-                             batch: Optional[int] = None
+                             batch: Optional[int] = None, deterministic: Optional[bool] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Low-level backward (no autograd); same layouts as :func:`flash_attention_forward`.
 
     do/out/dq have q's shape, dk/dv k's shape; lse is the forward's ``[B, Hq, Sq]`` fp32.
     dq/dk/dv are written in place when given (e.g. views into the reverse all-to-all send
-    buffer), else allocated contiguous. Deterministic (no atomics). Returns (dq, dk, dv).
+    buffer), else allocated contiguous. deterministic: no atomics (7 GEMMs instead of 5;
+    None: ``ULYSSES_KERNELS_DETERMINISTIC``). Returns (dq, dk, dv).
     """
     split = q.dim() == 3
     _check_inputs(q, k, v, split=split)
@@ -325,5 +349,5 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         bufs.append(t)
     dq, dk, dv = bufs
     triton_flash_bwd_out(do, q, k, v, out, lse, dq, dk, dv, bool(causal), scale, cu_seqlens,
-                         int(seq_splits), int(g.batch))
+                         int(seq_splits), int(g.batch), _deterministic(deterministic))
     return dq, dk, dv
