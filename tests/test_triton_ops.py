@@ -4,7 +4,6 @@ CPU only, Triton interpreter (TRITON_INTERPRET must be set before triton or the 
 modules are imported: conftest.py sets it without CUDA).
 """
 
-import os
 
 import pytest
 import torch
@@ -132,73 +131,4 @@ def test_torch_compile_fullgraph_lowlevel_inplace():
     assert out_c.abs().sum() > 0
 
 
-_AOT_SCRIPT = r"""
-import os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ulysses_kernels.triton import flash_bwd_dkdv, flash_bwd_dq, flash_bwd_preprocess, flash_fwd
-
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-PTRS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
-def build(kernel, consts, warps, stages, name, dots=True, limit=0):
-    sig, attrs = {}, {}
-    for i, n in enumerate(kernel.arg_names):
-        if n in consts or n.endswith("_d"):
-            consts.setdefault(n, 1)
-            sig[n] = "constexpr"
-            continue
-        sig[n] = ("*bf16" if n in PTRS else "*fp32" if n in ("LSE", "DELTA") else "*i32" if n in ("DOCS", "CU")
-                  else "fp32" if n in ("qk_scale", "sm_scale") else "i32")
-        if sig[n].startswith("*") or n.endswith(("_s", "_h", "_b")):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    ptx = c.asm["ptx"]
-    # Every attention GEMM must use Hopper wgmma (an mma.sync fallback is ~2x slower).
-    assert not dots or ("wgmma.mma_async" in ptx and "mma.sync" not in ptx), name + ": no wgmma"
-    if os.path.exists(CUOBJDUMP):  # register spills show as a local-memory stack frame
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(c.asm["cubin"])
-        try:
-            res = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
-        finally:
-            os.unlink(f.name)
-        m = re.search(r"REG:(\d+) STACK:(\d+)", res)
-        if m:
-            print(name, "regs", m.group(1), "stack", m.group(2))
-            assert int(m.group(2)) <= limit, name + ": spills (stack %s bytes)" % m.group(2)
-
-D = 128
-for masked in (False, True):  # plain layout, and the VARLEN + SPLIT (all-to-all buffer) variant
-    base = dict(HEAD_DIM=D, BLOCK_D=D, CAUSAL=True, VARLEN=masked, SPLIT=masked, FP32_DOT=False,
-                PRECISION="tf32")
-    for mod, kernel in ((flash_fwd, flash_fwd._flash_fwd_kernel),
-                        (flash_bwd_dq, flash_bwd_dq._flash_bwd_dq_kernel),
-                        (flash_bwd_dkdv, flash_bwd_dkdv._flash_bwd_dkdv_kernel)):
-        bm, bn, w, s = mod._launch.default(D, masked)
-        # The VARLEN+SPLIT dK/dV kernel sits at 255 registers; Triton 3.8 spills 8 bytes.
-        build(kernel, dict(base, BLOCK_M=bm, BLOCK_N=bn), w, s, "%s masked=%s" % (kernel.__name__, masked),
-              limit=64 if masked else 0)
-build(flash_bwd_preprocess._flash_bwd_preprocess_kernel,
-      dict(HEAD_DIM=D, BLOCK_D=D, SPLIT=True, BLOCK_M=128), 8, 1, "preprocess", dots=False)
-print("AOT-OK")
-"""
-
-
-def test_kernels_compile_for_sm90():
-    """The interpreter does not run the real compiler: build the kernels for Hopper (sm_90)
-    ahead of time (no GPU needed, Triton's bundled ptxas) to catch front-end errors, and
-    check the default D=128 configs use wgmma and do not spill registers."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    try:
-        proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                              text=True, timeout=240)
-    except subprocess.TimeoutExpired:
-        pytest.skip("ahead-of-time compile took too long on this machine")
-    if proc.returncode != 0 and ("ptxas" in proc.stderr and "not found" in proc.stderr):
-        pytest.skip("no ptxas available for an sm_90 build")
-    assert proc.returncode == 0 and "AOT-OK" in proc.stdout, proc.stderr[-3000:]
+# The sm_90 builds (wgmma, spills, inner-loop SASS) are checked by tests/test_sass_report.py.
