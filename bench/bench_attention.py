@@ -6,7 +6,8 @@ sequence lengths 4k..32k (more with --seqlens) with B*S about constant (--tokens
 4*B*H*Sq*Sk*D (halved when causal); backward 2.5x forward, so fwd+bwd = 3.5x. Timing:
 triton.testing.do_bench (median) after warm-up, random inputs. All implementations read
 the same values; Triton gets [B, S, H, D] (its native layout), SDPA contiguous
-[B, H, S, D] (its native layout).
+[B, H, S, D] (its native layout). Ours is timed with both backward modes: the default
+(dQ by fp32 atomics, 5 GEMMs) and deterministic=True (separate dQ kernel, 7 GEMMs).
 
 The target shapes run first (D=128, S >= 16k), so a time budget (--budget-s) cuts the
 least important ones. With time left, a config sweep (D=128, S=16k) times every
@@ -126,7 +127,8 @@ def main():
             "time": time.strftime("%Y-%m-%d %H:%M:%S"), "quick": args.quick, "tokens": args.tokens,
             "autotune": args.autotune, "complete": False,
             "default_configs": {"fwd": flash_fwd._launch.default(128), "dq": flash_bwd_dq._launch.default(128),
-                                "dkdv": flash_bwd_dkdv._launch.default(128)}}
+                                "dkdv": flash_bwd_dkdv._launch.default(128),
+                                "bwd_atomic": flash_bwd_dkdv._launch_atomic.default(128)}}
 
     def write():
         meta["targets"] = _targets(rows)
@@ -178,7 +180,10 @@ def main():
                 do = torch.randn(B, S, H, D, device=device, dtype=dtype)
                 qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
                 dot = do.transpose(1, 2).contiguous()
-                impls = {"triton": lambda: flash_attention(q, k, v, causal=causal)}
+                # triton: the default backward (dQ by fp32 atomics, 5 GEMMs); triton_det: the
+                # deterministic one (separate dQ kernel, 7 GEMMs), timed fwd+bwd only.
+                impls = {"triton": lambda: flash_attention(q, k, v, causal=causal, deterministic=False),
+                         "triton_det": lambda: flash_attention(q, k, v, causal=causal, deterministic=True)}
                 if not args.no_sdpa:
                     for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                           ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -189,8 +194,11 @@ def main():
                 for mode in modes:
                     result = {"D": D, "H": H, "B": B, "S": S, "causal": causal, "mode": mode}
                     for name, fn in impls.items():
-                        grad = do if name == "triton" else dot
-                        leaves = (q, k, v) if name == "triton" else (qt, kt, vt)
+                        if mode == "fwd" and name == "triton_det":
+                            continue  # the same forward
+                        ours = name.startswith("triton")
+                        grad = do if ours else dot
+                        leaves = (q, k, v) if ours else (qt, kt, vt)
                         try:
                             if mode == "fwd":
                                 with torch.no_grad():
@@ -253,30 +261,35 @@ def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_
         q, k, v, do = (torch.randn(B, S, H, D, device=device, dtype=dtype) for _ in range(4))
         out, lse = fwd_fn(q, k, v, causal=causal, softmax_scale=None)
         flops_fwd = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
-        for kname, mod, cfgs in (("fwd", flash_fwd, flash_fwd._FWD_CONFIGS[D]),
-                                 ("dq", flash_bwd_dq, flash_bwd_dq._DQ_CONFIGS[D]),
-                                 ("dkdv", flash_bwd_dkdv, flash_bwd_dkdv._DKDV_CONFIGS[D])):
+        # (kernel, its launcher, candidates, backward mode the timing runs)
+        for kname, launch, cfgs, determ in (
+                ("fwd", flash_fwd._launch, flash_fwd._FWD_CONFIGS[D], None),
+                ("bwd_atomic", flash_bwd_dkdv._launch_atomic, flash_bwd_dkdv._ATOMIC_CONFIGS[D], False),
+                ("dq", flash_bwd_dq._launch, flash_bwd_dq._DQ_CONFIGS[D], True),
+                ("dkdv", flash_bwd_dkdv._launch, flash_bwd_dkdv._DKDV_CONFIGS[D], True)):
             for cfg in (cfgs[:1] if args.smoke else cfgs):
                 if args.budget_s is not None and time.time() - t_start + per_compile > args.budget_s:
                     sweep.append({"kernel": kname, "config": list(cfg), "causal": causal, "skipped": "budget"})
                     continue
                 entry = {"kernel": kname, "config": list(cfg), "causal": causal,
-                         "default": cfg == mod._launch.default(D)}
-                mod._launch.override = cfg
+                         "default": cfg == launch.default(D)}
+                launch.override = cfg
                 try:
                     if kname == "fwd":
                         ms = timed(lambda: fwd_fn(q, k, v, causal=causal, softmax_scale=None))
                         entry["what"] = "forward"
                         entry["tflops"] = flops_fwd / (ms * 1e-3) / 1e12
                     else:
-                        ms = timed(lambda: bwd_fn(do, q, k, v, out, lse, causal=causal, softmax_scale=None))
-                        entry["what"] = "backward (preprocess + dK/dV + dQ), this kernel's config varied"
+                        ms = timed(lambda: bwd_fn(do, q, k, v, out, lse, causal=causal, softmax_scale=None,
+                                                  deterministic=determ))
+                        entry["what"] = ("backward (preprocess + dK/dV + dQ), this kernel's config varied"
+                                         if determ else "backward (preprocess + 5-GEMM dK/dV/dQ), config varied")
                         entry["tflops"] = 2.5 * flops_fwd / (ms * 1e-3) / 1e12
                     entry["ms"] = ms
                 except Exception as exc:
                     entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 finally:
-                    mod._launch.override = None
+                    launch.override = None
                 sweep.append(entry)
                 print(f"sweep {kname} causal={causal} {cfg}: "
                       f"{entry.get('tflops', float('nan')):.1f} TFLOP/s {entry.get('error', '')}", flush=True)
@@ -308,8 +321,8 @@ def _targets(rows):
     return out
 
 
-HEADER = ("| mode | D | H | B | S | causal | triton TFLOP/s | sdpa flash TFLOP/s | sdpa cuDNN TFLOP/s "
-          "| triton/flash | triton/cuDNN |")
+HEADER = ("| mode | D | H | B | S | causal | triton TFLOP/s | triton deterministic TFLOP/s | sdpa flash TFLOP/s "
+          "| sdpa cuDNN TFLOP/s | triton/flash | triton/cuDNN |")
 
 
 def _fmt(x, digits=1):
@@ -318,7 +331,8 @@ def _fmt(x, digits=1):
 
 def _row_md(r):
     return (f"| {r['mode']} | {r['D']} | {r['H']} | {r['B']} | {r['S']} | {r['causal']} "
-            f"| {_fmt(r.get('triton_tflops'))} | {_fmt(r.get('sdpa_flash_tflops'))} "
+            f"| {_fmt(r.get('triton_tflops'))} | {_fmt(r.get('triton_det_tflops'))} "
+            f"| {_fmt(r.get('sdpa_flash_tflops'))} "
             f"| {_fmt(r.get('sdpa_cudnn_tflops'))} | {_fmt(r.get('ratio_vs_sdpa_flash'), 2)} "
             f"| {_fmt(r.get('ratio_vs_sdpa_cudnn'), 2)} |")
 

@@ -62,7 +62,9 @@ def test_bench_attention_smoke(tmp_path):
     assert len(data["results"]) == 4 and data["meta"]["complete"]  # fwd, fwd+bwd x causal or not
     for row in data["results"]:
         assert row.get("triton_ms") is not None, row  # a failing kernel is recorded, not raised
-    assert {e["kernel"] for e in data["sweep"]} == {"fwd", "dq", "dkdv"}
+        if row["mode"] == "fwd_bwd":  # both backward modes
+            assert row.get("triton_det_ms") is not None, row
+    assert {e["kernel"] for e in data["sweep"]} == {"fwd", "bwd_atomic", "dq", "dkdv"}
     assert all("error" not in e for e in data["sweep"]), data["sweep"]
     assert (tmp_path / "attention_results.md").exists() and (tmp_path / "attention_tflops.png").exists()
 
