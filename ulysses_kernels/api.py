@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import dispatch, fused, reference, triton_path
+from . import attention_select, dispatch, fused, reference, triton_path
 from .extensions import triton_kernels
 from .groups import collective_device, resolve_group
 from .layout import head_plan_error, split_heads_error, split_lengths
@@ -65,7 +65,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
     backend: None/"auto" (Triton on CUDA when available, else reference), "reference",
     or "triton" (on CPU tensors only with TRITON_INTERPRET=1). "fused" means the
-    distributed exchange and is treated as "triton" here.
+    distributed exchange and is treated as "triton" here. On the Triton path the kernel
+    itself is chosen by `ULYSSES_KERNELS_ATTENTION` (attention_select.py): ours, or torch
+    SDPA / flash_attn where they give the same result and were timed faster.
     """
     cu_seqlens = _as_cu_seqlens(cu_seqlens, q.device)
     row = build_descriptor("ulysses_attention", [q, k, v], causal=causal,
@@ -83,7 +85,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     kernels, reason = triton_kernels()
     if kernels is None:
         raise RuntimeError(f"flash_attention: the Triton kernels cannot be used: {reason}")
-    return kernels.flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    # The Triton path's kernel: ours, or torch SDPA / flash_attn where they compute the same
+    # thing and were timed faster (attention_select.py, ULYSSES_KERNELS_ATTENTION).
+    return attention_select.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
 
 
 # ----------------------------------------------------------------- ulysses_attention

@@ -17,7 +17,7 @@ def doctor(_args) -> int:
 
     import torch
 
-    from . import __version__, dispatch, env, extensions, fused
+    from . import __version__, attention_select, dispatch, env, extensions, fused
     from .api import resolve_path
 
     _line("ulysses-kernels", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
@@ -60,6 +60,8 @@ def doctor(_args) -> int:
     kernels, why = extensions.triton_kernels()
     interp = " (TRITON_INTERPRET=1: interpreter)" if env.interpreting() else ""
     _line("Triton attention", ("available" + interp) if kernels is not None else f"unavailable: {why}")
+    for name, value in attention_select.describe():  # the kernel chooser: override, backends, cached choices
+        _line(name, value)
 
     if torch.cuda.is_available():
         n = torch.cuda.device_count()

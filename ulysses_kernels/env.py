@@ -1,4 +1,4 @@
-"""Environment variables: the one parser of boolean switches.
+"""Environment variables: the one parser of boolean switches (and of numbers and choices).
 
 Every boolean environment variable of the package (and `TRITON_INTERPRET`, which Triton
 itself reads) goes through `flag`, so "false" means off everywhere and a typo is an error
@@ -41,6 +41,17 @@ def number(name: str, default: float) -> float:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def choice(name: str, allowed, default: str) -> str:
+    """The value of the environment variable `name`, one of `allowed` (lower-cased;
+    `default` when unset or empty). Raises ValueError naming the variable and the choices."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw.lower() not in allowed:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(allowed)}")
+    return raw.lower()
 
 
 def interpreting() -> bool:

@@ -8,6 +8,9 @@ Forward (docs/architecture.md, "Triton path"):
   `seq_splits=P` (two-level sequence addressing). The output is written into `[B*S, Hl_q, D]`,
   which has the block layout the reverse all-to-all sends from, then unpacked to
   `[B, S_r, Hq, D]`.
+With one batch row (or one rank) the buffer rows are a strided `[B, S, H, D]` tensor, and
+the kernel may instead be torch SDPA or flash_attn, timed faster and exact for the call
+(attention_select.py); its backward replays the autograd graph recorded in the forward.
 Backward: dO takes the same route as q; the kernels write dq|dk|dv into one buffer in
 the send layout; one all-to-all returns them; unpack sums replicated KV heads.
 
@@ -20,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from . import env
+from . import attention_select, env
 from .extensions import kernel_input_problem, triton_kernels
 from .reference.exchange import (
     HeadsToSeq,
@@ -66,6 +69,36 @@ def _reverse_exchange(rows: torch.Tensor, batch: int, seq_lens, rank: int, group
     return recv.view(P, batch, seq_lens[rank], Hc, D)
 
 
+def _kernel_choice(q_rows, k_rows, batch, world, causal, cu_seqlens, grad) -> str:
+    """The attention kernel for the receive buffer (attention_select.py). With one batch
+    row or one rank the buffer rows are a strided `[B, S, H, D]` tensor that torch SDPA or
+    flash_attn read in place; batch > 1 across ranks (two-level addressing) and packed
+    documents stay on the Triton kernels."""
+    split = batch > 1 and world > 1
+    view = (lambda t: t.view(batch, t.shape[0] // batch, *t.shape[1:])) if not split else (lambda t: t.unsqueeze(0))
+    return attention_select.choose(view(q_rows), view(k_rows), causal=causal, varlen=cu_seqlens is not None,
+                                   split_layout=split, grad=grad)
+
+
+def _external_forward(name, row_views, out_rows, batch, causal, softmax_scale, grad):
+    """Run a non-Triton kernel on `[B, S, H, D]` views of the buffer rows and write the
+    output into `out_rows`. For the backward, the kernel's own autograd graph is recorded on
+    detached views (no copies) and returned; backward replays it with torch.autograd.grad."""
+    views = [t.detach().view(batch, t.shape[0] // batch, *t.shape[1:]).requires_grad_(grad) for t in row_views]
+    with torch.enable_grad() if grad else torch.no_grad():
+        out = attention_select.run(name, *views, causal=causal, softmax_scale=softmax_scale)
+    out_rows.view(out.shape).copy_(out)
+    return (views, out) if grad else None
+
+
+def _external_backward(recorded, do_rows, grads) -> None:
+    """dq, dk, dv of a recorded non-Triton forward, written into the `grads` row views."""
+    views, out = recorded
+    d_views = torch.autograd.grad(out, views, do_rows.view(out.shape))
+    for dst, src in zip(grads, d_views):
+        dst.view(src.shape).copy_(src)
+
+
 class TritonUlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, rank, seq_lens, causal, softmax_scale, cu_seqlens):
@@ -80,9 +113,16 @@ class TritonUlyssesAttention(torch.autograd.Function):
         rows = recv.view(B * sum(seq_lens), channels, D)  # block-ordered rows, zero copy
         q_rows, k_rows, v_rows = rows[:, :hl_q], rows[:, hl_q:hl_q + hl_kv], rows[:, hl_q + hl_kv:]
         out_rows = torch.empty(rows.shape[0], hl_q, D, dtype=q.dtype, device=q.device)
-        _, lse = kernels.flash_attention_forward(q_rows, k_rows, v_rows, causal=causal,
-                                                 softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                                                 out=out_rows, seq_splits=world, batch=B)
+        ctx.external = None
+        ctx.kernel = name = _kernel_choice(q_rows, k_rows, B, world, causal, cu_seqlens, any(ctx.needs_input_grad[:3]))
+        if name == "triton":
+            _, lse = kernels.flash_attention_forward(q_rows, k_rows, v_rows, causal=causal,
+                                                     softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                                                     out=out_rows, seq_splits=world, batch=B)
+        else:
+            lse = torch.empty(0)
+            ctx.external = _external_forward(name, (q_rows, k_rows, v_rows), out_rows, B, causal, softmax_scale,
+                                             any(ctx.needs_input_grad[:3]))
         back = _reverse_exchange(out_rows, B, seq_lens, rank, group)  # [P, B, S_r, hl_q, D]
         ctx.save_for_backward(rows, out_rows, lse, cu_seqlens if cu_seqlens is not None else torch.empty(0))
         ctx.has_cu = cu_seqlens is not None
@@ -100,11 +140,17 @@ class TritonUlyssesAttention(torch.autograd.Function):
         send = pack_for_heads([grad_out.to(out_rows.dtype)], placements[:1], world)
         do_rows = exchange_seq_to_heads(send, seq_lens, rank, group).view(rows.shape[0], hl_q, D)
         grad_rows = torch.empty_like(rows)  # dq|dk|dv, block-ordered: the reverse send buffer
-        kernels.flash_attention_backward(
-            do_rows, rows[:, :hl_q], rows[:, hl_q:hl_q + hl_kv], rows[:, hl_q + hl_kv:], out_rows, lse,
-            causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu if ctx.has_cu else None,
-            dq=grad_rows[:, :hl_q], dk=grad_rows[:, hl_q:hl_q + hl_kv], dv=grad_rows[:, hl_q + hl_kv:],
-            seq_splits=world, batch=B)
+        grads = (grad_rows[:, :hl_q], grad_rows[:, hl_q:hl_q + hl_kv], grad_rows[:, hl_q + hl_kv:])
+        if ctx.kernel != "triton":
+            if ctx.external is None:  # never run the Triton backward on a forward it did not compute
+                raise RuntimeError(f"the {ctx.kernel} attention graph was already freed by an earlier backward")
+            _external_backward(ctx.external, do_rows, grads)
+            ctx.external = None  # free the recorded graph (and its copy of the output)
+        else:
+            kernels.flash_attention_backward(
+                do_rows, rows[:, :hl_q], rows[:, hl_q:hl_q + hl_kv], rows[:, hl_q + hl_kv:], out_rows, lse,
+                causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu if ctx.has_cu else None,
+                dq=grads[0], dk=grads[1], dv=grads[2], seq_splits=world, batch=B)
         back = _reverse_exchange(grad_rows, B, seq_lens, rank, group)
         dq, dk, dv = unpack_from_heads(back, placements)
         return dq, dk, dv, None, None, None, None, None, None
