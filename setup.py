@@ -204,6 +204,7 @@ def _cuda_extension_or_reason():
         name="ulysses_kernels._C",
         sources=sources,
         include_dirs=[os.path.join(HERE, "csrc")] + wheel_includes,
+        depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),  # rebuild when pack_index.h changes
         library_dirs=nccl_libs,
         # libnccl.so.2 is what torch itself loads; link the soname so both share one copy.
         extra_link_args=[f"-Wl,-rpath,{d}" for d in nccl_libs] + ["-l:libnccl.so.2"],

@@ -16,11 +16,12 @@
 //   bitwise; replicated heads are the fp32-accumulated sum of their replicas (in replica
 //   order), which is the backward of the replication done by pack.
 //
-// Both kernels are one pass, output-driven, with one 16-byte access per thread and
-// iteration when every pointer and stride allows it (scalar fallback otherwise).
-// Threads of a block cover `rows_per_block` (b, s) rows of `inner` = heads * D / V
-// vectors each, so the 64-bit row decomposition is amortised over a row and the
-// per-vector index math is 32-bit. All offsets are int64.
+// Both kernels are one pass, output-driven, with one 16-byte access per vector when every
+// pointer and stride allows it (scalar fallback otherwise). One flattened index runs over
+// (row, vector) of the output, so no thread idles when a row's vector count does not
+// divide the block; each thread has kUnroll vectors in flight (loads first, then stores).
+// The index decomposition is 32-bit with multiply-shift divisions below 2**31 vectors
+// (csrc/pack_index.h, host-tested), 64-bit beyond. Element offsets are int64.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -31,43 +32,13 @@
 
 #include <cstdint>
 
+#include "pack_index.h"
+
 namespace ulysses_kernels {
 namespace {
 
-constexpr int kMaxJobs = 3;
 constexpr int kThreads = 256;
-
-struct PackJob {
-  const char* src;          // base pointer (storage offset applied)
-  int64_t sb, ss, sh, sd;   // strides in elements
-  int local;                // heads per destination (placement)
-  int rep;                  // destinations per head (placement; 1: split)
-  int offset;               // first local head of this chunk
-  int count;                // heads of this tensor in this chunk (> 0)
-  int chan;                 // first channel in the send buffer
-};
-
-struct PackParams {
-  PackJob job[kMaxJobs];
-  int njobs;
-  char* send;
-  int64_t P, B, S;
-  int C, D;
-};
-
-struct UnpackJob {
-  char* out;
-  int64_t ob, os, oh, od;   // strides in elements
-  int local, rep, offset, count, chan;  // placement (local, rep) and chunk heads, as PackJob
-  int nheads;               // output heads written: (P / rep) * count
-};
-
-struct UnpackParams {
-  UnpackJob job[kMaxJobs];
-  const char* recv;
-  int64_t P, B, S;
-  int C, D;
-};
+constexpr int kUnroll = 4;  // vectors in flight per thread
 
 template <int BYTES>
 struct Vec;
@@ -78,42 +49,28 @@ struct Vec<4> { using T = uint32_t; };
 template <>
 struct Vec<16> { using T = uint4; };
 
-// ELEM: element size in bytes; V: elements per access (1 or 16 / ELEM).
-template <int ELEM, int V>
-__global__ void __launch_bounds__(kThreads) pack_kernel(const PackParams p) {
+// ELEM: element size in bytes; V: elements per access (1 or 16 / ELEM); WIDE: 2**31
+// vectors or more (64-bit index math).
+template <int ELEM, int V, bool WIDE>
+__global__ void __launch_bounds__(kThreads) pack_kernel(const PackParams p, const uint64_t total) {
   using T = typename Vec<ELEM * V>::T;
-  const int dv_count = p.D / V;
-  const int inner = p.C * dv_count;
-  const int inner_threads = inner < kThreads ? inner : kThreads;
-  const int rows_per_block = kThreads / inner_threads;
-  const int r_local = threadIdx.x / inner_threads;
-  if (r_local >= rows_per_block) return;
-  const int i0 = threadIdx.x - r_local * inner_threads;
-  const int64_t rows = p.P * p.B * p.S;
-  for (int64_t row = (int64_t)blockIdx.x * rows_per_block + r_local; row < rows;
-       row += (int64_t)gridDim.x * rows_per_block) {
-    const int64_t s = row % p.S;
-    const int64_t jb = row / p.S;
-    const int64_t b = jb % p.B;
-    const int64_t j = jb / p.B;
-    T* dst = reinterpret_cast<T*>(p.send) + row * (int64_t)inner;
-    for (int i = i0; i < inner; i += inner_threads) {
-      const int ch = i / dv_count;
-      const int dv = i - ch * dv_count;
-      int t = 0;
+  T* dst = reinterpret_cast<T*>(p.send);
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * kThreads * kUnroll;
+  for (uint64_t base = static_cast<uint64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < total;
+       base += step) {
+    T vals[kUnroll];
 #pragma unroll
-      for (int q = 1; q < kMaxJobs; ++q) {
-        if (q < p.njobs && ch >= p.job[q].chan) t = q;
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
+      if (idx < total) {
+        const PackSource src = WIDE ? pack_source_wide(p, idx, V) : pack_source(p, static_cast<uint32_t>(idx), V);
+        vals[u] = *reinterpret_cast<const T*>(p.job[src.job].src + src.elem * ELEM);
       }
-      const PackJob& job = p.job[t];
-      const int l = ch - job.chan;
-      const int64_t head = (j / job.rep) * job.local + job.offset + l;
-      const char* src = job.src + (b * job.sb + s * job.ss + head * job.sh) * ELEM;
-      if (V == 1) {
-        dst[i] = *reinterpret_cast<const T*>(src + (int64_t)dv * job.sd * ELEM);
-      } else {
-        dst[i] = reinterpret_cast<const T*>(src)[dv];
-      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
+      if (idx < total) dst[idx] = vals[u];
     }
   }
 }
@@ -135,57 +92,106 @@ __device__ __forceinline__ __half from_float<__half>(float x) { return __float2h
 template <typename S, int V>
 struct alignas(sizeof(S) * V) Pack { S v[V]; };
 
-// S: scalar type (float, __half, __nv_bfloat16); V: elements per access.
+// The pack with the rotary embedding (Hugging Face/Llama rotate-half convention,
+// ulysses_kernels/rotary.py) applied to the jobs marked `rotary` (q and k): y = x * cos +
+// rotate_half(x) * sin, rotate_half(x)[d] = -x[d + D/2] (d < D/2), x[d - D/2] (else),
+// computed in fp32 and rounded once. Other jobs are copied as by pack_kernel. S: scalar
+// type; V: elements per access (the vector path needs D/2 % V == 0); WIDE as pack_kernel.
+template <typename S, int V, bool WIDE>
+__global__ void __launch_bounds__(kThreads) pack_rotary_kernel(const PackParams p, const uint64_t total) {
+  using P = Pack<S, V>;
+  P* dst = reinterpret_cast<P*>(p.send);
+  const int half = p.D / 2;
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * kThreads * kUnroll;
+  for (uint64_t base = static_cast<uint64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < total;
+       base += step) {
+    P vals[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
+      if (idx >= total) continue;
+      const PackSource src = WIDE ? pack_source_wide(p, idx, V) : pack_source(p, static_cast<uint32_t>(idx), V);
+      const PackJob& job = p.job[src.job];
+      const S* x = reinterpret_cast<const S*>(job.src) + src.elem;
+      if (!job.rotary) {
+        vals[u] = V == 1 ? P{{*x}} : *reinterpret_cast<const P*>(x);
+        continue;
+      }
+      const bool first = src.d < half;
+      const S* partner = x + (first ? half : -half) * job.sd;
+      const int64_t t = src.b * p.rb + src.s * p.rs + src.d;
+      const P xv = V == 1 ? P{{*x}} : *reinterpret_cast<const P*>(x);
+      const P pv = V == 1 ? P{{*partner}} : *reinterpret_cast<const P*>(partner);
+      const P c = *reinterpret_cast<const P*>(reinterpret_cast<const S*>(p.cos) + t);
+      const P sn = *reinterpret_cast<const P*>(reinterpret_cast<const S*>(p.sin) + t);
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float rot = first ? -to_float(pv.v[e]) : to_float(pv.v[e]);
+        vals[u].v[e] = from_float<S>(to_float(xv.v[e]) * to_float(c.v[e]) + rot * to_float(sn.v[e]));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
+      if (idx < total) dst[idx] = vals[u];
+    }
+  }
+}
+
 template <typename S, int V>
+__device__ __forceinline__ Pack<S, V> sum_replicas(const S* src, int rep, int64_t slot_stride) {
+  using P = Pack<S, V>;
+  float acc[V];
+  const P first = *reinterpret_cast<const P*>(src);
+#pragma unroll
+  for (int e = 0; e < V; ++e) acc[e] = to_float(first.v[e]);
+  for (int r = 1; r < rep; ++r) {
+    const P x = *reinterpret_cast<const P*>(src + r * slot_stride);
+#pragma unroll
+    for (int e = 0; e < V; ++e) acc[e] += to_float(x.v[e]);
+  }
+  P y;
+#pragma unroll
+  for (int e = 0; e < V; ++e) y.v[e] = from_float<S>(acc[e]);
+  return y;
+}
+
+// S: scalar type (float, __half, __nv_bfloat16); V: elements per access; WIDE as pack.
+// blockIdx.y: the job (output tensor).
+template <typename S, int V, bool WIDE>
 __global__ void __launch_bounds__(kThreads) unpack_kernel(const UnpackParams p) {
   using P = Pack<S, V>;
   const UnpackJob& job = p.job[blockIdx.y];
-  const int dv_count = p.D / V;
-  const int inner = job.nheads * dv_count;
-  const int inner_threads = inner < kThreads ? inner : kThreads;
-  const int rows_per_block = kThreads / inner_threads;
-  const int r_local = threadIdx.x / inner_threads;
-  if (r_local >= rows_per_block) return;
-  const int i0 = threadIdx.x - r_local * inner_threads;
-  const int64_t rows = p.B * p.S;
-  const int64_t slot_stride = p.B * p.S * (int64_t)p.C * p.D;  // elements between source slots
-  for (int64_t row = (int64_t)blockIdx.x * rows_per_block + r_local; row < rows;
-       row += (int64_t)gridDim.x * rows_per_block) {
-    const int64_t s = row % p.S;
-    const int64_t b = row / p.S;
-    const S* rrow = reinterpret_cast<const S*>(p.recv) + row * (int64_t)p.C * p.D;
-    for (int i = i0; i < inner; i += inner_threads) {
-      const int hi = i / dv_count;
-      const int dv = i - hi * dv_count;
-      // Output head hi is chunk head l of replica group g, held by sources [g * rep, (g + 1) * rep).
-      const int g = hi / job.count;
-      const int l = hi - g * job.count;
-      const int64_t head = (int64_t)g * job.local + job.offset + l;
-      const S* src = rrow + (int64_t)g * job.rep * slot_stride + (int64_t)(job.chan + l) * p.D + (int64_t)dv * V;
-      S* dst = reinterpret_cast<S*>(job.out) + b * job.ob + s * job.os + head * job.oh;
-      if (job.rep == 1) {
+  const uint64_t total = static_cast<uint64_t>(p.B * p.S) * job.inner;
+  const int64_t slot_stride = p.B * p.S * static_cast<int64_t>(p.C) * p.D;  // elements between source slots
+  const S* recv = reinterpret_cast<const S*>(p.recv);
+  S* out = reinterpret_cast<S*>(job.out);
+  const uint64_t step = static_cast<uint64_t>(gridDim.x) * kThreads * kUnroll;
+  for (uint64_t base = static_cast<uint64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < total;
+       base += step) {
+    P vals[kUnroll];
+    int64_t dst[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
+      if (idx < total) {
+        const UnpackPlace at =
+            WIDE ? unpack_place_wide(p, job, idx, V) : unpack_place(p, job, static_cast<uint32_t>(idx), V);
+        dst[u] = at.out_elem;
+        // Replicated heads: the fp32 sum of their replicas, in replica order (the backward
+        // of pack's replication); single heads are copied bitwise.
+        vals[u] = job.rep == 1 ? *reinterpret_cast<const P*>(recv + at.recv_elem)
+                               : sum_replicas<S, V>(recv + at.recv_elem, job.rep, slot_stride);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
+      if (idx < total) {
         if (V == 1) {
-          dst[(int64_t)dv * job.od] = *src;
+          out[dst[u]] = vals[u].v[0];
         } else {
-          reinterpret_cast<P*>(dst)[dv] = *reinterpret_cast<const P*>(src);
-        }
-      } else {
-        float acc[V];
-        const P first = *reinterpret_cast<const P*>(src);
-#pragma unroll
-        for (int e = 0; e < V; ++e) acc[e] = to_float(first.v[e]);
-        for (int r = 1; r < job.rep; ++r) {
-          const P x = *reinterpret_cast<const P*>(src + r * slot_stride);
-#pragma unroll
-          for (int e = 0; e < V; ++e) acc[e] += to_float(x.v[e]);
-        }
-        P y;
-#pragma unroll
-        for (int e = 0; e < V; ++e) y.v[e] = from_float<S>(acc[e]);
-        if (V == 1) {
-          dst[(int64_t)dv * job.od] = y.v[0];
-        } else {
-          reinterpret_cast<P*>(dst)[dv] = y;
+          *reinterpret_cast<P*>(out + dst[u]) = vals[u];
         }
       }
     }
@@ -217,19 +223,50 @@ void check_dtype(const at::Tensor& t, const char* what) {
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
-int64_t grid_for(int64_t rows, int inner) {
-  const int inner_threads = inner < kThreads ? inner : kThreads;
-  const int rows_per_block = kThreads / inner_threads;
-  int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
-  const int64_t cap = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
+// Blocks of kThreads * kUnroll vectors, at most 32 per SM (the kernels stride over the rest).
+int64_t grid_for(uint64_t total) {
+  const uint64_t per_block = static_cast<uint64_t>(kThreads) * kUnroll;
+  uint64_t blocks = (total + per_block - 1) / per_block;
+  const uint64_t cap = static_cast<uint64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) * 32;
   if (blocks > cap) blocks = cap;
-  return blocks < 1 ? 1 : blocks;
+  return blocks < 1 ? 1 : static_cast<int64_t>(blocks);
+}
+
+// Below this many vectors the index math is 32-bit (FastDiv needs numerators < 2**31).
+constexpr uint64_t kNarrowLimit = uint64_t{1} << 31;
+
+// The rotary tables of a pack call: cos/sin `[B, S, D]` (expanded views allowed, last dim
+// contiguous) in send's dtype on its device. Returns whether they allow 16-byte vectors.
+bool check_rotary(const at::Tensor& send, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                  int V16) {
+  TORCH_CHECK(cos.has_value() && sin.has_value(), "pack_into: rotary jobs need cos and sin");
+  const int64_t B = send.size(1), S = send.size(2), D = send.size(4);
+  TORCH_CHECK(D % 2 == 0, "pack_into: the rotary embedding needs an even head dim, got ", D);
+  for (const at::Tensor* t : {&*cos, &*sin}) {
+    TORCH_CHECK(t->device() == send.device() && t->scalar_type() == send.scalar_type(),
+                "pack_into: cos/sin must be ", send.scalar_type(), " on ", send.device(), ", got ", t->scalar_type(),
+                " on ", t->device());
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == S && t->size(2) == D && t->stride(2) == 1,
+                "pack_into: cos/sin must be [", B, ", ", S, ", ", D, "] with a contiguous last dim, got ", t->sizes(),
+                " strides ", t->strides());
+  }
+  TORCH_CHECK(cos->stride(0) == sin->stride(0) && cos->stride(1) == sin->stride(1),
+              "pack_into: cos and sin must have the same strides");
+  return (D / 2) % V16 == 0 && aligned16(cos->data_ptr()) && aligned16(sin->data_ptr()) &&
+         cos->stride(0) % V16 == 0 && cos->stride(1) % V16 == 0;
+}
+
+template <typename S, int V>
+void launch_pack_rotary(const PackParams& p, uint64_t total, bool wide, int64_t grid, cudaStream_t stream) {
+  if (wide) pack_rotary_kernel<S, V, true><<<grid, kThreads, 0, stream>>>(p, total);
+  else pack_rotary_kernel<S, V, false><<<grid, kThreads, 0, stream>>>(p, total);
 }
 
 }  // namespace
 
 void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offsets, at::IntArrayRef counts,
-               at::IntArrayRef local_heads, at::IntArrayRef replicas) {
+               at::IntArrayRef local_heads, at::IntArrayRef replicas, const std::optional<at::Tensor>& cos,
+               const std::optional<at::Tensor>& sin, at::IntArrayRef rotary) {
   TORCH_CHECK(send.is_cuda(), "pack_into: send must be a CUDA tensor");
   TORCH_CHECK(send.dim() == 5, "pack_into: send must be [P, B, S, C, D], got ", send.sizes());
   TORCH_CHECK(send.is_contiguous(), "pack_into: send must be contiguous");
@@ -238,6 +275,10 @@ void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offs
   check_lists(n, offsets, counts, local_heads, replicas, "pack_into");
   const int64_t P = send.size(0), B = send.size(1), S = send.size(2), C = send.size(3), D = send.size(4);
   TORCH_CHECK(P >= 1, "pack_into: world must be >= 1");
+  TORCH_CHECK(rotary.empty() || static_cast<int64_t>(rotary.size()) == n,
+              "pack_into: rotary needs one flag per tensor (or none)");
+  bool use_rotary = false;
+  for (int64_t r : rotary) use_rotary = use_rotary || r != 0;
   c10::cuda::CUDAGuard guard(send.device());
   PackParams p{};
   p.send = static_cast<char*>(send.data_ptr());
@@ -245,6 +286,13 @@ void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offs
   const int elem = static_cast<int>(send.element_size());
   const int V16 = 16 / elem;
   bool vec = (D % V16 == 0) && aligned16(p.send);
+  if (use_rotary) {
+    vec = check_rotary(send, cos, sin, V16) && vec;
+    p.cos = static_cast<const char*>(cos->data_ptr());
+    p.sin = static_cast<const char*>(sin->data_ptr());
+    p.rb = cos->stride(0);
+    p.rs = cos->stride(1);
+  }
   int chan = 0;
   int njobs = 0;
   for (int64_t t = 0; t < n; ++t) {
@@ -265,6 +313,7 @@ void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offs
     job.sb = x.stride(0); job.ss = x.stride(1); job.sh = x.stride(2); job.sd = x.stride(3);
     job.local = static_cast<int>(local_heads[t]); job.rep = static_cast<int>(replicas[t]);
     job.offset = static_cast<int>(off); job.count = static_cast<int>(cnt); job.chan = chan;
+    job.rotary = rotary.empty() ? 0 : static_cast<int>(rotary[t] != 0);
     chan += static_cast<int>(cnt);
     vec = vec && aligned16(job.src) && job.sd == 1 && job.sb % V16 == 0 && job.ss % V16 == 0 && job.sh % V16 == 0;
   }
@@ -274,14 +323,53 @@ void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offs
   if (rows == 0 || C == 0 || D == 0) return;
   TORCH_CHECK(C * D <= (int64_t)INT32_MAX / 2, "pack_into: C * D too large");
   const int V = vec ? V16 : 1;
-  const int64_t grid = grid_for(rows, static_cast<int>(C * (D / V)));
+  p.dv_count = static_cast<int>(D / V);
+  p.inner = static_cast<int>(C * (D / V));
+  const uint64_t total = static_cast<uint64_t>(rows) * p.inner;
+  const bool wide = total >= kNarrowLimit;
+  if (!wide) {  // every quotient and remainder of the decomposition is then below 2**31
+    p.inner_div = FastDiv(p.inner);
+    p.S_div = FastDiv(static_cast<uint32_t>(S));
+    p.B_div = FastDiv(static_cast<uint32_t>(B));
+    p.dv_div = FastDiv(p.dv_count);
+    for (int t = 0; t < njobs; ++t) p.job[t].rep_div = FastDiv(p.job[t].rep);
+  }
+  const int64_t grid = grid_for(total);
   auto stream = at::cuda::getCurrentCUDAStream();
+  if (use_rotary) {
+    switch (send.scalar_type()) {
+      case at::kBFloat16:
+        if (vec) launch_pack_rotary<__nv_bfloat16, 8>(p, total, wide, grid, stream);
+        else launch_pack_rotary<__nv_bfloat16, 1>(p, total, wide, grid, stream);
+        break;
+      case at::kHalf:
+        if (vec) launch_pack_rotary<__half, 8>(p, total, wide, grid, stream);
+        else launch_pack_rotary<__half, 1>(p, total, wide, grid, stream);
+        break;
+      default:
+        if (vec) launch_pack_rotary<float, 4>(p, total, wide, grid, stream);
+        else launch_pack_rotary<float, 1>(p, total, wide, grid, stream);
+        break;
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
   if (elem == 2) {
-    if (vec) pack_kernel<2, 8><<<grid, kThreads, 0, stream>>>(p);
-    else pack_kernel<2, 1><<<grid, kThreads, 0, stream>>>(p);
+    if (vec) {
+      if (wide) pack_kernel<2, 8, true><<<grid, kThreads, 0, stream>>>(p, total);
+      else pack_kernel<2, 8, false><<<grid, kThreads, 0, stream>>>(p, total);
+    } else {
+      if (wide) pack_kernel<2, 1, true><<<grid, kThreads, 0, stream>>>(p, total);
+      else pack_kernel<2, 1, false><<<grid, kThreads, 0, stream>>>(p, total);
+    }
   } else {
-    if (vec) pack_kernel<4, 4><<<grid, kThreads, 0, stream>>>(p);
-    else pack_kernel<4, 1><<<grid, kThreads, 0, stream>>>(p);
+    if (vec) {
+      if (wide) pack_kernel<4, 4, true><<<grid, kThreads, 0, stream>>>(p, total);
+      else pack_kernel<4, 4, false><<<grid, kThreads, 0, stream>>>(p, total);
+    } else {
+      if (wide) pack_kernel<4, 1, true><<<grid, kThreads, 0, stream>>>(p, total);
+      else pack_kernel<4, 1, false><<<grid, kThreads, 0, stream>>>(p, total);
+    }
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -335,29 +423,42 @@ void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef of
   if (njobs == 0 || rows == 0 || D == 0) return;
   TORCH_CHECK(C * D <= (int64_t)INT32_MAX / 2, "unpack_into: C * D too large");
   const int V = vec ? V16 : 1;
-  int max_inner = 0;
+  p.dv_count = static_cast<int>(D / V);
+  uint64_t max_total = 0;
   for (int t = 0; t < njobs; ++t) {
     const int64_t inner = static_cast<int64_t>(p.job[t].nheads) * (D / V);
     TORCH_CHECK(inner <= (int64_t)INT32_MAX / 2, "unpack_into: heads * D too large");
-    max_inner = inner > max_inner ? static_cast<int>(inner) : max_inner;
+    p.job[t].inner = static_cast<int>(inner);
+    const uint64_t total = static_cast<uint64_t>(rows) * inner;
+    max_total = total > max_total ? total : max_total;
   }
-  // Jobs with fewer vectors per row finish early; fine for <= 3 jobs.
-  const dim3 grid(static_cast<unsigned>(grid_for(rows, max_inner < 1 ? 1 : max_inner)), njobs);
+  const bool wide = max_total >= kNarrowLimit;
+  if (!wide) {  // every quotient and remainder of the decomposition is then below 2**31
+    p.S_div = FastDiv(static_cast<uint32_t>(S));
+    p.dv_div = FastDiv(p.dv_count);
+    for (int t = 0; t < njobs; ++t) {
+      p.job[t].inner_div = FastDiv(p.job[t].inner);
+      p.job[t].count_div = FastDiv(p.job[t].count);
+    }
+  }
+  // One grid row per job; jobs with fewer vectors finish early (<= 3 jobs).
+  const dim3 grid(static_cast<unsigned>(grid_for(max_total)), njobs);
   auto stream = at::cuda::getCurrentCUDAStream();
+#define UK_UNPACK(S, VEC)                                                              \
+  if (wide) unpack_kernel<S, VEC, true><<<grid, kThreads, 0, stream>>>(p);             \
+  else unpack_kernel<S, VEC, false><<<grid, kThreads, 0, stream>>>(p);
   switch (recv.scalar_type()) {
     case at::kBFloat16:
-      if (vec) unpack_kernel<__nv_bfloat16, 8><<<grid, kThreads, 0, stream>>>(p);
-      else unpack_kernel<__nv_bfloat16, 1><<<grid, kThreads, 0, stream>>>(p);
+      if (vec) { UK_UNPACK(__nv_bfloat16, 8) } else { UK_UNPACK(__nv_bfloat16, 1) }
       break;
     case at::kHalf:
-      if (vec) unpack_kernel<__half, 8><<<grid, kThreads, 0, stream>>>(p);
-      else unpack_kernel<__half, 1><<<grid, kThreads, 0, stream>>>(p);
+      if (vec) { UK_UNPACK(__half, 8) } else { UK_UNPACK(__half, 1) }
       break;
     default:
-      if (vec) unpack_kernel<float, 4><<<grid, kThreads, 0, stream>>>(p);
-      else unpack_kernel<float, 1><<<grid, kThreads, 0, stream>>>(p);
+      if (vec) { UK_UNPACK(float, 4) } else { UK_UNPACK(float, 1) }
       break;
   }
+#undef UK_UNPACK
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -365,7 +466,7 @@ void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef of
 
 TORCH_LIBRARY_FRAGMENT(ulysses_kernels, m) {
   m.def("pack_into(Tensor[] srcs, Tensor(a!) send, int[] offsets, int[] counts, int[] local_heads, "
-        "int[] replicas) -> ()");
+        "int[] replicas, Tensor? cos=None, Tensor? sin=None, int[] rotary=[]) -> ()");
   m.def("unpack_into(Tensor recv, Tensor(a!)[] outs, int[] offsets, int[] counts, int[] local_heads, "
         "int[] replicas) -> ()");
 }

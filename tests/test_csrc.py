@@ -14,7 +14,7 @@ from ulysses_kernels.layout import head_plan_error, place_heads
 EXPECTED_SCHEMAS = {
     "build_info": "ulysses_kernels::build_info() -> str",
     "pack_into": ("ulysses_kernels::pack_into(Tensor[] srcs, Tensor(a!) send, int[] offsets, int[] counts, "
-                  "int[] local_heads, int[] replicas) -> ()"),
+                  "int[] local_heads, int[] replicas, Tensor? cos=None, Tensor? sin=None, int[] rotary=[]) -> ()"),
     "unpack_into": ("ulysses_kernels::unpack_into(Tensor recv, Tensor(a!)[] outs, int[] offsets, int[] counts, "
                     "int[] local_heads, int[] replicas) -> ()"),
     "nccl_unique_id": "ulysses_kernels::nccl_unique_id() -> Tensor",
@@ -103,9 +103,12 @@ _HARNESS = r"""// Host emulation of the pack/unpack kernels' index math (generat
 #include <cstdlib>
 #include <vector>
 #include <random>
+#include <cmath>
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include "pack_index.h"
+using namespace ulysses_kernels;
 #undef __global__
 #define __global__
 #undef __device__
@@ -133,10 +136,9 @@ void launch(F kernel, int64_t grid_x, int grid_y) {
       }
 }
 
-int64_t grid_for_host(int64_t rows, int inner, int64_t cap) {
-  const int it = inner < kThreads ? inner : kThreads;
-  const int rpb = kThreads / it;
-  int64_t b = (rows + rpb - 1) / rpb;
+int64_t grid_for_host(uint64_t total, int64_t cap) {
+  const uint64_t per_block = (uint64_t)kThreads * kUnroll;
+  int64_t b = (int64_t)((total + per_block - 1) / per_block);
   if (b > cap) b = cap;
   return b < 1 ? 1 : b;
 }
@@ -154,7 +156,9 @@ static const Case kCases[] = {
 // Pack the chunk of each tensor (float data, strides BSHD or head-major) and compare with
 // the reference; then unpack the send buffer back (as if it were the receive buffer of
 // the backward: replicas summed in fp32, in replica order) and compare.
-template <int V>
+// WIDE: the 64-bit index variant of the kernels (sends of 2**31 vectors or more), run
+// here on the same small cases.
+template <int V, bool WIDE>
 void run_case(const Case& c, int B, int S, int D, bool transposed, int64_t cap) {
   const int P = c.P, n = 3;
   std::mt19937 rng(P * 1000 + B * 100 + S + D);
@@ -176,6 +180,7 @@ void run_case(const Case& c, int B, int S, int D, bool transposed, int64_t cap) 
     PackJob& j = p.job[nj++];
     j.src = (const char*)src[t].data(); j.sb = sb[t]; j.ss = ss[t]; j.sh = sh[t]; j.sd = 1;
     j.local = c.local[t]; j.rep = c.rep[t]; j.offset = c.off[t]; j.count = c.cnt[t]; j.chan = chan;
+    j.rep_div = FastDiv(j.rep);
     // reference: destination jj's chunk head l is source head (jj / rep) * local + off + l
     for (int jj = 0; jj < P; ++jj) for (int b = 0; b < B; ++b) for (int s = 0; s < S; ++s)
       for (int l = 0; l < c.cnt[t]; ++l) for (int d = 0; d < D; ++d) {
@@ -185,14 +190,49 @@ void run_case(const Case& c, int B, int S, int D, bool transposed, int64_t cap) 
     chan += c.cnt[t];
   }
   p.njobs = nj;
-  int64_t grid = grid_for_host((int64_t)P * B * S, C * (D / V), cap);
-  launch([&] { pack_kernel<4, V>(p); }, grid, 1);
+  p.dv_count = D / V; p.inner = C * (D / V);
+  p.inner_div = FastDiv(p.inner); p.S_div = FastDiv(S); p.B_div = FastDiv(B); p.dv_div = FastDiv(p.dv_count);
+  const uint64_t total = (uint64_t)P * B * S * p.inner;
+  launch([&] { pack_kernel<4, V, WIDE>(p, total); }, grid_for_host(total, cap), 1);
   if (memcmp(send.data(), ref.data(), send.size() * 4) != 0) {
     ++failures; printf("PACK MISMATCH V=%d P=%d B=%d S=%d D=%d C=%d\n", V, P, B, S, D, C);
   }
+  // The same pack with the rotary embedding on q and k (tensors 0 and 1): cos/sin tables
+  // [B, S, D], y[d] = x[d] * cos[d] + rotate_half(x)[d] * sin[d].
+  {
+    std::vector<float> cs((size_t)B * S * D), sn(cs.size()), rsend(send.size(), -7.f), rref(send.size(), -7.f);
+    for (auto& x : cs) x = U(rng);
+    for (auto& x : sn) x = U(rng);
+    PackParams r = p; r.send = (char*)rsend.data(); r.cos = (const char*)cs.data(); r.sin = (const char*)sn.data();
+    r.rb = (int64_t)S * D; r.rs = D;
+    const int h = D / 2;
+    int ch0 = 0, k = 0;
+    for (int t = 0; t < n; ++t) {
+      if (c.cnt[t] == 0) continue;
+      r.job[k++].rotary = t < 2;
+      for (int jj = 0; jj < P; ++jj) for (int b = 0; b < B; ++b) for (int s = 0; s < S; ++s)
+        for (int l = 0; l < c.cnt[t]; ++l) for (int d = 0; d < D; ++d) {
+          const int head = (jj / c.rep[t]) * c.local[t] + c.off[t] + l;
+          const float* x = &src[t][b * sb[t] + s * ss[t] + head * sh[t]];
+          float y = x[d];
+          if (t < 2) {
+            const float rot = d < h ? -x[d + h] : x[d - h];
+            y = x[d] * cs[((size_t)b * S + s) * D + d] + rot * sn[((size_t)b * S + s) * D + d];
+          }
+          rref[((((size_t)jj * B + b) * S + s) * C + ch0 + l) * D + d] = y;
+        }
+      ch0 += c.cnt[t];
+    }
+    launch([&] { pack_rotary_kernel<float, V, WIDE>(r, total); }, grid_for_host(total, cap), 1);
+    for (size_t e = 0; e < rsend.size(); ++e)
+      if (std::fabs(rsend[e] - rref[e]) > 1e-5f) {
+        ++failures; printf("ROTARY PACK MISMATCH V=%d P=%d B=%d S=%d D=%d at %zu\n", V, P, B, S, D, e); break;
+      }
+  }
   std::vector<std::vector<float>> out(n), oref(n);
   UnpackParams u{}; u.recv = (const char*)send.data(); u.P = P; u.B = B; u.S = S; u.C = C; u.D = D;
-  chan = 0; nj = 0; int max_inner = 1;
+  u.dv_count = D / V; u.S_div = FastDiv(S); u.dv_div = FastDiv(u.dv_count);
+  chan = 0; nj = 0; uint64_t max_total = 1;
   for (int t = 0; t < n; ++t) {
     out[t].assign((size_t)B * S * c.H[t] * D, 0.f); oref[t] = out[t];
     if (c.cnt[t] == 0) continue;
@@ -201,7 +241,8 @@ void run_case(const Case& c, int B, int S, int D, bool transposed, int64_t cap) 
     j.out = (char*)out[t].data(); j.ob = sb[t]; j.os = ss[t]; j.oh = sh[t]; j.od = 1;
     j.local = c.local[t]; j.rep = rep; j.offset = c.off[t]; j.count = c.cnt[t]; j.chan = chan;
     j.nheads = groups * c.cnt[t];
-    if (j.nheads * (D / V) > max_inner) max_inner = j.nheads * (D / V);
+    j.inner = j.nheads * (D / V); j.inner_div = FastDiv(j.inner); j.count_div = FastDiv(j.count);
+    if ((uint64_t)B * S * j.inner > max_total) max_total = (uint64_t)B * S * j.inner;
     // reference: head g * local + off + l is the sum over sources [g * rep, (g + 1) * rep)
     for (int g = 0; g < groups; ++g) for (int l = 0; l < c.cnt[t]; ++l)
       for (int b = 0; b < B; ++b) for (int s = 0; s < S; ++s) for (int d = 0; d < D; ++d) {
@@ -212,7 +253,7 @@ void run_case(const Case& c, int B, int S, int D, bool transposed, int64_t cap) 
       }
     chan += c.cnt[t];
   }
-  launch([&] { unpack_kernel<float, V>(u); }, grid_for_host((int64_t)B * S, max_inner, cap), nj);
+  launch([&] { unpack_kernel<float, V, WIDE>(u); }, grid_for_host(max_total, cap), nj);
   for (int t = 0; t < n; ++t)
     if (memcmp(out[t].data(), oref[t].data(), out[t].size() * 4) != 0) {
       ++failures; printf("UNPACK MISMATCH t=%d V=%d P=%d B=%d S=%d D=%d\n", t, V, P, B, S, D);
@@ -224,9 +265,10 @@ int main() {
   for (int64_t cap : {3, 1000}) for (bool tr : {false, true})
   for (const Case& c : kCases)
   for (auto BS : std::vector<std::pair<int,int>>{{1, 5}, {2, 3}, {3, 7}}) for (int D : {8, 16, 64, 128, 256}) {
-    run_case<1>(c, BS.first, BS.second, D, tr, cap);
-    run_case<4>(c, BS.first, BS.second, D, tr, cap);
-    cases += 2;
+    run_case<1, false>(c, BS.first, BS.second, D, tr, cap);
+    run_case<4, false>(c, BS.first, BS.second, D, tr, cap);
+    run_case<4, true>(c, BS.first, BS.second, D, tr, cap);
+    cases += 3;
   }
   printf("%d cases, %d failures\n", cases, failures);
   return failures != 0;
@@ -292,7 +334,8 @@ def test_kernel_index_math_on_host(tmp_path):
     so the grid-stride loops run) and compare them with a direct reference for the
     placements of `placement_cases` (layout.py's numbers, emitted as a table): all strides
     (BSHD and head-major sources), chunk offsets/counts, split and replicated heads
-    (replica sums), scalar (V=1) and 16-byte (V=4 floats) paths, P in 1..8, D 8..256."""
+    (replica sums), scalar (V=1) and 16-byte (V=4 floats) paths, the 32-bit and the 64-bit
+    index variants, the pack with the rotary embedding on q and k, P in 1..8, D 8..256."""
     import shutil
     import subprocess
     cxx = shutil.which("g++") or shutil.which("c++")
@@ -309,9 +352,31 @@ def test_kernel_index_math_on_host(tmp_path):
     text = _HARNESS.replace("@KERNELS@", src[start:stop]).replace("@CASES@", _cpp_table(rows))
     (tmp_path / "harness.cpp").write_text(text)
     exe = tmp_path / "harness"
-    cmd = [cxx, "-std=c++20", "-O1", "-w"] + [f"-I{d}" for d in inc] + [str(tmp_path / "harness.cpp"), "-o", str(exe)]
+    csrc = os.path.join(os.path.dirname(__file__), "..", "csrc")
+    cmd = ([cxx, "-std=c++20", "-O1", "-w", f"-I{csrc}"] + [f"-I{d}" for d in inc]
+           + [str(tmp_path / "harness.cpp"), "-o", str(exe)])
     build = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and " 0 failures" in run.stdout, run.stdout[-3000:]
-    assert run.stdout.strip().endswith(f"{len(rows) * 2 * 2 * 3 * 5 * 2} cases, 0 failures"), run.stdout[-300:]
+    assert run.stdout.strip().endswith(f"{len(rows) * 2 * 2 * 3 * 5 * 3} cases, 0 failures"), run.stdout[-300:]
+
+
+def test_pack_index_math_on_host(tmp_path):
+    """csrc/pack_index.h built with g++: the multiply-shift division (FastDiv) against `/`
+    for divisors 1..1100, powers of two and their neighbours, up to 2**31 - 1, at edge and
+    random numerators; the flattened-index decomposition (32-bit and 64-bit) against the
+    naive arithmetic for split, chunked, replicated and strided tensors."""
+    import shutil
+    import subprocess
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    here = os.path.dirname(__file__)
+    exe = tmp_path / "pack_index_test"
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Werror", "-Wno-unknown-pragmas",
+                            f"-I{os.path.join(here, '..', 'csrc')}", os.path.join(here, "csrc_pack_index_test.cpp"),
+                            "-o", str(exe)], capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("pack_index OK"), run.stdout[-2000:]
