@@ -272,6 +272,60 @@ def test_chunked_pack_and_unpack_match_reference_ops(dtype, P, Hq, Hkv):
                 assert torch.equal(a, b)
 
 
+def _rope(B, S, D, dtype, device, seed):
+    """Rotary tables `[B, S, D]` as the fused layer passes them (one table, expanded)."""
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(1, S, D // 2, generator=g) * 6.28
+    emb = torch.cat([angles, angles], dim=-1)
+    return tuple(t.to(device=device, dtype=dtype).expand(B, S, D) for t in (emb.cos(), emb.sin()))
+
+
+@pytest.mark.parametrize("P,Hq,Hkv", [(2, 4, 2), (4, 4, 1), (3, 6, 3)])
+def test_reference_rotary_pack_is_rotary_then_pack(P, Hq, Hkv):
+    """The stand-in's rotary pack = rotary.py's embedding on q and k (not v), then the pack."""
+    from ulysses_kernels.rotary import apply_rotary
+
+    q, k, v = _qkv(P, Hq, Hkv, B=2, S=5, D=8)
+    cos, sin = _rope(2, 5, 8, torch.float32, "cpu", seed=P)
+    local, replicas = _placement_lists([Hq, Hkv, Hkv], P)
+    got = torch.empty(P, 2, 5, sum(local), 8)
+    ReferenceOps.pack_into([q, k, v], got, [0, 0, 0], local, local, replicas, cos, sin, [1, 1, 0])
+    want = pack_for_heads([apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v],
+                          placements_for([Hq, Hkv, Hkv], P), P)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
+@pytest.mark.parametrize("P,Hq,Hkv", HEADS)
+@pytest.mark.parametrize("B,S,D", [(2, 9, 64), (1, 5, 128), (2, 3, 8)])
+def test_rotary_pack_matches_reference_ops(dtype, P, Hq, Hkv, B, S, D):
+    """The rotary pack kernel (q and k rotated while packed, fp32 math, one rounding) against
+    the stand-in, chunk by chunk; vector and scalar paths (a misaligned table)."""
+    needs_extension(fused_ops=True)
+    q = _rand(B, S, Hq, D, dtype=dtype, seed=11)
+    k = _rand(B, S, Hkv, D, dtype=dtype, seed=12)
+    v = _rand(B, S, Hkv, D, dtype=dtype, seed=13)
+    cos, sin = _rope(B, S, D, dtype, "cuda", seed=D)
+    heads = HeadPlan(P, Hq, Hkv)
+    local, replicas = _placement_lists([Hq, Hkv, Hkv], P)
+    misaligned = torch.empty(cos[0].numel() + 1, dtype=dtype, device="cuda")[1:].view(1, S, D)
+    tables = [(cos, sin), (misaligned.copy_(cos[:1]).expand(B, S, D), sin)]
+    for c in fused.plan_chunks(heads.local_q_heads, heads.local_kv_heads, min(2, heads.local_q_heads)):
+        args = ([c.q_off, c.kv_off, c.kv_off], [c.q_cnt, c.kv_cnt, c.kv_cnt])
+        flags = [1, 1, 0]
+        for cs, sn in tables:
+            send = torch.full((P, B, S, c.channels, D), float("nan"), dtype=dtype, device="cuda")
+            ref = send.clone()
+            ops.pack_into([q, k, v], send, *args, rotary=(cs, sn, flags))
+            ReferenceOps.pack_into([q, k, v], ref, *args, local, replicas, cs, sn, flags)
+            tol = 0 if dtype == torch.float32 else 1  # FMA contraction: at most one last-bit step
+            diff = (send.float() - ref.float()).abs()
+            ulp = ref.float().abs().clamp_min(1e-30) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+            assert not torch.isnan(send).any()
+            assert bool((diff <= tol * ulp + 1e-6 * ref.float().abs() + 1e-7).all()), diff.max()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=param_id)
 @pytest.mark.parametrize("P,Hq,Hkv", HEADS)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import place_heads
-from ..rotary import apply_rotary, apply_rotary_adjoint
+from ..rotary import apply_rotary_adjoint
 from . import pipeline
 from .attention import prepare
 from .streams import current_stream, device_ctx, wait
@@ -143,13 +143,20 @@ class _LayerForwardIo:
         D, lo, n = self.D, self.rows[i], nq + 2 * nkv
         bias = self.b_fwd[lo * D:(lo + n) * D] if self.b_fwd is not None else None
         qkv = F.linear(self.x2d, self.w_fwd[lo * D:(lo + n) * D], bias).view(self.B, self.Sp, n, D)
-        if self.rotary is not None:  # positions are this rank's tokens: any subset of heads works
-            qkv[:, :, :nq + nkv] = apply_rotary(qkv[:, :, :nq + nkv], *self.rotary)
-        self.keep.append(qkv)
+        self.keep.append(qkv)  # the rotary embedding of q and k is applied by the pack (pack_rotary)
         if nkv == 0:
             return [qkv], [0], [c.q_cnt]
         parts = [qkv[:, :, :nq], qkv[:, :, nq:nq + nkv], qkv[:, :, nq + nkv:]]
         return parts, [0, 0, 0], [c.q_cnt, c.kv_cnt, c.kv_cnt]
+
+    def pack_rotary(self, i):
+        """The pack kernel applies the rotary embedding to chunk i's q and k (its inputs'
+        first parts) while packing: no separate pass over them. Positions are this rank's
+        tokens, so any subset of heads works."""
+        if self.rotary is None:
+            return None
+        flags = [1] if self.order.fwd_counts[i][1] == 0 else [1, 1, 0]
+        return (*self.rotary, flags)
 
     def after_inputs(self):
         pass
@@ -318,7 +325,8 @@ def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: i
                           seq_lens=seq_lens, cu_seqlens=cu_seqlens, num_chunks=num_chunks)
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     if cos is not None:
-        cos, sin = (t.detach().to(x.dtype).expand(B, Sp, head_dim) for t in (cos, sin))
+        # [B, S_p, D] views with a contiguous last dim, as the rotary pack reads them.
+        cos, sin = (t.detach().to(x.dtype).contiguous().expand(B, Sp, head_dim) for t in (cos, sin))
     return _FusedSelfAttention.apply(x, w_qkv, b_qkv, w_o, b_o, cos, sin, setup.engine, setup.lens, bool(causal),
                                      float(softmax_scale), setup.cu_seqlens, setup.plan,
                                      (num_heads, num_kv_heads, head_dim), torch.is_grad_enabled())

@@ -3,7 +3,8 @@ implementations for torch.compile, and the op table that tests can replace.
 
 Ops (torch.ops.ulysses_kernels, csrc/pack_kernels.cu and csrc/nccl_engine.cpp):
   pack_into(Tensor[] srcs, Tensor(a!) send, int[] offsets, int[] counts,
-            int[] local_heads, int[] replicas) -> ()
+            int[] local_heads, int[] replicas, Tensor? cos=None, Tensor? sin=None,
+            int[] rotary=[]) -> ()
   unpack_into(Tensor recv, Tensor(a!)[] outs, int[] offsets, int[] counts,
               int[] local_heads, int[] replicas) -> ()
   nccl_unique_id() -> Tensor
@@ -63,11 +64,20 @@ def _placement_args(tensors: Sequence[torch.Tensor], world: int):
     return [p.local for p in placements], [p.replicas for p in placements]
 
 
-def pack_into(srcs: Sequence[torch.Tensor], send: torch.Tensor, offsets, counts) -> None:
+def pack_into(srcs: Sequence[torch.Tensor], send: torch.Tensor, offsets, counts, rotary=None) -> None:
     """Write local heads `[offsets[t], offsets[t] + counts[t])` of every destination of each
-    source `[B, S_p, H_t, D]` into `send` `[P, B, S_p, sum(counts), D]`."""
+    source `[B, S_p, H_t, D]` into `send` `[P, B, S_p, sum(counts), D]`.
+
+    rotary: None, or (cos, sin, flags): the sources with a true flag get the rotary
+    embedding (rotary.py's convention; cos/sin `[B, S_p, D]` in the sources' dtype)
+    applied while they are packed, in fp32 with one rounding."""
     local, replicas = _placement_args(srcs, send.shape[0])
-    table().pack_into(list(srcs), send, list(offsets), list(counts), local, replicas)
+    if rotary is None:
+        table().pack_into(list(srcs), send, list(offsets), list(counts), local, replicas)
+        return
+    cos, sin, flags = rotary
+    table().pack_into(list(srcs), send, list(offsets), list(counts), local, replicas, cos, sin,
+                      [int(bool(f)) for f in flags])
 
 
 def unpack_into(recv: torch.Tensor, outs: Sequence[torch.Tensor], offsets, counts) -> None:

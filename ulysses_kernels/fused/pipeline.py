@@ -106,7 +106,7 @@ def pack_and_send(engine, io, plan, buf_name, send_sizes, recv, recv_off, lens, 
             wait(comm, produced)
             s_c = send[send_off[i]:send_off[i] + P * B * Sp * ch * D].view(P, B, Sp, ch, D)
             r_c = recv[recv_off[i]:recv_off[i] + B * sum(lens) * ch * D]
-            ops.pack_into(srcs, s_c, offsets, counts)
+            ops.pack_into(srcs, s_c, offsets, counts, rotary=io.pack_rotary(i) if hasattr(io, "pack_rotary") else None)
             engine.transport.all_to_all(s_c, r_c, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
             ready.append(event(comm))
     return ready

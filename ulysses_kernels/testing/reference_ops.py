@@ -2,7 +2,11 @@
 arguments: the kernels must match them bitwise (replicated heads are summed in fp32 in
 replica order, like the kernel). Installed with `ulysses_kernels.fused.use_ops` they run
 the whole fused pipeline on CPU (see `fused_stand_ins`). Like the kernels, they take the
-placement (`local_heads`, `replicas`) as arguments and never decide one."""
+placement (`local_heads`, `replicas`) as arguments and never decide one. The pack's rotary
+embedding (q and k of the fused self-attention layer) is computed in fp32 and rounded once,
+as in the kernel (which may contract to FMAs: equal up to the last bit)."""
+
+import torch
 
 from ..layout import HeadPlacement
 
@@ -17,12 +21,23 @@ def _jobs(tensors, world, offsets, counts, local_heads, replicas):
             ch += cnt
 
 
+def _rotated(x, cos, sin):
+    """x `[B, S, H, D]` with the rotary embedding of cos/sin `[B, S, D]` (rotary.py's
+    convention), computed in fp32 and rounded once to x's dtype, as the rotary pack kernel."""
+    h = x.shape[-1] // 2
+    xf, c, s = x.float(), cos.float().unsqueeze(2), sin.float().unsqueeze(2)
+    rot = torch.cat([-xf[..., h:], xf[..., :h]], dim=-1)
+    return (xf * c + rot * s).to(x.dtype)
+
+
 class ReferenceOps:
     device_types = ("cpu", "cuda")
 
     @staticmethod
-    def pack_into(srcs, send, offsets, counts, local_heads, replicas):
+    def pack_into(srcs, send, offsets, counts, local_heads, replicas, cos=None, sin=None, rotary=()):
         P = send.shape[0]
+        if any(rotary):  # the kernel's rotary pack: fp32 math, one rounding
+            srcs = [_rotated(x, cos, sin) if flag else x for x, flag in zip(srcs, rotary)]
         for x, placement, off, cnt, ch in _jobs(srcs, P, offsets, counts, local_heads, replicas):
             for j in range(P):
                 start = placement.source_head(j, off)
