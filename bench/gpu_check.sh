@@ -70,7 +70,8 @@ if [ "$DRY_RUN" != 1 ] && "$PYTHON" -c "import xdist" >/dev/null 2>&1; then
   export ULYSSES_KERNELS_GPU_ISOLATE=1
 fi
 FUSED_TESTS=(tests/test_fused_ops.py tests/test_fused_pipeline.py tests/test_fused_layer.py tests/test_ring.py)
-TRITON_TESTS=(tests/test_triton_attention.py tests/test_triton_ops.py tests/test_triton_merge.py tests/test_hf_offload.py)
+TRITON_TESTS=(tests/test_triton_attention.py tests/test_triton_ops.py tests/test_triton_merge.py tests/test_hf_offload.py
+              tests/test_attention_select.py)
 
 STEPS="${GPU_CHECK_STEPS:-$DEFAULT_STEPS}"
 print_budget

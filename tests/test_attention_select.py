@@ -289,3 +289,24 @@ def test_doctor_prints_the_chooser(monkeypatch, capsys):
     monkeypatch.setenv(sel.ENV_VAR, "fastest")
     cli.doctor(None)
     assert "INVALID" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_auto_choice_times_caches_and_matches_reference(causal):
+    """On the device: `auto` times the eligible backends once (real CUDA timing), writes the
+    choice to the disk cache, and the chosen kernel's output and gradients match float64."""
+    q, k, v, do = make_qkv(1, 2048, 8, 2, 128, dtype=torch.bfloat16, seed=5, device="cuda")
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    name = sel.choose(q, k, causal=causal, grad=True)
+    assert name in sel.candidates(sel.key_for(q, k, causal=causal, grad=True), q_len=2048, k_len=2048)
+    entries = sel.read_cache()
+    assert len(entries) == 1 and next(iter(entries.values()))["choice"] == name
+    assert all(ms > 0 for ms in next(iter(entries.values()))["ms"].values())
+    out = sel.attention(q, k, v, causal=causal)
+    out.backward(do)
+    ref_out, *ref_grads = reference_with_grads(q, k, v, do, causal)
+    assert rel_err(out, ref_out) < 2e-2
+    for got, want in zip((q.grad, k.grad, v.grad), ref_grads):
+        assert rel_err(got, want) < 2e-2
