@@ -22,7 +22,8 @@ namespace ulysses_kernels {
 constexpr int kMaxJobs = 3;
 
 // n / div for 0 <= n < 2**31 and 1 <= div < 2**31: q = (umulhi(n, magic) + n) >> shift
-// (Granlund and Montgomery; the sum stays below 2**32 because n < 2**31).
+// (Granlund and Montgomery; the sum stays below 2**32 because n < 2**31). `div` is kept
+// for the 64-bit kernel variants, which divide plainly.
 struct FastDiv {
   uint32_t div = 1, magic = 0, shift = 0;
   FastDiv() = default;
@@ -86,8 +87,13 @@ struct UnpackParams {
   FastDiv S_div, dv_div;
 };
 
-// Where send vector `idx` (row-major over [P, B, S, C, D / V]) comes from: the job and the
-// element offset of its first element in that job's source. 32-bit index math (idx < 2**31).
+// a / d with the index type I of a kernel variant: the multiply-shift for 32-bit indices
+// (numerators < 2**31), a plain division for 64-bit ones (sends of 2**31 vectors or more).
+UK_HD uint32_t divide(uint32_t n, const FastDiv& d) { return d(n); }
+UK_HD uint64_t divide(uint64_t n, const FastDiv& d) { return n / d.div; }
+
+// Where send vector `idx` (row-major over [P, B, S, C, D / V]) comes from: the job, the
+// element offset of its first element in that job's source, its token and first dim.
 struct PackSource {
   int job;
   int64_t elem;
@@ -95,40 +101,27 @@ struct PackSource {
   int d;                    // the vector's first dim
 };
 
-UK_HD PackSource pack_source(const PackParams& p, uint32_t idx, int V) {
-  const uint32_t row = p.inner_div(idx);
-  const uint32_t i = idx - row * static_cast<uint32_t>(p.inner);
-  const uint32_t jb = p.S_div(row);
-  const uint32_t s = row - jb * static_cast<uint32_t>(p.S);
-  const uint32_t j = p.B_div(jb);
-  const uint32_t b = jb - j * static_cast<uint32_t>(p.B);
-  const uint32_t ch = p.dv_div(i);
-  const uint32_t dv = i - ch * static_cast<uint32_t>(p.dv_count);
+template <typename I>
+UK_HD PackSource pack_source(const PackParams& p, I idx, int V) {
+  const I row = divide(idx, p.inner_div);
+  const I i = idx - row * static_cast<I>(p.inner);
+  const I jb = divide(row, p.S_div);
+  const I s = row - jb * static_cast<I>(p.S);
+  const I j = divide(jb, p.B_div);
+  const I b = jb - j * static_cast<I>(p.B);
+  const int ch = static_cast<int>(divide(i, p.dv_div));
+  const int dv = static_cast<int>(i - static_cast<I>(ch) * static_cast<I>(p.dv_count));
   int t = 0;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
   for (int q = 1; q < kMaxJobs; ++q) {
-    if (q < p.njobs && static_cast<int>(ch) >= p.job[q].chan) t = q;
-  }
-  const PackJob& job = p.job[t];
-  const int64_t head = static_cast<int64_t>(job.rep_div(j)) * job.local + job.offset + (ch - job.chan);
-  return {t, b * job.sb + s * job.ss + head * job.sh + static_cast<int64_t>(dv) * V * job.sd, b, s,
-          static_cast<int>(dv) * V};
-}
-
-// The same for any index (64-bit, plain divisions): sends of 2**31 vectors or more.
-UK_HD PackSource pack_source_wide(const PackParams& p, uint64_t idx, int V) {
-  const uint64_t row = idx / p.inner, i = idx % p.inner;
-  const int64_t s = row % p.S, jb = row / p.S, b = jb % p.B, j = jb / p.B;
-  const int ch = static_cast<int>(i / p.dv_count), dv = static_cast<int>(i % p.dv_count);
-  int t = 0;
-  for (int q = 1; q < kMaxJobs; ++q) {
     if (q < p.njobs && ch >= p.job[q].chan) t = q;
   }
   const PackJob& job = p.job[t];
-  const int64_t head = (j / job.rep) * job.local + job.offset + (ch - job.chan);
-  return {t, b * job.sb + s * job.ss + head * job.sh + static_cast<int64_t>(dv) * V * job.sd, b, s, dv * V};
+  const int64_t head = static_cast<int64_t>(divide(j, job.rep_div)) * job.local + job.offset + (ch - job.chan);
+  const int64_t b64 = static_cast<int64_t>(b), s64 = static_cast<int64_t>(s);
+  return {t, b64 * job.sb + s64 * job.ss + head * job.sh + static_cast<int64_t>(dv) * V * job.sd, b64, s64, dv * V};
 }
 
 // Output vector `idx` of unpack job `job` (row-major over [B, S, nheads, D / V]): the element
@@ -139,31 +132,21 @@ struct UnpackPlace {
   int64_t recv_elem;
 };
 
-UK_HD UnpackPlace unpack_place(const UnpackParams& p, const UnpackJob& job, uint32_t idx, int V) {
-  const uint32_t row = job.inner_div(idx);
-  const uint32_t i = idx - row * static_cast<uint32_t>(job.inner);
-  const uint32_t b = p.S_div(row);
-  const uint32_t s = row - b * static_cast<uint32_t>(p.S);
-  const uint32_t hi = p.dv_div(i);
-  const uint32_t dv = i - hi * static_cast<uint32_t>(p.dv_count);
+template <typename I>
+UK_HD UnpackPlace unpack_place(const UnpackParams& p, const UnpackJob& job, I idx, int V) {
+  const I row = divide(idx, job.inner_div);
+  const I i = idx - row * static_cast<I>(job.inner);
+  const I b = divide(row, p.S_div);
+  const I s = row - b * static_cast<I>(p.S);
+  const I hi = divide(i, p.dv_div);
+  const int dv = static_cast<int>(i - hi * static_cast<I>(p.dv_count));
   // Output head hi is chunk head l of replica group g, held by sources [g * rep, (g + 1) * rep).
-  const uint32_t g = job.count_div(hi);
-  const uint32_t l = hi - g * static_cast<uint32_t>(job.count);
+  const I g = divide(hi, job.count_div);
+  const int l = static_cast<int>(hi - g * static_cast<I>(job.count));
   const int64_t head = static_cast<int64_t>(g) * job.local + job.offset + l;
   const int64_t slot_stride = p.B * p.S * static_cast<int64_t>(p.C) * p.D;
-  return {b * job.ob + s * job.os + head * job.oh + static_cast<int64_t>(dv) * V * job.od,
-          static_cast<int64_t>(row) * p.C * p.D + static_cast<int64_t>(g) * job.rep * slot_stride +
-              static_cast<int64_t>(job.chan + l) * p.D + static_cast<int64_t>(dv) * V};
-}
-
-UK_HD UnpackPlace unpack_place_wide(const UnpackParams& p, const UnpackJob& job, uint64_t idx, int V) {
-  const uint64_t row = idx / job.inner, i = idx % job.inner;
-  const int64_t s = row % p.S, b = row / p.S;
-  const int hi = static_cast<int>(i / p.dv_count), dv = static_cast<int>(i % p.dv_count);
-  const int g = hi / job.count, l = hi % job.count;
-  const int64_t head = static_cast<int64_t>(g) * job.local + job.offset + l;
-  const int64_t slot_stride = p.B * p.S * static_cast<int64_t>(p.C) * p.D;
-  return {b * job.ob + s * job.os + head * job.oh + static_cast<int64_t>(dv) * V * job.od,
+  return {static_cast<int64_t>(b) * job.ob + static_cast<int64_t>(s) * job.os + head * job.oh +
+              static_cast<int64_t>(dv) * V * job.od,
           static_cast<int64_t>(row) * p.C * p.D + static_cast<int64_t>(g) * job.rep * slot_stride +
               static_cast<int64_t>(job.chan + l) * p.D + static_cast<int64_t>(dv) * V};
 }

@@ -31,6 +31,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "pack_index.h"
 
@@ -49,12 +50,15 @@ struct Vec<4> { using T = uint32_t; };
 template <>
 struct Vec<16> { using T = uint4; };
 
-// ELEM: element size in bytes; V: elements per access (1 or 16 / ELEM); WIDE: 2**31
-// vectors or more (64-bit index math).
-template <int ELEM, int V, bool WIDE>
-__global__ void __launch_bounds__(kThreads) pack_kernel(const PackParams p, const uint64_t total) {
-  using T = typename Vec<ELEM * V>::T;
-  T* dst = reinterpret_cast<T*>(p.send);
+// The index type of a kernel variant: 32-bit below 2**31 vectors (WIDE false), else 64-bit.
+template <bool WIDE>
+using Index = std::conditional_t<WIDE, uint64_t, uint32_t>;
+
+// The grid-stride loop of the pack kernels over the send buffer's vectors: each thread
+// loads kUnroll vectors (`load(idx)`) before it stores them to dst[idx], so several loads
+// are in flight; consecutive threads take consecutive vectors (coalesced stores).
+template <bool WIDE, typename T, typename Load>
+__device__ __forceinline__ void pack_vectors(T* dst, uint64_t total, Load load) {
   const uint64_t step = static_cast<uint64_t>(gridDim.x) * kThreads * kUnroll;
   for (uint64_t base = static_cast<uint64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < total;
        base += step) {
@@ -62,10 +66,7 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const PackParams p, cons
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
-      if (idx < total) {
-        const PackSource src = WIDE ? pack_source_wide(p, idx, V) : pack_source(p, static_cast<uint32_t>(idx), V);
-        vals[u] = *reinterpret_cast<const T*>(p.job[src.job].src + src.elem * ELEM);
-      }
+      if (idx < total) vals[u] = load(static_cast<Index<WIDE>>(idx));
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -73,6 +74,17 @@ __global__ void __launch_bounds__(kThreads) pack_kernel(const PackParams p, cons
       if (idx < total) dst[idx] = vals[u];
     }
   }
+}
+
+// ELEM: element size in bytes; V: elements per access (1 or 16 / ELEM); WIDE: 2**31
+// vectors or more (64-bit index math).
+template <int ELEM, int V, bool WIDE>
+__global__ void __launch_bounds__(kThreads) pack_kernel(const PackParams p, const uint64_t total) {
+  using T = typename Vec<ELEM * V>::T;
+  pack_vectors<WIDE>(reinterpret_cast<T*>(p.send), total, [&](Index<WIDE> idx) {
+    const PackSource src = pack_source(p, idx, V);
+    return *reinterpret_cast<const T*>(p.job[src.job].src + src.elem * ELEM);
+  });
 }
 
 template <typename S>
@@ -100,42 +112,27 @@ struct alignas(sizeof(S) * V) Pack { S v[V]; };
 template <typename S, int V, bool WIDE>
 __global__ void __launch_bounds__(kThreads) pack_rotary_kernel(const PackParams p, const uint64_t total) {
   using P = Pack<S, V>;
-  P* dst = reinterpret_cast<P*>(p.send);
   const int half = p.D / 2;
-  const uint64_t step = static_cast<uint64_t>(gridDim.x) * kThreads * kUnroll;
-  for (uint64_t base = static_cast<uint64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < total;
-       base += step) {
-    P vals[kUnroll];
+  pack_vectors<WIDE>(reinterpret_cast<P*>(p.send), total, [&](Index<WIDE> idx) {
+    const PackSource src = pack_source(p, idx, V);
+    const PackJob& job = p.job[src.job];
+    const S* x = reinterpret_cast<const S*>(job.src) + src.elem;
+    const P xv = V == 1 ? P{{*x}} : *reinterpret_cast<const P*>(x);
+    if (!job.rotary) return xv;
+    const bool first = src.d < half;
+    const S* partner = x + (first ? half : -half) * job.sd;
+    const P pv = V == 1 ? P{{*partner}} : *reinterpret_cast<const P*>(partner);
+    const int64_t t = src.b * p.rb + src.s * p.rs + src.d;
+    const P c = *reinterpret_cast<const P*>(reinterpret_cast<const S*>(p.cos) + t);
+    const P sn = *reinterpret_cast<const P*>(reinterpret_cast<const S*>(p.sin) + t);
+    P y;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
-      if (idx >= total) continue;
-      const PackSource src = WIDE ? pack_source_wide(p, idx, V) : pack_source(p, static_cast<uint32_t>(idx), V);
-      const PackJob& job = p.job[src.job];
-      const S* x = reinterpret_cast<const S*>(job.src) + src.elem;
-      if (!job.rotary) {
-        vals[u] = V == 1 ? P{{*x}} : *reinterpret_cast<const P*>(x);
-        continue;
-      }
-      const bool first = src.d < half;
-      const S* partner = x + (first ? half : -half) * job.sd;
-      const int64_t t = src.b * p.rb + src.s * p.rs + src.d;
-      const P xv = V == 1 ? P{{*x}} : *reinterpret_cast<const P*>(x);
-      const P pv = V == 1 ? P{{*partner}} : *reinterpret_cast<const P*>(partner);
-      const P c = *reinterpret_cast<const P*>(reinterpret_cast<const S*>(p.cos) + t);
-      const P sn = *reinterpret_cast<const P*>(reinterpret_cast<const S*>(p.sin) + t);
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float rot = first ? -to_float(pv.v[e]) : to_float(pv.v[e]);
-        vals[u].v[e] = from_float<S>(to_float(xv.v[e]) * to_float(c.v[e]) + rot * to_float(sn.v[e]));
-      }
+    for (int e = 0; e < V; ++e) {
+      const float rot = first ? -to_float(pv.v[e]) : to_float(pv.v[e]);
+      y.v[e] = from_float<S>(to_float(xv.v[e]) * to_float(c.v[e]) + rot * to_float(sn.v[e]));
     }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
-      if (idx < total) dst[idx] = vals[u];
-    }
-  }
+    return y;
+  });
 }
 
 template <typename S, int V>
@@ -175,8 +172,7 @@ __global__ void __launch_bounds__(kThreads) unpack_kernel(const UnpackParams p) 
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t idx = base + static_cast<uint64_t>(u) * kThreads;
       if (idx < total) {
-        const UnpackPlace at =
-            WIDE ? unpack_place_wide(p, job, idx, V) : unpack_place(p, job, static_cast<uint32_t>(idx), V);
+        const UnpackPlace at = unpack_place(p, job, static_cast<Index<WIDE>>(idx), V);
         dst[u] = at.out_elem;
         // Replicated heads: the fp32 sum of their replicas, in replica order (the backward
         // of pack's replication); single heads are copied bitwise.
@@ -327,13 +323,13 @@ void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offs
   p.inner = static_cast<int>(C * (D / V));
   const uint64_t total = static_cast<uint64_t>(rows) * p.inner;
   const bool wide = total >= kNarrowLimit;
-  if (!wide) {  // every quotient and remainder of the decomposition is then below 2**31
-    p.inner_div = FastDiv(p.inner);
-    p.S_div = FastDiv(static_cast<uint32_t>(S));
-    p.B_div = FastDiv(static_cast<uint32_t>(B));
-    p.dv_div = FastDiv(p.dv_count);
-    for (int t = 0; t < njobs; ++t) p.job[t].rep_div = FastDiv(p.job[t].rep);
-  }
+  // The divisors (the 64-bit variant divides by their `div` plainly). All are below 2**31.
+  TORCH_CHECK(S < INT32_MAX && B < INT32_MAX, "pack_into: B and S must be below 2**31");
+  p.inner_div = FastDiv(p.inner);
+  p.S_div = FastDiv(static_cast<uint32_t>(S));
+  p.B_div = FastDiv(static_cast<uint32_t>(B));
+  p.dv_div = FastDiv(p.dv_count);
+  for (int t = 0; t < njobs; ++t) p.job[t].rep_div = FastDiv(p.job[t].rep);
   const int64_t grid = grid_for(total);
   auto stream = at::cuda::getCurrentCUDAStream();
   if (use_rotary) {
@@ -433,13 +429,13 @@ void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef of
     max_total = total > max_total ? total : max_total;
   }
   const bool wide = max_total >= kNarrowLimit;
-  if (!wide) {  // every quotient and remainder of the decomposition is then below 2**31
-    p.S_div = FastDiv(static_cast<uint32_t>(S));
-    p.dv_div = FastDiv(p.dv_count);
-    for (int t = 0; t < njobs; ++t) {
-      p.job[t].inner_div = FastDiv(p.job[t].inner);
-      p.job[t].count_div = FastDiv(p.job[t].count);
-    }
+  // The divisors (the 64-bit variant divides by their `div` plainly). All are below 2**31.
+  TORCH_CHECK(S < INT32_MAX, "unpack_into: S must be below 2**31");
+  p.S_div = FastDiv(static_cast<uint32_t>(S));
+  p.dv_div = FastDiv(p.dv_count);
+  for (int t = 0; t < njobs; ++t) {
+    p.job[t].inner_div = FastDiv(p.job[t].inner);
+    p.job[t].count_div = FastDiv(p.job[t].count);
   }
   // One grid row per job; jobs with fewer vectors finish early (<= 3 jobs).
   const dim3 grid(static_cast<unsigned>(grid_for(max_total)), njobs);

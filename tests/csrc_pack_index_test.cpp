@@ -80,7 +80,7 @@ static void check_pack(int P, int B, int S, int D, int V, const std::vector<Tens
     const int64_t head = (j / job.rep) * job.local + job.offset + (ch - job.chan);
     const int64_t want = b * job.sb + s * job.ss + head * job.sh + static_cast<int64_t>(dv) * V * job.sd;
     const PackSource got = pack_source(p, static_cast<uint32_t>(idx), V);
-    const PackSource wide = pack_source_wide(p, idx, V);
+    const PackSource wide = pack_source(p, idx, V);  // the 64-bit variant
     EXPECT(got.job == t && got.elem == want, "pack P=%d B=%d S=%d idx=%llu: job %d elem %lld, want %d %lld", P, B, S,
            static_cast<unsigned long long>(idx), got.job, static_cast<long long>(got.elem), t,
            static_cast<long long>(want));
@@ -121,7 +121,7 @@ static void check_unpack(int P, int B, int S, int D, int V, const std::vector<Te
       const int64_t recv = row * p.C * D + static_cast<int64_t>(g) * job.rep * slot_stride +
                            static_cast<int64_t>(job.chan + l) * D + static_cast<int64_t>(dv) * V;
       const UnpackPlace got = unpack_place(p, job, static_cast<uint32_t>(idx), V);
-      const UnpackPlace wide = unpack_place_wide(p, job, idx, V);
+      const UnpackPlace wide = unpack_place(p, job, idx, V);  // the 64-bit variant
       EXPECT(got.out_elem == out && got.recv_elem == recv, "unpack P=%d B=%d S=%d job %zu idx=%llu", P, B, S, t,
              static_cast<unsigned long long>(idx));
       EXPECT(wide.out_elem == out && wide.recv_elem == recv, "unpack wide idx=%llu",
