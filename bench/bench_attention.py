@@ -133,8 +133,9 @@ def main():
     def write():
         meta["targets"] = _targets(rows)
         if args.autotune:
-            meta["tuned_configs"] = {name: mod._launch.tuned_configs() for name, mod in
-                                     (("fwd", flash_fwd), ("dq", flash_bwd_dq), ("dkdv", flash_bwd_dkdv))}
+            meta["tuned_configs"] = {name: launch.tuned_configs() for name, launch in
+                                     (("fwd", flash_fwd._launch), ("dq", flash_bwd_dq._launch),
+                                      ("dkdv", flash_bwd_dkdv._launch), ("bwd_atomic", flash_bwd_dkdv._launch_atomic))}
         with open(os.path.join(args.out, "attention_results.json"), "w") as f:
             json.dump({"meta": meta, "results": rows, "sweep": sweep}, f, indent=1)
         with open(os.path.join(args.out, "attention_results.md"), "w") as f:
@@ -161,7 +162,7 @@ def main():
     seen_variants = set()
 
     def run_head_dim(D):
-        H = 16 if D >= 128 else 32
+        H = 2 if args.smoke else (16 if D >= 128 else 32)  # smoke: interpreter time is per head
         for S in seqlens:
             B = max(1, args.tokens // S)
             for causal in (False, True):
@@ -253,7 +254,7 @@ def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_
            device, dtype):
     """Time every candidate config of each kernel at D=128, S=16k (non-default ones compile).
     Smoke mode: S = 32, the first config of each kernel."""
-    D, H, S = 128, 16, (32 if args.smoke else 16384)
+    D, H, S = 128, (2 if args.smoke else 16), (32 if args.smoke else 16384)
     B = max(1, args.tokens // S)
     per_compile = 8.0  # seconds; a guess for one new kernel variant (compile + timing)
     for causal in (False, True):
