@@ -324,6 +324,16 @@ def test_rotary_pack_matches_reference_ops(dtype, P, Hq, Hkv, B, S, D):
             ulp = ref.float().abs().clamp_min(1e-30) * (2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
             assert not torch.isnan(send).any()
             assert bool((diff <= tol * ulp + 1e-6 * ref.float().abs() + 1e-7).all()), diff.max()
+    # error paths: flags without tables, a table of the wrong shape, a different dtype
+    send = torch.empty((P, B, S, heads.local_q_heads + 2 * heads.local_kv_heads, D), dtype=dtype, device="cuda")
+    local_counts = [heads.local_q_heads, heads.local_kv_heads, heads.local_kv_heads]
+    with pytest.raises(RuntimeError, match="need cos and sin"):
+        torch.ops.ulysses_kernels.pack_into([q, k, v], send, [0, 0, 0], local_counts, local, replicas, None, None,
+                                            [1, 1, 0])
+    with pytest.raises(RuntimeError, match="cos/sin must be"):
+        ops.pack_into([q, k, v], send, [0, 0, 0], local_counts, rotary=(cos[:, :1], sin[:, :1], [1, 1, 0]))
+    with pytest.raises(RuntimeError, match="cos/sin must be"):
+        ops.pack_into([q, k, v], send, [0, 0, 0], local_counts, rotary=(cos.double(), sin.double(), [1, 1, 0]))
 
 
 @pytest.mark.gpu

@@ -121,3 +121,22 @@ def test_plan_cli_inference_and_chunks():
     assert chunked["terms_gib"][cache] == one["terms_gib"][cache] == 16.0
     assert chunked["terms_gib"]["one layer (peak phase)"] < one["terms_gib"]["one layer (peak phase)"]
     assert chunked["max_prefill_len"] > one["max_prefill_len"]
+
+
+def test_flash_backward_counts_the_fp32_dq_accumulator(monkeypatch):
+    """The default Triton backward's fp32 dQ accumulator is in the backward's peak phase:
+    Llama-3-8B at SP 8 and 1M tokens, 4 query heads per rank: 2 GiB; with a tiled MLP it is
+    the largest temporary, so the phase grows by it minus the MLP tile's temporaries."""
+    from ulysses_kernels import planner
+
+    shape = PRESETS["llama-3-8b"]
+    S = 1 << 20
+    assert planner.dq_accumulator_bytes(shape, shape.heads // 8, S) == 2 * GIB
+    o = PlanOptions(seq_len=S, gpus_per_node=8, tiled_mlp=True, tiled_loss=True)
+    key = "one layer in its backward (peak phase)"
+    with_acc = memory_terms(shape, o)[key]
+    monkeypatch.setattr(planner, "dq_accumulator_bytes", lambda *a: 0)
+    without = memory_terms(shape, o)[key]
+    mlp = min(S // 8, planner.mlp_tile_tokens(shape.hidden)) * o.dtype_bytes * planner.TRANSIENT_MLP \
+        * shape.intermediate
+    assert with_acc - without == 2 * GIB - mlp

@@ -384,6 +384,23 @@ def test_receive_buffer_affine_tiles(P, B, S, causal, deterministic):
 
 
 @interp_only
+def test_sequence_stride_beyond_int32_tile_offsets_is_refused(monkeypatch):
+    """Tile offsets are int32 (up to 256 rows x the sequence stride): a larger stride gets
+    a clear error before any kernel runs, forward and backward. (The limit is lowered here:
+    a real 2**23-element stride would need a 400 MB tensor.)"""
+    from ulysses_kernels.triton import ops as tops
+
+    monkeypatch.setattr(tops, "MAX_ROW_STRIDE", 40)
+    q, k, v, do = make_qkv(1, 4, 2, 2, 16, dtype=torch.float32, seed=1)  # sequence stride 32: allowed
+    wide = torch.zeros(1, 4, 3, 16)[:, :, :2]                             # sequence stride 48
+    with pytest.raises(ValueError, match="sequence stride of 48"):
+        uk_triton.flash_attention_forward(wide.copy_(q), k, v, causal=False, softmax_scale=None)
+    out, lse = uk_triton.flash_attention_forward(q, k, v, causal=False, softmax_scale=None)
+    with pytest.raises(ValueError, match="sequence stride of 48"):
+        uk_triton.flash_attention_backward(wide.copy_(do), q, k, v, out, lse, causal=False, softmax_scale=None)
+
+
+@interp_only
 def test_input_errors():
     q, k, v, _ = make_qkv(1, 8, 2, 2, 16, dtype=torch.float32)
     with pytest.raises(ValueError):

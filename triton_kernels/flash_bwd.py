@@ -61,9 +61,9 @@ def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_o
     if splits > 1:
         dk_out, dv_out = (torch.zeros((batch, num_kv_heads, seqlen_k, block_d), dtype=torch.float32,
                                       device=k.device) for _ in range(2))
+    # dk/dv strides: those of the outputs (the kernel ignores them for the accumulators).
     launch_dkdv(q, k, v, do, dk_out, dv_out, lse, delta, docs, cu_seqlens,
-                strides=base + (strides_of(dk_out), strides_of(dv_out)) if splits == 1 else base + (base[1],) * 2,
-                dq_acc=dq_acc, splits=splits, **shape, **common)
+                strides=base + (strides_of(dk), strides_of(dv)), dq_acc=dq_acc, splits=splits, **shape, **common)
     copy_positions(dq, dq_acc.mul_(softmax_scale), head_dim, batch, seq_splits)
     if splits > 1:
         copy_positions(dk, dk_out, head_dim, batch, seq_splits)

@@ -114,6 +114,13 @@ class Plan:
     max_seq_len: int = 0
 
 
+def dq_accumulator_bytes(shape: ModelShape, heads: int, queries: int) -> int:
+    """The default (atomic) Triton backward adds dQ into an fp32 `[heads, queries, D']`
+    buffer (D' the head dim padded to a power of two), live while the layer's saved
+    tensors are (triton_kernels/flash_bwd.py); the deterministic backward has none."""
+    return heads * queries * max(16, 1 << (shape.head_dim - 1).bit_length()) * 4
+
+
 def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     """Bytes per GPU, by term, for one training step at o.seq_len tokens."""
     world = o.gpus_per_node * o.nodes
@@ -151,6 +158,8 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
         transient = max(transient, 2 * 4 * min(heads_here * queries * S, 1 << 24))
     else:
         saved += 2 * heads_here * queries * 4  # LSE and delta (fp32)
+        # The attention backward's temporaries and the MLP's come at different moments.
+        transient = max(transient, dq_accumulator_bytes(shape, heads_here, queries))
     if o.ring_size > 1:
         kv_heads_here = max(1, shape.kv_heads // ulysses)
         saved += queries * kv_heads_here * shape.head_dim * (2 * 2 * p + 2 * 4)  # K|V x2 buffers, fp32 dK|dV
