@@ -1,21 +1,23 @@
-"""Build for ulysses-kernels.
+"""The build of the CUDA extension `ulysses_kernels._C` (csrc/); the package's metadata,
+version and dependencies are in pyproject.toml.
 
-The package is pure Python plus an optional CUDA extension (`ulysses_kernels._C`) built
-from `csrc/`. The extension is compiled when a CUDA-enabled torch and nvcc are present;
-otherwise the install is pure Python and one line on stderr says why (the same reason is
-recorded in `ulysses_kernels/_build_info.py` and shown by `ulysses-kernels doctor`).
+The extension is compiled when a CUDA-enabled torch and nvcc are present; otherwise the
+install is pure Python and one line on stderr says why. Nothing is probed, linked or
+written until the build command is set up (`BuildExtension`); it then records what it
+built, or why not, in `ulysses_kernels/_build_info.py` next to the extension (shown by
+`ulysses-kernels doctor`).
 
-Environment variables:
+Environment variables (docs/env.md):
   ULYSSES_KERNELS_SKIP_CUDA_BUILD=1   never build the extension
   ULYSSES_KERNELS_FORCE_CUDA_BUILD=1  fail the install if the extension cannot be built
+  ULYSSES_KERNELS_HOST_COMPILER       the C++ compiler (g++) to build with; default: CXX when
+                                      its libstdc++ is the one torch runs with, else a g++ on
+                                      PATH whose libstdc++ is (see match_host_compiler)
   TORCH_CUDA_ARCH_LIST                arches to compile for (default "8.0;9.0" when no GPU
                                       is visible, else torch's own detection)
   CUDA_HOME                           CUDA toolkit (default: the one holding `nvcc` on PATH,
                                       else /usr/local/cuda)
   MAX_JOBS                            parallel compile jobs (ninja)
-  ULYSSES_KERNELS_HOST_COMPILER       the C++ compiler (g++) to build with; default: CXX when
-                                      its libstdc++ is the one torch runs with, else a g++ on
-                                      PATH whose libstdc++ is (see _match_host_compiler)
 
 Install with `pip install --no-build-isolation -e .` so the build sees your torch.
 """
@@ -26,26 +28,25 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
-from setuptools import setup
+from setuptools import Extension, setup
+
+# numpy is a runtime dependency (pyproject.toml) that pip installs after the build: torch
+# warns on import that it is missing, which the build does not need.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0"
-BUILD_INFO = os.path.join(HERE, "ulysses_kernels", "_build_info.py")
-PACKAGES = ["ulysses_kernels", "ulysses_kernels.reference", "ulysses_kernels.fused", "ulysses_kernels.hf",
-            "ulysses_kernels.testing", "ulysses_kernels.triton"]
-
+EXTENSION = "ulysses_kernels._C"
 
 def _load_env_module():
-    """The package's one parser of boolean environment variables (it imports nothing of
-    the package, so it loads before the package is installed)."""
+    """The package's parser of environment variables (it imports nothing of the package,
+    so it loads before the package is installed)."""
     spec = importlib.util.spec_from_file_location("_ulysses_kernels_env", os.path.join(HERE, "ulysses_kernels", "env.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-_env_flag = _load_env_module().flag
 
 
 def _is_cuda_home(path):
@@ -53,7 +54,7 @@ def _is_cuda_home(path):
         os.path.exists(os.path.join(path, "include", "cuda_runtime.h"))
 
 
-def _find_cuda_home():
+def find_cuda_home():
     """CUDA_HOME if set, else the toolkit around `nvcc` on PATH, else /usr/local/cuda.
 
     `nvcc` on PATH may be a wrapper script outside the toolkit (e.g. /usr/local/bin/nvcc),
@@ -67,7 +68,7 @@ def _find_cuda_home():
     return next((c for c in candidates if _is_cuda_home(c)), None)
 
 
-def _nvidia_wheel_root():
+def nvidia_wheel_root():
     """The `nvidia/` folder of the nvidia-* wheels torch depends on (NCCL: nvidia/nccl)."""
     for site in sys.path:
         root = os.path.join(site, "nvidia")
@@ -76,7 +77,7 @@ def _nvidia_wheel_root():
     return None
 
 
-def _missing_toolkit_headers(root, torch_cuda_major, cuda_home):
+def link_missing_toolkit_headers(root, torch_cuda_major, cuda_home, folder):
     """A folder of links to the headers that torch's CUDA headers include (cuBLAS,
     cuSPARSE, ...) but the toolkit at `cuda_home` lacks (a minimal nvcc install), taken from
     the wheels (cu13: nvidia/cu13/include; cu12: nvidia/*/include). Only missing names are
@@ -94,7 +95,6 @@ def _missing_toolkit_headers(root, torch_cuda_major, cuda_home):
                 missing.setdefault(name, os.path.join(d, name))
     if not missing:
         return None
-    folder = os.path.join(HERE, "build", "wheel_cuda_headers")
     shutil.rmtree(folder, ignore_errors=True)
     os.makedirs(folder)
     for name, target in missing.items():
@@ -125,7 +125,7 @@ def _compiler_libstdcxx(compiler):
     return os.path.realpath(out) if os.path.isabs(out) and os.path.exists(out) else None
 
 
-def _match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=shutil.which):
+def match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=shutil.which):
     """The C++ compiler to build with, and why, or (None, None) to keep the default.
 
     An extension linked by a GCC whose libstdc++ differs from the one torch runs with can
@@ -151,107 +151,118 @@ def _match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=
     return None, None
 
 
-def _use_host_compiler(compiler, why):
-    """CXX: the C++ files and the link. CC (nvcc's -ccbin) stays: that combination is the
-    one the first GPU run verified, and nvcc accepts only some GCC versions."""
-    os.environ["CXX"] = compiler
-    print(f"ulysses-kernels: host compiler {compiler} ({why})", file=sys.stderr)
-
-
-def _cuda_extension_or_reason():
-    """Return (list_of_extensions, cmdclass, reason_if_skipped)."""
-    if _env_flag("ULYSSES_KERNELS_SKIP_CUDA_BUILD"):
-        return [], {}, "ULYSSES_KERNELS_SKIP_CUDA_BUILD is set"
+def cuda_extension_or_reason(build_dir):
+    """(the CUDAExtension to build, None) or (None, why it is skipped). Configures the
+    environment the compile needs (CUDA_HOME, TORCH_CUDA_ARCH_LIST, CXX) on the way; header
+    links go under `build_dir`."""
+    env = _load_env_module()
+    if env.flag(env.SKIP_CUDA_BUILD):
+        return None, f"{env.SKIP_CUDA_BUILD.name} is set"
     try:
         import torch
     except ImportError:
-        return [], {}, "torch is not importable at build time (install torch first and use --no-build-isolation)"
+        return None, "torch is not importable at build time (install torch first and use --no-build-isolation)"
     if torch.version.cuda is None:
-        return [], {}, f"torch {torch.__version__} is a CPU-only build"
-    cuda_home = _find_cuda_home()
+        return None, f"torch {torch.__version__} is a CPU-only build"
+    cuda_home = find_cuda_home()
     if not _is_cuda_home(cuda_home):
-        return [], {}, "no CUDA toolkit found (nvcc and cuda_runtime.h; set CUDA_HOME or put nvcc on PATH)"
-    # cpp_extension reads CUDA_HOME when it is imported.
-    os.environ["CUDA_HOME"] = cuda_home
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        if not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
-    compiler, why = _match_host_compiler(os.environ, _loaded_libstdcxx())
-    if compiler:
-        _use_host_compiler(compiler, why)
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
-
-    cuda_major = torch.version.cuda.split(".")[0]
-    root = _nvidia_wheel_root()
+        return None, "no CUDA toolkit found (nvcc and cuda_runtime.h; set CUDA_HOME or put nvcc on PATH)"
+    root = nvidia_wheel_root()
     if root is None:
-        return [], {}, "NCCL headers not found (expected the nvidia-nccl wheel that torch depends on)"
+        return None, "NCCL headers not found (expected the nvidia-nccl wheel that torch depends on)"
+    import torch.utils.cpp_extension as cpp_extension
+
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    compiler, why = match_host_compiler(os.environ, _loaded_libstdcxx())
+    if compiler:
+        # CXX: the C++ files and the link. CC (nvcc's -ccbin) stays: that combination is the
+        # one the first GPU run verified, and nvcc accepts only some GCC versions.
+        os.environ["CXX"] = compiler
+        print(f"ulysses-kernels: host compiler {compiler} ({why})", file=sys.stderr)
     # NCCL's folder, and from the other wheels only what the toolkit lacks.
-    wheel_includes = [os.path.join(root, "nccl", "include")]
-    extra = _missing_toolkit_headers(root, cuda_major, cuda_home)
-    wheel_includes += [extra] if extra else []
+    includes = [os.path.join(root, "nccl", "include")]
+    extra = link_missing_toolkit_headers(root, torch.version.cuda.split(".")[0], cuda_home,
+                                         os.path.join(build_dir, "wheel_cuda_headers"))
+    includes += [extra] if extra else []
     nccl_libs = [os.path.join(root, "nccl", "lib")]
-    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu")))
-    # No --use_fast_math: the kernels are copies and fp32 sums, where it buys nothing and
-    # would flush subnormal gradients to zero.
     # torch's std::string ABI, stated: cpp_extension no longer passes it, and a GCC built
     # with the old default (devtoolset-style) would lay out c10::Error's strings unlike the
     # torch that catches it.
     abi = [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    # No --use_fast_math: the kernels are copies and fp32 sums, where it buys nothing and
+    # would flush subnormal gradients to zero.
     nvcc_flags = abi + ["-O3", "-std=c++20", "-lineinfo",
-                  "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-                  "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
-    ext = CUDAExtension(
-        name="ulysses_kernels._C",
-        sources=sources,
-        include_dirs=[os.path.join(HERE, "csrc")] + wheel_includes,
+                        "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                        "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
+    ext = cpp_extension.CUDAExtension(
+        name=EXTENSION,
+        sources=sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "*.cu"))),
+        include_dirs=[os.path.join(HERE, "csrc")] + includes,
         depends=sorted(glob.glob(os.path.join("csrc", "*.h"))),  # rebuild when pack_index.h changes
         library_dirs=nccl_libs,
         # libnccl.so.2 is what torch itself loads; link the soname so both share one copy.
         extra_link_args=[f"-Wl,-rpath,{d}" for d in nccl_libs] + ["-l:libnccl.so.2"],
         extra_compile_args={"cxx": abi + ["-O3", "-std=c++20"], "nvcc": nvcc_flags},
     )
-    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}, None
+    return ext, None
 
 
-def _write_build_info(reason):
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    with open(BUILD_INFO, "w") as f:
-        f.write("# Written by setup.py; read by `ulysses-kernels doctor`.\n")
-        f.write(f"CUDA_EXTENSION_SKIPPED_REASON = {reason!r}\n")
-        f.write(f"TORCH_CUDA_ARCH_LIST = {arch!r}\n")
+# torch's build command reads CUDA_HOME when it is imported: point it at the toolkit found
+# here (two file checks), then take it as the base when torch is importable (it must be,
+# to compile anything).
+if find_cuda_home():
+    os.environ["CUDA_HOME"] = find_cuda_home()
+try:
+    from torch.utils.cpp_extension import BuildExtension as _BaseBuild
+except ImportError:
+    from setuptools.command.build_ext import build_ext as _BaseBuild
 
 
-ext_modules, cmdclass, skip_reason = _cuda_extension_or_reason()
-if skip_reason is not None:
-    if _env_flag("ULYSSES_KERNELS_FORCE_CUDA_BUILD"):
-        raise RuntimeError(f"ulysses-kernels: cannot build the CUDA extension: {skip_reason}")
-    print(f"ulysses-kernels: CUDA extension skipped: {skip_reason}; installing pure Python "
-          "(reference and Triton paths only)", file=sys.stderr)
-else:
-    print(f"ulysses-kernels: building CUDA extension for TORCH_CUDA_ARCH_LIST="
-          f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '(torch default)')}", file=sys.stderr)
-_write_build_info(skip_reason)
+class BuildExtension(_BaseBuild):
+    """Decides when the build command is set up whether the extension can be built
+    (`finalize_options`), builds it (torch's BuildExtension with ninja) or says why not,
+    and writes `_build_info.py` next to where the extension goes (the source tree for an
+    editable install, the wheel otherwise)."""
 
-setup(
-    name="ulysses-kernels",
-    version="0.1.0",
-    description="Ulysses sequence parallelism for PyTorch with fused communication and "
-                "Triton attention over the head-sharded layout",
-    long_description=open(os.path.join(HERE, "README.md")).read() if os.path.exists(os.path.join(HERE, "README.md")) else "",
-    long_description_content_type="text/markdown",
-    python_requires=">=3.9",
-    packages=PACKAGES,
-    package_dir={"ulysses_kernels": "ulysses_kernels", "ulysses_kernels.triton": "triton_kernels"},
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-    install_requires=["torch>=2.4", "triton>=3.6; platform_system == 'Linux'"],
-    extras_require={
-        "test": ["pytest>=7", "numpy", "hypothesis", "ruff", "import-linter>=2.13", "pytest-timeout",
-                 "pytest-benchmark"],
-        # Trainer / TRL integration (hf/trainer.py): the versions it is tested with.
-        "hf": ["transformers>=5.24,<6", "accelerate>=1.15,<2", "trl>=1.16,<2", "datasets>=5"],
-        "bench": ["matplotlib", "numpy", "pytest-benchmark"],
-    },
-    entry_points={"console_scripts": ["ulysses-kernels=ulysses_kernels.cli:main"]},
-    zip_safe=False,
-)
+    def __init__(self, *args, **kwargs):
+        if _BaseBuild.__module__.startswith("torch"):
+            kwargs.setdefault("use_ninja", True)
+        super().__init__(*args, **kwargs)
+
+    def finalize_options(self):
+        ext, self.skip_reason = cuda_extension_or_reason(os.path.join(HERE, "build"))
+        self.distribution.ext_modules = [ext] if ext is not None else []
+        super().finalize_options()
+
+    def run(self):
+        env = _load_env_module()
+        self._write_build_info(self.skip_reason)
+        if self.skip_reason is not None:
+            if env.flag(env.FORCE_CUDA_BUILD):
+                raise RuntimeError(f"ulysses-kernels: cannot build the CUDA extension: {self.skip_reason}")
+            print(f"ulysses-kernels: CUDA extension skipped: {self.skip_reason}; installing pure Python "
+                  "(reference and Triton paths only)", file=sys.stderr)
+            return
+        print(f"ulysses-kernels: building CUDA extension for TORCH_CUDA_ARCH_LIST="
+              f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '(torch default)')}", file=sys.stderr)
+        super().run()
+
+    def _build_info_path(self):
+        return os.path.join(os.path.dirname(self.get_ext_fullpath(EXTENSION)), "_build_info.py")
+
+    def _write_build_info(self, reason):
+        path = self._build_info_path()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("# Written by setup.py's build; read by `ulysses-kernels doctor`.\n")
+            f.write(f"CUDA_EXTENSION_SKIPPED_REASON = {reason!r}\n")
+            f.write(f"TORCH_CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST', '')!r}\n")
+
+    def get_outputs(self):
+        return super().get_outputs() + [self._build_info_path()]
+
+
+if __name__ == "__main__":
+    # The extension is declared here and decided on by BuildExtension.
+    setup(ext_modules=[Extension(EXTENSION, sources=[])], cmdclass={"build_ext": BuildExtension})

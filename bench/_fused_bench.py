@@ -1,7 +1,7 @@
 """Shared by bench_a2a.py and bench_layer.py (run as scripts from bench/, so a plain
 import finds this module).
 
-Smoke mode (`--smoke`, used by tests/test_bench_smoke.py on CPU): every code path of a
+Smoke mode (`--smoke`, used by tests/bench/test_bench_smoke.py on CPU): every code path of a
 benchmark runs once at tiny shapes on the CPU, with the stand-ins of
 `ulysses_kernels.testing` (the torch versions of the CUDA ops and the host transport,
 installed through the fused path's declared interface) and the Triton interpreter, so CI

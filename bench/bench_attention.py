@@ -46,7 +46,7 @@ def parse_args():
                    help="do not start work predicted to end after this many seconds (results so far are kept)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the script (TRITON_INTERPRET=1, tiny shapes, fp32, no SDPA, one timed call, "
-                        "one sweep config per kernel); numbers mean nothing (tests/test_bench_smoke.py)")
+                        "one sweep config per kernel); numbers mean nothing (tests/bench/test_bench_smoke.py)")
     p.add_argument("--dry-run", action="store_true",
                    help="check the arguments and the imports, print what would run, exit (GPU_CHECK_DRY_RUN)")
     return p.parse_args()

@@ -155,7 +155,7 @@ def main():
     import torch
 
     import ulysses_kernels as uk
-    from ulysses_kernels import fused
+    from ulysses_kernels import env, fused
     from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward
     ops = _fused_bench.ops()
     esize = torch.empty((), dtype=dtype).element_size()
@@ -177,7 +177,7 @@ def main():
 
         def layer(chunks):
             def run():
-                os.environ[fused.ENV_CHUNKS] = str(chunks)
+                os.environ[env.NUM_CHUNKS.name] = str(chunks)
                 out = uk.ulysses_attention(q, k, v, causal=causal, softmax_scale=scale, seq_lens=[S],
                                            backend="fused")
                 torch.autograd.grad(out, (q, k, v), do)
@@ -191,7 +191,7 @@ def main():
         row["triton_path_ms"] = bench(triton_layer, args.quick)
         for c in (1, 2, 4):
             row[f"fused_c{c}_ms"] = bench(layer(c), args.quick)
-        os.environ.pop(fused.ENV_CHUNKS, None)
+        os.environ.pop(env.NUM_CHUNKS.name, None)
         flops = 4 * B * Hq * S * S * D * (0.5 if causal else 1.0) * 3.5
         row["fused_c1_TFLOPs"] = flops / row["fused_c1_ms"] / 1e9
         measured.append(row)
@@ -216,12 +216,12 @@ def main():
     for overlap in (False, True):
         for chunks in (1, 4):
             block.overlap_projections = overlap
-            os.environ[fused.ENV_CHUNKS] = str(chunks)
+            os.environ[env.NUM_CHUNKS.name] = str(chunks)
             ms = bench(block_step, args.quick)
             blocks.append(dict(B=B, S=S, hidden=hidden, Hq=Hq, Hkv=Hkv, D=D, P=1, overlap_projections=overlap,
                                chunks=chunks, ms=ms))
             print(f"[P=1 block] overlap_projections={overlap} chunks={chunks}: {ms:.2f} ms", flush=True)
-    os.environ.pop(fused.ENV_CHUNKS, None)
+    os.environ.pop(env.NUM_CHUNKS.name, None)
     block = x = dy = params = None
     fused.close()
     write_results(args, meta, measured, blocks, modelled)

@@ -69,9 +69,10 @@ if [ "$DRY_RUN" != 1 ] && "$PYTHON" -c "import xdist" >/dev/null 2>&1; then
   PYTEST+=(-n 1 --max-worker-restart 50)
   export ULYSSES_KERNELS_GPU_ISOLATE=1
 fi
-FUSED_TESTS=(tests/test_fused_ops.py tests/test_fused_pipeline.py tests/test_fused_layer.py tests/test_ring.py)
-TRITON_TESTS=(tests/test_triton_attention.py tests/test_triton_ops.py tests/test_triton_merge.py tests/test_hf_offload.py
-              tests/test_attention_select.py)
+FUSED_TESTS=(tests/fused/test_fused_ops.py tests/fused/test_fused_pipeline.py tests/fused/test_fused_layer.py
+             tests/ring/test_ring_attention.py)
+TRITON_TESTS=(tests/triton_kernels/test_triton_attention.py tests/triton_kernels/test_triton_ops.py
+              tests/triton_kernels/test_triton_merge.py tests/hf/test_hf_offload.py tests/triton_path/test_kernel_choice.py)
 
 STEPS="${GPU_CHECK_STEPS:-$DEFAULT_STEPS}"
 print_budget
@@ -153,7 +154,7 @@ if want fused_tests; then
   # stream dependencies between calls, which these tests are meant to catch.
   # Both pytest runs, failing if either fails (the schemas still run after a failing GPU test).
   fused_step fused_tests bash -c '"$@" -m gpu -k "not float32" '"${FUSED_TESTS[*]}"'; a=$?
-    "$@" tests/test_csrc.py --deselect tests/test_csrc.py::test_kernel_index_math_on_host; b=$?
+    "$@" tests/csrc/test_csrc.py --deselect tests/csrc/test_csrc.py::test_kernel_index_math_on_host; b=$?
     exit $(( a | b ))' _ "${PYTEST[@]}"
 fi
 want bench_a2a && fused_step bench_a2a "$PYTHON" bench/bench_a2a.py --quick --out "$RESULTS"

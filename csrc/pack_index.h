@@ -5,8 +5,8 @@
 // several vectors in flight. Decomposing the index costs several divisions per vector;
 // below 2**31 vectors they are 32-bit divisions by loop-invariant divisors, done as a
 // multiply-high and a shift (FastDiv). Everything here is plain C++ also compiled for the
-// host: tests/test_csrc.py builds it with g++ and checks it against the naive arithmetic
-// (tests/csrc_pack_index_test.cpp), since the kernels themselves need a GPU.
+// host: tests/csrc/test_csrc.py builds it with g++ and checks it against the naive arithmetic
+// (tests/csrc/pack_index_test.cpp), since the kernels themselves need a GPU.
 #pragma once
 
 #include <cstdint>

@@ -204,20 +204,65 @@ void check_placement(int64_t heads, int64_t world, int64_t local, int64_t rep, c
               " ranks do not describe");
 }
 
-void check_lists(int64_t n, at::IntArrayRef offsets, at::IntArrayRef counts, at::IntArrayRef local,
-                 at::IntArrayRef rep, const char* what) {
+bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+// The exchange buffer of a pack (send) or an unpack (recv) and the tensors packed into it
+// or unpacked from it, as both wrappers check them.
+struct Exchange {
+  int64_t P, B, S, C, D;
+  int V16;   // elements per 16-byte vector
+  bool vec;  // every pointer and stride allows 16-byte vectors
+};
+
+// The one validation of pack_into and unpack_into (`what`): the buffer `[P, B, S, C, D]`
+// (CUDA, contiguous, bf16/fp16/fp32) and, per tensor t `[B, S, H_t, D]` (its `role`: source
+// or output), device, dtype, shape, placement and chunk `[offset, offset + count)`. Calls
+// `add(t, tensor, chan)` for every tensor with heads in this call, channels consecutive in
+// tensor order, and checks that they fill the buffer's C channels.
+template <typename AddJob>
+Exchange check_exchange(const char* what, const char* buffer_name, const char* role, const at::Tensor& buffer,
+                        at::TensorList tensors, at::IntArrayRef offsets, at::IntArrayRef counts,
+                        at::IntArrayRef local_heads, at::IntArrayRef replicas, AddJob add) {
+  TORCH_CHECK(buffer.is_cuda(), what, ": ", buffer_name, " must be a CUDA tensor");
+  TORCH_CHECK(buffer.dim() == 5, what, ": ", buffer_name, " must be [P, B, S, C, D], got ", buffer.sizes());
+  TORCH_CHECK(buffer.is_contiguous(), what, ": ", buffer_name, " must be contiguous");
+  TORCH_CHECK(buffer.scalar_type() == at::kBFloat16 || buffer.scalar_type() == at::kHalf ||
+                  buffer.scalar_type() == at::kFloat,
+              what, ": dtype must be bfloat16, float16 or float32, got ", buffer.scalar_type());
+  const int64_t n = static_cast<int64_t>(tensors.size());
   TORCH_CHECK(n >= 1 && n <= kMaxJobs, what, ": 1 to 3 tensors, got ", n);
   TORCH_CHECK(static_cast<int64_t>(offsets.size()) == n && static_cast<int64_t>(counts.size()) == n &&
-                  static_cast<int64_t>(local.size()) == n && static_cast<int64_t>(rep.size()) == n,
+                  static_cast<int64_t>(local_heads.size()) == n && static_cast<int64_t>(replicas.size()) == n,
               what, ": offsets, counts, local_heads and replicas need one entry per tensor");
+  Exchange x{buffer.size(0), buffer.size(1), buffer.size(2), buffer.size(3), buffer.size(4),
+             static_cast<int>(16 / buffer.element_size()), false};
+  TORCH_CHECK(x.P >= 1, what, ": world must be >= 1");
+  x.vec = x.D % x.V16 == 0 && aligned16(buffer.data_ptr());
+  int64_t chan = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    const at::Tensor& y = tensors[t];
+    TORCH_CHECK(y.dim() == 4, what, ": ", role, " ", t, " must be [B, S, H, D], got ", y.sizes());
+    TORCH_CHECK(y.device() == buffer.device(), what, ": ", role, " ", t, " is on ", y.device(), ", ", buffer_name,
+                " on ", buffer.device());
+    TORCH_CHECK(y.scalar_type() == buffer.scalar_type(), what, ": ", role, " ", t, " dtype ", y.scalar_type(), " != ",
+                buffer_name, " dtype ", buffer.scalar_type());
+    TORCH_CHECK(y.size(0) == x.B && y.size(1) == x.S && y.size(3) == x.D, what, ": ", role, " ", t, " shape ",
+                y.sizes(), " does not match ", buffer_name, " ", buffer.sizes());
+    check_placement(y.size(2), x.P, local_heads[t], replicas[t], what, t);
+    const int64_t off = offsets[t], cnt = counts[t];
+    TORCH_CHECK(off >= 0 && cnt >= 0 && off + cnt <= local_heads[t], what, ": ", role, " ", t, " offset ", off,
+                " + count ", cnt, " exceeds its ", local_heads[t], " heads per rank");
+    if (cnt == 0) continue;
+    add(t, y, static_cast<int>(chan));
+    chan += cnt;
+    x.vec = x.vec && aligned16(y.data_ptr()) && y.stride(3) == 1 && y.stride(0) % x.V16 == 0 &&
+            y.stride(1) % x.V16 == 0 && y.stride(2) % x.V16 == 0;
+  }
+  TORCH_CHECK(chan == x.C, what, ": counts sum to ", chan, " but ", buffer_name, " has ", x.C, " channels");
+  TORCH_CHECK(x.C * x.D <= (int64_t)INT32_MAX / 2, what, ": C * D too large");
+  TORCH_CHECK(x.S < INT32_MAX && x.B < INT32_MAX, what, ": B and S must be below 2**31");
+  return x;
 }
-
-void check_dtype(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf || t.scalar_type() == at::kFloat,
-              what, ": dtype must be bfloat16, float16 or float32, got ", t.scalar_type());
-}
-
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
 // Blocks of kThreads * kUnroll vectors, at most 32 per SM (the kernels stride over the rest).
 int64_t grid_for(uint64_t total) {
@@ -230,6 +275,26 @@ int64_t grid_for(uint64_t total) {
 
 // Below this many vectors the index math is 32-bit (FastDiv needs numerators < 2**31).
 constexpr uint64_t kNarrowLimit = uint64_t{1} << 31;
+
+// The one launch ladder of every kernel: `launch(S{}, Vec{}, Wide{})` is called with the
+// scalar type of `dtype`, its elements per access (16-byte vectors when `vec`, else 1) and
+// whether the index math is 64-bit, as compile-time values.
+template <typename Launch>
+void dispatch(at::ScalarType dtype, bool vec, bool wide, Launch launch) {
+  auto by_width = [&](auto scalar, auto vector) {
+    if (wide) launch(scalar, vector, std::true_type{});
+    else launch(scalar, vector, std::false_type{});
+  };
+  auto by_vec = [&](auto scalar, auto v16) {
+    if (vec) by_width(scalar, v16);
+    else by_width(scalar, std::integral_constant<int, 1>{});
+  };
+  switch (dtype) {
+    case at::kBFloat16: by_vec(__nv_bfloat16{}, std::integral_constant<int, 8>{}); break;
+    case at::kHalf: by_vec(__half{}, std::integral_constant<int, 8>{}); break;
+    default: by_vec(float{}, std::integral_constant<int, 4>{}); break;
+  }
+}
 
 // The rotary tables of a pack call: cos/sin `[B, S, D]` (expanded views allowed, last dim
 // contiguous) in send's dtype on its device. Returns whether they allow 16-byte vectors.
@@ -252,209 +317,104 @@ bool check_rotary(const at::Tensor& send, const std::optional<at::Tensor>& cos, 
          cos->stride(0) % V16 == 0 && cos->stride(1) % V16 == 0;
 }
 
-template <typename S, int V>
-void launch_pack_rotary(const PackParams& p, uint64_t total, bool wide, int64_t grid, cudaStream_t stream) {
-  if (wide) pack_rotary_kernel<S, V, true><<<grid, kThreads, 0, stream>>>(p, total);
-  else pack_rotary_kernel<S, V, false><<<grid, kThreads, 0, stream>>>(p, total);
-}
-
 }  // namespace
 
 void pack_into(at::TensorList srcs, const at::Tensor& send, at::IntArrayRef offsets, at::IntArrayRef counts,
                at::IntArrayRef local_heads, at::IntArrayRef replicas, const std::optional<at::Tensor>& cos,
                const std::optional<at::Tensor>& sin, at::IntArrayRef rotary) {
-  TORCH_CHECK(send.is_cuda(), "pack_into: send must be a CUDA tensor");
-  TORCH_CHECK(send.dim() == 5, "pack_into: send must be [P, B, S, C, D], got ", send.sizes());
-  TORCH_CHECK(send.is_contiguous(), "pack_into: send must be contiguous");
-  check_dtype(send, "pack_into");
-  const int64_t n = static_cast<int64_t>(srcs.size());
-  check_lists(n, offsets, counts, local_heads, replicas, "pack_into");
-  const int64_t P = send.size(0), B = send.size(1), S = send.size(2), C = send.size(3), D = send.size(4);
-  TORCH_CHECK(P >= 1, "pack_into: world must be >= 1");
-  TORCH_CHECK(rotary.empty() || static_cast<int64_t>(rotary.size()) == n,
-              "pack_into: rotary needs one flag per tensor (or none)");
+  TORCH_CHECK(rotary.empty() || rotary.size() == srcs.size(), "pack_into: rotary needs one flag per tensor (or none)");
   bool use_rotary = false;
   for (int64_t r : rotary) use_rotary = use_rotary || r != 0;
-  c10::cuda::CUDAGuard guard(send.device());
   PackParams p{};
-  p.send = static_cast<char*>(send.data_ptr());
-  p.P = P; p.B = B; p.S = S; p.C = static_cast<int>(C); p.D = static_cast<int>(D);
-  const int elem = static_cast<int>(send.element_size());
-  const int V16 = 16 / elem;
-  bool vec = (D % V16 == 0) && aligned16(p.send);
+  const Exchange x = check_exchange(
+      "pack_into", "send", "source", send, srcs, offsets, counts, local_heads, replicas,
+      [&](int64_t t, const at::Tensor& src, int chan) {
+        PackJob& job = p.job[p.njobs++];
+        job.src = static_cast<const char*>(src.data_ptr());
+        job.sb = src.stride(0); job.ss = src.stride(1); job.sh = src.stride(2); job.sd = src.stride(3);
+        job.local = static_cast<int>(local_heads[t]); job.rep = static_cast<int>(replicas[t]);
+        job.offset = static_cast<int>(offsets[t]); job.count = static_cast<int>(counts[t]); job.chan = chan;
+        job.rotary = rotary.empty() ? 0 : static_cast<int>(rotary[t] != 0);
+        job.rep_div = FastDiv(job.rep);
+      });
+  c10::cuda::CUDAGuard guard(send.device());
+  bool vec = x.vec;
   if (use_rotary) {
-    vec = check_rotary(send, cos, sin, V16) && vec;
+    vec = check_rotary(send, cos, sin, x.V16) && vec;
     p.cos = static_cast<const char*>(cos->data_ptr());
     p.sin = static_cast<const char*>(sin->data_ptr());
     p.rb = cos->stride(0);
     p.rs = cos->stride(1);
   }
-  int chan = 0;
-  int njobs = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    const at::Tensor& x = srcs[t];
-    TORCH_CHECK(x.dim() == 4, "pack_into: source ", t, " must be [B, S, H, D], got ", x.sizes());
-    TORCH_CHECK(x.device() == send.device(), "pack_into: source ", t, " is on ", x.device(), ", send on ", send.device());
-    TORCH_CHECK(x.scalar_type() == send.scalar_type(), "pack_into: source ", t, " dtype ", x.scalar_type(),
-                " != send dtype ", send.scalar_type());
-    TORCH_CHECK(x.size(0) == B && x.size(1) == S && x.size(3) == D, "pack_into: source ", t, " shape ", x.sizes(),
-                " does not match send ", send.sizes());
-    check_placement(x.size(2), P, local_heads[t], replicas[t], "pack_into", t);
-    const int64_t off = offsets[t], cnt = counts[t];
-    TORCH_CHECK(off >= 0 && cnt >= 0 && off + cnt <= local_heads[t], "pack_into: source ", t, " offset ", off,
-                " + count ", cnt, " exceeds its ", local_heads[t], " heads per destination");
-    if (cnt == 0) continue;
-    PackJob& job = p.job[njobs++];
-    job.src = static_cast<const char*>(x.data_ptr());
-    job.sb = x.stride(0); job.ss = x.stride(1); job.sh = x.stride(2); job.sd = x.stride(3);
-    job.local = static_cast<int>(local_heads[t]); job.rep = static_cast<int>(replicas[t]);
-    job.offset = static_cast<int>(off); job.count = static_cast<int>(cnt); job.chan = chan;
-    job.rotary = rotary.empty() ? 0 : static_cast<int>(rotary[t] != 0);
-    chan += static_cast<int>(cnt);
-    vec = vec && aligned16(job.src) && job.sd == 1 && job.sb % V16 == 0 && job.ss % V16 == 0 && job.sh % V16 == 0;
-  }
-  TORCH_CHECK(chan == C, "pack_into: counts sum to ", chan, " but send has ", C, " channels");
-  p.njobs = njobs;
-  const int64_t rows = P * B * S;
-  if (rows == 0 || C == 0 || D == 0) return;
-  TORCH_CHECK(C * D <= (int64_t)INT32_MAX / 2, "pack_into: C * D too large");
-  const int V = vec ? V16 : 1;
-  p.dv_count = static_cast<int>(D / V);
-  p.inner = static_cast<int>(C * (D / V));
-  const uint64_t total = static_cast<uint64_t>(rows) * p.inner;
-  const bool wide = total >= kNarrowLimit;
+  const int64_t rows = x.P * x.B * x.S;
+  if (rows == 0 || x.C == 0 || x.D == 0) return;
+  const int V = vec ? x.V16 : 1;
+  p.send = static_cast<char*>(send.data_ptr());
+  p.P = x.P; p.B = x.B; p.S = x.S; p.C = static_cast<int>(x.C); p.D = static_cast<int>(x.D);
+  p.dv_count = static_cast<int>(x.D / V);
+  p.inner = static_cast<int>(x.C * (x.D / V));
   // The divisors (the 64-bit variant divides by their `div` plainly). All are below 2**31.
-  TORCH_CHECK(S < INT32_MAX && B < INT32_MAX, "pack_into: B and S must be below 2**31");
   p.inner_div = FastDiv(p.inner);
-  p.S_div = FastDiv(static_cast<uint32_t>(S));
-  p.B_div = FastDiv(static_cast<uint32_t>(B));
+  p.S_div = FastDiv(static_cast<uint32_t>(x.S));
+  p.B_div = FastDiv(static_cast<uint32_t>(x.B));
   p.dv_div = FastDiv(p.dv_count);
-  for (int t = 0; t < njobs; ++t) p.job[t].rep_div = FastDiv(p.job[t].rep);
+  const uint64_t total = static_cast<uint64_t>(rows) * p.inner;
   const int64_t grid = grid_for(total);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  if (use_rotary) {
-    switch (send.scalar_type()) {
-      case at::kBFloat16:
-        if (vec) launch_pack_rotary<__nv_bfloat16, 8>(p, total, wide, grid, stream);
-        else launch_pack_rotary<__nv_bfloat16, 1>(p, total, wide, grid, stream);
-        break;
-      case at::kHalf:
-        if (vec) launch_pack_rotary<__half, 8>(p, total, wide, grid, stream);
-        else launch_pack_rotary<__half, 1>(p, total, wide, grid, stream);
-        break;
-      default:
-        if (vec) launch_pack_rotary<float, 4>(p, total, wide, grid, stream);
-        else launch_pack_rotary<float, 1>(p, total, wide, grid, stream);
-        break;
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
-  }
-  if (elem == 2) {
-    if (vec) {
-      if (wide) pack_kernel<2, 8, true><<<grid, kThreads, 0, stream>>>(p, total);
-      else pack_kernel<2, 8, false><<<grid, kThreads, 0, stream>>>(p, total);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch(send.scalar_type(), vec, total >= kNarrowLimit, [&](auto scalar, auto v, auto wide) {
+    using S = decltype(scalar);
+    constexpr int kV = decltype(v)::value;
+    constexpr bool kWide = decltype(wide)::value;
+    if (use_rotary) {
+      pack_rotary_kernel<S, kV, kWide><<<grid, kThreads, 0, stream>>>(p, total);
     } else {
-      if (wide) pack_kernel<2, 1, true><<<grid, kThreads, 0, stream>>>(p, total);
-      else pack_kernel<2, 1, false><<<grid, kThreads, 0, stream>>>(p, total);
+      pack_kernel<sizeof(S), kV, kWide><<<grid, kThreads, 0, stream>>>(p, total);
     }
-  } else {
-    if (vec) {
-      if (wide) pack_kernel<4, 4, true><<<grid, kThreads, 0, stream>>>(p, total);
-      else pack_kernel<4, 4, false><<<grid, kThreads, 0, stream>>>(p, total);
-    } else {
-      if (wide) pack_kernel<4, 1, true><<<grid, kThreads, 0, stream>>>(p, total);
-      else pack_kernel<4, 1, false><<<grid, kThreads, 0, stream>>>(p, total);
-    }
-  }
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void unpack_into(const at::Tensor& recv, at::TensorList outs, at::IntArrayRef offsets, at::IntArrayRef counts,
                  at::IntArrayRef local_heads, at::IntArrayRef replicas) {
-  TORCH_CHECK(recv.is_cuda(), "unpack_into: recv must be a CUDA tensor");
-  TORCH_CHECK(recv.dim() == 5, "unpack_into: recv must be [P, B, S, C, D], got ", recv.sizes());
-  TORCH_CHECK(recv.is_contiguous(), "unpack_into: recv must be contiguous");
-  check_dtype(recv, "unpack_into");
-  const int64_t n = static_cast<int64_t>(outs.size());
-  check_lists(n, offsets, counts, local_heads, replicas, "unpack_into");
-  const int64_t P = recv.size(0), B = recv.size(1), S = recv.size(2), C = recv.size(3), D = recv.size(4);
-  TORCH_CHECK(P >= 1, "unpack_into: world must be >= 1");
-  c10::cuda::CUDAGuard guard(recv.device());
   UnpackParams p{};
-  p.recv = static_cast<const char*>(recv.data_ptr());
-  p.P = P; p.B = B; p.S = S; p.C = static_cast<int>(C); p.D = static_cast<int>(D);
-  const int elem = static_cast<int>(recv.element_size());
-  const int V16 = 16 / elem;
-  bool vec = (D % V16 == 0) && aligned16(p.recv);
-  int chan = 0;
   int njobs = 0;
-  for (int64_t t = 0; t < n; ++t) {
-    const at::Tensor& x = outs[t];
-    TORCH_CHECK(x.dim() == 4, "unpack_into: output ", t, " must be [B, S, H, D], got ", x.sizes());
-    TORCH_CHECK(x.device() == recv.device(), "unpack_into: output ", t, " is on ", x.device(), ", recv on ",
-                recv.device());
-    TORCH_CHECK(x.scalar_type() == recv.scalar_type(), "unpack_into: output ", t, " dtype ", x.scalar_type(),
-                " != recv dtype ", recv.scalar_type());
-    TORCH_CHECK(x.size(0) == B && x.size(1) == S && x.size(3) == D, "unpack_into: output ", t, " shape ",
-                x.sizes(), " does not match recv ", recv.sizes());
-    check_placement(x.size(2), P, local_heads[t], replicas[t], "unpack_into", t);
-    const int64_t off = offsets[t], cnt = counts[t];
-    TORCH_CHECK(off >= 0 && cnt >= 0 && off + cnt <= local_heads[t], "unpack_into: output ", t, " offset ", off,
-                " + count ", cnt, " exceeds its ", local_heads[t], " heads per source");
-    if (cnt == 0) {
-      continue;
-    }
-    UnpackJob& job = p.job[njobs++];
-    job.out = static_cast<char*>(x.data_ptr());
-    job.ob = x.stride(0); job.os = x.stride(1); job.oh = x.stride(2); job.od = x.stride(3);
-    job.local = static_cast<int>(local_heads[t]); job.rep = static_cast<int>(replicas[t]);
-    job.offset = static_cast<int>(off); job.count = static_cast<int>(cnt); job.chan = chan;
-    job.nheads = static_cast<int>((P / replicas[t]) * cnt);
-    chan += static_cast<int>(cnt);
-    vec = vec && aligned16(job.out) && job.od == 1 && job.ob % V16 == 0 && job.os % V16 == 0 && job.oh % V16 == 0;
-  }
-  TORCH_CHECK(chan == C, "unpack_into: counts sum to ", chan, " but recv has ", C, " channels");
-  const int64_t rows = B * S;
-  if (njobs == 0 || rows == 0 || D == 0) return;
-  TORCH_CHECK(C * D <= (int64_t)INT32_MAX / 2, "unpack_into: C * D too large");
-  const int V = vec ? V16 : 1;
-  p.dv_count = static_cast<int>(D / V);
+  const Exchange x = check_exchange(
+      "unpack_into", "recv", "output", recv, outs, offsets, counts, local_heads, replicas,
+      [&](int64_t t, const at::Tensor& out, int chan) {
+        UnpackJob& job = p.job[njobs++];
+        job.out = static_cast<char*>(out.data_ptr());
+        job.ob = out.stride(0); job.os = out.stride(1); job.oh = out.stride(2); job.od = out.stride(3);
+        job.local = static_cast<int>(local_heads[t]); job.rep = static_cast<int>(replicas[t]);
+        job.offset = static_cast<int>(offsets[t]); job.count = static_cast<int>(counts[t]); job.chan = chan;
+      });
+  c10::cuda::CUDAGuard guard(recv.device());
+  const int64_t rows = x.B * x.S;
+  if (njobs == 0 || rows == 0 || x.D == 0) return;
+  const int V = x.vec ? x.V16 : 1;
+  p.recv = static_cast<const char*>(recv.data_ptr());
+  p.P = x.P; p.B = x.B; p.S = x.S; p.C = static_cast<int>(x.C); p.D = static_cast<int>(x.D);
+  p.dv_count = static_cast<int>(x.D / V);
   uint64_t max_total = 0;
   for (int t = 0; t < njobs; ++t) {
-    const int64_t inner = static_cast<int64_t>(p.job[t].nheads) * (D / V);
+    UnpackJob& job = p.job[t];
+    job.nheads = static_cast<int>((x.P / job.rep) * job.count);
+    const int64_t inner = static_cast<int64_t>(job.nheads) * (x.D / V);
     TORCH_CHECK(inner <= (int64_t)INT32_MAX / 2, "unpack_into: heads * D too large");
-    p.job[t].inner = static_cast<int>(inner);
+    job.inner = static_cast<int>(inner);
+    // The divisors (the 64-bit variant divides by their `div` plainly). All are below 2**31.
+    job.inner_div = FastDiv(job.inner);
+    job.count_div = FastDiv(job.count);
     const uint64_t total = static_cast<uint64_t>(rows) * inner;
     max_total = total > max_total ? total : max_total;
   }
-  const bool wide = max_total >= kNarrowLimit;
-  // The divisors (the 64-bit variant divides by their `div` plainly). All are below 2**31.
-  TORCH_CHECK(S < INT32_MAX, "unpack_into: S must be below 2**31");
-  p.S_div = FastDiv(static_cast<uint32_t>(S));
+  p.S_div = FastDiv(static_cast<uint32_t>(x.S));
   p.dv_div = FastDiv(p.dv_count);
-  for (int t = 0; t < njobs; ++t) {
-    p.job[t].inner_div = FastDiv(p.job[t].inner);
-    p.job[t].count_div = FastDiv(p.job[t].count);
-  }
   // One grid row per job; jobs with fewer vectors finish early (<= 3 jobs).
   const dim3 grid(static_cast<unsigned>(grid_for(max_total)), njobs);
-  auto stream = at::cuda::getCurrentCUDAStream();
-#define UK_UNPACK(S, VEC)                                                              \
-  if (wide) unpack_kernel<S, VEC, true><<<grid, kThreads, 0, stream>>>(p);             \
-  else unpack_kernel<S, VEC, false><<<grid, kThreads, 0, stream>>>(p);
-  switch (recv.scalar_type()) {
-    case at::kBFloat16:
-      if (vec) { UK_UNPACK(__nv_bfloat16, 8) } else { UK_UNPACK(__nv_bfloat16, 1) }
-      break;
-    case at::kHalf:
-      if (vec) { UK_UNPACK(__half, 8) } else { UK_UNPACK(__half, 1) }
-      break;
-    default:
-      if (vec) { UK_UNPACK(float, 4) } else { UK_UNPACK(float, 1) }
-      break;
-  }
-#undef UK_UNPACK
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  dispatch(recv.scalar_type(), x.vec, max_total >= kNarrowLimit, [&](auto scalar, auto v, auto wide) {
+    unpack_kernel<decltype(scalar), decltype(v)::value, decltype(wide)::value><<<grid, kThreads, 0, stream>>>(p);
+  });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

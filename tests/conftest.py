@@ -17,6 +17,25 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+# The two tiers: `pytest -m "not slow"` is the developer loop (single-process tests: the
+# kernels in the interpreter, the rules, the stand-ins at one rank); `slow` marks the tests
+# that spawn process groups, run Hugging Face models, the CLI or the benchmark scripts.
+# A test that spawns a process group without the marker fails (`_spawn_needs_the_slow_marker`),
+# so the fast tier stays fast. GPU tests are selected by their own marker.
+@pytest.fixture(autouse=True)
+def _spawn_needs_the_slow_marker(request, monkeypatch):
+    if "slow" in request.keywords or "gpu" in request.keywords:
+        return
+    from ulysses_kernels import launch
+
+    class _Refuse:
+        def get_context(self, *args, **kwargs):
+            raise AssertionError(f"{request.node.nodeid} spawns a process group: mark it @pytest.mark.slow "
+                                 "(tests/conftest.py)")
+
+    monkeypatch.setattr(launch, "mp", _Refuse())
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests are the ones marked `gpu` (next to the CPU tests of the same module);
     without CUDA they skip one by one."""

@@ -4,10 +4,15 @@ conftest.py); worker functions that spawned ranks run live in the test module th
 them (they are pickled by module name).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from ulysses_kernels import env, extensions, fused, reference_attention
+from ulysses_kernels import env, extensions, fused, reference_attention, split_lengths
+
+# The repository (tests/ is one level below it; test modules in tests/<folder>/ use this).
+ROOT = Path(__file__).resolve().parent.parent
 
 # Seconds a spawned process group may run (`ulysses_kernels.launch.spawn(..., timeout=)`):
 # a hang fails the test instead of blocking CI.
@@ -52,7 +57,7 @@ def shard(t: torch.Tensor, world: int, rank: int, dim: int = 1) -> torch.Tensor:
 
 def seq_lens(total: int, world: int):
     """Every rank's local length: the lengths of `torch.tensor_split`."""
-    return [len(c) for c in torch.tensor_split(torch.empty(total), world)]
+    return split_lengths(total, world)
 
 
 def rope_tables(B, S, D, device="cpu"):

@@ -3,8 +3,12 @@
 import subprocess
 import sys
 
+import pytest
+
 from ulysses_kernels import extensions
 from ulysses_kernels.demo import DemoConfig, run_demo
+
+pytestmark = pytest.mark.slow  # the command line: demo runs, plan, doctor (subprocesses)
 
 
 def test_demo_parity_small():

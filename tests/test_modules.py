@@ -1,6 +1,6 @@
 """UlyssesSelfAttention (ulysses_kernels.modules): the block over a sharded sequence equals
 the same block run on one process over the whole sequence. The fused path's overlapped
-projections are tested in test_fused_layer.py."""
+projections are tested in tests/fused/test_fused_layer.py."""
 
 import pytest
 import torch
@@ -32,6 +32,7 @@ def self_attention_cases(rank, world, cases):
 
 # ------------------------------------------------------------------------- tests
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_self_attention_module_matches_single_process(world):
     """UlyssesSelfAttention (reference path, and the Triton path in the interpreter at

@@ -25,6 +25,7 @@ def _cli(*args):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_plan_cli_json_contract_and_options():
     base = ["--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "8", "--gpu-memory-gib", "80", "--json"]
     results = {}
@@ -45,6 +46,7 @@ def test_plan_cli_json_contract_and_options():
     assert bad.returncode == 2 and "neither a preset" in bad.stderr
 
 
+@pytest.mark.slow
 def test_plan_from_a_config_file(tmp_path):
     cfg = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
                intermediate_size=704, vocab_size=2048, model_type="llama")
@@ -72,6 +74,7 @@ def test_each_option_lowers_the_peak_and_max_seq_len_is_the_edge():
         plan(shape, PlanOptions(seq_len=1024, gpus_per_node=8, ring_size=3))
 
 
+@pytest.mark.slow
 def test_planner_within_15_percent_of_measured_cpu_peaks():
     """Two of bench/plan_validation.py's cases at SP 2 (the attention-dominated and the
     logits-dominated one); the full table is bench/results/plan_validation_cpu.md."""
@@ -101,6 +104,7 @@ def test_prefill_terms_kv_cache_and_limits():
     assert max_prefill_len(llama, 8, 80.0, mlp_tile=4096) > n > max_prefill_len(llama, 8, 40.0)
 
 
+@pytest.mark.slow
 def test_plan_cli_inference_and_chunks():
     """`plan --inference`: the prefill terms, JSON contract; chunks shrink the activations
     (never the cache), so the longest prompt grows."""

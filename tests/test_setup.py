@@ -1,20 +1,53 @@
-"""setup.py's choice of host compiler (the first GPU run's segfault on every C++ error
-came from an extension linked by a GCC whose libstdc++ was not the one torch runs with)."""
+"""setup.py: the build only. Loading it has no side effect (the metadata and the version
+live in pyproject.toml, and nothing is probed or written until the build command runs),
+and its choice of host compiler (the first GPU run's segfault on every C++ error came from
+an extension linked by a GCC whose libstdc++ was not the one torch runs with)."""
 
+import importlib.util
 import os
-from pathlib import Path
+import re
+import subprocess
+import sys
 
-SETUP = Path(__file__).resolve().parent.parent / "setup.py"
+from helpers import ROOT
+
+import ulysses_kernels
+
+SETUP = ROOT / "setup.py"
 
 
 def _helpers():
-    """setup.py's functions, without running setup() (the module ends in a build)."""
-    source = SETUP.read_text()
-    start = source.index("def _loaded_libstdcxx")
-    end = source.index("def _cuda_extension_or_reason")
-    namespace = {}
-    exec("import os, shutil, subprocess, sys\n" + source[start:end], namespace)
-    return namespace
+    """setup.py as a module: its functions, without running setup() (that needs __main__)."""
+    spec = importlib.util.spec_from_file_location("_setup_under_test", SETUP)
+    module = importlib.util.module_from_spec(spec)
+    saved = dict(os.environ)  # loading it points CUDA_HOME at the toolkit, for torch's build command
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return vars(module)
+
+
+def _tree_state():
+    """What a build writes into the source tree: the build info and the build folder."""
+    info = ROOT / "ulysses_kernels" / "_build_info.py"
+    return (info.stat().st_mtime_ns if info.exists() else None,
+            sorted(os.listdir(ROOT / "build")) if (ROOT / "build").exists() else None)
+
+
+def test_loading_setup_has_no_side_effect_and_the_version_has_one_home():
+    before = _tree_state()
+    helpers = _helpers()
+    assert "BuildExtension" in helpers and "setup" in helpers
+    version = subprocess.run([sys.executable, str(SETUP), "--version"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300)
+    assert version.returncode == 0, version.stderr[-2000:]
+    assert version.stdout.strip().splitlines()[-1] == ulysses_kernels.__version__  # read from the package
+    assert _tree_state() == before  # neither loading it nor a metadata command built or wrote anything
+    # one home: pyproject.toml takes the version from the package, setup.py names none
+    assert 'version = {attr = "ulysses_kernels.__version__"}' in (ROOT / "pyproject.toml").read_text()
+    assert not re.search(r"version\s*=", SETUP.read_text())
 
 
 RUNTIMES = {"/opt/gcc/bin/g++": "/opt/gcc/lib64/libstdc++.so.6.0.34",
@@ -27,28 +60,28 @@ def _which(paths):
 
 
 def test_mismatched_cxx_is_replaced_by_a_matching_gxx():
-    match = _helpers()["_match_host_compiler"]
+    match = _helpers()["match_host_compiler"]
     compiler, why = match({"CXX": "/opt/gcc/bin/g++"}, LOADED, RUNTIMES.get,
                           _which({"g++": "/opt/gcc/bin/g++", "/usr/bin/g++": "/usr/bin/g++"}))
     assert compiler == "/usr/bin/g++" and "/opt/gcc/lib64" in why and LOADED in why
 
 
 def test_matching_or_unknown_runtime_keeps_the_default():
-    match = _helpers()["_match_host_compiler"]
+    match = _helpers()["match_host_compiler"]
     assert match({"CXX": "/usr/bin/g++"}, LOADED, RUNTIMES.get, _which({})) == (None, None)
     assert match({"CXX": "/opt/gcc/bin/g++"}, None, RUNTIMES.get, _which({})) == (None, None)
     assert match({}, LOADED, lambda c: None, _which({})) == (None, None)
 
 
 def test_no_matching_compiler_warns_and_keeps_cxx(capsys):
-    match = _helpers()["_match_host_compiler"]
+    match = _helpers()["match_host_compiler"]
     assert match({"CXX": "/opt/gcc/bin/g++"}, LOADED, RUNTIMES.get,
                  _which({"g++": "/opt/gcc/bin/g++"})) == (None, None)
     assert "ULYSSES_KERNELS_HOST_COMPILER" in capsys.readouterr().err
 
 
 def test_forced_compiler_wins():
-    match = _helpers()["_match_host_compiler"]
+    match = _helpers()["match_host_compiler"]
     assert match({"ULYSSES_KERNELS_HOST_COMPILER": "/x/g++", "CXX": "/usr/bin/g++"}, LOADED,
                  RUNTIMES.get, _which({}))[0] == "/x/g++"
 
@@ -61,5 +94,5 @@ def test_this_machines_probes_agree():
     helpers = _helpers()
     loaded = helpers["_loaded_libstdcxx"]()
     assert loaded is not None and os.path.exists(loaded)
-    compiler, _ = helpers["_match_host_compiler"](os.environ, loaded)
+    compiler, _ = helpers["match_host_compiler"](os.environ, loaded)
     assert compiler is None or compiler == os.environ.get("ULYSSES_KERNELS_HOST_COMPILER")

@@ -5,6 +5,7 @@ Installed as ``ulysses_kernels.triton``. Public API:
 * :func:`flash_attention` (differentiable, ``[B, S, H, D]`` with any strides)
 * :func:`flash_attention_forward` / :func:`flash_attention_backward` (low level, no
   autograd; read/write the Ulysses all-to-all buffers in place via ``seq_splits``)
+* :func:`inputs_problem` (what the kernels support: dtypes and head dims)
 
 The ops are registered as ``torch.ops.ulysses_kernels.triton_flash_fwd`` /
 ``triton_flash_bwd`` / ``triton_flash_fwd_out`` / ``triton_flash_bwd_out``.
@@ -17,6 +18,7 @@ from .ops import (
     flash_attention,
     flash_attention_backward,
     flash_attention_forward,
+    inputs_problem,
     triton_flash_bwd,
     triton_flash_bwd_out,
     triton_flash_fwd,
@@ -27,6 +29,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_forward",
     "flash_attention_backward",
+    "inputs_problem",
     "triton_flash_fwd",
     "triton_flash_bwd",
     "triton_flash_fwd_out",

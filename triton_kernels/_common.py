@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..env import flag, interpreting  # noqa: F401  (interpreting: re-exported to the kernel modules)
+from ..env import TRITON_AUTOTUNE, flag, interpreting  # noqa: F401  (interpreting: re-exported to the kernel modules)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -44,7 +44,7 @@ def autotune_enabled() -> bool:
     """Autotuning runs only on a GPU (never in the interpreter) unless disabled by env."""
     if INTERPRET_AT_IMPORT:
         return False
-    return flag("ULYSSES_KERNELS_TRITON_AUTOTUNE", default=True)
+    return flag(TRITON_AUTOTUNE, default=True)
 
 
 def next_pow2(n: int) -> int:

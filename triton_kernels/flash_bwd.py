@@ -10,7 +10,7 @@ Host-side orchestration only; the kernels live in ``flash_bwd_preprocess.py``,
 import torch
 import triton
 
-from ..env import flag, number
+from ..env import BWD_HEAD_SPLITS, DETERMINISTIC, flag, integer
 from .flash_bwd_dkdv import _launch_atomic, head_splits, launch_dkdv
 from .flash_bwd_dq import launch_dq
 from .flash_bwd_preprocess import launch_preprocess
@@ -18,13 +18,13 @@ from .flash_bwd_preprocess import launch_preprocess
 
 def deterministic_default() -> bool:
     """``ULYSSES_KERNELS_DETERMINISTIC=1`` makes every backward deterministic."""
-    return flag("ULYSSES_KERNELS_DETERMINISTIC", default=False)
+    return flag(DETERMINISTIC, default=False)
 
 
 def _head_splits(q, batch, seqlen_k, num_q_heads, num_kv_heads, block_d) -> int:
     """ULYSSES_KERNELS_BWD_HEAD_SPLITS (a divisor of the GQA group) or the grid rule."""
     group = num_q_heads // num_kv_heads
-    forced = int(number("ULYSSES_KERNELS_BWD_HEAD_SPLITS", 0))
+    forced = integer(BWD_HEAD_SPLITS, 0)
     if forced > 0:
         if group % forced:
             raise ValueError(f"ULYSSES_KERNELS_BWD_HEAD_SPLITS={forced} does not divide the GQA group {group}")

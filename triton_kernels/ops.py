@@ -75,6 +75,21 @@ class _Geom:
         return tuple(t.stride())
 
 
+def inputs_problem(q, k, v) -> Optional[str]:
+    """Why the kernels cannot take these q, k, v (None when they can): THE rule of what the
+    kernels support, which the Ulysses paths ask before choosing them. One dtype among
+    float16/bfloat16/float32, and one head dim for q and k that is a multiple of 16 up to
+    256."""
+    if any(t.dtype != q.dtype for t in (k, v)) or q.dtype not in _FLOAT_DTYPES:
+        return (f"the kernels take float16/bfloat16/float32 inputs of one dtype, got "
+                f"{'/'.join(str(t.dtype).replace('torch.', '') for t in (q, k, v))}")
+    d = q.shape[-1]
+    if k.shape[-1] != d or d % 16 != 0 or d > 256 or d == 0:
+        return (f"the kernels need a head dim that is a multiple of 16 up to 256, equal for q and k, "
+                f"got {d} and {k.shape[-1]}")
+    return None
+
+
 def _check_inputs(q, k, v, split: bool, name="flash_attention"):
     want = 3 if split else 4
     for n, t in (("q", q), ("k", k), ("v", v)):
@@ -82,13 +97,9 @@ def _check_inputs(q, k, v, split: bool, name="flash_attention"):
             raise ValueError(f"{name}: {n} must be {want}-D, got shape {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"{name}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"{name}: q, k, v must share one dtype among fp16/bf16/fp32, got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
-    d = q.shape[-1]
-    if k.shape[-1] != d or d % 16 != 0 or d > 256 or d == 0:
-        raise ValueError(f"{name}: head dim must be a multiple of 16 up to 256 and equal for q "
-                         f"and k, got {d} and {k.shape[-1]}")
+    problem = inputs_problem(q, k, v)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
     hq, hkv = q.shape[-2], k.shape[-2]
     if hkv == 0 or hq % hkv != 0:
         raise ValueError(f"{name}: query heads ({hq}) must be a multiple of key/value heads ({hkv})")

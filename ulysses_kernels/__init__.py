@@ -4,12 +4,11 @@ Each rank of a sequence-parallel group holds a contiguous slice of the sequence;
 all-to-all trades it for a head shard of the whole sequence, attention runs exactly, and
 a second all-to-all trades it back. Beyond the head count, the Ulysses x Ring hybrid
 runs ring attention over a second group (`init_sequence_parallel(sp, ring_size=R)`).
-docs/architecture.md walks one call through the
-package; this module only re-exports the public API.
+docs/architecture.md walks one call through the package; this module only re-exports
+the public API.
 """
 
 from .api import (
-    UlyssesAttention,
     flash_attention,
     gather_sequence,
     heads_to_seq,
@@ -18,11 +17,11 @@ from .api import (
     shard_sequence,
     ulysses_attention,
 )
-from .groups import ParallelGroups, init_sequence_parallel
-from .layout import HeadPlan, split_lengths
-from .modules import UlyssesSelfAttention
+from .distributed.groups import ParallelGroups, init_sequence_parallel
+from .layout import HeadPlan, choose_ring_size, split_lengths
+from .modules import UlyssesAttention, UlyssesSelfAttention
 from .reference import reference_attention
-from .zigzag import choose_ring_size, sp_lengths
+from .ring.layout import sp_lengths
 
 __version__ = "0.1.0"
 

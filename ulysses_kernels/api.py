@@ -1,9 +1,11 @@
 """The public functions (docs/architecture.md, "One call"): each resolves the group,
-validates the inputs on every rank (validate.py), picks a path (dispatch.py) and hands the
-work to it (reference/, triton_path.py, fused/). The paths below never validate or
-dispatch; this module never computes.
+validates the inputs on every rank (distributed/validate.py, ring/validate.py), picks a path
+(distributed/dispatch.py) and hands the work to it (reference/, triton_path/, fused/). The paths
+never validate or dispatch; this module never computes.
 
-- `ulysses_attention`, `UlyssesAttention`: exact attention over a sequence sharded on the group.
+- `ulysses_attention`: exact attention over a sequence sharded on the group (pure
+  Ulysses, or Ulysses x Ring with a ring group); `prepare_attention` and `run_attention`
+  are its two halves, which `UlyssesSelfAttention` (modules.py) and the HF integration use.
 - `flash_attention`: single-device attention with the same semantics.
 - `seq_to_heads`, `heads_to_seq`, `qkv_seq_to_heads`: the exchanges on their own.
 - `shard_sequence`, `gather_sequence`: differentiable sharding along the sequence.
@@ -11,20 +13,16 @@ dispatch; this module never computes.
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from . import attention_select, dispatch, fused, reference, triton_path
-from .extensions import triton_kernels
-from .groups import collective_device, resolve_group
-from .layout import head_plan_error, split_heads_error, split_lengths
-from .reference.exchange import HeadsToSeq, SeqToHeads
-from .reference.ring import RingSpec, TorchBlockOps
-from .reference.sequence import GatherSequence, RingShard, ShardSequence, zigzag_restore
-from .validate import (
+from . import fused, reference, triton_path
+from .distributed.collectives import gather_ints
+from .distributed.dispatch import BACKENDS, Path, resolve_backend
+from .distributed.groups import resolve_group
+from .distributed.validate import (
     build_descriptor,
     check_single,
     check_table,
@@ -33,20 +31,26 @@ from .validate import (
     shape_error,
     trusted_attention_lengths,
 )
-from .validate_ring import exchange_and_check_ring, trusted_ring_lengths
-from .zigzag import portion_lengths
+from .exchange.heads import HeadsToSeq, SeqToHeads
+from .exchange.sequence import GatherSequence, ShardSequence
+from .layout import head_plan_error, split_heads_error, split_lengths
+from .ring.schedule import RingSpec, ulysses_ring_attention
+from .ring.shard import RingShard, gather_ring
+from .ring.validate import exchange_and_check_ring, trusted_ring_lengths
 
-# The `ulysses_attention` of each path: same arguments, validated inputs.
-_PATHS = {"reference": reference.ulysses_attention, "triton": triton_path.ulysses_attention,
-          "fused": fused.ulysses_attention}
+# The execution paths, by name (distributed/dispatch.py, `Path`).
+PATHS = {"reference": reference.PATH, "triton": triton_path.PATH, "fused": fused.PATH}
 
 
 def resolve_path(backend: Optional[str], device: torch.device, *, distributed: bool, tensors=()) -> str:
-    """The path that runs q/k/v `tensors` on `device` (see dispatch.py): each faster path
-    says why it cannot run them, dispatch picks or raises."""
-    problems = {"triton": lambda: triton_path.problem(device, tensors),
-                "fused": lambda: fused.problem(device, tensors)}
-    return dispatch.resolve_backend(backend, device, distributed=distributed, problems=problems)
+    """The name of the path that runs q/k/v `tensors` on `device` (distributed/dispatch.py): each
+    faster path says why it cannot run them, dispatch picks or raises."""
+    return resolve_backend(backend, device, distributed=distributed, paths=PATHS, tensors=tensors)
+
+
+def path_for(backend: Optional[str], tensors: Sequence[torch.Tensor], *, distributed: bool) -> Path:
+    """The `Path` object that runs `tensors` (an integration's entry: HF inference)."""
+    return PATHS[resolve_path(backend, tensors[0].device, distributed=distributed, tensors=tuple(tensors))]
 
 
 def _as_cu_seqlens(cu_seqlens, device):
@@ -55,19 +59,33 @@ def _as_cu_seqlens(cu_seqlens, device):
     return torch.tensor(list(cu_seqlens), dtype=torch.int32, device=device)
 
 
+def _collect(errors: List[str], find: Callable, what: str = "", default=None):
+    """`find()`, or `default` with its error (prefixed by `what`) appended to `errors`.
+    Before the checked exchange nothing may raise on one rank only (its peers would wait in
+    the collective): problems are collected and shared instead (the one exception policy of
+    the calls)."""
+    try:
+        return find()
+    except Exception as exc:  # noqa: BLE001 - whatever it is, every rank must hear of it
+        errors.append(f"{what}{exc}")
+        return default
+
+
 # ------------------------------------------------------------------- flash_attention
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                    softmax_scale: Optional[float] = None, cu_seqlens=None,
-                    backend: Optional[str] = None) -> torch.Tensor:
+                    softmax_scale: Optional[float] = None, cu_seqlens=None, backend: Optional[str] = None,
+                    deterministic: Optional[bool] = None) -> torch.Tensor:
     """Exact single-device attention over `[B, S, H, D]` with GQA/MQA, causal (bottom-right
     aligned when Sq != Sk) and packed documents (`cu_seqlens`, B == 1, Sq == Sk).
 
     backend: None/"auto" (Triton on CUDA when available, else reference), "reference",
     or "triton" (on CPU tensors only with TRITON_INTERPRET=1). "fused" means the
     distributed exchange and is treated as "triton" here. On the Triton path the kernel
-    itself is chosen by `ULYSSES_KERNELS_ATTENTION` (attention_select.py): ours, or torch
+    itself is chosen by `ULYSSES_KERNELS_ATTENTION` (triton_path/select.py): ours, or torch
     SDPA / flash_attn where they give the same result and were timed faster.
+    deterministic: a bitwise-reproducible backward (None: `ULYSSES_KERNELS_DETERMINISTIC`);
+    True keeps the Triton kernel (its two-kernel backward); the reference path always is.
     """
     cu_seqlens = _as_cu_seqlens(cu_seqlens, q.device)
     row = build_descriptor("ulysses_attention", [q, k, v], causal=causal,
@@ -78,16 +96,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         err = f"cu_seqlens needs equal query and key lengths, got {q.shape[1]} and {k.shape[1]}"
     if err:
         raise ValueError(f"flash_attention: {err}")
-    path = resolve_path(backend, q.device, distributed=False, tensors=(q, k, v))
-    if path == "reference":
-        return reference.reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                             cu_seqlens=cu_seqlens)[0]
-    kernels, reason = triton_kernels()
-    if kernels is None:
-        raise RuntimeError(f"flash_attention: the Triton kernels cannot be used: {reason}")
-    # The Triton path's kernel: ours, or torch SDPA / flash_attn where they compute the same
-    # thing and were timed faster (attention_select.py, ULYSSES_KERNELS_ATTENTION).
-    return attention_select.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    name = resolve_path(backend, q.device, distributed=False, tensors=(q, k, v))
+    out, _ = PATHS[name].attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                            deterministic=deterministic)
+    return out
 
 
 # ----------------------------------------------------------------- ulysses_attention
@@ -99,7 +111,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     """Exact attention over the global sequence, each rank holding a contiguous slice.
 
     q `[B, S_local, Hq, D]`, k/v `[B, S_local, Hkv, D]`; slices follow
-    `torch.tensor_split(x, P, dim=1)`. See the README for the full contract. Returns
+    `torch.tensor_split(x, P, dim=1)`. See docs/api.md for the full contract. Returns
     `[B, S_local, Hq, D]`, differentiable with respect to q, k and v.
 
     ring_group: the Ulysses x Ring hybrid. `group` is then this rank's Ulysses group and
@@ -108,8 +120,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     (if given) lists every SP rank's length, ring rank major, and `cu_seqlens` covers
     the global sequence. A ring group of one rank is pure Ulysses.
     """
-    call = prepare_attention(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend,
-                             ring_group=ring_group)
+    call = prepare_attention(q, k, v, group=group, ring_group=ring_group, causal=causal,
+                             softmax_scale=softmax_scale, seq_lens=seq_lens, cu_seqlens=cu_seqlens, backend=backend)
     return run_attention(call, q, k, v)
 
 
@@ -117,131 +129,90 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 class AttentionCall:
     """A validated ulysses_attention call: every rank agreed on it (or the caller vouched
     for that by passing seq_lens)."""
-    path: str
+    path: Path
     group: object
     world: int
     rank: int
-    lens: List[int]
+    lens: List[int]          # every rank's local length in this rank's Ulysses group
     causal: bool
     softmax_scale: float
     cu_seqlens: Optional[torch.Tensor]
     ring: Optional[RingSpec] = None  # the ring of a Ulysses x Ring call
 
 
-def prepare_attention(q, k, v, group, causal, softmax_scale, seq_lens, cu_seqlens, backend,
-                      local_errors: Sequence[str] = (), ring_group=None) -> AttentionCall:
-    """Resolve the group and the path and validate the inputs on every rank (see
-    ulysses_attention). q/k/v only need the right shapes, dtype and device here (the
-    self-attention module passes stand-ins before projecting); `local_errors` are the
-    caller's own findings, raised on every rank like the others."""
+def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = False,
+                      softmax_scale: Optional[float] = None, seq_lens: Optional[Sequence[int]] = None,
+                      cu_seqlens=None, backend: Optional[str] = None,
+                      local_errors: Sequence[str] = ()) -> AttentionCall:
+    """Resolve the groups and the path and validate the inputs on every rank (see
+    ulysses_attention): the one preparation of pure Ulysses and Ulysses x Ring calls. q/k/v
+    only need the right shapes, dtype and device here (the self-attention module passes
+    stand-ins before projecting); `local_errors` are the caller's own findings, raised on
+    every rank like the others."""
     group, world, rank = resolve_group(group)
     ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
-    if ring_world > 1:
-        return _prepare_ring(q, k, v, group, world, rank, (ring_group, ring_world, ring_rank), causal,
-                             softmax_scale, seq_lens, cu_seqlens, backend, local_errors)
-    # Nothing below may raise on one rank only before the checked exchange (its peers
-    # would wait in the collective): local problems are collected and shared instead.
-    local_errors = list(local_errors)
-    path = None
-    try:
-        cu_seqlens = _as_cu_seqlens(cu_seqlens, getattr(q, "device", None))
-    except Exception as exc:  # noqa: BLE001
-        local_errors.append(f"cu_seqlens could not be read: {exc}")
-        cu_seqlens = None
-    try:
-        if isinstance(q, torch.Tensor):
-            path = resolve_path(backend, q.device, distributed=group is not None, tensors=(q, k, v))
-    except (ValueError, RuntimeError) as exc:
-        local_errors.append(str(exc))
+    ring = ring_world > 1
+    errors = list(local_errors)
+    device = getattr(q, "device", None)
+    cu_seqlens = _collect(errors, lambda: _as_cu_seqlens(cu_seqlens, device), "cu_seqlens could not be read: ")
+    name = None
+    if isinstance(q, torch.Tensor):
+        name = _collect(errors, lambda: resolve_path(backend, q.device, distributed=group is not None or ring,
+                                                     tensors=(q, k, v)))
     if seq_lens is None:
         options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                       backend=backend if backend in dispatch.BACKENDS else None)
-        if group is None:
-            if local_errors:
-                raise ValueError(f"ulysses_attention: {local_errors[0]}")
-            check_single("ulysses_attention", ["q", "k", "v"], [q, k, v], **options)
-            lens = [q.shape[1]]
+                       backend=backend if backend in BACKENDS else None)
+        names = ["q", "k", "v"]
+        if ring:
+            all_lens = exchange_and_check_ring("ulysses_attention", group, ring_group, names, [q, k, v],
+                                               local_errors=errors, **options)
+        elif group is None:
+            if errors:
+                raise ValueError(f"ulysses_attention: {errors[0]}")
+            check_single("ulysses_attention", names, [q, k, v], **options)
+            all_lens = [q.shape[1]]
         else:
-            lens = exchange_and_check("ulysses_attention", group, ["q", "k", "v"], [q, k, v],
-                                      local_errors=local_errors, **options)
+            all_lens = exchange_and_check("ulysses_attention", group, names, [q, k, v], local_errors=errors,
+                                          **options)
     else:
-        if local_errors:
-            raise ValueError(f"ulysses_attention: {local_errors[0]}")
-        lens = trusted_attention_lengths(seq_lens, world, rank, q, k, v)
+        if errors:
+            raise ValueError(f"ulysses_attention: {errors[0]}")
+        if ring:
+            all_lens = trusted_ring_lengths(seq_lens, world, ring_world, ring_rank * world + rank, q, k, v)
+        else:
+            all_lens = trusted_attention_lengths(seq_lens, world, rank, q, k, v)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    return AttentionCall(path, group, world, rank, list(lens), bool(causal), float(softmax_scale), cu_seqlens)
+    spec = None
+    if ring:
+        spec = RingSpec(ring_group, ring_world, ring_rank, sum(all_lens), bool(causal), float(softmax_scale),
+                        _ring_documents(cu_seqlens, sum(all_lens), q.shape[0]))
+    lens = list(all_lens[ring_rank * world:(ring_rank + 1) * world])
+    return AttentionCall(PATHS[name], group, world, rank, lens, bool(causal), float(softmax_scale), cu_seqlens, spec)
 
 
-def _prepare_ring(q, k, v, group, world, rank, ring, causal, softmax_scale, seq_lens, cu_seqlens, backend,
-                  local_errors) -> AttentionCall:
-    """prepare_attention for a Ulysses x Ring call (validate_ring.py checks the grid)."""
-    ring_group, ring_world, ring_rank = ring
-    local_errors = list(local_errors)
-    path = None
-    try:
-        cu_seqlens = _as_cu_seqlens(cu_seqlens, getattr(q, "device", None))
-        if isinstance(q, torch.Tensor):
-            path = resolve_path(backend, q.device, distributed=True, tensors=(q, k, v))
-    except (ValueError, RuntimeError, TypeError) as exc:
-        local_errors.append(str(exc))
-    if seq_lens is None:
-        options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                       backend=backend if backend in dispatch.BACKENDS else None)
-        all_lens = exchange_and_check_ring("ulysses_attention", group, ring_group, ["q", "k", "v"], [q, k, v],
-                                           local_errors=local_errors, **options)
-    else:
-        if local_errors:
-            raise ValueError(f"ulysses_attention: {local_errors[0]}")
-        all_lens = trusted_ring_lengths(seq_lens, world, ring_world, ring_rank * world + rank, q, k, v)
-    total = sum(all_lens)
-    documents = None
-    if cu_seqlens is not None:  # the ring's block plan needs the boundaries on the host
-        documents = tuple(int(x) for x in cu_seqlens.reshape(-1).tolist())
-        if documents[0] != 0 or documents[-1] != total or list(documents) != sorted(documents):
-            raise ValueError(f"ulysses_attention: cu_seqlens must rise from 0 to the global length {total}")
-        if q.shape[0] != 1:  # checked exchange: already refused on every rank; trusted path: here
-            raise ValueError(f"ulysses_attention: cu_seqlens (packed documents) needs batch size 1, got {q.shape[0]}")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    # The ring's blocks run on the path's attention: torch math, or the Triton kernels
-    # (the fused path too; it brings its own transfers, fused/ring.py).
-    block_ops = TorchBlockOps if path == "reference" else triton_path.TritonBlockOps
-    spec = RingSpec(ring_group, ring_world, ring_rank, total, bool(causal), float(softmax_scale), documents,
-                    block_ops)
-    lens = all_lens[ring_rank * world:(ring_rank + 1) * world]
-    return AttentionCall(path, group, world, rank, list(lens), bool(causal), float(softmax_scale), cu_seqlens,
-                         spec)
+def _ring_documents(cu_seqlens, total: int, batch: int):
+    """The global document boundaries on the host, for the ring's block plan (one device
+    sync). The checked exchange has refused bad ones on every rank already; with trusted
+    `seq_lens` they are checked here."""
+    if cu_seqlens is None:
+        return None
+    documents = tuple(int(x) for x in cu_seqlens.reshape(-1).tolist())
+    if documents[0] != 0 or documents[-1] != total or list(documents) != sorted(documents):
+        raise ValueError(f"ulysses_attention: cu_seqlens must rise from 0 to the global length {total}")
+    if batch != 1:
+        raise ValueError(f"ulysses_attention: cu_seqlens (packed documents) needs batch size 1, got {batch}")
+    return documents
 
 
 def run_attention(call: AttentionCall, q, k, v) -> torch.Tensor:
     """Run a prepared call on its path."""
-    return _PATHS[call.path](q, k, v, group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
-                             softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens, ring=call.ring)
-
-
-class UlyssesAttention(nn.Module):
-    """`nn.Module` around `ulysses_attention` for a fixed group and options.
-
-    forward(q, k, v, *, seq_lens=None, cu_seqlens=None) with q `[B, S_local, Hq, D]`.
-    """
-
-    def __init__(self, group=None, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                 backend: Optional[str] = None, ring_group=None):
-        super().__init__()
-        self.group = group
-        self.ring_group = ring_group
-        self.causal = causal
-        self.softmax_scale = softmax_scale
-        self.backend = backend
-
-    def forward(self, q, k, v, *, seq_lens=None, cu_seqlens=None):
-        return ulysses_attention(q, k, v, group=self.group, causal=self.causal,
-                                 softmax_scale=self.softmax_scale, seq_lens=seq_lens,
-                                 cu_seqlens=cu_seqlens, backend=self.backend, ring_group=self.ring_group)
-
-    def extra_repr(self):
-        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend}"
+    if call.ring is not None:
+        return ulysses_ring_attention(call.path, q, k, v, group=call.group, rank=call.rank, seq_lens=call.lens,
+                                      spec=call.ring)
+    return call.path.ulysses_attention(q, k, v, group=call.group, rank=call.rank, seq_lens=call.lens,
+                                       causal=call.causal, softmax_scale=call.softmax_scale,
+                                       cu_seqlens=call.cu_seqlens)
 
 
 # ------------------------------------------------------------------------ exchanges
@@ -324,17 +295,11 @@ def gather_sequence(x: torch.Tensor, group=None, dim: int = 1,
     """
     group, world, rank = resolve_group(group)
     dim = dim % x.dim()
-    ring_group, ring_world, ring_rank = _resolve_ring("gather_sequence", group, ring_group)
-    if ring_world > 1:
-        return _gather_ring(x, group, world, rank, (ring_group, ring_world, ring_rank), dim, seq_lens)
+    ring = _resolve_ring("gather_sequence", group, ring_group)
+    if ring[1] > 1:
+        return gather_ring(x, group, world, rank, ring, dim, seq_lens)
     if seq_lens is None:
-        if group is None:
-            seq_lens = [x.shape[dim]]
-        else:
-            mine = torch.tensor([x.shape[dim]], dtype=torch.int64, device=collective_device(group))
-            got = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(got, mine, group=group)
-            seq_lens = [int(g.item()) for g in got]
+        seq_lens = [n for (n,) in gather_ints([x.shape[dim]], group)]
     seq_lens = [int(n) for n in seq_lens]
     if len(seq_lens) != world or seq_lens[rank] != x.shape[dim]:
         raise ValueError(f"gather_sequence: seq_lens {seq_lens} do not match the group size {world} "
@@ -352,33 +317,3 @@ def _resolve_ring(kind: str, group, ring_group):
         raise ValueError(f"{kind}: with a ring_group, pass this rank's Ulysses group as `group` (e.g. "
                          "init_sequence_parallel(...).ulysses_group), not the default group")
     return ring
-
-
-def _all_lengths(n: int, group) -> List[int]:
-    mine = torch.tensor([n], dtype=torch.int64, device=collective_device(group))
-    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, mine, group=group)
-    return [int(g.item()) for g in got]
-
-
-def _gather_ring(x, group, world, rank, ring, dim, seq_lens):
-    """gather_sequence over the Ulysses x Ring grid: Ulysses group, then ring group, then
-    the zigzag portions back in global order. seq_lens: every SP rank's, ring rank major."""
-    ring_group, ring_world, ring_rank = ring
-    if seq_lens is None:
-        ulysses_lens = _all_lengths(x.shape[dim], group) if group is not None else [x.shape[dim]]
-        portions = _all_lengths(sum(ulysses_lens), ring_group)
-    else:
-        seq_lens = [int(n) for n in seq_lens]
-        if len(seq_lens) != world * ring_world:
-            raise ValueError(f"gather_sequence: with a ring group seq_lens must list all {world * ring_world} "
-                             f"SP ranks' lengths (ring rank major), got {len(seq_lens)}")
-        ulysses_lens = seq_lens[ring_rank * world:(ring_rank + 1) * world]
-        portions = [sum(seq_lens[r * world:(r + 1) * world]) for r in range(ring_world)]
-    total = sum(portions)
-    if ulysses_lens[rank] != x.shape[dim] or portions != portion_lengths(total, ring_world):
-        raise ValueError(f"gather_sequence: local lengths {ulysses_lens} / ring portions {portions} are not the "
-                         f"Ulysses x Ring layout of {total} tokens (see shard_sequence(..., ring_group=...))")
-    portion = GatherSequence.apply(group, world, rank, dim, ulysses_lens, x)
-    whole = GatherSequence.apply(ring_group, ring_world, ring_rank, dim, portions, portion)
-    return zigzag_restore(whole, total, ring_world, dim)

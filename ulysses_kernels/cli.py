@@ -1,4 +1,4 @@
-"""Command line: `ulysses-kernels doctor`, `ulysses-kernels demo` and `ulysses-kernels plan`."""
+"""Command line: `ulysses-kernels doctor`, `demo`, `plan` and `env`."""
 
 import argparse
 import os
@@ -17,8 +17,9 @@ def doctor(_args) -> int:
 
     import torch
 
-    from . import __version__, attention_select, dispatch, env, extensions, fused
+    from . import __version__, env, extensions, fused
     from .api import resolve_path
+    from .triton_path import select
 
     _line("ulysses-kernels", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
     _line("python", platform.python_version())
@@ -60,7 +61,7 @@ def doctor(_args) -> int:
     kernels, why = extensions.triton_kernels()
     interp = " (TRITON_INTERPRET=1: interpreter)" if env.interpreting() else ""
     _line("Triton attention", ("available" + interp) if kernels is not None else f"unavailable: {why}")
-    for name, value in attention_select.describe():  # the kernel chooser: override, backends, cached choices
+    for name, value in select.describe():  # the kernel chooser: override, backends, cached choices
         _line(name, value)
 
     if torch.cuda.is_available():
@@ -87,9 +88,9 @@ def doctor(_args) -> int:
             except Exception as exc:  # noqa: BLE001
                 chosen.append(f"error: {exc}")
         _line(f"default path ({device})", ", ".join(chosen))
-    requested = os.environ.get(dispatch.ENV_VAR)
+    requested = env.text(env.BACKEND)
     if requested:
-        _line(dispatch.ENV_VAR, requested)
+        _line(env.BACKEND.name, requested)
     return 0
 
 
@@ -184,8 +185,16 @@ def main(argv=None) -> int:
     d.add_argument("--timeout", type=float, default=3600.0, help="seconds before a hung run is killed")
     _plan_arguments(sub.add_parser("plan", help="per-GPU memory of a training step and the longest sequence that "
                                                 "fits (a model, not a measurement)"))
+    sub.add_parser("env", help="every environment variable the package reads, as a Markdown table (docs/env.md)")
     args = parser.parse_args(argv)
-    return {"doctor": doctor, "demo": demo, "plan": plan}[args.command](args)
+    return {"doctor": doctor, "demo": demo, "plan": plan, "env": print_env}[args.command](args)
+
+
+def print_env(_args) -> int:
+    from . import env
+
+    print(env.markdown(), end="")
+    return 0
 
 
 def _plan_arguments(p):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ulysses_kernels as uk
-from ulysses_kernels.zigzag import local_ranges
+from ulysses_kernels.ring.layout import local_ranges
 
 
 @dataclass
@@ -112,7 +112,7 @@ def sp_loss_and_grads(model, tokens, labels, group, rank, world, device, ring=1)
 
     Gradients end up equal on every rank: each rank's backward yields the gradient of its
     own tokens' share of the global mean, and an all-reduce sums the shares. With a ring,
-    the shard is this rank's slice of the zigzag layout (`ulysses_kernels.zigzag`).
+    the shard is this rank's slice of the zigzag layout (`ulysses_kernels.ring.layout`).
     """
     seq_lens = uk.sp_lengths(tokens.shape[1], ring, world // ring)
     ranges = local_ranges(tokens.shape[1], ring, world // ring, rank // (world // ring), rank % (world // ring))

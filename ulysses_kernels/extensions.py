@@ -16,8 +16,6 @@ from typing import Optional, Tuple
 
 import torch
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 @functools.lru_cache(maxsize=None)
 def load_extension() -> Tuple[Optional[object], Optional[str]]:
@@ -37,12 +35,12 @@ def load_extension() -> Tuple[Optional[object], Optional[str]]:
     return module, None
 
 
-# An op that raises in C++ on any machine (an unknown communicator handle), in a fresh
-# process: if the throw crashes it, this one survives to say so.
+# A call that raises in C++ on any machine (a communicator from a malformed unique id), in
+# a fresh process: if the throw crashes it, this one survives to say so.
 _ERROR_PROBE = """
 import torch, ulysses_kernels._C
 try:
-    torch.ops.ulysses_kernels.nccl_comm_wait(-424242, 1.0)
+    torch.classes.ulysses_kernels.NcclCommunicator(torch.zeros(5, dtype=torch.uint8), 1, 0, 0, 1.0, False)
 except RuntimeError as error:
     print("raised:", str(error).splitlines()[0])
 """
@@ -92,19 +90,3 @@ def triton_kernels() -> Tuple[Optional[object], Optional[str]]:
     if not hasattr(module, "flash_attention"):
         return None, "ulysses_kernels.triton has no flash_attention kernels in this build"
     return module, None
-
-
-def kernel_input_problem(path: str, tensors) -> Optional[str]:
-    """Why the Triton attention kernels (run by the Triton and the fused path) cannot
-    take these q, k, v (None when they can): one dtype among fp16/bf16/fp32 and a head
-    dim that is a multiple of 16 up to 256."""
-    if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
-        return None  # malformed inputs are reported by the shape checks
-    q = tensors[0]
-    if any(t.dtype != q.dtype for t in tensors) or q.dtype not in KERNEL_DTYPES:
-        return (f"the {path} kernels take float16/bfloat16/float32 inputs of one dtype, got "
-                f"{'/'.join(str(t.dtype).replace('torch.', '') for t in tensors)}")
-    d = q.shape[-1]
-    if d % 16 or d > 256 or d == 0:
-        return f"the {path} kernels need a head dim that is a multiple of 16 up to 256, got {d}"
-    return None

@@ -14,6 +14,9 @@ Head placement of one tensor with H heads over P ranks (`place_heads`):
   query heads use it; their gradients are summed on the way back.
 Both are one formula: rank j's l-th local head is source head `(j // replicas) * local + l`
 with `local` heads per rank and `replicas` ranks per head.
+
+`choose_ring_size` is the head rule of the Ulysses x Ring hybrid: the smallest ring that
+leaves a Ulysses degree these head counts fit (its sequence layout is ring/layout.py).
 """
 
 from dataclasses import dataclass
@@ -146,3 +149,17 @@ class HeadPlan:
     def placements(self) -> Tuple[HeadPlacement, HeadPlacement, HeadPlacement]:
         """(q, k, v) placements, in the order the exchanges pack them."""
         return self.q, self.kv, self.kv
+
+
+def choose_ring_size(sp_size: int, num_heads: int, num_kv_heads: Optional[int] = None) -> int:
+    """The smallest ring size that makes the Ulysses degree `sp_size / ring` valid for
+    these head counts (query heads split, KV heads split or replicated). A ring of
+    `sp_size` (Ulysses degree 1) always works, so every SP size fits every model."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    if sp_size < 1 or num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"choose_ring_size: need sp_size >= 1 and query heads ({num_heads}) a multiple of "
+                         f"key/value heads ({num_kv_heads})")
+    for ring in range(1, sp_size + 1):
+        if sp_size % ring == 0 and head_plan_error(sp_size // ring, num_heads, num_kv_heads) is None:
+            return ring
+    return sp_size  # unreachable: ring == sp_size gives Ulysses degree 1

@@ -1,5 +1,7 @@
-"""`UlyssesSelfAttention`: a self-attention block (QKV projection, Ulysses attention,
-output projection) whose fused path overlaps the projections with the exchanges."""
+"""The public `nn.Module`s: `UlyssesAttention` (the `ulysses_attention` call for a fixed
+group and options) and `UlyssesSelfAttention` (a self-attention block: QKV projection,
+Ulysses attention, output projection, whose fused path overlaps the projections with the
+exchanges)."""
 
 import math
 from typing import Optional
@@ -8,8 +10,32 @@ import torch
 from torch import nn
 
 from . import fused
-from .api import prepare_attention, run_attention
+from .api import prepare_attention, run_attention, ulysses_attention
 from .rotary import apply_rotary, position_embeddings_error
+
+
+class UlyssesAttention(nn.Module):
+    """`nn.Module` around `ulysses_attention` for a fixed group and options.
+
+    forward(q, k, v, *, seq_lens=None, cu_seqlens=None) with q `[B, S_local, Hq, D]`.
+    """
+
+    def __init__(self, group=None, *, causal: bool = False, softmax_scale: Optional[float] = None,
+                 backend: Optional[str] = None, ring_group=None):
+        super().__init__()
+        self.group = group
+        self.ring_group = ring_group
+        self.causal = causal
+        self.softmax_scale = softmax_scale
+        self.backend = backend
+
+    def forward(self, q, k, v, *, seq_lens=None, cu_seqlens=None):
+        return ulysses_attention(q, k, v, group=self.group, causal=self.causal,
+                                 softmax_scale=self.softmax_scale, seq_lens=seq_lens,
+                                 cu_seqlens=cu_seqlens, backend=self.backend, ring_group=self.ring_group)
+
+    def extra_repr(self):
+        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend}"
 
 
 class UlyssesSelfAttention(nn.Module):
@@ -78,10 +104,11 @@ class UlyssesSelfAttention(nn.Module):
 
     def forward(self, x, *, position_embeddings=None, seq_lens=None, cu_seqlens=None):
         q, k, v, errors = self._placeholders(x, position_embeddings)
-        call = prepare_attention(q, k, v, self.group, self.causal, self.softmax_scale, seq_lens, cu_seqlens,
-                                 self.backend, local_errors=errors, ring_group=self.ring_group)
+        call = prepare_attention(q, k, v, group=self.group, ring_group=self.ring_group, causal=self.causal,
+                                 softmax_scale=self.softmax_scale, seq_lens=seq_lens, cu_seqlens=cu_seqlens,
+                                 backend=self.backend, local_errors=errors)
         B, S, _ = x.shape
-        if call.path == "fused" and call.ring is None and self._overlap_ok(x):  # the layer has no ring
+        if call.path is fused.PATH and call.ring is None and self._overlap_ok(x):  # the layer has no ring
             return fused.self_attention(
                 x, self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight, self.o_proj.bias,
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,

@@ -5,24 +5,26 @@ attention (docs/architecture.md, "Fused path").
 - `plan.py`: which heads each chunk moves (pure arithmetic).
 - `ops.py`: the CUDA ops as the path calls them (placements from layout.py), their fakes.
 - `transport.py`: NCCL communicator; `engine.py`: transport + comm stream + buffers per group.
-- `streams.py`: stream/event helpers; `pipeline.py`: the forward/backward pipelines.
-- `attention.py`: `ulysses_attention` on this path; `layer.py`: the self-attention block
-  whose projection GEMMs run inside the pipeline.
+- `streams.py`: stream/event helpers; `exchange.py`: the seq <-> heads exchange on the engine.
+- `pipeline.py`: the chunked forward/backward pipelines; `attention.py`: `ulysses_attention`
+  on this path; `layer.py`: the self-attention block whose projection GEMMs run inside the
+  pipeline; `ring.py`: the Ulysses x Ring transfers on the ring group's engine.
+- `path.py`: the path itself (`PATH`).
 
 Declared interface (what the rest of the package and `ulysses_kernels.testing` use):
 everything imported below.
 """
 
-from .attention import Setup, prepare, problem, ulysses_attention, unsupported_reason
+from .attention import Setup, prepare, problem, ulysses_attention
 from .engine import Engine, close, get_engine, use_transport
 from .layer import self_attention
 from .ops import is_supported, use_ops
-from .plan import ENV_CHUNKS, Chunk, plan_chunks, resolve_num_chunks, valid_num_chunks
-from .transport import ENV_BLOCKING, ENV_CHECK, ENV_TIMEOUT, NcclTransport
+from .path import PATH
+from .plan import Chunk, plan_chunks, resolve_num_chunks, valid_num_chunks
+from .transport import NcclTransport
 
 __all__ = [
-    "ulysses_attention", "self_attention", "prepare", "Setup", "problem", "unsupported_reason",
+    "PATH", "ulysses_attention", "self_attention", "prepare", "Setup", "problem",
     "Engine", "get_engine", "close", "use_transport", "NcclTransport", "is_supported", "use_ops",
     "Chunk", "plan_chunks", "valid_num_chunks", "resolve_num_chunks",
-    "ENV_CHUNKS", "ENV_TIMEOUT", "ENV_CHECK", "ENV_BLOCKING",
 ]

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from ..layout import place_heads
 from ..rotary import apply_rotary_adjoint
 from . import pipeline
-from .attention import prepare
+from .attention import Setup, prepare
+from .pipeline import Saved
 from .streams import current_stream, device_ctx, wait
 
 # ----------------------------------------------------------------------- head orders
@@ -113,7 +114,7 @@ def _prefix(counts) -> List[int]:
 # ------------------------------------------------------------------------- pipeline io
 
 class _LayerForwardIo:
-    """pipeline.forward io: chunk inputs are projection GEMMs, chunk outputs feed the output
+    """`pipeline.ChunkIo` of the forward: chunk inputs are projection GEMMs, chunk outputs feed the output
     projection. Every tensor the comm stream touches is kept until the call ends (the
     caller's stream waits for the comm stream then), so the caching allocator cannot hand
     its memory to later work while an exchange still reads or writes it."""
@@ -176,7 +177,7 @@ class _LayerForwardIo:
 
 
 class _LayerBackwardIo:
-    """pipeline.backward io: dO per chunk from dy @ Wo_c, chunk results give dx and dW_qkv."""
+    """`pipeline.ChunkIo` of the backward: dO per chunk from dy @ Wo_c, chunk results give dx and dW_qkv."""
 
     computes_inputs = True
 
@@ -214,6 +215,9 @@ class _LayerBackwardIo:
         self.keep.append(do)
         return [do], [0], [c.q_cnt]
 
+    def pack_rotary(self, i):
+        return None  # dO carries no rotary embedding (its adjoint is applied in consume)
+
     def after_inputs(self):
         # dW_o needs no exchange: issued behind the dO GEMMs, ahead of the attention.
         if not self.need_dwo:
@@ -250,13 +254,20 @@ class _LayerBackwardIo:
 
 # ------------------------------------------------------------------------ autograd
 
+@dataclass(frozen=True)
+class LayerHeads:
+    """The layer's head counts and head dim."""
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class _FusedSelfAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, cos, sin, engine, lens, causal, scale, cu_seqlens, plan, heads,
-                grad_enabled=True):
-        hq, hkv, D = heads
+    def forward(ctx, x, w_qkv, b_qkv, w_o, b_o, cos, sin, setup: Setup, heads: LayerHeads, grad_enabled: bool):
+        hq, hkv, D = heads.num_q_heads, heads.num_kv_heads, heads.head_dim
         B, Sp, hidden = x.shape
-        order, idx = _indices(plan, engine.world, hq, hkv, x.device)
+        order, idx = _indices(setup.plan, setup.geometry.world, hq, hkv, x.device)
         x2d = x.reshape(B * Sp, hidden)
         w_fwd = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx["fwd"]).reshape(-1, hidden)
         b_fwd = _gather(b_qkv.reshape(-1, D), 0, idx["fwd"]).reshape(-1) if b_qkv is not None else None
@@ -266,37 +277,35 @@ class _FusedSelfAttention(torch.autograd.Function):
         rotary = (cos, sin) if cos is not None else None
         io = _LayerForwardIo(x2d, w_fwd, b_fwd, w_o_perm, b_o, rotary, order, (B, Sp, D), x.device)
         with device_ctx(x.device):
-            state = pipeline.forward(engine, io, (B, Sp, hq, D), lens, causal, scale, cu_seqlens, plan, save,
-                             x.device, x.dtype)
+            saved = pipeline.forward(setup.engine, io, setup.geometry, setup.attention, setup.plan, save=save,
+                                     dtype=x.dtype, device=x.device)
         if save:
-            ctx.engine, ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens = engine, lens, causal, scale, cu_seqlens
-            ctx.plan, ctx.heads, ctx.has_bias = plan, heads, (b_qkv is not None, b_o is not None)
-            ctx.recv_off, ctx.osend_off = state["recv_off"], state["osend_off"]
-            ctx.has_rotary = rotary is not None
+            ctx.setup, ctx.heads, ctx.has_rotary = setup, heads, rotary is not None
+            ctx.recv_off, ctx.osend_off = saved.recv_off, saved.osend_off
             rot = [cos, sin] if rotary is not None else []
-            ctx.save_for_backward(x, w_qkv, w_o, io.o_chunks, state["recv"], state["osend"], *rot, *state["lses"])
+            ctx.save_for_backward(x, w_qkv, w_o, io.o_chunks, saved.recv, saved.osend, *rot, *saved.lses)
         return io.y.view(B, Sp, hidden)
 
     @staticmethod
     def backward(ctx, dy):
         x, w_qkv, w_o, o_chunks, recv, osend, *rest = ctx.saved_tensors
         rotary, lses = (tuple(rest[:2]), rest[2:]) if ctx.has_rotary else (None, rest)
-        hq, hkv, D = ctx.heads
+        setup, heads = ctx.setup, ctx.heads
+        hq, hkv, D = heads.num_q_heads, heads.num_kv_heads, heads.head_dim
         B, Sp, hidden = x.shape
-        order, idx = _indices(ctx.plan, ctx.engine.world, hq, hkv, x.device)
+        order, idx = _indices(setup.plan, setup.geometry.world, hq, hkv, x.device)
         x2d, dy2d = x.reshape(B * Sp, hidden), dy.reshape(B * Sp, hidden).contiguous()
         need = ctx.needs_input_grad
         w_grad = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx["grad"]).reshape(-1, hidden)
         w_o_perm = _gather(w_o.reshape(hidden, hq, D), 1, idx["q"]).reshape(hidden, hq * D)
         io = _LayerBackwardIo(dy2d, x2d, w_grad, w_o_perm, o_chunks, rotary, order, (B, Sp, D), x.device,
                               need=need[:5])
-        if any(need[:3]):  # x, W_qkv or b_qkv: the gradients travel back through the exchanges
-            state = dict(recv=recv, recv_off=ctx.recv_off, osend=osend, osend_off=ctx.osend_off, lses=lses)
-            with device_ctx(x.device):
-                pipeline.backward(ctx.engine, io, (B, Sp, hq, D), ctx.lens, ctx.causal, ctx.scale, ctx.cu_seqlens,
-                          ctx.plan, state, x.device, x.dtype)
-        else:  # only the output projection trains: no exchange needed
-            with device_ctx(x.device):
+        with device_ctx(x.device):
+            if any(need[:3]):  # x, W_qkv or b_qkv: the gradients travel back through the exchanges
+                saved = Saved(recv, ctx.recv_off, osend, ctx.osend_off, lses)
+                pipeline.backward(setup.engine, io, setup.geometry, setup.attention, setup.plan, saved,
+                                  dtype=x.dtype, device=x.device)
+            else:  # only the output projection trains: no exchange needed
                 io.after_inputs()
         d_wqkv = d_bqkv = d_wo = d_bo = None
         if need[1]:
@@ -308,7 +317,7 @@ class _FusedSelfAttention(torch.autograd.Function):
         if need[4]:
             d_bo = dy2d.sum(0)
         dx = io.dx.view(B, Sp, hidden) if io.dx is not None else None
-        return (dx, d_wqkv, d_bqkv, d_wo, d_bo) + (None,) * 10
+        return dx, d_wqkv, d_bqkv, d_wo, d_bo, None, None, None, None, None  # cos, sin, setup, heads, grad_enabled
 
 
 def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: int, head_dim: int, group,
@@ -322,11 +331,11 @@ def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: i
     not differentiated)."""
     B, Sp, _ = x.shape
     setup = prepare((B, Sp, num_heads, head_dim), num_kv_heads, x.dtype, x.device, group=group, rank=rank,
-                          seq_lens=seq_lens, cu_seqlens=cu_seqlens, num_chunks=num_chunks)
+                    seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                    num_chunks=num_chunks)
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     if cos is not None:
         # [B, S_p, D] views with a contiguous last dim, as the rotary pack reads them.
         cos, sin = (t.detach().to(x.dtype).contiguous().expand(B, Sp, head_dim) for t in (cos, sin))
-    return _FusedSelfAttention.apply(x, w_qkv, b_qkv, w_o, b_o, cos, sin, setup.engine, setup.lens, bool(causal),
-                                     float(softmax_scale), setup.cu_seqlens, setup.plan,
-                                     (num_heads, num_kv_heads, head_dim), torch.is_grad_enabled())
+    return _FusedSelfAttention.apply(x, w_qkv, b_qkv, w_o, b_o, cos, sin, setup,
+                                     LayerHeads(num_heads, num_kv_heads, head_dim), torch.is_grad_enabled())

@@ -8,10 +8,8 @@ Ops (torch.ops.ulysses_kernels, csrc/pack_kernels.cu and csrc/nccl_engine.cpp):
   unpack_into(Tensor recv, Tensor(a!)[] outs, int[] offsets, int[] counts,
               int[] local_heads, int[] replicas) -> ()
   nccl_unique_id() -> Tensor
-  nccl_comm_create(Tensor unique_id, int world, int rank, int device, float timeout_s, bool blocking) -> int
-  nccl_comm_destroy(int comm) -> ()
   nccl_all_to_all(int comm, Tensor send, Tensor(a!) recv, int[] send_counts, int[] recv_counts) -> ()
-  nccl_comm_wait(int comm, float timeout_s) -> ()
+and the class torch.classes.ulysses_kernels.NcclCommunicator (the communicator; transport.py).
 
 The kernels do not decide where a head goes: `pack_into` / `unpack_into` below compute
 each tensor's placement with `ulysses_kernels.layout.place_heads` and pass it as
@@ -30,8 +28,8 @@ import torch
 from ..extensions import load_extension
 from ..layout import place_heads
 
-FUSED_OPS = ("pack_into", "unpack_into", "nccl_unique_id", "nccl_comm_create", "nccl_comm_destroy",
-             "nccl_all_to_all", "nccl_comm_wait")
+FUSED_OPS = ("pack_into", "unpack_into", "nccl_unique_id", "nccl_all_to_all")
+FUSED_CLASSES = ("NcclCommunicator",)
 EXTENSION_DEVICE_TYPES = ("cuda",)
 
 _lock = threading.Lock()
@@ -121,15 +119,24 @@ def is_supported() -> bool:
         register_fakes()
     except Exception:  # noqa: BLE001 - a broken build must read as "not supported"
         return False
-    _extension_supported = all(hasattr(torch.ops.ulysses_kernels, name) for name in FUSED_OPS)
+    _extension_supported = (all(hasattr(torch.ops.ulysses_kernels, name) for name in FUSED_OPS)
+                            and all(_has_class(name) for name in FUSED_CLASSES))
     return _extension_supported
+
+
+def _has_class(name: str) -> bool:
+    try:
+        getattr(torch.classes.ulysses_kernels, name)
+    except (RuntimeError, AttributeError):
+        return False
+    return True
 
 
 def register_fakes() -> bool:
     """Register the fake implementations once, for fake-tensor shape propagation
     (torch.compile tracing, FakeTensorMode); needs the extension loaded. Returns False
-    when the ops are not there. The communicator-management ops take no device tensors
-    and are never traced (nccl_unique_id returns a CPU tensor and works under fake mode)."""
+    when the ops are not there. The communicator itself (a class) and nccl_unique_id (a CPU
+    tensor) take no device tensors and are never traced."""
     global _fakes_registered
     with _lock:
         if _fakes_registered:

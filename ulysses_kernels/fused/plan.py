@@ -10,11 +10,10 @@ count is automatic (by bytes moved per rank) or set by `num_chunks=` /
 Pure arithmetic: no tensor, no device.
 """
 
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-ENV_CHUNKS = "ULYSSES_KERNELS_NUM_CHUNKS"
+from .. import env
 
 
 @dataclass(frozen=True)
@@ -91,12 +90,7 @@ def auto_num_chunks(world: int, hl_q: int, hl_kv: int, recv_bytes: int) -> int:
 
 def resolve_num_chunks(num_chunks: Optional[int], world: int, hl_q: int, hl_kv: int, recv_bytes: int) -> int:
     if num_chunks is None:
-        raw = os.environ.get(ENV_CHUNKS, "").strip()
-        if raw:
-            try:
-                num_chunks = int(raw)
-            except ValueError:
-                raise ValueError(f"{ENV_CHUNKS}={raw!r} is not an integer") from None
-    if num_chunks is None or num_chunks <= 0:
+        num_chunks = env.integer(env.NUM_CHUNKS, 0)
+    if num_chunks <= 0:
         return auto_num_chunks(world, hl_q, hl_kv, recv_bytes)
     return valid_num_chunks(hl_q, hl_kv, num_chunks)

@@ -26,23 +26,21 @@ import torch.distributed as dist
 
 from .. import env
 
-ENV_TIMEOUT = "ULYSSES_KERNELS_NCCL_TIMEOUT"
-ENV_CHECK = "ULYSSES_KERNELS_NCCL_CHECK"
-ENV_BLOCKING = "ULYSSES_KERNELS_NCCL_BLOCKING"
-
 
 def timeout() -> float:
-    return env.number(ENV_TIMEOUT, 600.0)
+    return env.number(env.NCCL_TIMEOUT, 600.0)
 
 
-def _extension_ops():
-    """The communicator ops of the CUDA extension (never stand-ins: a transport that
-    needs no extension is another transport)."""
-    return torch.ops.ulysses_kernels
+def _extension():
+    """The communicator of the CUDA extension (never stand-ins: a transport that needs no
+    extension is another transport): its class and its ops."""
+    return torch.classes.ulysses_kernels.NcclCommunicator, torch.ops.ulysses_kernels
 
 
 class NcclTransport:
-    """Own NCCL communicator for one SP group, bootstrapped through that group."""
+    """Own NCCL communicator for one SP group, bootstrapped through that group. The
+    communicator lives as long as this object (csrc/nccl_engine.cpp: `close()` or the
+    object's destruction frees it)."""
 
     name = "nccl"
 
@@ -50,24 +48,26 @@ class NcclTransport:
         self.world, self.rank, self.device = world, rank, device
         # Read before any collective: a bad value raises here on every rank alike, not in
         # the middle of a call with work queued on the comm stream.
-        self.check_each_call, blocking, self.timeout_s = env.flag(ENV_CHECK), env.flag(ENV_BLOCKING), timeout()
-        uid = _extension_ops().nccl_unique_id() if rank == 0 else None
+        self.check_each_call, blocking, self.timeout_s = env.flag(env.NCCL_CHECK), env.flag(env.NCCL_BLOCKING), timeout()
+        communicator, ops = _extension()
+        uid = ops.nccl_unique_id() if rank == 0 else None
         if world > 1:
-            obj = [bytes(uid.numpy().tobytes()) if rank == 0 else None]
+            obj = [bytes(uid.tolist()) if rank == 0 else None]
             src = dist.get_global_rank(group if group is not None else dist.group.WORLD, 0)
             bcast_device = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
             dist.broadcast_object_list(obj, src=src, group=group, device=bcast_device)
             uid = torch.frombuffer(bytearray(obj[0]), dtype=torch.uint8).clone()
-        self.handle = _extension_ops().nccl_comm_create(uid, world, rank, device.index, self.timeout_s, blocking)
+        self.communicator = communicator(uid, world, rank, device.index, self.timeout_s, blocking)
+        self.handle = self.communicator.handle()
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
-        _extension_ops().nccl_all_to_all(self.handle, send, recv, send_counts, recv_counts)
+        torch.ops.ulysses_kernels.nccl_all_to_all(self.handle, send, recv, send_counts, recv_counts)
 
     def check(self):
         if self.check_each_call and not torch.cuda.is_current_stream_capturing():
-            _extension_ops().nccl_comm_wait(self.handle, self.timeout_s)
+            self.communicator.wait(self.timeout_s)
 
     def close(self):
-        if self.handle is not None:
-            _extension_ops().nccl_comm_destroy(self.handle)
-            self.handle = None
+        if self.communicator is not None:
+            self.communicator.close()
+            self.communicator = None

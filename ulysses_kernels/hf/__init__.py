@@ -32,7 +32,7 @@ Design notes
   any rank of the group: the ranks agree through one tiny all-reduce per forward, so all
   of them raise together instead of some hanging) raises `ValueError`; so do custom 4-D
   masks, sliding windows shorter than the global sequence, attention logit softcapping,
-  attention sinks, dropout > 0 and KV caches outside `generate` / `prefill` (inference.py:
+  attention sinks, dropout > 0 and KV caches outside `generate` / `prefill` (generation.py:
   sequence-parallel prefill and generation from a head-sharded cache). Nothing is
   silently dropped.
 * **Packed documents.** Position ids restarting at 0 (any break in `p[t] = p[t-1] + 1`,
@@ -60,8 +60,8 @@ Design notes
   `patch_model(..., offload_checkpoints=True)` keeps the checkpointed layers' saved inputs
   in pinned host memory until the backward (`offload.py`).
 
-Files: `attention.py` (registration, masks, the attention function), `inference.py`
-(`generate`, `prefill`, the head-sharded KV cache), `trainer.py`
+Files: `attention.py` (registration, masks, the attention function), `generation.py`
+(`generate`, `prefill`, `decoding`), `cache.py` (the head-sharded KV cache), `trainer.py`
 (`SequenceParallelTrainerMixin` for transformers' Trainer and TRL's SFTTrainer), `batch.py`
 (`shard_batch`), `loss.py`, `parallel.py` (gradient reduction, DDP, FSDP2), `tiling.py`
 (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
@@ -76,7 +76,7 @@ from .attention import (
     ulysses_mask_function,
 )
 from .batch import IGNORE_INDEX, SequenceParallelBatch, cu_seqlens_from_position_ids, shard_batch
-from .inference import decoding, generate, make_cache, prefill
+from .generation import decoding, generate, make_cache, prefill
 from .loss import causal_lm_loss, global_mean_from_sum, sequence_parallel_loss
 from .offload import CheckpointOffload, HostBufferPool
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp

@@ -11,8 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import gather_sequence, ulysses_attention
-from ..groups import collective_device, resolve_group
-from ..zigzag import sp_lengths
+from ..distributed.collectives import any_rank, gather_ints
+from ..distributed.groups import collective_device, resolve_group
+from ..layout import split_lengths
+from ..ring.layout import sp_lengths
 from .batch import cu_seqlens_from_position_ids, split_groups
 
 ATTN_IMPLEMENTATION = "ulysses"
@@ -36,7 +38,7 @@ class _State:
     group_set = False     # set_sequence_parallel_group was called
     backend: Optional[str] = None
     warned_local_positions = False
-    inference_cache = None   # the HeadShardedCache of a prefill/decode in progress (inference.decoding)
+    inference_cache = None   # the HeadShardedCache of a prefill/decode in progress (generation.decoding)
 
 
 _STATE = _State()
@@ -91,16 +93,6 @@ def register(group=None, *, ring_group=None, backend: Optional[str] = None, name
 
 # ----------------------------------------------------------------------------- masks
 
-def _group_any(flag: bool, group) -> bool:
-    """True when `flag` is True on any rank of `group` (one tiny all-reduce)."""
-    group, world, _ = resolve_group(group)
-    if group is None or world == 1:
-        return flag
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
-
-
 def _padding_problem(attention_mask) -> Optional[str]:
     if attention_mask is None:
         return None
@@ -121,12 +113,10 @@ def ulysses_mask_function(*args, attention_mask=None, **kwargs):
     SP group (the ranks agree via one small all-reduce per call, so nobody hangs).
     """
     problem = _padding_problem(attention_mask)
-    group, world, _ = _sp_group()
-    found = problem is not None
-    if group is not None and world > 1:
-        found = _group_any(found, group)
+    group, _, _ = _sp_group()
+    found = any_rank(problem is not None, group)
     if _STATE.ring_group is not None:  # a ring group meets every Ulysses group: the OR over the grid
-        found = _group_any(found, _STATE.ring_group)
+        found = any_rank(found, resolve_group(_STATE.ring_group)[0])
     if found:
         problem = problem or "another rank of the sequence-parallel group got an unsupported attention_mask"
     if problem:
@@ -153,22 +143,14 @@ def _global_positions(position_ids, group, world, ring_group=None):
         return pos, [pos.shape[1]]
     dev = collective_device(group)
     full = gather_sequence(pos.to(dev), group, dim=1).to(position_ids.device)
-    lens = [len(c) for c in torch.tensor_split(torch.empty(full.shape[1]), world)]
-    return full, lens
+    return full, split_lengths(full.shape[1], world)
 
 
-def _gather_ints(values, group):
-    dev = collective_device(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=dev)
-    got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(got, mine, group=group)
-    return [int(x) for g in got for x in g.tolist()]
-
-
-def _lengths_only(local_len, group, world, device, ring_group=None):
-    lens = [local_len] if group is None or world == 1 else _gather_ints([local_len], group)
-    if ring_group is not None:  # every SP rank's length, ring rank major
-        lens = _gather_ints(lens, ring_group)
+def _lengths_only(local_len, group, ring_group=None):
+    """Every SP rank's local length (ring rank major with a ring)."""
+    lens = [n for (n,) in gather_ints([local_len], group)]
+    if ring_group is not None:
+        lens = [n for row in gather_ints(lens, ring_group) for n in row]
     return lens
 
 
@@ -243,7 +225,7 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
             if cu_seqlens is None:
                 cu_seqlens = cu_seqlens_from_position_ids(full)
         else:
-            lens = _lengths_only(query.shape[2], group, world, query.device, _STATE.ring_group)
+            lens = _lengths_only(query.shape[2], group, _STATE.ring_group)
     total = sum(lens)
 
     sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))

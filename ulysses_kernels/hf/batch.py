@@ -6,8 +6,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..groups import ParallelGroups, resolve_group
-from ..zigzag import local_ranges, sp_lengths
+from ..distributed.groups import ParallelGroups, resolve_group
+from ..ring.layout import local_ranges, sp_lengths
 
 IGNORE_INDEX = -100
 

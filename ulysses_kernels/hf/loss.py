@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..groups import collective_device, resolve_group
+from ..distributed.groups import collective_device, resolve_group
 from .batch import IGNORE_INDEX, SequenceParallelBatch, sp_group_of
 from .patch import is_loss_patched
 

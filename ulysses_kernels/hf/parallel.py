@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..groups import ParallelGroups, resolve_group
+from ..distributed.groups import ParallelGroups, resolve_group
 
 
 def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:

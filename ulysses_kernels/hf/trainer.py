@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..groups import ParallelGroups, collective_device
+from ..distributed.groups import ParallelGroups, collective_device
 from .attention import register
 from .batch import IGNORE_INDEX, shard_batch
 from .patch import is_loss_patched

@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 
 from .. import fused
-from ..fused import ops
+from ..fused.exchange import send_to_heads
 from ..fused.streams import current_stream, event, on, wait
 from ..layout import HeadPlan
 
@@ -24,8 +24,8 @@ def qkv_exchange(q, k, v, engine: fused.Engine, lens: Sequence[int]) -> torch.Te
     compute, comm = current_stream(q.device), engine.stream
     wait(comm, event(compute))
     with on(comm):
-        ops.pack_into([q, k, v], send, [0, 0, 0], [heads.local_q_heads, heads.local_kv_heads, heads.local_kv_heads])
-        engine.transport.all_to_all(send, recv, [B * Sp * ch * D] * P, [B * n * ch * D for n in lens])
+        send_to_heads(engine, [q, k, v], send, recv, lens, offsets=[0, 0, 0],
+                      counts=[heads.local_q_heads, heads.local_kv_heads, heads.local_kv_heads])
     wait(compute, event(comm))
     return recv
 

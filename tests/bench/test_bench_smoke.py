@@ -1,0 +1,83 @@
+"""The GPU benchmarks run end to end on CPU in smoke mode (`--smoke`: tiny shapes, the
+Triton interpreter, and for the fused path torch stand-ins for the CUDA ops and the host
+transport), so a script that would crash on its one GPU run fails CI instead. The
+numbers mean nothing and are not checked; the tables and JSON they write are."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT
+
+from ulysses_kernels import extensions
+
+pytestmark = pytest.mark.slow  # the benchmark scripts end to end (subprocesses)
+
+BENCH = ROOT / "bench"
+
+
+def _needs_triton():
+    """The scripts run the Triton kernels in the interpreter (the subprocess sets
+    TRITON_INTERPRET=1); the fused ones install `ulysses_kernels.testing`'s stand-ins, so
+    they need no CUDA extension."""
+    module, reason = extensions.triton_kernels()
+    if module is None:
+        pytest.skip(f"Triton kernels unavailable: {reason}")
+
+
+def _run(script, out):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bench_a2a_smoke(tmp_path):
+    _needs_triton()
+    _run("bench_a2a.py", tmp_path)
+    data = json.loads((tmp_path / "a2a.json").read_text())
+    sections = {r["section"] for r in data["rows"]}
+    assert sections == {"kernels", "exchange"} and "smoke" in data["meta"]["device"]
+    assert "| config | op |" in (tmp_path / "a2a.md").read_text()
+
+
+def test_bench_layer_smoke(tmp_path):
+    _needs_triton()
+    out = _run("bench_layer.py", tmp_path)
+    data = json.loads((tmp_path / "layer.json").read_text())
+    assert data["measured"] and data["modelled"]
+    assert {(b["overlap_projections"], b["chunks"]) for b in data["blocks"]} == {
+        (False, 1), (False, 4), (True, 1), (True, 4)}
+    row = data["modelled"][0]
+    assert all(k in row for k in ("block_plain_c1_ms", "block_plain_c4_ms", "block_fused_c4_ms", "overlap_c4_ms"))
+    assert "fused layer, 4 chunks" in (tmp_path / "layer.md").read_text() and "[P=1 block]" in out
+
+
+def test_bench_attention_smoke(tmp_path):
+    _needs_triton()
+    _run("bench_attention.py", tmp_path)
+    data = json.loads((tmp_path / "attention_results.json").read_text())
+    assert len(data["results"]) == 4 and data["meta"]["complete"]  # fwd, fwd+bwd x causal or not
+    for row in data["results"]:
+        assert row.get("triton_ms") is not None, row  # a failing kernel is recorded, not raised
+        if row["mode"] == "fwd_bwd":  # both backward modes
+            assert row.get("triton_det_ms") is not None, row
+    assert {e["kernel"] for e in data["sweep"]} == {"fwd", "bwd_atomic", "dq", "dkdv"}
+    assert all("error" not in e for e in data["sweep"]), data["sweep"]
+    assert (tmp_path / "attention_results.md").exists() and (tmp_path / "attention_tflops.png").exists()
+
+
+def test_bench_hybrid_model(tmp_path):
+    """The Ulysses x Ring model: every layout of 8 and 16 GPUs, invalid ones named."""
+    _run("bench_hybrid_model.py", tmp_path)
+    data = json.loads((tmp_path / "hybrid_model.json").read_text())
+    rows = data["rows"]
+    assert {(r["ulysses"], r["ring"]) for r in rows if r["gpus"] == 16} == {(16, 1), (8, 2), (4, 4), (2, 8), (1, 16)}
+    invalid = [r for r in rows if not r["valid"]]
+    assert invalid and all(r["model"] == "qwen2.5-7b" and "28" in r["why_not"] for r in invalid)
+    assert all(r["layer_ms"] >= r["compute_ms"] > 0 for r in rows if r["valid"])
+    assert "Sources of the defaults" in (tmp_path / "hybrid_model.md").read_text()

@@ -1,0 +1,230 @@
+"""bench/sass_report.py: the static sm_90 report of the attention kernels (no GPU needed).
+
+The parser tests run on hand-written SASS (fast). The report test builds the bf16 D=128
+default configs with Triton's bundled ptxas in a subprocess (two parallel jobs; Triton's
+cache makes repeated runs fast) and holds the kernels to the limits of check_limits.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from helpers import ROOT
+
+pytestmark = pytest.mark.slow  # compiles every kernel config for sm_90
+
+SCRIPT = os.path.join(ROOT, "bench", "sass_report.py")
+REPORT_TIMEOUT_S = 420  # cold Triton cache on 2 cores: about a minute today
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("sass_report", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sass_report = _load()
+
+
+# Two HGMMA loops (an unmasked and a masked phase, the second with a cold out-of-line wait
+# retry that jumps back into its body), a barrier spin loop without HGMMA, a trap loop.
+_SASS = textwrap.dedent("""\
+            /*0000*/                   LDC R1, c[0x0][0x28] ;
+            /*0010*/                   S2R R0, SR_TID.X ;
+            /*0020*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;
+            /*0030*/              @!P0 BRA `(.L_x_0) ;
+    .L_x_1:
+    \t//## File "/x/triton_kernels/k.py", line 5 inlined at "/x/triton_kernels/k.py", line 20
+    \t//## File "/x/triton_kernels/k.py", line 20
+            /*0040*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+    \t//## File "/x/triton_kernels/k.py", line 20
+            /*0050*/                   LDGSTS.E.BYPASS.128 [R2], desc[UR6][R4.64] ;
+    \t//## File "/x/triton_kernels/k.py", line 20
+            /*0060*/                   IADD3 R0, R0, 0x1, RZ ;
+    \t//## File "/x/triton_kernels/k.py", line 20
+            /*0070*/                   ISETP.GE.AND P0, PT, R0, R7, PT ;
+    \t//## File "/x/triton_kernels/k.py", line 20
+            /*0080*/              @!P0 BRA `(.L_x_1) ;
+    .L_x_0:
+            /*0090*/                   MOV R9, RZ ;
+    .L_x_2:
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*00a0*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*00b0*/                   I2F.U32.RP R5, R6 ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*00c0*/                   MUFU.RCP R5, R5 ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*00d0*/                   F2I.FTZ.U32.TRUNC.NTZ R5, R5 ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*00e0*/                   IMAD.WIDE R10, R5, 0x2, R12 ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*00f0*/                   IADD3.X R11, RZ, R13, RZ, P1, !PT ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*0100*/                   LDG.E.128 R14, desc[UR6][R10.64] ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*0110*/              @!P2 BRA `(.L_x_3) ;
+    .L_x_4:
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*0120*/                   STL [R1], R14 ;
+    \t//## File "/x/triton_kernels/k.py", line 21
+            /*0130*/              @P0 BRA `(.L_x_2) ;
+    .L_x_5:
+            /*0140*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R3 ;
+            /*0150*/              @!P0 BRA `(.L_x_5) ;
+            /*0160*/                   EXIT ;
+    .L_x_3:
+            /*0170*/                   SYNCS.PHASECHK.TRANS64 P2, [UR4], R3 ;
+            /*0180*/                   BRA `(.L_x_4) ;
+    .L_x_6:
+            /*0190*/                   BRA `(.L_x_6);
+""")
+
+_SOURCE = textwrap.dedent("""\
+    import triton
+
+
+    @triton.jit
+    def _inner(acc, lo, hi, MASKED: tl.constexpr):
+        return acc
+
+
+    def unused():
+        pass
+
+
+    @triton.jit
+    def kernel(X, N):
+        acc = 0
+        a = 1
+        b = 2
+        c = 3
+        acc = _inner(acc, 0, a, False)
+        acc = _inner(acc, a, b,
+                     MASKED=True)
+""")
+
+
+def test_loop_parser_on_handwritten_sass():
+    instrs = sass_report.parse_sass(_SASS)
+    assert len(instrs) == 26
+    by_addr = {i.addr: i for i in instrs}
+    assert by_addr[0x80].target == 0x40 and by_addr[0x80].pred and by_addr[0x80].op == "BRA"
+    assert by_addr[0x40].site == "k.py:20"  # the outermost frame of an inlined call
+
+    loops = sass_report.find_loops(instrs)
+    # The two HGMMA loops and the spin loop (the trap is unreachable); the cold block's jump
+    # back into the second loop (0x180 -> 0x120) is not a back edge (0x120 does not dominate it).
+    assert sorted(lp["header"] for lp in loops) == [0x40, 0xA0, 0x140]
+    second = next(lp for lp in loops if lp["header"] == 0xA0)
+    # Its body holds the cold retry block (0x170, 0x180) but not the spin loop nor EXIT.
+    assert sorted(i.addr for i in second["instrs"]) == list(range(0xA0, 0x140, 0x10)) + [0x170, 0x180]
+
+    analysis = sass_report.analyze_sass(_SASS)
+    assert analysis["total"]["hgmma"] == 2 and analysis["total"]["spill"] == 1
+    first, masked = analysis["loops"]  # HGMMA loops only, in address order
+    assert (first["header"], first["instrs"], first["hgmma"], first["gload"]) == (0x40, 5, 1, 1)
+    assert (first["idiv"], first["wide"], first["site"]) == (0, 0, "k.py:20")
+    assert masked["instrs"] == 12 and masked["hgmma"] == 1 and masked["gload"] == 1
+    assert (masked["idiv"], masked["cvt"], masked["wide"], masked["spill"]) == (1, 2, 2, 1)
+    assert masked["site"] == "k.py:21"
+    # Without sources: the smallest HGMMA loop is the main one.
+    assert sass_report.main_loop_index(analysis["loops"]) == 0
+
+
+def test_main_loop_from_the_masked_argument(tmp_path):
+    (tmp_path / "k.py").write_text(_SOURCE)
+    assert sass_report.masked_at(str(tmp_path), "k.py:19") is False
+    assert sass_report.masked_at(str(tmp_path), "k.py:20") is True  # keyword, first line of the call
+    assert sass_report.masked_at(str(tmp_path), "k.py:21") is True  # last line of the call
+    assert sass_report.masked_at(str(tmp_path), "k.py:16") is None  # not a call
+    assert sass_report.masked_at(str(tmp_path), "missing.py:3") is None
+    loops = [dict(instrs=50, masked=True), dict(instrs=90, masked=False), dict(instrs=40, masked=None)]
+    assert sass_report.main_loop_index(loops) == 1  # MASKED=False wins over size
+    assert sass_report.main_loop_index([dict(instrs=50, masked=None), dict(instrs=40, masked=None)]) == 1
+
+
+def test_signature_builder():
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def kernel(Q, DQ_ACC, LSE, DOCS, sq_b, sq_s, sq_d, sx_d, B, GROUP, Sq, qk_scale,
+               HEAD_DIM: tl.constexpr, EXTRA: tl.constexpr = 7):
+        pass
+
+    jit = JITFunction(kernel, do_not_specialize=["Sq", "sx_d", "GROUP"])
+    sig, consts, attrs = sass_report.build_signature(jit, {"HEAD_DIM": 128}, "bf16")
+    assert sig == {"Q": "*bf16", "DQ_ACC": "*fp32", "LSE": "*fp32", "DOCS": "*i32", "sq_b": "i32",
+                   "sq_s": "i32", "sq_d": "constexpr", "sx_d": "i32", "B": "i32", "GROUP": "i32",
+                   "Sq": "i32", "qk_scale": "fp32", "HEAD_DIM": "constexpr", "EXTRA": "constexpr"}
+    assert consts == {"sq_d": 1, "HEAD_DIM": 128, "EXTRA": 7}
+    assert sorted(i for (i,) in attrs) == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(KeyError):
+        sass_report.build_signature(jit, {}, "bf16")
+
+
+def test_check_limits_on_rows():
+    def row(name, layout, instrs, stack=0, **kw):
+        return dict(name=name, layout=layout, dtype="bf16", stack=stack, total={"spill": 0},
+                    loops=[dict(instrs=instrs, masked=False)], **kw)
+
+    rows = [row("fwd", "plain", 400), row("fwd", "buffer", 620), row("fwd", "plain@buffer", 430, reference_of="buffer"),
+            row("dq", "plain", 300), row("dq", "buffer", 330, stack=8)]
+    violations = sass_report.check_limits(rows)
+    assert len(violations) == 2
+    assert violations[0].startswith("dq buffer: spills")
+    assert "fwd: buffer loop 620 instrs = 1.44x plain@buffer (430)" in violations[1]  # the same-tile reference
+
+
+@pytest.fixture(scope="module")
+def report_rows(tmp_path_factory):
+    """Rows of `bench/sass_report.py` on this checkout (bf16, D=128, default configs)."""
+    try:
+        import triton
+    except ImportError:
+        pytest.skip("no triton")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    missing = [t for t in ("ptxas", "cuobjdump", "nvdisasm") if not os.path.exists(os.path.join(bin_dir, t))]
+    if missing:
+        pytest.skip("Triton's bundled %s missing" % ", ".join(missing))
+    out = tmp_path_factory.mktemp("sass") / "report.json"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    try:
+        proc = subprocess.run([sys.executable, SCRIPT, "--repo", ROOT, "--jobs", "2", "--json", str(out)],
+                              env=env, capture_output=True, text=True, timeout=REPORT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.skip("the sm_90 builds took over %d s on this machine" % REPORT_TIMEOUT_S)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip("no ptxas available for an sm_90 build")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    return json.loads(out.read_text())["rows"]
+
+
+def test_report_on_the_kernels(report_rows):
+    """Every default build compiles and each kernel with dots has an HGMMA main loop
+    (wgmma). One mma.sync GEMM is expected only where a tile's M is below a warpgroup's 64
+    rows: the atomic backward's dQ GEMM (BLOCK_M = 32, see flash_bwd_dkdv._ATOMIC_CONFIGS)."""
+    rows = report_rows
+    assert rows, "no builds"
+    assert {"fwd", "bwd_atomic", "bwd_dkdv", "bwd_dq"} <= {r["name"] for r in rows}
+    for r in rows:
+        label = "%s %s" % (r["name"], r["layout"])
+        assert not r.get("error"), label + ": " + r["error"]
+        if r["wgmma_ptx"] or r["mma_sync_ptx"]:  # a kernel with dots
+            if r["name"] != "bwd_atomic":
+                assert r["mma_sync_ptx"] == 0, label + ": mma.sync instead of wgmma"
+            assert sass_report.main_loop(r) is not None, label + ": no HGMMA loop found"
+            assert sass_report.main_loop(r)["hgmma"] > 0
+    assert sass_report.loop_ratios(rows), "no layout pair to compare"
+
+
+def test_report_limits(report_rows):
+    """No spills in the bf16 defaults; each kernel's buffer-layout main loop (affine tiles)
+    within 15% of the plain layout's at the same tile (issue 14's limits)."""
+    assert sass_report.check_limits(report_rows) == []

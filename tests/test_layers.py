@@ -1,0 +1,50 @@
+"""The import contracts (pyproject.toml, docs/architecture.md, "Import layers") hold on
+this tree, and they are not contracts that cannot fail: a copy of the package with an
+import cycle, or with an import that climbs a layer, breaks them."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from helpers import ROOT
+
+
+def _lint(root):
+    lint = shutil.which("lint-imports")
+    if lint is None:
+        pytest.skip("import-linter is not installed (pip install '.[test]')")
+    env = dict(os.environ, PYTHONPATH=str(root))  # the copy shadows the installed package
+    return subprocess.run([lint, "--config", str(root / "pyproject.toml")], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _copy(tmp_path):
+    shutil.copytree(ROOT / "ulysses_kernels", tmp_path / "ulysses_kernels",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def test_the_contracts_hold():
+    run = _lint(ROOT)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "0 broken" in run.stdout
+
+
+@pytest.mark.parametrize("module,line,contract", [
+    # a cycle inside a package (also through an import inside a function)
+    ("ring/layout.py", "\n\ndef _cycle():\n    from . import schedule  # noqa: F401\n", "No import cycles"),
+    # the shared ring code reaching up into a path
+    ("ring/merge.py", "\nfrom ..reference import attention  # noqa: F401,E402\n", "Layers"),
+    # the fused path reaching into the Triton path's modules instead of its interface
+    ("fused/plan.py", "\nfrom ..triton_path import select  # noqa: F401,E402\n", "package interface"),
+])
+def test_a_broken_import_fails(tmp_path, module, line, contract):
+    root = _copy(tmp_path)
+    with open(root / "ulysses_kernels" / module, "a") as f:
+        f.write(line)
+    run = _lint(root)
+    assert run.returncode != 0, run.stdout[-3000:]
+    assert "Broken contracts" in run.stdout, run.stdout[-3000:]
+    assert contract in run.stdout.split("Broken contracts", 1)[1], run.stdout[-3000:]

@@ -1,0 +1,134 @@
+"""torch.library registration of the Triton attention: opcheck, fake tensors, torch.compile.
+
+CPU only, Triton interpreter (TRITON_INTERPRET must be set before triton or the kernel
+modules are imported: conftest.py sets it without CUDA).
+"""
+
+
+import pytest
+import torch
+from helpers import make_qkv, rel_err
+
+from ulysses_kernels import env
+from ulysses_kernels.reference import reference_attention
+
+uk_triton = pytest.importorskip("ulysses_kernels.triton")
+
+pytestmark = pytest.mark.skipif(not env.interpreting(), reason="CPU test: needs TRITON_INTERPRET=1")
+
+OPS = torch.ops.ulysses_kernels
+
+
+def qkv(B=1, S=9, Hq=2, Hkv=1, D=16, dtype=torch.float32, seed=0):
+    return make_qkv(B, S, Hq, Hkv, D, dtype=dtype, seed=seed)[:3]
+
+
+def test_ops_registered():
+    for name in ("triton_flash_fwd", "triton_flash_bwd", "triton_flash_fwd_out", "triton_flash_bwd_out"):
+        assert hasattr(OPS, name), name
+
+
+# test_aot_dispatch_dynamic traces with symbolic shapes and runs the real kernels; it works
+# in the interpreter, it is only slow, so keep the inputs tiny.
+OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_opcheck_fwd(causal):
+    q, k, v = qkv()
+    q.requires_grad_()
+    k.requires_grad_()
+    v.requires_grad_()
+    torch.library.opcheck(OPS.triton_flash_fwd.default, (q, k, v, causal, 0.25, None),
+                          test_utils=OPCHECK_TESTS)
+
+
+def test_opcheck_fwd_varlen():
+    q, k, v = qkv(S=10)
+    cu = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+    torch.library.opcheck(OPS.triton_flash_fwd.default, (q, k, v, True, 0.25, cu),
+                          test_utils=OPCHECK_TESTS)
+
+
+def test_opcheck_bwd():
+    q, k, v = qkv()
+    out, lse = OPS.triton_flash_fwd(q, k, v, True, 0.25, None)
+    do = torch.randn_like(out)
+    torch.library.opcheck(OPS.triton_flash_bwd.default, (do, q, k, v, out, lse, True, 0.25, None),
+                          test_utils=OPCHECK_TESTS)
+
+
+def test_opcheck_inplace_ops():
+    B, S, Hq, Hkv, D, P = 2, 7, 2, 1, 16, 2
+    q, k, v = (t.reshape(B * S, -1, D) for t in qkv(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D))
+    out = torch.empty_like(q)
+    lse = torch.empty(B, Hq, S)
+    torch.library.opcheck(OPS.triton_flash_fwd_out.default,
+                          (q, k, v, out, lse, False, 0.25, None, P, B), test_utils=OPCHECK_TESTS)
+    OPS.triton_flash_fwd_out(q, k, v, out, lse, False, 0.25, None, P, B)
+    do = torch.randn_like(out)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.library.opcheck(OPS.triton_flash_bwd_out.default,
+                          (do, q, k, v, out, lse, dq, dk, dv, False, 0.25, None, P, B),
+                          test_utils=OPCHECK_TESTS)
+
+
+def test_fake_tensor_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 33, 8, 64, dtype=torch.bfloat16)
+        k = torch.empty(2, 40, 2, 64, dtype=torch.bfloat16)
+        v = torch.empty(2, 40, 2, 64, dtype=torch.bfloat16)
+        out, lse = OPS.triton_flash_fwd(q, k, v, True, 0.125, None)
+        assert out.shape == (2, 33, 8, 64) and out.dtype == torch.bfloat16
+        assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32
+        dq, dk, dv = OPS.triton_flash_bwd(out, q, k, v, out, lse, True, 0.125, None)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+        # the public wrapper too (views of a packed buffer as input)
+        buf = torch.empty(1, 17, 12, 32, dtype=torch.float16)
+        o = uk_triton.flash_attention(buf[:, :, :8], buf[:, :, 8:10], buf[:, :, 10:], causal=True)
+        assert o.shape == (1, 17, 8, 32) and o.dtype == torch.float16
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = qkv(B=1, S=19, Hq=4, Hkv=2, D=32, seed=1)
+    cu = torch.tensor([0, 7, 7, 19], dtype=torch.int32)
+
+    def fn(q, k, v):
+        return uk_triton.flash_attention(q, k, v, causal=True, cu_seqlens=cu) * 2.0
+
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves)
+    out.sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*ref_leaves, causal=True, cu_seqlens=cu)[0] * 2.0
+    ref.sum().backward()
+    assert rel_err(out, ref) < 1e-5
+    for got, want in zip(leaves, ref_leaves):
+        assert rel_err(got.grad, want.grad) < 1e-5
+
+
+def test_torch_compile_fullgraph_lowlevel_inplace():
+    torch._dynamo.reset()
+    B, S, Hq, Hkv, D, P = 2, 11, 2, 1, 16, 2
+    q, k, v = (t.reshape(B * S, -1, D) for t in qkv(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D, seed=2))
+
+    def fn(q, k, v, out):
+        o, lse = uk_triton.flash_attention_forward(q, k, v, causal=True, softmax_scale=None,
+                                                   out=out, seq_splits=P, batch=B)
+        return lse
+
+    out_c = torch.zeros_like(q)
+    out_e = torch.zeros_like(q)
+    lse_c = torch.compile(fn, backend="eager", fullgraph=True)(q, k, v, out_c)
+    lse_e = fn(q, k, v, out_e)
+    assert torch.equal(out_c, out_e) and torch.equal(lse_c, lse_e)
+    assert out_c.abs().sum() > 0
+
+
+# The sm_90 builds (wgmma, spills, inner-loop SASS) are checked by tests/bench/test_sass_report.py.

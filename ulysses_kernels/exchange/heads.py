@@ -1,0 +1,90 @@
+"""The sequence <-> head exchanges as differentiable torch operations (docs/architecture.md,
+"Reference path"): the exchange of the reference and Triton paths (their
+`seq_to_heads` / `heads_to_seq`, distributed/dispatch.py's `Path`), of the public
+`seq_to_heads` / `heads_to_seq` / `qkv_seq_to_heads`, and of the Ulysses x Ring hybrid on
+those paths. The backward of an exchange is the inverse exchange (summing the gradients
+of replicated KV heads).
+"""
+
+from typing import Sequence, Tuple
+
+import torch
+
+from .buffers import (
+    exchange_heads_to_seq,
+    exchange_seq_to_heads,
+    pack_for_heads,
+    placements_for,
+    recv_blocks_to_bshd,
+    unpack_from_heads,
+)
+
+
+def seq_to_heads(tensors: Sequence[torch.Tensor], *, group, rank: int, seq_lens) -> Tuple[torch.Tensor, ...]:
+    """Sequence shards `[B, S_local, H_t, D]` -> head shards `[B, S, Hl_t, D]` over the whole
+    sequence, all tensors in one exchange (differentiable; validated by the caller)."""
+    return SeqToHeads.apply(group, rank, list(seq_lens), *tensors)
+
+
+def heads_to_seq(x: torch.Tensor, *, group, rank: int, seq_lens) -> torch.Tensor:
+    """Head shard `[B, S, Hl, D]` -> sequence shard `[B, S_local, P * Hl, D]` (differentiable)."""
+    return HeadsToSeq.apply(group, rank, list(seq_lens), x)
+
+
+class SeqToHeads(torch.autograd.Function):
+    """Tensors `[B, S_local, H_t, D]` -> `[B, S, Hl_t, D]` in one exchange."""
+
+    @staticmethod
+    def forward(ctx, group, rank, seq_lens, *tensors):
+        world = len(seq_lens)
+        num_heads = [t.shape[2] for t in tensors]
+        placements = placements_for(num_heads, world)
+        B, _, _, D = tensors[0].shape
+        send = pack_for_heads(tensors, placements, world)
+        recv = exchange_seq_to_heads(send, seq_lens, rank, group)
+        channels = send.shape[3]
+        full = recv_blocks_to_bshd(recv, seq_lens, B, channels, D)
+        ctx.group, ctx.rank, ctx.seq_lens, ctx.placements = group, rank, seq_lens, placements
+        outs, c = [], 0
+        for p in placements:
+            outs.append(full[:, :, c:c + p.local])
+            c += p.local
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        B, S, _, D = next(g for g in grads if g is not None).shape
+        grads = [g if g is not None else torch.zeros(B, S, p.local, D, dtype=_dtype_of(grads), device=_device_of(grads))
+                 for g, p in zip(grads, ctx.placements)]
+        packed = torch.cat(grads, dim=2) if len(grads) > 1 else grads[0]
+        recv = exchange_heads_to_seq(packed, ctx.seq_lens, ctx.rank, ctx.group)
+        return (None, None, None) + tuple(unpack_from_heads(recv, ctx.placements))
+
+
+class HeadsToSeq(torch.autograd.Function):
+    """`[B, S, Hl, D]` -> `[B, S_local, P*Hl, D]`."""
+
+    @staticmethod
+    def forward(ctx, group, rank, seq_lens, x):
+        ctx.group, ctx.rank, ctx.seq_lens = group, rank, seq_lens
+        recv = exchange_heads_to_seq(x, seq_lens, rank, group)
+        P, B, S_local, Hl, D = recv.shape
+        return recv.permute(1, 2, 0, 3, 4).reshape(B, S_local, P * Hl, D)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        world = len(ctx.seq_lens)
+        placements = placements_for([grad.shape[2]], world)
+        send = pack_for_heads([grad], placements, world)
+        recv = exchange_seq_to_heads(send, ctx.seq_lens, ctx.rank, ctx.group)
+        B, _, _, D = grad.shape
+        return None, None, None, recv_blocks_to_bshd(recv, ctx.seq_lens, B, placements[0].local, D)
+
+
+def _dtype_of(grads):
+    return next(g for g in grads if g is not None).dtype
+
+
+def _device_of(grads):
+    return next(g for g in grads if g is not None).device

@@ -1,0 +1,243 @@
+"""Sequence-parallel inference for Hugging Face causal LMs: a Ulysses prefill of a long
+prompt (in chunks if asked), then generation from a head-sharded KV cache.
+
+After a Ulysses all-to-all every rank holds *its* heads for the *whole* sequence, which
+is the layout decoding wants, so the cache keeps exactly that (`HeadShardedCache`) and is
+never reshuffled. Every model forward of the prefill and the decode is a **chunk** of new
+tokens, attending to the cache and causally to itself:
+
+The cache and the two halves of a layer's attention are `cache.HeadShardedCache`; they
+run on the path the dispatch picks for the chunk's tensors, like training (its exchange
+and its attention kernel). Two kinds of chunk:
+
+* **Sharded chunk** (the prefill, `prefill`): the chunk is split along the sequence over
+  the Ulysses group. Each layer's `cache.update` trades the rank's shard of K/V for its
+  own KV heads over the whole chunk (one all-to-all of K/V); the attention trades the
+  queries likewise, attends over the cache, and trades the output back (heads to
+  sequence). ``logits_to_keep=1``: no `[S, vocab]` logits.
+* **Replicated chunk** (decode, and chunks shorter than the Ulysses degree): every rank
+  runs the model on the same token(s) (weights are replicated in a sequence-parallel
+  group); the cache keeps the rank's own KV heads, the attention computes the rank's
+  query heads and all-gathers the head outputs, so every rank continues with the same
+  hidden state and draws the same token.
+* **Ulysses x Ring**: the ring dimension holds sequence shards of the cache. All ring
+  ranks run the same chunk (each with its Ulysses group); one of them, the one holding
+  the fewest tokens, appends the chunk's K/V; each attends over what it holds (causally
+  only where the chunk is) and the partial outputs are merged by log-sum-exp over the
+  ring group. Prefill uses one chunk per ring rank by default, so each holds 1/R of the
+  prompt. The non-attention layers of a chunk run on every ring rank (R times).
+
+Per-rank KV memory: the prompt's K/V over the KV heads split (or, with fewer KV heads
+than the Ulysses degree, replicated) over the Ulysses ranks, and over ring ranks by tokens.
+"""
+
+import contextlib
+import inspect
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.collectives import all_gather_tensor, broadcast_tensor
+from ..layout import split_lengths
+from .attention import _STATE as _ATTN_STATE
+from .attention import _require_transformers, _sp_group
+from .batch import split_groups
+
+_UNSUPPORTED_GENERATION = {
+    "num_beams": (1, "beam search"),
+    "num_beam_groups": (1, "group beam search"),
+    "penalty_alpha": (None, "contrastive search"),
+    "assistant_model": (None, "assisted generation"),
+    "prompt_lookup_num_tokens": (None, "prompt lookup decoding"),
+}
+
+
+def _text_config(model):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _resolve_groups(group):
+    """(Ulysses group, ring group or None): from `group` (a process group or the groups of
+    `init_sequence_parallel`), else from the groups `register` set."""
+    if group is None:
+        _sp_group()  # refuses an unset group in a multi-rank world
+        return _ATTN_STATE.group, _ATTN_STATE.ring_group
+    return split_groups(group)
+
+
+def make_cache(model, group=None, *, backend: Optional[str] = None):
+    """A `HeadShardedCache` (cache.py) for `model` on this rank (groups as in `generate`;
+    backend: None for the one `register` set). It is a transformers `DynamicCache`;
+    `prefill` fills it, `decoding(cache)` reads it."""
+    _require_transformers()
+    from .cache import HeadShardedCache
+
+    ulysses_group, ring_group = _resolve_groups(group)
+    return HeadShardedCache(model, ulysses_group, ring_group,
+                            backend=backend if backend is not None else _ATTN_STATE.backend)
+
+
+@contextlib.contextmanager
+def decoding(cache):
+    """Within this context every call of the ``"ulysses"`` attention is a chunk over
+    `cache` (see the module doc): `model(next_ids, cache=cache)` works in custom loops.
+    `generate` and `prefill` enter it themselves."""
+    from .cache import HeadShardedCache
+
+    if not isinstance(cache, HeadShardedCache):
+        raise TypeError(f"decoding() needs the HeadShardedCache of prefill/make_cache, got {type(cache).__name__}")
+    previous, _ATTN_STATE.inference_cache = _ATTN_STATE.inference_cache, cache
+    try:
+        yield cache
+    finally:
+        _ATTN_STATE.inference_cache = previous
+
+
+# ----------------------------------------------------------------------- public API
+
+def _cache_keyword(model) -> str:
+    """transformers renamed the forward's `past_key_values` to `cache` (5.2x, with a
+    deprecation warning for the old name): use whichever this model's forward takes."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _grid(cache):
+    return [g for g in (cache.ulysses[0], cache.ring[0]) if g is not None and dist.get_world_size(g) > 1]
+
+
+def _same_everywhere(t: torch.Tensor, groups, what: str, error=ValueError):
+    """`t` (int64) equal on every rank of every group, else `error` on every rank."""
+    for group in groups:
+        got = all_gather_tensor(t, group)
+        if any(not torch.equal(g, got[0]) for g in got):
+            raise error(what)
+
+
+def _prompt_signature(input_ids):
+    ids = input_ids.detach().to(torch.int64).cpu()
+    weights = (torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1000003).view_as(ids)
+    return torch.tensor([ids.shape[0], ids.shape[1], int((ids * weights).sum())], dtype=torch.int64)
+
+
+def _check_prompt(input_ids, cache, where):
+    if input_ids.dim() != 2:
+        raise ValueError(f"{where}: input_ids must be [batch, seq], got {tuple(input_ids.shape)}")
+    _same_everywhere(_prompt_signature(input_ids), _grid(cache),
+                     f"{where}: the ranks of the sequence-parallel group passed different prompts; every rank "
+                     f"must pass the same input_ids")
+
+
+def _run_chunk(model, cache, ids, start):
+    """One forward of `ids` `[B, T]` (global positions from `start`) over the cache; returns
+    the last position's logits `[B, vocab]`, the same on every rank."""
+    group, world, rank = cache.ulysses
+    B, T = ids.shape
+    positions = torch.arange(start, start + T, device=ids.device).unsqueeze(0).expand(B, T)
+    sharded = world > 1 and T >= world
+    if sharded:
+        lens = split_lengths(T, world)
+        lo = sum(lens[:rank])
+        ids, positions = ids[:, lo:lo + lens[rank]], positions[:, lo:lo + lens[rank]]
+        cache.chunk_lens = lens
+    try:
+        with decoding(cache):
+            out = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
+                        **{_cache_keyword(model): cache})
+    finally:
+        cache.chunk_lens = None
+    logits = out.logits[:, -1].contiguous()
+    if sharded:   # the last token lives on the last Ulysses rank
+        logits = broadcast_tensor(logits, world - 1, group)
+    return logits
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_size: Optional[int] = None):
+    """Run the prompt `[B, S]` (the same on every rank) through `model` sequence-parallel
+    and return ``(logits, cache)``: the last position's logits `[B, vocab]` (the same on
+    every rank) and the `HeadShardedCache` (extended when given). Use the cache inside
+    `decoding(cache)`: ``model(next_ids, cache=cache)``.
+
+    chunk_size: tokens per forward (default: the whole prompt; with a ring, one chunk per
+    ring rank). Each chunk attends to the cache and causally to itself, so activation
+    memory is bounded by the chunk while the cache grows.
+    """
+    cache = cache if cache is not None else make_cache(model, group)
+    _check_prompt(input_ids, cache, "prefill")
+    S = input_ids.shape[1]
+    if S == 0:
+        raise ValueError("prefill: an empty prompt")
+    if chunk_size is None:
+        chunk_size = math.ceil(S / cache.ring[1])
+    if chunk_size < 1:
+        raise ValueError(f"prefill: chunk_size must be positive, got {chunk_size}")
+    start, logits = cache.get_seq_length(), None
+    for c0 in range(0, S, chunk_size):
+        logits = _run_chunk(model, cache, input_ids[:, c0:c0 + chunk_size], start + c0)
+    return logits, cache
+
+
+def _check_generation_kwargs(model, kwargs):
+    config = kwargs.get("generation_config")
+    for name, (neutral, what) in _UNSUPPORTED_GENERATION.items():
+        value = kwargs.get(name, getattr(config, name, neutral) if config is not None else neutral)
+        if value != neutral:
+            raise ValueError(f"ulysses_kernels.hf.generate: {what} ({name}={value!r}) is not supported")
+    mask = kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.bool().all()):
+        raise ValueError("ulysses_kernels.hf.generate: padded prompts (attention_mask with zeros) are not "
+                         "supported; generate prompts of one length together, or one at a time")
+    config = _text_config(model)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if window is not None and getattr(config, "use_sliding_window", True) is not False and \
+            (not layer_types or "sliding_attention" in layer_types):
+        raise ValueError(f"ulysses_kernels.hf.generate: sliding-window attention (window {window}) is not supported")
+
+
+def _share_rng(cache, device):
+    """The first rank's default RNG state on every rank of the grid, so sampling draws the
+    same tokens everywhere (the logits are identical on every rank)."""
+    for group in _grid(cache):
+        torch.set_rng_state(broadcast_tensor(torch.get_rng_state(), 0, group))
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(broadcast_tensor(torch.cuda.get_rng_state(device), 0, group).cpu(), device)
+
+
+@torch.no_grad()
+def generate(model, input_ids: torch.Tensor, group=None, *, prefill_chunk_size: Optional[int] = None,
+             **generation_kwargs):
+    """`model.generate` over a sequence-parallel group: call it on every rank with the same
+    prompt(s) `[B, S]`; every rank returns what `model.generate` returns on one device.
+
+    group: a process group (pure Ulysses), `init_sequence_parallel`'s groups (Ulysses x
+    Ring too), or None for the groups `register` set. The prompt but its last token is
+    prefilled sequence-parallel (`prefill`, `prefill_chunk_size`), then transformers' own
+    generation loop runs on every rank in lockstep from the head-sharded cache (greedy and
+    sampling, logits processors, stopping criteria: all of it is transformers'). Sampling
+    draws from the first rank's RNG state, copied to every rank first; the ranks' tokens
+    are compared at the end (a difference raises). Not supported, with a ValueError on
+    every rank: beam search and the other multi-candidate modes, padded prompts,
+    sliding-window models.
+    """
+    _check_generation_kwargs(model, generation_kwargs)
+    cache = make_cache(model, group)
+    _check_prompt(input_ids, cache, "generate")
+    if input_ids.shape[1] > 1:
+        prefill(model, input_ids[:, :-1], cache=cache, chunk_size=prefill_chunk_size)
+    _share_rng(cache, input_ids.device)
+    with decoding(cache):
+        out = model.generate(input_ids, **{_cache_keyword(model): cache}, **generation_kwargs)
+    tokens = out.sequences if hasattr(out, "sequences") else out
+    _same_everywhere(torch.tensor(list(tokens.shape), dtype=torch.int64), _grid(cache),
+                     "generate: the ranks generated sequences of different lengths", RuntimeError)
+    _same_everywhere(tokens.detach().to(torch.int64).cpu(), _grid(cache),
+                     "generate: the ranks generated different tokens (their logits differ: nondeterministic "
+                     "kernels, or different weights or generation settings per rank)", RuntimeError)
+    return out

@@ -1,0 +1,63 @@
+"""The Triton path (docs/architecture.md, "Triton path"): the shared torch exchange
+(`ulysses_kernels/exchange/`) around the Triton attention kernels, which read the
+all-to-all buffers in place (`ulysses.py`), with the attention kernel chosen per layout
+(`select.py`) and the ring's blocks on the same kernels (`block_ops.py`)."""
+
+from typing import Optional
+
+import torch
+
+from .. import env
+from ..exchange import heads
+from ..extensions import triton_kernels
+from . import select, ulysses
+from .block_ops import TritonBlockOps
+
+
+def kernels_problem(device: torch.device, tensors) -> Optional[str]:
+    """Why the Triton attention kernels cannot run q/k/v `tensors` on `device` (None when
+    they can; no tensors: whether they run there at all), phrased to follow
+    "backend='<path>' ". The fused path runs these kernels too and asks the same."""
+    # Check before importing: kernels imported without the interpreter cannot run on CPU.
+    if device.type != "cuda" and not env.interpreting():
+        return ("on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                "importing ulysses_kernels")
+    module, reason = triton_kernels()
+    if module is None:
+        return f"needs the Triton kernels, which cannot be used: {reason}"
+    if len(tensors) != 3 or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in tensors):
+        return None  # no inputs, or malformed ones (the shape checks report those)
+    why = module.inputs_problem(*tensors)
+    return f"cannot run these inputs: {why}" if why else None
+
+
+class TritonPath:
+    """`Path` (distributed/dispatch.py) on the Triton kernels and the torch exchange."""
+
+    name = "triton"
+    block_ops = TritonBlockOps
+    seq_to_heads = staticmethod(heads.seq_to_heads)
+    heads_to_seq = staticmethod(heads.heads_to_seq)
+    ulysses_attention = staticmethod(ulysses.ulysses_attention)
+    problem = staticmethod(kernels_problem)
+
+    @staticmethod
+    def attention(q, k, v, *, causal, softmax_scale, cu_seqlens=None, deterministic=None, with_lse=False):
+        """The chosen kernel (select.py), differentiable; with the LSE: our kernel's forward
+        (no autograd)."""
+        if with_lse:
+            module, reason = triton_kernels()
+            if module is None:
+                raise RuntimeError(f"the Triton kernels cannot be used: {reason}")
+            return module.flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                  cu_seqlens=cu_seqlens)
+        out = select.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                               deterministic=deterministic)
+        return out, None
+
+    @staticmethod
+    def ring_shift(group, world, rank, device):
+        return None  # torch.distributed P2P
+
+
+PATH = TritonPath()
