@@ -21,8 +21,6 @@ already initialised (e.g. by ulysses_kernels.launch.spawn); returns the per-step
 import argparse
 import glob
 import os
-import resource
-import time
 
 import torch
 import torch.distributed as dist
@@ -128,12 +126,6 @@ def load_tokenizer(args):
     return ByteTokenizer()
 
 
-def peak_memory_mib(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 # ----------------------------------------------------------------------------- train
 
 def run(rank, world, argv=None):
@@ -170,6 +162,8 @@ def run(rank, world, argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     nparams = sum(p.numel() for p in model.parameters())
 
+    monitor = uk.StepMonitor(model=getattr(model, "module", model), sp_size=sp, ring_size=args.ring, device=device,
+                             checkpointing=args.checkpointing, tiled_mlp=args.tiled, tiled_loss=args.tiled)
     stream = packed_sequences(docs, args.seq_len)
     if rank == 0:
         print(f"world {world} = dp {dp} x sp {sp}, seq_len {args.seq_len}, {len(docs)} documents, "
@@ -180,7 +174,7 @@ def run(rank, world, argv=None):
         # every rank draws all dp sequences of this step and keeps its DP group's one
         seqs = [next(stream) for _ in range(dp)]
         ids, pos = seqs[groups.dp_rank]
-        t0 = time.perf_counter()
+        monitor.begin()
         batch = ukhf.shard_batch(ids.to(device), groups, position_ids=pos.to(device))
         loss = ukhf.causal_lm_loss(model, batch, groups)
         opt.zero_grad(set_to_none=True)
@@ -191,18 +185,15 @@ def run(rank, world, argv=None):
         lv = loss.detach().float().reshape(1).clone()
         dist.all_reduce(lv)  # every rank holds its SP group's global mean
         mean_loss = lv.item() / world
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        host = offload.pool.allocated_bytes / 2**20 if offload else 0.0
-        mem = torch.tensor([peak_memory_mib(device), host], dtype=torch.float64, device=device)
-        dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+        record = monitor.end(tokens=dp * ids.numel(), seq_len=ids.numel())
+        host = torch.tensor([offload.pool.allocated_bytes / 2**20 if offload else 0.0], dtype=torch.float64,
+                            device=device)
+        if offload:
+            dist.all_reduce(host, op=dist.ReduceOp.MAX)
         losses.append(mean_loss)
         if rank == 0:
-            print(f"step {step + 1}/{args.steps}  loss {mean_loss:.4f}  "
-                  f"tokens/s {dp * args.seq_len / dt:,.0f}  step {dt * 1000:.0f} ms  "
-                  f"peak mem/rank {mem[0].item():,.0f} MiB (max over ranks)"
-                  + (f"  offload host buffers/rank {mem[1].item():,.1f} MiB" if offload else ""), flush=True)
+            print(f"step {step + 1}/{args.steps}  loss {mean_loss:.4f}  {record.line()}"
+                  + (f"  offload host buffers/rank {host.item():,.1f} MiB" if offload else ""), flush=True)
     return losses
 
 

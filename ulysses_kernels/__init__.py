@@ -20,6 +20,7 @@ from .api import (
 from .distributed.groups import ParallelGroups, init_sequence_parallel
 from .layout import HeadPlan, choose_ring_size, split_lengths
 from .modules import UlyssesAttention, UlyssesSelfAttention
+from .monitor import StepMonitor, StepRecord
 from .reference import reference_attention
 from .ring.layout import sp_lengths
 
@@ -29,4 +30,5 @@ __all__ = [
     "ulysses_attention", "UlyssesAttention", "UlyssesSelfAttention", "flash_attention", "reference_attention",
     "seq_to_heads", "heads_to_seq", "qkv_seq_to_heads", "shard_sequence", "gather_sequence",
     "init_sequence_parallel", "ParallelGroups", "split_lengths", "HeadPlan", "choose_ring_size", "sp_lengths",
+    "StepMonitor", "StepRecord",
 ]

@@ -9,8 +9,6 @@ same model and batch, and the verdict is printed with the measured differences.
 
 import copy
 import math
-import resource
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -139,12 +137,6 @@ def single_process_loss_and_grads(model, tokens, labels, device):
     return loss.item()
 
 
-def _peak_memory_mib(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
 def _grad_rel_err(sp_model, ref_model):
     num = den = 0.0
     worst = ("", 0.0)
@@ -180,19 +172,18 @@ def worker(rank: int, world: int, cfg_dict: dict):
         f"{cfg.heads} query / {cfg.kv_heads} kv heads, {n_params / 1e3:.0f}k parameters, copy task "
         f"(second half repeats the first)")
     losses = []
+    monitor = uk.StepMonitor(device=device)  # tokens/s and every rank's peak memory (a collective)
     for step in range(1, cfg.steps + 1):
         tokens, labels = copy_task_batch(cfg, step)
-        t0 = time.perf_counter()
+        monitor.begin()
         opt.zero_grad(set_to_none=True)
         loss = sp_loss_and_grads(model, tokens, labels, group, rank, world, device, cfg.ring)
         opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+        record = monitor.end(tokens=tokens.numel())
         losses.append(loss)
         if step == 1 or step == cfg.steps or step % _report_every(cfg.steps) == 0:
-            say(f"step {step:3d}/{cfg.steps} | loss {loss:.4f} | {tokens.numel() / dt:,.0f} tok/s | "
-                f"peak mem {_peak_memory_mib(device):,.0f} MiB (rank 0)")
+            say(f"step {step:3d}/{cfg.steps} | loss {loss:.4f} | {record.tokens_per_s:,.0f} tok/s | "
+                f"peak mem {max(record.peak_bytes) / 2**20:,.0f} MiB (max over ranks)")
 
     # Parity: the same weights and batch through the SP model and a single-process model.
     tokens, labels = copy_task_batch(cfg, 10**6)

@@ -63,7 +63,11 @@ def shape_from_config(path: str) -> ModelShape:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     with open(path) as f:
-        cfg = json.load(f)
+        return shape_from_dict(json.load(f))
+
+
+def shape_from_dict(cfg: dict) -> ModelShape:
+    """A ModelShape from a Hugging Face config as a dict (`config.to_dict()`, config.json)."""
     heads = cfg["num_attention_heads"]
     return ModelShape(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
                       kv_heads=cfg.get("num_key_value_heads", heads),
@@ -174,11 +178,16 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     return t
 
 
+def largest_activation_bytes(terms: Dict[str, float]) -> float:
+    """The largest of the phases that never coexist ("(peak phase)": the logits and loss,
+    one layer's backward): what a step's activations add to what lives through it."""
+    return max((v for k, v in terms.items() if k.endswith("(peak phase)")), default=0.0)
+
+
 def peak_bytes(terms: Dict[str, float]) -> float:
     """The step's peak: everything that lives through the step, plus the largest of the
     phases that do not overlap (the loss, one layer's backward), marked "(peak phase)"."""
-    phases = [v for k, v in terms.items() if k.endswith("(peak phase)")]
-    return sum(v for k, v in terms.items() if not k.endswith("(peak phase)")) + max(phases, default=0.0)
+    return sum(v for k, v in terms.items() if not k.endswith("(peak phase)")) + largest_activation_bytes(terms)
 
 
 def host_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
