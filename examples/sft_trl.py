@@ -2,6 +2,7 @@
 the lines marked `# SP`.
 
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/sft_trl.py --sp 2
+    accelerate launch --config_file examples/accelerate_deepspeed_cpu.yaml examples/sft_trl.py --sp 2
     torchrun --nproc-per-node 4 examples/sft_trl.py --sp 2
 
 CPU (gloo) or GPUs. The model is a tiny random Llama unless --model points at a local
@@ -47,6 +48,7 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     else:
         model, tokenizer = tiny_model("ulysses"), tiny_tokenizer()
+    zero_init = any(hasattr(p, "ds_id") for p in model.parameters())  # a ZeRO-3 config: built partitioned
 
     class SPSFTTrainer(ukhf.SequenceParallelTrainerMixin, SFTTrainer):      # SP
         pass
@@ -55,8 +57,12 @@ def main(argv=None):
                            train_dataset=synthetic_documents(64, 16, 200))
     result = trainer.train()
     if trainer.is_world_process_zero():
+        engine = "no DeepSpeed"
+        if trainer.is_deepspeed_enabled:
+            engine = f"DeepSpeed ZeRO-{trainer.accelerator.deepspeed_plugin.zero_stage}" + (
+                ", built under zero.Init" if zero_init else "")
         print(f"done: {result.global_step} steps at SP {groups.sp_size} x DP {groups.dp_size}, "
-              f"final loss {trainer.state.log_history[-2]['loss']}")
+              f"final loss {trainer.state.log_history[-2]['loss']} ({engine})")
     return result
 
 

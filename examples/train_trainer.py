@@ -3,6 +3,7 @@ lines marked `# SP`.
 
     torchrun --nproc-per-node 4 examples/train_trainer.py --sp 2
     accelerate launch --config_file examples/accelerate_cpu.yaml examples/train_trainer.py --sp 4
+    DS_ACCELERATOR=cpu torchrun --nproc-per-node 4 examples/train_trainer.py --sp 2 --zero 3
 
 CPU (gloo) or GPUs. Rows of --seq-len tokens, each packing documents of random lengths
 (position ids restart per document; a document's first token has no target), from a tiny
@@ -47,6 +48,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--model", default=None)
     p.add_argument("--output-dir", default=None)
+    p.add_argument("--zero", type=int, choices=[2, 3], default=None, help="DeepSpeed ZeRO stage (default: none)")
     args = p.parse_args(argv)
 
     import tempfile
@@ -58,9 +60,21 @@ def main(argv=None):
     from ulysses_kernels import hf as ukhf  # SP
 
     out = args.output_dir or tempfile.mkdtemp()
+    deepspeed = None
+    if args.zero:   # DeepSpeed ZeRO: the same recipe (docs/deepspeed.md); "auto" takes these arguments
+        deepspeed = {"zero_optimization": {"stage": args.zero}, "train_micro_batch_size_per_gpu": "auto",
+                     "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+    on_cpu = not torch.cuda.is_available()
     config = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=1, per_device_eval_batch_size=1,
                                learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-                               use_cpu=not torch.cuda.is_available(), disable_tqdm=True)   # creates the process group
+                               use_cpu=on_cpu, disable_tqdm=True,
+                               deepspeed=deepspeed)   # creates the process group; before the model (zero.Init)
+    if deepspeed and on_cpu:
+        # With use_cpu, accelerate leaves DeepSpeed's communicator unset; zero.Init would
+        # then size ZeRO-3 for one process. On GPUs accelerate sets it up (docs/deepspeed.md).
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend="gloo")
     groups = uk.init_sequence_parallel(args.sp)                             # SP
     ukhf.register(groups)                                                   # SP
     if args.model:
@@ -74,7 +88,8 @@ def main(argv=None):
     class SPTrainer(ukhf.SequenceParallelTrainerMixin, Trainer):           # SP
         pass
 
-    trainer = SPTrainer(model=model, args=config, sp_groups=groups,          # SP: sp_groups
+    zero_init = any(hasattr(p, "ds_id") for p in model.parameters())     # ZeRO-3: built partitioned
+    trainer = SPTrainer(model=model, args=config, sp_groups=groups, monitor=True,   # SP: sp_groups; the monitor
                         train_dataset=PackedRows(64, args.seq_len, vocab, seed=1),
                         eval_dataset=PackedRows(8, args.seq_len, vocab, seed=2))
     result = trainer.train()
@@ -82,8 +97,10 @@ def main(argv=None):
     trainer.save_model(os.path.join(out, "final"))
     if trainer.is_world_process_zero():
         print(f"done: {result.global_step} steps at SP {groups.sp_size} x DP {groups.dp_size}, "
-              f"train loss {result.training_loss:.4f}, eval loss {metrics['eval_loss']:.4f}")
-    return result, metrics
+              f"train loss {result.training_loss:.4f}, eval loss {metrics['eval_loss']:.4f}"
+              + (f" (DeepSpeed ZeRO-{args.zero}" if args.zero else "") + (", built under zero.Init" if zero_init else "")
+              + (")" if args.zero else ""))
+    return result, metrics, zero_init
 
 
 if __name__ == "__main__":

@@ -50,6 +50,15 @@ def param_id(value):
     return str(value)
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (for a launcher's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def shard(t: torch.Tensor, world: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's `torch.tensor_split` slice along the sequence (a contiguous copy)."""
     return torch.tensor_split(t, world, dim=dim)[rank].clone()

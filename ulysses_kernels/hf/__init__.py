@@ -77,7 +77,7 @@ from .attention import (
 )
 from .batch import IGNORE_INDEX, SequenceParallelBatch, cu_seqlens_from_position_ids, shard_batch
 from .generation import decoding, generate, make_cache, prefill
-from .loss import causal_lm_loss, global_mean_from_sum, sequence_parallel_loss
+from .loss import causal_lm_loss, global_mean_from_sum, loss_for_world_average, sequence_parallel_loss
 from .offload import CheckpointOffload, HostBufferPool
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .patch import patch_model, unpatch_model
@@ -88,6 +88,6 @@ __all__ = [
     "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "set_sequence_parallel_group", "get_sequence_parallel_group",
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
     "SequenceParallelBatch", "shard_batch", "SequenceParallelTrainerMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
-    "causal_lm_loss", "allreduce_gradients", "apply_ddp", "apply_fsdp",
+    "causal_lm_loss", "loss_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
 ]

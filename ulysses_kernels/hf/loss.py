@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.groups import collective_device, resolve_group
+from ..distributed.groups import ParallelGroups, collective_device, resolve_group
 from .batch import IGNORE_INDEX, SequenceParallelBatch, sp_group_of
 from .patch import is_loss_patched
 
@@ -67,3 +67,18 @@ def causal_lm_loss(model: nn.Module, batch: SequenceParallelBatch, group=None, *
     out = model(**inputs)
     logits = out["logits"] if isinstance(out, dict) else out.logits
     return sequence_parallel_loss(logits, batch.labels, group, ignore_index=ignore_index)
+
+
+def loss_for_world_average(loss: torch.Tensor, groups) -> torch.Tensor:
+    """The loss to backpropagate through an engine that averages gradients over the whole
+    world: DeepSpeed's `engine.backward` (every ZeRO stage), DDP without `apply_ddp`'s hook,
+    FSDP's default. `loss` is the exact global mean of `causal_lm_loss` /
+    `sequence_parallel_loss` (log that one); this returns it times the SP size, so that
+    the engine's mean over the world is the SUM over each SP group (whose ranks hold
+    disjoint tokens of one batch) and the MEAN over the DP groups (docs/deepspeed.md).
+    `groups`: `init_sequence_parallel`'s groups. `SequenceParallelTrainerMixin` scales its
+    loss the same way itself."""
+    if not isinstance(groups, ParallelGroups):
+        raise TypeError("loss_for_world_average needs init_sequence_parallel(...)'s groups (its sp_size), got "
+                        f"{type(groups).__name__}")
+    return loss * groups.sp_size

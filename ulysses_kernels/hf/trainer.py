@@ -28,19 +28,27 @@ first). What the mixin changes, through Trainer's public hooks where they exist:
 * **Evaluation** runs the same sequence-parallel forward.
 * **Checkpoints**: Trainer's own (model, optimizer, scheduler, RNG, data position); the
   data order depends only on the DP rank, so a resumed run continues the same curve.
+* **DeepSpeed** (`TrainingArguments(deepspeed=...)`, ZeRO-2/3, also under `zero.Init`):
+  the engine averages gradients over the whole world like DDP, so the same loss gives
+  the SP sum and the DP mean (docs/deepspeed.md).
+* **Monitor** (`monitor=True`, or a `StepMonitor`): every logged step also carries
+  `tokens_per_s`, the peak memory of every rank (`peak_mem_gib`, its minimum and the rank
+  of the maximum) and the planner's largest activation for the step
+  (ulysses_kernels/monitor.py).
 
 Padding (an `attention_mask` with zeros) is refused by the attention, on every rank:
 pack documents (TRL's ``padding_free=True``) or use equal-length batches.
 """
 
 import contextlib
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..distributed.groups import ParallelGroups, collective_device
+from ..monitor import StepMonitor
 from .attention import register
 from .batch import IGNORE_INDEX, shard_batch
 from .patch import is_loss_patched
@@ -52,7 +60,8 @@ class SequenceParallelTrainerMixin:
     """Put before `Trainer` / `SFTTrainer` in the bases; pass ``sp_groups=`` (the groups of
     `ulysses_kernels.init_sequence_parallel`). See the module doc."""
 
-    def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, **kwargs):
+    def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, monitor: Union[bool, StepMonitor] = False,
+                 **kwargs):
         if not isinstance(sp_groups, ParallelGroups):
             raise ValueError("SequenceParallelTrainerMixin needs sp_groups=ulysses_kernels.init_sequence_parallel(sp) "
                              f"(got {type(sp_groups).__name__})")
@@ -76,6 +85,32 @@ class SequenceParallelTrainerMixin:
         if self.accelerator.num_processes != dist.get_world_size():
             raise ValueError(f"SequenceParallelTrainerMixin: accelerate sees {self.accelerator.num_processes} "
                              f"processes, torch.distributed {dist.get_world_size()}")
+        self.step_tokens = self.step_seq_len = self.monitor_record = None
+        self.monitor = self._make_monitor(monitor)
+        if self.monitor is not None:
+            self.add_callback(monitor_callback(self))
+
+    def _make_monitor(self, monitor) -> Optional[StepMonitor]:
+        if not monitor:
+            return None
+        if isinstance(monitor, StepMonitor):
+            return monitor
+        from ..api import resolve_path
+        from .attention import _STATE as attention_state
+
+        model = self.accelerator.unwrap_model(self.model)
+        path = resolve_path(attention_state.backend, self.args.device, distributed=True)
+        checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+        tiled_mlp = any(hasattr(m, "_ulysses_orig_forward") for m in model.modules())
+        return StepMonitor(model=model, sp_size=self.sp_groups.sp_size, ring_size=self.sp_groups.ring_size,
+                           device=self.args.device, checkpointing=checkpointing, tiled_mlp=tiled_mlp,
+                           tiled_loss=is_loss_patched(model), attention="reference" if path == "reference" else "flash")
+
+    def log(self, logs, *args, **kwargs):
+        """Trainer's log, with the monitor's record of the last step where a training step is logged."""
+        if self.monitor_record is not None and "loss" in logs:
+            logs.update(self.monitor_record.as_logs())
+        return super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ data
 
@@ -143,6 +178,9 @@ class SequenceParallelTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         count = self._over_dp(sum(self._count(b) for b in batch_samples)) if batch_samples else None
+        if batch_samples:   # the step's tokens, each once (the monitor's tokens/s)
+            self.step_tokens = int(self._over_dp(sum(b["input_ids"].numel() for b in batch_samples)))
+            self.step_seq_len = max(b["input_ids"].numel() for b in batch_samples)
         return batch_samples, count
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -164,3 +202,18 @@ class SequenceParallelTrainerMixin:
         count = torch.clamp(torch.as_tensor(count, dtype=torch.float64), min=1.0)
         loss = local_sum * (self.accelerator.num_processes / count).to(local_sum.dtype)
         return (loss, outputs) if return_outputs else loss
+
+
+def monitor_callback(trainer):
+    """A transformers `TrainerCallback` that times every optimizer step of `trainer` (a
+    SequenceParallelTrainerMixin) with its monitor; the mixin adds the record to the logs."""
+    from transformers import TrainerCallback
+
+    class _StepMonitorCallback(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            trainer.monitor.begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer.monitor_record = trainer.monitor.end(trainer.step_tokens or 0, trainer.step_seq_len)
+
+    return _StepMonitorCallback()

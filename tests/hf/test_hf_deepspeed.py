@@ -1,0 +1,280 @@
+"""DeepSpeed with Ulysses sequence parallelism, on CPU with gloo (DS_ACCELERATOR=cpu):
+transformers Trainer and TRL SFTTrainer with the mixin under ZeRO-2 and ZeRO-3 (models
+built under zero.Init), gradient accumulation, save and resume from a DeepSpeed
+checkpoint, `accelerate launch` with a DeepSpeed config file, and a plain DeepSpeed
+engine loop (examples/train_deepspeed.py's recipe).
+
+Every sequence-parallel run (SP 2 x DP 2, SP 4) must match the run without sequence
+parallelism with the same ZeRO stage (DP 2, or one process), step for step: the losses
+below 1e-5 and every parameter update below 1e-4, with SGD and no clipping
+(trainer_cases.py), so a wrongly scaled gradient cannot hide. The engine loop without
+its loss scale is run too and must be caught by the same comparison.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+if importlib.util.find_spec("deepspeed") is None:  # not imported here: only the spawned ranks run it
+    pytest.skip("DeepSpeed is not installed (pip install '.[deepspeed]')", allow_module_level=True)
+
+from helpers import ROOT, SLOW_SPAWN_TIMEOUT, free_port  # noqa: E402
+from trainer_cases import (  # noqa: E402
+    STEPS,
+    PackedDocuments,
+    compare,
+    finish,
+    forget_deepspeed,
+    launch_env,
+    parameters,
+    run_plain,
+    run_sp,
+    shared_dir,
+)
+
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+pytestmark = pytest.mark.slow  # DeepSpeed Trainer runs in spawned groups
+
+
+def zero(stage: int) -> dict:
+    """A DeepSpeed config for Trainer ("auto": from TrainingArguments); every parameter
+    partitioned under ZeRO-3, however small (the tiny model's would all stay whole)."""
+    return {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+
+
+def _deepspeed_env(rank, world):
+    launch_env(rank, world)
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
+
+def _trained(trainer, evaluate=False):
+    trainer.train()
+    if evaluate:
+        trainer.eval_loss = trainer.evaluate(eval_dataset=PackedDocuments())["eval_loss"]
+    result = finish(trainer)
+    return dict(result=result, zero_init=trainer.built_under_zero_init,
+                stage=trainer.accelerator.deepspeed_plugin.zero_stage if trainer.is_deepspeed_enabled else None,
+                log=[entry for entry in trainer.state.log_history if "loss" in entry])
+
+
+# ------------------------------------------------------------------ the plain engine loop
+
+def engine_loop(rank, world, stage, sp, scaled=True):
+    """examples/train_deepspeed.py's loop; without SP (sp None) the same rows through the
+    model's own loss, each DP rank its own; `scaled=False` drops the loss scale (wrong)."""
+    import deepspeed
+    import torch.distributed as dist
+    from _tiny import VOCAB, tiny_model
+    from train_deepspeed import deepspeed_config, packed_row
+
+    import ulysses_kernels as uk
+    from ulysses_kernels import hf as ukhf
+
+    forget_deepspeed()
+    config = deepspeed_config(stage, 0.5)
+    if sp:
+        groups = uk.init_sequence_parallel(sp)
+        ukhf.register(groups)
+        dp_rank, dp_size = groups.dp_rank, groups.dp_size
+    else:
+        dp_rank, dp_size = rank, world
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
+        model = tiny_model("ulysses" if sp else "eager")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    for step in range(STEPS):
+        ids, pos, labels = packed_row(29, VOCAB, seed=step * dp_size + dp_rank)
+        if sp:
+            loss = ukhf.causal_lm_loss(engine, ukhf.shard_batch(ids, groups, position_ids=pos, labels=labels), groups)
+            engine.backward(ukhf.loss_for_world_average(loss, groups) if scaled else loss)
+        else:
+            loss = engine(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss
+            engine.backward(loss)
+        engine.step()
+        value = loss.detach().double().clone()
+        dist.all_reduce(value)
+        losses.append(value / world)   # each rank's loss is its DP group's mean: the mean over the world
+    import torch
+
+    return torch.stack(losses), parameters(engine.module)
+
+
+# ----------------------------------------------------------------------------- spawned
+
+def sp_jobs(rank, world):
+    _deepspeed_env(rank, world)
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_trainer
+
+    out = {}
+    # First in the fresh processes, as in a script: examples/train_trainer.py --zero 3 builds
+    # its model under zero.Init before anything else has set DeepSpeed up.
+    result, metrics, zero_init = train_trainer.main(["--sp", "2", "--zero", "3", "--steps", "2",
+                                                     "--output-dir", shared_dir("trainer_example")])
+    out["trainer_example"] = dict(steps=result.global_step, eval_loss=metrics["eval_loss"], zero_init=zero_init)
+    out["zero2_sp2"] = _trained(run_sp("trainer", 2, shared_dir("ds2"), deepspeed=zero(2), monitor=True), True)
+    out["zero3_sp2"] = _trained(run_sp("trainer", 2, shared_dir("ds3"), deepspeed=zero(3), save_strategy="steps",
+                                       save_steps=2), True)
+    resumed = run_sp("trainer", 2, shared_dir("ds3"), deepspeed=zero(3), save_strategy="steps", save_steps=2)
+    checkpoint = os.path.join(shared_dir("ds3"), "checkpoint-2")
+    resumed.train(resume_from_checkpoint=checkpoint)
+    out["zero3_resumed"] = dict(result=finish(resumed), deepspeed_checkpoint=sorted(
+        d for d in os.listdir(checkpoint) if d.startswith("global_step")))
+    out["zero3_sp2_ga2"] = _trained(run_sp("trainer", 2, shared_dir("ds3ga"), deepspeed=zero(3),
+                                           gradient_accumulation_steps=2, max_steps=2))
+    out["zero3_sp4"] = _trained(run_sp("trainer", 4, shared_dir("ds3sp4"), deepspeed=zero(3)), True)
+    out["sft_zero3_sp2"] = _trained(run_sp("sft", 2, shared_dir("ds3sft"), deepspeed=zero(3)))
+    out["engine_zero3_sp2"] = engine_loop(rank, world, 3, 2)
+    out["engine_zero2_sp2"] = engine_loop(rank, world, 2, 2)
+    out["engine_zero3_sp2_unscaled"] = engine_loop(rank, world, 3, 2, scaled=False)
+    # examples/train_deepspeed.py's run() in this process group (what torchrun runs)
+    import train_deepspeed
+
+    losses, records = train_deepspeed.run(rank, world, ["--sp", "2", "--zero", "3", "--steps", "2"])
+    out["example"] = dict(losses=losses, records=records)
+    return out
+
+
+def reference_jobs(rank, world):
+    _deepspeed_env(rank, world)
+    out = {}
+    if world == 2:
+        out["zero2"] = run_plain("trainer", shared_dir("ref_ds2"), deepspeed=zero(2))
+        out["zero3"] = run_plain("trainer", shared_dir("ref_ds3"), deepspeed=zero(3))
+        out["zero3_ga2"] = run_plain("trainer", shared_dir("ref_ds3ga"), deepspeed=zero(3),
+                                     gradient_accumulation_steps=2, max_steps=2)
+        out["sft_zero3"] = run_plain("sft", shared_dir("ref_ds3sft"), deepspeed=zero(3))
+        out["engine_zero3"] = engine_loop(rank, world, 3, None)
+        out["engine_zero2"] = engine_loop(rank, world, 2, None)
+    else:   # one process: the reference of SP 4 (DP 1)
+        out["zero3"] = run_plain("trainer", shared_dir("ref1_ds3"), deepspeed=zero(3))
+    return out
+
+
+_RESULTS = {}
+
+
+def _run(world):
+    if world not in _RESULTS:
+        try:
+            _RESULTS[world] = spawn(sp_jobs if world == 4 else reference_jobs, world, timeout=2 * SLOW_SPAWN_TIMEOUT)
+        except Exception as exc:  # report the same failure in every test that needs it
+            _RESULTS[world] = exc
+    if isinstance(_RESULTS[world], Exception):
+        raise _RESULTS[world]
+    return _RESULTS[world]
+
+
+def _compare_ranks(job, reference, **kw):
+    errors = []
+    for rank, result in enumerate(_run(4)):
+        got = result[job]["result"] if isinstance(result[job], dict) else result[job]
+        errors += compare(got, reference, f"{job} rank {rank}", **kw)
+    return errors
+
+
+# ------------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_trainer_zero_sp2_dp2_matches_dp_only_run(stage):
+    """Trainer + the mixin + DeepSpeed ZeRO-2 / ZeRO-3 at SP 2 x DP 2 against DP 2 with the
+    same stage: losses, parameter updates, eval loss. ZeRO-3 models are built under
+    zero.Init (the arguments come first, as with from_pretrained)."""
+    errors = _compare_ranks(f"zero{stage}_sp2", _run(2)[0][f"zero{stage}"])
+    assert not errors, "\n".join(errors)
+    for result in _run(4):
+        assert result[f"zero{stage}_sp2"]["stage"] == stage
+        assert result[f"zero{stage}_sp2"]["zero_init"] is (stage == 3)
+
+
+def test_trainer_zero3_sp4_matches_one_process():
+    errors = _compare_ranks("zero3_sp4", _run(1)[0]["zero3"])
+    assert not errors, "\n".join(errors)
+
+
+def test_trainer_zero3_gradient_accumulation_matches_dp_only_run():
+    errors = _compare_ranks("zero3_sp2_ga2", _run(2)[0]["zero3_ga2"])
+    assert not errors, "\n".join(errors)
+
+
+def test_trainer_zero3_resumes_from_its_deepspeed_checkpoint():
+    """Saved at step 2 (a DeepSpeed checkpoint: partitioned parameters and optimizer
+    states), resumed: steps 3-4 are the uninterrupted run's."""
+    for rank, result in enumerate(_run(4)):
+        (losses, params), (full_losses, full_params) = result["zero3_resumed"]["result"], result["zero3_sp2"]["result"]
+        assert result["zero3_resumed"]["deepspeed_checkpoint"] == ["global_step2"]   # DeepSpeed's own format
+        assert losses.shape == (STEPS - 2,), losses
+        assert not compare((losses, params), (full_losses[2:], full_params), f"zero3_resumed rank {rank}"), rank
+
+
+def test_sft_trainer_zero3_sp2_dp2_matches_dp_only_run():
+    pytest.importorskip("trl")
+    errors = _compare_ranks("sft_zero3_sp2", _run(2)[0]["sft_zero3"])
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_engine_loop_matches_dp_only_run(stage):
+    """deepspeed.initialize + engine.backward(ukhf.loss_for_world_average(loss, groups))."""
+    errors = _compare_ranks(f"engine_zero{stage}_sp2", _run(2)[0][f"engine_zero{stage}"])
+    assert not errors, "\n".join(errors)
+
+
+def test_engine_loop_without_the_loss_scale_is_caught():
+    """The same loop handing the unscaled global mean to engine.backward: the engine's mean
+    over the world then halves the SP sum, and the comparison says so (so the tests above
+    can fail)."""
+    errors = _compare_ranks("engine_zero3_sp2_unscaled", _run(2)[0]["engine_zero3"])
+    assert any("update rel err" in e for e in errors), errors
+    losses = _run(4)[0]["engine_zero3_sp2_unscaled"][0]
+    assert abs(losses[0].item() - _run(2)[0]["engine_zero3"][0][0].item()) < 1e-5  # the first step still agrees
+
+
+def test_trainer_example_with_zero3_builds_under_zero_init():
+    """examples/train_trainer.py --sp 2 --zero 3, first thing in fresh processes (`DS_ACCELERATOR=cpu
+    torchrun --nproc-per-node 4 ...` runs the same): the model is built partitioned under
+    zero.Init for the 4 ranks, trains 2 steps and evaluates to the same loss on every rank."""
+    results = [r["trainer_example"] for r in _run(4)]
+    for example in results:
+        assert example["zero_init"] and example["steps"] == 2 and 0 < example["eval_loss"] < 10, example
+        assert example["eval_loss"] == results[0]["eval_loss"]
+
+
+def test_monitor_logs_every_step():
+    """monitor=True: every logged training step carries tokens/s, the peak memory of the
+    ranks and the planner's largest activation; the example loop prints the same."""
+    for result in _run(4):
+        log = result["zero2_sp2"]["log"]
+        assert len(log) == STEPS
+        for entry in log:
+            assert entry["tokens_per_s"] > 0 and entry["peak_mem_gib"] >= entry["peak_mem_gib_min"] > 0
+            assert 0 <= entry["peak_mem_rank"] < 4 and entry["planner_activation_gib"] > 0
+    records = _run(4)[0]["example"]["records"]
+    assert [r.step for r in records] == [1, 2] and all(r.tokens == 2 * 257 for r in records)
+    assert all(len(r.peak_bytes) == 4 and r.expected_activation_bytes > 0 for r in records)
+    print("\n" + "\n".join(r.line() for r in records))   # shown with -s
+
+
+def test_accelerate_launch_with_a_deepspeed_config():
+    """`accelerate launch` with examples/accelerate_deepspeed_cpu.yaml (ZeRO-3, zero.Init,
+    4 CPU processes) runs the TRL example at SP 2 x DP 2 on DeepSpeed."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                           "examples/accelerate_deepspeed_cpu.yaml", "--main_process_port", str(free_port()),
+                           "examples/sft_trl.py", "--sp", "2", "--steps", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "done: 3 steps at SP 2 x DP 2" in out and "DeepSpeed ZeRO-3, built under zero.Init" in out, out[-3000:]

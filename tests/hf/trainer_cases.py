@@ -1,0 +1,232 @@
+"""What the Trainer tests (test_hf_trainer.py, test_hf_deepspeed.py) share: the packed
+dataset, the examples' tiny model, the runs with and without sequence parallelism, and
+the comparison. Spawned ranks import this module by name.
+
+The optimizer is SGD without gradient clipping: its update is linear in the gradient, so
+a gradient scaled by a wrong factor (a loss normalised over the wrong ranks or tokens)
+changes the parameters instead of hiding behind Adam's normalisation or the clip; runs
+are compared on their losses and on their parameter *updates* (final minus initial).
+"""
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from helpers import ROOT, rel_err
+
+TOL = 1e-5
+# Parameter updates are compared at 1e-4: a layer norm's weight (about 1.0) moves by about
+# 1e-3 per step, and float32 rounds it to about 6e-8, so 1e-5 of its update is below the
+# parameter's own resolution. A wrongly scaled gradient is off by tens of percent.
+UPDATE_TOL = 1e-4
+SEQ, N_SEQ, STEPS = 29, 12, 4
+OPTIMIZER = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, lr_scheduler_type="constant")
+
+# The examples' tiny model, tokenizer and documents (examples/_tiny.py): the tests train
+# what the examples train.
+sys.path.insert(0, str(ROOT / "examples"))
+from _tiny import VOCAB, synthetic_documents, tiny_tokenizer  # noqa: E402
+from _tiny import tiny_model as make_model  # noqa: E402
+
+
+class PackedDocuments(torch.utils.data.Dataset):
+    """Rows of two packed documents (position ids restart at 12), the first token of each
+    document without a target, as a padding-free collator would give them."""
+
+    def __init__(self):
+        self.ids = torch.randint(0, VOCAB, (N_SEQ, SEQ), generator=torch.Generator().manual_seed(11))
+
+    def __len__(self):
+        return N_SEQ
+
+    def __getitem__(self, i):
+        labels = self.ids[i].clone()
+        labels[[0, 12]] = -100
+        position_ids = torch.cat([torch.arange(12), torch.arange(SEQ - 12)])
+        return dict(input_ids=self.ids[i], labels=labels, position_ids=position_ids)
+
+
+def sft_dataset():
+    return synthetic_documents(32, 5, 19, seed=3)
+
+
+def shared_dir(name):
+    """The same folder on every rank of a spawn (their parent is the pytest process)."""
+    path = os.path.join(tempfile.gettempdir(), f"uk_trainer_{os.getppid()}_{name}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def recording(base):
+    """`base` recording every training step's returned loss."""
+    class Recording(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.recorded = []
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.recorded.append(loss.detach().double().clone())
+            return loss
+    return Recording
+
+
+def parameters(model):
+    """{name: a copy of the whole parameter}, gathered when DeepSpeed ZeRO-3 partitions them."""
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def finish(trainer):
+    """(per-step loss as the mean over the world of the returned losses, which is what
+    Trainer logs, {name: parameter})."""
+    losses = torch.stack(trainer.recorded)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(losses)
+        losses /= dist.get_world_size()
+    params = parameters(trainer.accelerator.unwrap_model(trainer.model))
+    if hasattr(trainer, "eval_loss"):
+        params["eval_loss"] = torch.tensor(trainer.eval_loss, dtype=torch.float64)   # compared like a parameter
+    return losses, params
+
+
+def trainer_args(out, sft=False, **extra):
+    common = dict(output_dir=out, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=STEPS,
+                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                  ddp_backend="gloo" if dist.is_initialized() else None, **OPTIMIZER)
+    common.update(extra)
+    if sft:
+        from trl import SFTConfig
+
+        # bf16=False: SFTConfig defaults to bf16 autocast, whose rounding differs between a
+        # sharded and an unsharded run (both about 3e-5 from float32); the parity is in float32.
+        common.update(per_device_train_batch_size=4, padding_free=True, packing=False, max_length=None, bf16=False)
+        args = SFTConfig(**common)
+    else:
+        from transformers import TrainingArguments
+
+        args = TrainingArguments(**common)
+    if args.deepspeed:   # as examples/train_trainer.py: on CPU accelerate leaves DeepSpeed's communicator unset
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    return args
+
+
+def launch_env(rank, world):
+    """What `torchrun` / `accelerate launch` would set (accelerate reads it)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+
+
+def forget_deepspeed() -> None:
+    """Runs in one process follow each other: a ZeRO-3 config an earlier run's arguments
+    registered with transformers (a global weak reference, kept by reference cycles) must
+    not make the next model be built under zero.Init."""
+    import gc
+
+    gc.collect()
+    try:
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    except ImportError:
+        return
+    unset_hf_deepspeed_config()
+
+
+def built_under_zero_init(model) -> bool:
+    """True when DeepSpeed ZeRO-3 partitioned the model as it was built (zero.Init)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+def run_plain(kind, out, **extra):
+    """A run without sequence parallelism; the arguments come before the model, as in a
+    script (with a ZeRO-3 config transformers then builds the model under zero.Init)."""
+    from transformers import Trainer
+
+    forget_deepspeed()
+    args = trainer_args(out, sft=kind == "sft", **extra)
+    model = make_model("eager")
+    if kind == "sft":
+        from trl import SFTTrainer
+
+        trainer = recording(SFTTrainer)(model=model, args=args, train_dataset=sft_dataset(),
+                                        processing_class=tiny_tokenizer())
+    else:
+        trainer = recording(Trainer)(model=model, args=args, train_dataset=PackedDocuments())
+    trainer.train()
+    if kind != "sft":
+        trainer.eval_loss = trainer.evaluate(eval_dataset=PackedDocuments())["eval_loss"]
+    return finish(trainer)
+
+
+def run_sp(kind, sp, out, monitor=False, **extra):
+    """A sequence-parallel run (SP `sp` x DP world / sp), not yet trained; arguments before
+    the model as in run_plain."""
+    import ulysses_kernels as uk
+    from ulysses_kernels import hf as ukhf
+
+    forget_deepspeed()
+    args = trainer_args(out, sft=kind == "sft", **extra)
+    groups = uk.init_sequence_parallel(sp)
+    ukhf.register(groups)
+    model = make_model("ulysses")
+    if kind == "sft":
+        from trl import SFTTrainer
+
+        cls = recording(type("SPSFTTrainer", (ukhf.SequenceParallelTrainerMixin, SFTTrainer), {}))
+        trainer = cls(model=model, args=args, train_dataset=sft_dataset(), processing_class=tiny_tokenizer(),
+                      sp_groups=groups, monitor=monitor)
+    else:
+        from transformers import Trainer
+
+        cls = recording(type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {}))
+        trainer = cls(model=model, args=args, train_dataset=PackedDocuments(), sp_groups=groups, monitor=monitor)
+    trainer.built_under_zero_init = built_under_zero_init(model)
+    return trainer
+
+
+_INITIAL = {}
+
+
+def initial_parameters():
+    """The parameters every run starts from (the tiny model is seeded)."""
+    if not _INITIAL:
+        _INITIAL.update(parameters(make_model("eager")))
+    return _INITIAL
+
+
+def differences(got, want):
+    """How far a run `got` is from the reference `want`, both (losses, {name: parameter}),
+    relative: the per-step losses, the worst parameter update (name, error) and the eval loss."""
+    (losses, params), (ref_losses, ref_params) = got, want
+    initial = initial_parameters()
+    updates = {name: rel_err(params[name] - initial[name], ref - initial[name])
+               for name, ref in ref_params.items() if name != "eval_loss"}
+    worst = max(updates, key=updates.get)
+    evals = rel_err(params["eval_loss"], ref_params["eval_loss"]) if "eval_loss" in params and "eval_loss" in ref_params else None
+    return dict(losses=rel_err(losses, ref_losses), worst_update=(worst, updates[worst]), updates=updates, eval_loss=evals)
+
+
+def compare(got, want, what, tol=TOL, update_tol=UPDATE_TOL):
+    """Differences of a run `got` from the reference `want` above the tolerances: the
+    per-step losses above `tol` and every parameter's update above `update_tol`, relative.
+    The measured values are printed (shown with pytest -s)."""
+    (losses, _), (ref_losses, _) = got, want
+    found = differences(got, want)
+    name, worst = found["worst_update"]
+    print(f"{what}: losses rel err {found['losses']:.2e}, worst update rel err {worst:.2e} ({name})"
+          + (f", eval loss rel err {found['eval_loss']:.2e}" if found["eval_loss"] is not None else ""))
+    errors = []
+    if not found["losses"] < tol:
+        errors.append(f"{what}: losses {losses.tolist()} vs {ref_losses.tolist()}")
+    if found["eval_loss"] is not None and not found["eval_loss"] < tol:
+        errors.append(f"{what}: eval loss rel err {found['eval_loss']:.2e}")
+    errors += [f"{what}: {n} update rel err {e:.2e}" for n, e in found["updates"].items() if not e < update_tol]
+    return errors
