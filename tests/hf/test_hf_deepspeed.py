@@ -25,14 +25,18 @@ from helpers import ROOT, SLOW_SPAWN_TIMEOUT, free_port  # noqa: E402
 from trainer_cases import (  # noqa: E402
     STEPS,
     PackedDocuments,
+    built_under_zero_init,
     compare,
     finish,
     forget_deepspeed,
+    initial_parameters,
     launch_env,
     parameters,
     run_plain,
     run_sp,
     shared_dir,
+    start_from_initial,
+    trainer_args,
 )
 
 from ulysses_kernels.launch import spawn  # noqa: E402
@@ -77,6 +81,7 @@ def engine_loop(rank, world, stage, sp, scaled=True):
     from ulysses_kernels import hf as ukhf
 
     forget_deepspeed()
+    initial_parameters()   # built outside zero.Init
     config = deepspeed_config(stage, 0.5)
     if sp:
         groups = uk.init_sequence_parallel(sp)
@@ -86,6 +91,7 @@ def engine_loop(rank, world, stage, sp, scaled=True):
         dp_rank, dp_size = rank, world
     with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
         model = tiny_model("ulysses" if sp else "eager")
+    start_from_initial(model)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     losses = []
     for step in range(STEPS):
@@ -120,6 +126,27 @@ def sp_jobs(rank, world):
     result, metrics, zero_init = train_trainer.main(["--sp", "2", "--zero", "3", "--steps", "2",
                                                      "--output-dir", shared_dir("trainer_example")])
     out["trainer_example"] = dict(steps=result.global_step, eval_loss=metrics["eval_loss"], zero_init=zero_init)
+    # --model: a checkpoint of the plain tiny model, loaded by from_pretrained under
+    # zero.Init (its weights go into partitioned parameters), by the example and directly.
+    import torch.distributed as dist
+    from _tiny import tiny_model
+    from transformers import AutoModelForCausalLM
+
+    forget_deepspeed()
+    saved = shared_dir("tiny_checkpoint")
+    if rank == 0:
+        tiny_model("eager").save_pretrained(saved)
+    dist.barrier()
+    result, metrics, zero_init = train_trainer.main(["--sp", "2", "--zero", "3", "--steps", "2", "--model", saved,
+                                                     "--output-dir", shared_dir("trainer_example_pretrained")])
+    out["trainer_example_pretrained"] = dict(steps=result.global_step, eval_loss=metrics["eval_loss"],
+                                             zero_init=zero_init)
+    forget_deepspeed()
+    initial_parameters()
+    args = trainer_args(shared_dir("load"), deepspeed=zero(3))   # a ZeRO-3 config first, as in a script
+    loaded = AutoModelForCausalLM.from_pretrained(saved)
+    out["loaded"] = dict(zero_init=built_under_zero_init(loaded), params=parameters(loaded))
+    del args, loaded
     out["zero2_sp2"] = _trained(run_sp("trainer", 2, shared_dir("ds2"), deepspeed=zero(2), monitor=True), True)
     out["zero3_sp2"] = _trained(run_sp("trainer", 2, shared_dir("ds3"), deepspeed=zero(3), save_strategy="steps",
                                        save_steps=2), True)
@@ -246,6 +273,21 @@ def test_trainer_example_with_zero3_builds_under_zero_init():
     for example in results:
         assert example["zero_init"] and example["steps"] == 2 and 0 < example["eval_loss"] < 10, example
         assert example["eval_loss"] == results[0]["eval_loss"]
+
+
+def test_from_pretrained_under_zero3_loads_the_checkpoint():
+    """A ZeRO-3 config, then from_pretrained (what examples/train_trainer.py --model does):
+    the model is built partitioned under zero.Init and holds exactly the saved weights;
+    the example trains and evaluates it (the same eval loss on every rank)."""
+    want = initial_parameters()
+    for result in _run(4):
+        loaded = result["loaded"]
+        assert loaded["zero_init"]
+        worst = max((loaded["params"][n] - p).abs().max().item() for n, p in want.items())
+        assert worst == 0.0, worst
+        example = result["trainer_example_pretrained"]
+        assert example["zero_init"] and example["steps"] == 2 and 0 < example["eval_loss"] < 10, example
+        assert example["eval_loss"] == _run(4)[0]["trainer_example_pretrained"]["eval_loss"]
 
 
 def test_monitor_logs_every_step():

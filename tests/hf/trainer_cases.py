@@ -151,8 +151,9 @@ def run_plain(kind, out, **extra):
     from transformers import Trainer
 
     forget_deepspeed()
+    initial_parameters()   # before the arguments: built outside zero.Init
     args = trainer_args(out, sft=kind == "sft", **extra)
-    model = make_model("eager")
+    model = start_from_initial(make_model("eager"))
     if kind == "sft":
         from trl import SFTTrainer
 
@@ -173,10 +174,11 @@ def run_sp(kind, sp, out, monitor=False, **extra):
     from ulysses_kernels import hf as ukhf
 
     forget_deepspeed()
+    initial_parameters()   # before the arguments: built outside zero.Init
     args = trainer_args(out, sft=kind == "sft", **extra)
     groups = uk.init_sequence_parallel(sp)
     ukhf.register(groups)
-    model = make_model("ulysses")
+    model = start_from_initial(make_model("ulysses"))
     if kind == "sft":
         from trl import SFTTrainer
 
@@ -196,10 +198,33 @@ _INITIAL = {}
 
 
 def initial_parameters():
-    """The parameters every run starts from (the tiny model is seeded)."""
+    """The parameters every run starts from: the seeded tiny model built outside zero.Init."""
     if not _INITIAL:
-        _INITIAL.update(parameters(make_model("eager")))
+        model = make_model("eager")
+        if built_under_zero_init(model):
+            raise RuntimeError("initial_parameters() was first called under a live ZeRO-3 config (zero.Init)")
+        _INITIAL.update(parameters(model))
     return _INITIAL
+
+
+def start_from_initial(model):
+    """`model` with initial_parameters()' weights. Under zero.Init the same seed draws other
+    values (DeepSpeed initialises each partitioned parameter on its own), which would shift
+    every parameter's update by the difference of the two starting points and hide a wrong
+    gradient behind it; the runs compared must start from the same weights."""
+    import contextlib
+
+    initial = initial_parameters()
+    params = dict(model.named_parameters())
+    gather = contextlib.nullcontext()
+    if built_under_zero_init(model):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0)
+    with torch.no_grad(), gather:
+        for name, p in params.items():
+            p.copy_(initial[name])
+    return model
 
 
 def differences(got, want):
