@@ -2,10 +2,11 @@
 version and dependencies are in pyproject.toml.
 
 The extension is compiled when a CUDA-enabled torch and nvcc are present; otherwise the
-install is pure Python and one line on stderr says why. Nothing is probed, linked or
-written until the build command is set up (`BuildExtension`); it then records what it
-built, or why not, in `ulysses_kernels/_build_info.py` next to the extension (shown by
-`ulysses-kernels doctor`).
+install is pure Python and one line on stderr says why. At import only the CUDA toolkit
+is located (two file checks, so that torch's build command, which reads CUDA_HOME when it
+is imported, finds it); nothing is compiled, linked or written until the build command is
+set up (`BuildExtension`). It then records what it built, or why not, in
+`ulysses_kernels/_build_info.py` next to the extension (shown by `ulysses-kernels doctor`).
 
 Environment variables (docs/env.md):
   ULYSSES_KERNELS_SKIP_CUDA_BUILD=1   never build the extension
@@ -134,9 +135,10 @@ def match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=s
     system g++ built a working one). So when CXX's libstdc++ is not the loaded one, a g++
     on PATH whose libstdc++ is, is used instead.
     """
-    forced = environ.get("ULYSSES_KERNELS_HOST_COMPILER")
+    variable = _load_env_module().HOST_COMPILER.name
+    forced = environ.get(variable)
     if forced:
-        return forced, "ULYSSES_KERNELS_HOST_COMPILER"
+        return forced, variable
     current = environ.get("CXX") or "c++"
     mine = runtime_of(current)
     if loaded is None or mine is None or mine == loaded:
@@ -147,7 +149,7 @@ def match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=s
             return path, f"CXX={current} links {mine}, torch runs with {loaded}"
     print(f"ulysses-kernels: warning: CXX={current} links {mine} but torch runs with {loaded}, "
           "and no g++ on PATH matches: C++ errors of the extension may crash the process; set "
-          "ULYSSES_KERNELS_HOST_COMPILER", file=sys.stderr)
+          f"{variable}", file=sys.stderr)
     return None, None
 
 
@@ -211,8 +213,9 @@ def cuda_extension_or_reason(build_dir):
 # torch's build command reads CUDA_HOME when it is imported: point it at the toolkit found
 # here (two file checks), then take it as the base when torch is importable (it must be,
 # to compile anything).
-if find_cuda_home():
-    os.environ["CUDA_HOME"] = find_cuda_home()
+_cuda_home = find_cuda_home()
+if _cuda_home:
+    os.environ["CUDA_HOME"] = _cuda_home
 try:
     from torch.utils.cpp_extension import BuildExtension as _BaseBuild
 except ImportError:

@@ -111,7 +111,7 @@ def _tool(name):
 def use_repo(repo):
     """Make `ulysses_kernels.triton.<module>` import the kernel modules of checkout `repo`.
 
-    setup.py maps the package ulysses_kernels.triton to the folder triton_kernels/. Both
+    pyproject.toml maps the package ulysses_kernels.triton to the folder triton_kernels/. Both
     packages are registered as bare namespace stubs over the checkout's folders, so their
     __init__ (the torch op registrations, the whole public API) never runs: only the
     kernel modules and what they import (ulysses_kernels.env) load.

@@ -127,10 +127,8 @@ class NcclCommunicator : public torch::CustomClassHolder {
       event_ = nullptr;
     }
     if (comm_ == nullptr) return;  // closed already, or freed by an abort
-    if (!in_flight(ncclCommFinalize(comm_))) {
-      abort();
-      return;
-    }
+    const ncclResult_t finalize = ncclCommFinalize(comm_);
+    if (!in_flight(finalize)) fail("communicator finalize", finalize);  // aborts, then raises
     // Capped: at interpreter exit a peer may be gone already; do not wait 10 minutes.
     poll("communicator finalize", timeout_s_ < 30.0 ? timeout_s_ : 30.0,
          [](ncclResult_t state) { return state == ncclSuccess; });

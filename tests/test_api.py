@@ -139,3 +139,17 @@ def test_module_wraps_the_call():
     assert "causal=True" in repr(layer)
 
 
+
+
+def test_ring_documents_on_the_trusted_path():
+    """With trusted seq_lens the ring's document boundaries are checked where they are read
+    (api._ring_documents): rising from 0 to the global length, batch 1."""
+    from ulysses_kernels import api
+
+    assert api._ring_documents(None, 12, 2) is None
+    assert api._ring_documents(torch.tensor([0, 5, 12], dtype=torch.int32), 12, 1) == (0, 5, 12)
+    for bad in ([1, 5, 12], [0, 7, 5, 12], [0, 5, 11]):
+        with pytest.raises(ValueError, match="must rise from 0 to the global length 12"):
+            api._ring_documents(torch.tensor(bad, dtype=torch.int32), 12, 1)
+    with pytest.raises(ValueError, match="needs batch size 1, got 2"):
+        api._ring_documents(torch.tensor([0, 12], dtype=torch.int32), 12, 2)

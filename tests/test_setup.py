@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT
 
 import ulysses_kernels
@@ -96,3 +97,15 @@ def test_this_machines_probes_agree():
     assert loaded is not None and os.path.exists(loaded)
     compiler, _ = helpers["match_host_compiler"](os.environ, loaded)
     assert compiler is None or compiler == os.environ.get("ULYSSES_KERNELS_HOST_COMPILER")
+
+
+def test_every_subpackage_is_listed_for_the_wheel():
+    """pyproject.toml lists the packages by hand (the kernels install from another folder):
+    every folder of ulysses_kernels/ with an __init__.py must be among them, or an editable
+    install works and a wheel lacks it."""
+    tomllib = pytest.importorskip("tomllib")   # Python >= 3.11
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.relative_to(ROOT).parent.parts) for p in (ROOT / "ulysses_kernels").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
+    assert "ulysses_kernels.triton" in listed and (ROOT / "triton_kernels" / "__init__.py").exists()

@@ -166,7 +166,7 @@ def interpreting() -> bool:
 
 # ---------------------------------------------------------------- the generated table
 
-_KINDS = {"flag": f"boolean ({'/'.join(_TRUE[:4])} or {'/'.join(_FALSE[:4])})", "number": "number",
+_KINDS = {"flag": f"boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})", "number": "number",
           "integer": "integer", "path": "path", "text": "text"}
 
 

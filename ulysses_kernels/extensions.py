@@ -90,3 +90,11 @@ def triton_kernels() -> Tuple[Optional[object], Optional[str]]:
     if not hasattr(module, "flash_attention"):
         return None, "ulysses_kernels.triton has no flash_attention kernels in this build"
     return module, None
+
+
+def require_triton_kernels():
+    """The Triton attention kernels, or a RuntimeError saying why they cannot be used."""
+    module, reason = triton_kernels()
+    if module is None:
+        raise RuntimeError(f"the Triton kernels cannot be used: {reason}")
+    return module

@@ -76,8 +76,10 @@ def test_env_var_and_bad_names(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "  ")
     assert dispatch.requested_backend(None) == "auto"
     monkeypatch.setenv(ENV_VAR, "nonsense")
-    with pytest.raises(ValueError, match="ULYSSES_KERNELS_BACKEND='nonsense' is not a backend"):
+    with pytest.raises(ValueError, match="ULYSSES_KERNELS_BACKEND='nonsense' is not one of auto, reference, triton"):
         dispatch.requested_backend(None)
+    monkeypatch.setenv(ENV_VAR, "Triton")   # read like every choice variable (env.choice): any case
+    assert dispatch.requested_backend(None) == "triton"
     monkeypatch.delenv(ENV_VAR)
     with pytest.raises(ValueError, match="backend='cuda' is not a backend; choose one of reference, triton, fused"):
         dispatch.requested_backend("cuda")
@@ -90,7 +92,7 @@ def test_backend_selection_rules(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "reference")
     assert resolve_path(None, CPU, distributed=True) == "reference"
     monkeypatch.setenv(ENV_VAR, "nonsense")
-    with pytest.raises(ValueError, match="ULYSSES_KERNELS_BACKEND='nonsense' is not a backend"):
+    with pytest.raises(ValueError, match="ULYSSES_KERNELS_BACKEND='nonsense' is not one of auto, reference"):
         resolve_path(None, CPU, distributed=True)
     monkeypatch.delenv(ENV_VAR)
     with pytest.raises(ValueError, match="backend='cuda' is not a backend"):
@@ -116,6 +118,27 @@ def test_every_path_implements_the_interface():
             assert callable(getattr(path.block_ops, op)), (name, op)
     # the fused path borrows the Triton path's attention and ring blocks (its declared interface)
     assert PATHS["fused"].block_ops is PATHS["triton"].block_ops
+
+
+@pytest.mark.parametrize("causal,documents", [(False, None), (True, None), (True, [0, 5, 16, 32])])
+def test_path_attention_with_lse_matches_float64(causal, documents):
+    """Path.attention(with_lse=True) (what HF ring inference merges): the reference and the
+    Triton path's (out, lse) against the float64 reference, GQA, packed documents."""
+    if triton_path.PATH.problem(CPU, ()) is not None:
+        pytest.skip("the Triton path cannot run on CPU here (interpreter off or Triton missing)")
+    from helpers import rel_err
+
+    q, k, v, _ = make_qkv(1, 32, 4, 2, 16, dtype=torch.float64, seed=3)
+    cu = torch.tensor(documents, dtype=torch.int32) if documents else None
+    want_out, want_lse = PATHS["reference"].attention(q, k, v, causal=causal, softmax_scale=0.25, cu_seqlens=cu,
+                                                      with_lse=True)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    for name in ("reference", "triton"):
+        out, lse = PATHS[name].attention(q32, k32, v32, causal=causal, softmax_scale=0.25, cu_seqlens=cu, with_lse=True)
+        assert out.shape == want_out.shape and lse.shape == want_lse.shape, (name, lse.shape)
+        assert rel_err(out, want_out) < 1e-5 and rel_err(lse, want_lse) < 1e-5, name
+    out, lse = PATHS["triton"].attention(q32, k32, v32, causal=causal, softmax_scale=0.25, cu_seqlens=cu)
+    assert lse is None and rel_err(out, want_out) < 1e-5
 
 
 def test_triton_path_reports_inputs_it_cannot_run():

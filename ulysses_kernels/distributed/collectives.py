@@ -2,10 +2,11 @@
 the call"): a few int64 values from every rank, tensors gathered from every rank, an OR
 over the ranks, one message per rank, and the flat all-to-all the torch exchanges run.
 
-Each runs on the device the group's backend can use (`groups.collective_device`: the
-CPU for gloo, the current GPU for NCCL) and hands results back where the caller's
-tensors live. A group of None is a single process: every function degenerates to the
-identity.
+The small ones run on the device the group's backend can use (`groups.collective_device`:
+the CPU for gloo, the current GPU for NCCL); tensors are gathered where they live when the
+backend runs there (`groups.tensor_collective_device`) and handed back there. A group of
+None is a single process (`groups.resolve_group` gives None only without
+torch.distributed): every function degenerates to the identity.
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -13,11 +14,16 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .groups import collective_device
+from .groups import collective_device, tensor_collective_device
 
 
 def _world(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        if dist.is_available() and dist.is_initialized():   # None here would be one rank's view of many
+            raise ValueError("ulysses_kernels: a collective got group=None with torch.distributed initialised; "
+                             "resolve it first (distributed.groups.resolve_group gives the WORLD group)")
+        return 1
+    return dist.get_world_size(group)
 
 
 def gather_ints(values: Sequence[int], group) -> List[List[int]]:
@@ -35,7 +41,7 @@ def all_gather_tensor(t: torch.Tensor, group) -> List[torch.Tensor]:
     """Every rank's `t` (the same shape and dtype on every rank), in rank order, on t's device."""
     if _world(group) == 1:
         return [t]
-    dev = collective_device(group)
+    dev = tensor_collective_device(group, t)
     parts = [torch.empty(t.shape, dtype=t.dtype, device=dev) for _ in range(_world(group))]
     dist.all_gather(parts, t.contiguous().to(dev), group=group)
     return [p.to(t.device) for p in parts]
@@ -64,7 +70,7 @@ def broadcast_tensor(t: torch.Tensor, src: int, group) -> torch.Tensor:
     """Group rank `src`'s `t` on every rank (a new tensor on t's device)."""
     if _world(group) == 1:
         return t
-    dev = collective_device(group)
+    dev = tensor_collective_device(group, t)
     buf = t.contiguous().to(dev, copy=True)
     dist.broadcast(buf, src=dist.get_global_rank(group, src), group=group)
     return buf.to(t.device)
@@ -75,7 +81,7 @@ def all_to_all(send: torch.Tensor, send_splits: List[int], recv_splits: List[int
     (a copy of `send` for a single process)."""
     send = send.reshape(-1)
     recv = send.new_empty(sum(recv_splits))
-    if group is None:  # single process: the exchange is the identity
+    if group is None and _world(group) == 1:  # single process (raises for an unresolved None)
         recv.copy_(send)
         return recv
     dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)

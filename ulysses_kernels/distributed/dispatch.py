@@ -18,7 +18,7 @@ import torch
 
 from .. import env
 
-BACKENDS = ("reference", "triton", "fused")
+BACKENDS = tuple(name for name in env.BACKEND.choices if name != "auto")   # the paths, by name
 
 
 class Path(Protocol):
@@ -59,12 +59,12 @@ class Path(Protocol):
 
 def requested_backend(backend: Optional[str]) -> str:
     """The backend asked for: the argument, else the environment, else "auto"."""
-    name = backend if backend is not None else (env.text(env.BACKEND) or "auto")
-    if name not in BACKENDS + ("auto",):
-        source = "backend" if backend is not None else env.BACKEND.name
-        raise ValueError(f"{source}={name!r} is not a backend; choose one of "
-                         f"{', '.join(BACKENDS)} (or None / 'auto')")
-    return name
+    if backend is None:
+        return env.choice(env.BACKEND, env.BACKEND.choices, env.BACKEND.default)
+    if backend not in BACKENDS + ("auto",):
+        raise ValueError(f"backend={backend!r} is not a backend; choose one of {', '.join(BACKENDS)} "
+                         "(or None / 'auto')")
+    return backend
 
 
 def resolve_backend(backend: Optional[str], device: torch.device, *, distributed: bool,

@@ -35,6 +35,18 @@ def collective_device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def tensor_collective_device(group, t: torch.Tensor) -> torch.device:
+    """Where `t` is gathered or broadcast over `group`: on its own device when the group's
+    backend runs there (NCCL for a CUDA tensor, gloo for a CPU one; a "cpu:gloo,cuda:nccl"
+    group does both), else where the backend can (`collective_device`), through a copy."""
+    backend = str(dist.get_backend(group)).lower()
+    if t.is_cuda and "nccl" in backend:
+        return t.device
+    if t.device.type == "cpu" and ("gloo" in backend or "nccl" not in backend):
+        return t.device
+    return collective_device(group)
+
+
 class ParallelGroups(NamedTuple):
     """The groups a rank belongs to on a `(dp, sp)` mesh of the world, the SP dimension
     itself a `(ring, ulysses)` grid.

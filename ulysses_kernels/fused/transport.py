@@ -61,13 +61,20 @@ class NcclTransport:
         self.handle = self.communicator.handle()
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
+        self._open()
         torch.ops.ulysses_kernels.nccl_all_to_all(self.handle, send, recv, send_counts, recv_counts)
 
     def check(self):
         if self.check_each_call and not torch.cuda.is_current_stream_capturing():
-            self.communicator.wait(self.timeout_s)
+            self._open().wait(self.timeout_s)
+
+    def _open(self):
+        if self.communicator is None:
+            raise RuntimeError("ulysses_kernels: this NCCL transport is closed (fused.close() or an engine "
+                               "rebuilt for a new group); its engine must not be used any more")
+        return self.communicator
 
     def close(self):
         if self.communicator is not None:
-            self.communicator.close()
-            self.communicator = None
+            communicator, self.communicator, self.handle = self.communicator, None, 0
+            communicator.close()

@@ -68,7 +68,7 @@ class RingSpec:
     causal: bool
     softmax_scale: float
     documents: Optional[Tuple[int, ...]] = None  # global cu_seqlens, on the host
-    block_ops: Optional[BlockOps] = None         # set by ulysses_ring_attention from the path
+    block_ops: Optional[BlockOps] = None         # the path's (ulysses_ring_attention sets them); required
     shift: Optional[Shift] = None                # None: torch.distributed P2P (RingShift)
 
     def portion(self, ring_rank: int) -> int:
@@ -206,6 +206,9 @@ class RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, spec: RingSpec) -> torch.Tensor:
     """Ring attention of head-sharded portions q `[B, L, Hq, D]`, k/v `[B, L, Hkv, D]`
     (differentiable), with the spec's block ops and transfers."""
+    if spec.block_ops is None:
+        raise ValueError("ring_attention: the RingSpec has no block_ops; a path's call sets them "
+                         "(ulysses_ring_attention), or pass block_ops= (reference.block_ops.TorchBlockOps)")
     return RingAttention.apply(q, k, v, spec)
 
 

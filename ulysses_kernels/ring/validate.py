@@ -1,7 +1,7 @@
 """The checked metadata exchange of the Ulysses x Ring hybrid: the same errors on every
 rank of the whole SP grid, no hang (docs/architecture.md, "Ulysses x Ring").
 
-Two small all-gathers. First each Ulysses group runs the usual exchange (validate.py)
+Two small all-gathers. First each Ulysses group runs the usual exchange (distributed/validate.py)
 without raising. Then each ring group all-gathers one descriptor per ring rank: the
 inputs with the sequence length replaced by the ring rank's portion, the Ulysses degree
 and rank, and whether the first step failed. A ring group holds one rank of every

@@ -3,14 +3,7 @@ Ring"): the Triton and fused paths' `BlockOps` (ring/schedule.py)."""
 
 import torch
 
-from ..extensions import triton_kernels
-
-
-def _kernels():
-    module, reason = triton_kernels()
-    if module is None:
-        raise RuntimeError(f"Triton kernels unavailable: {reason}")
-    return module
+from ..extensions import require_triton_kernels
 
 
 class TritonBlockOps:
@@ -35,13 +28,13 @@ class TritonBlockOps:
 
     @staticmethod
     def forward(q, k, v, block, scale):
-        return _kernels().flash_attention_forward(q, k, v, softmax_scale=scale, **TritonBlockOps._options(block, q.device))
+        return require_triton_kernels().flash_attention_forward(q, k, v, softmax_scale=scale, **TritonBlockOps._options(block, q.device))
 
     @staticmethod
     def backward(do, q, k, v, out, lse, block, scale):
-        return _kernels().flash_attention_backward(do, q, k, v, out, lse, softmax_scale=scale,
+        return require_triton_kernels().flash_attention_backward(do, q, k, v, out, lse, softmax_scale=scale,
                                                    **TritonBlockOps._options(block, q.device))
 
     @staticmethod
     def merge(acc, acc_lse, out, lse):
-        _kernels().merge_attention(acc, acc_lse, out, lse)
+        require_triton_kernels().merge_attention(acc, acc_lse, out, lse)

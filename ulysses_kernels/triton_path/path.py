@@ -9,7 +9,7 @@ import torch
 
 from .. import env
 from ..exchange import heads
-from ..extensions import triton_kernels
+from ..extensions import require_triton_kernels, triton_kernels
 from . import select, ulysses
 from .block_ops import TritonBlockOps
 
@@ -46,11 +46,8 @@ class TritonPath:
         """The chosen kernel (select.py), differentiable; with the LSE: our kernel's forward
         (no autograd)."""
         if with_lse:
-            module, reason = triton_kernels()
-            if module is None:
-                raise RuntimeError(f"the Triton kernels cannot be used: {reason}")
-            return module.flash_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                  cu_seqlens=cu_seqlens)
+            return require_triton_kernels().flash_attention_forward(q, k, v, causal=causal,
+                                                                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
         out = select.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                                deterministic=deterministic)
         return out, None

@@ -32,11 +32,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import env
-from ..extensions import triton_kernels
+from ..extensions import require_triton_kernels, triton_kernels
 
 ENV_VAR = env.ATTENTION.name
 CACHE_DIR_VAR = env.CACHE_DIR.name
-CHOICES = ("auto", "triton", "sdpa", "flash")
+CHOICES = env.ATTENTION.choices
 BACKENDS = ("triton", "sdpa_cudnn", "sdpa_flash", "flash")
 # What each override value allows; "auto" allows every backend.
 _FAMILY = {"triton": ("triton",), "sdpa": ("sdpa_cudnn", "sdpa_flash"), "flash": ("flash",), "auto": BACKENDS}
@@ -150,12 +150,6 @@ def candidates(key: Key, *, q_len: int, k_len: int, need_lse: bool = False, spli
 
 # ---------------------------------------------------------------------- running
 
-def _triton():
-    module, reason = triton_kernels()
-    if module is None:
-        raise RuntimeError(f"the Triton kernels cannot be used: {reason}")
-    return module
-
 
 def _sdpa(q, k, v, *, causal: bool, scale: float, backend: str) -> torch.Tensor:
     """torch SDPA on `[B, S, H, D]` views (transposed, not copied), pinned to one backend
@@ -178,7 +172,7 @@ def run(name: str, q, k, v, *, causal: bool, softmax_scale: Optional[float] = No
     """Attention on backend `name` (differentiable), whether or not it is eligible: the
     caller (`attention`, tests) decides. `deterministic` reaches our kernel's backward."""
     if name == "triton":
-        return _triton().flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+        return require_triton_kernels().flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                          cu_seqlens=cu_seqlens, deterministic=deterministic)
     if cu_seqlens is not None:
         raise ValueError(f"attention backend {name!r} does not take cu_seqlens")
@@ -237,8 +231,7 @@ _loaded = False
 
 
 def cache_path() -> str:
-    base = env.text(env.CACHE_DIR) or os.path.join(os.path.expanduser("~"), ".cache",
-                                                                      "ulysses_kernels")
+    base = os.path.expanduser(env.text(env.CACHE_DIR) or env.CACHE_DIR.default)
     return os.path.join(base, "attention_choice.json")
 
 

@@ -23,15 +23,8 @@ import torch
 
 from ..distributed.collectives import all_to_all
 from ..exchange.buffers import exchange_seq_to_heads, pack_for_heads, placements_for, unpack_from_heads
-from ..extensions import triton_kernels
+from ..extensions import require_triton_kernels
 from . import select
-
-
-def _kernels():
-    module, reason = triton_kernels()
-    if module is None:
-        raise RuntimeError(f"Triton kernels unavailable: {reason}")
-    return module
 
 
 def _reverse_exchange(rows: torch.Tensor, batch: int, seq_lens, rank: int, group):
@@ -53,7 +46,7 @@ def _kernel_choice(q_rows, k_rows, batch, world, causal, cu_seqlens, grad) -> st
     split = batch > 1 and world > 1
     view = (lambda t: t.view(batch, t.shape[0] // batch, *t.shape[1:])) if not split else (lambda t: t.unsqueeze(0))
     return select.choose(view(q_rows), view(k_rows), causal=causal, varlen=cu_seqlens is not None,
-                                   split_layout=split, grad=grad)
+                         split_layout=split, grad=grad)
 
 
 def _external_forward(name, row_views, out_rows, batch, causal, softmax_scale, grad):
@@ -78,7 +71,7 @@ def _external_backward(recorded, do_rows, grads) -> None:
 class TritonUlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, rank, seq_lens, causal, softmax_scale, cu_seqlens):
-        kernels = _kernels()
+        kernels = require_triton_kernels()
         world = len(seq_lens)
         B, _, Hq, D = q.shape
         placements = placements_for([Hq, k.shape[2], v.shape[2]], world)
@@ -107,7 +100,7 @@ class TritonUlyssesAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        kernels = _kernels()
+        kernels = require_triton_kernels()
         rows, out_rows, lse, cu = ctx.saved_tensors
         group, rank, seq_lens, causal, softmax_scale, placements, B = ctx.meta
         world = len(seq_lens)
