@@ -29,6 +29,7 @@ def main(argv=None):
 
     import tempfile
 
+    from _deepspeed import built_under_zero_init, describe
     from _tiny import synthetic_documents, tiny_model, tiny_tokenizer
     from trl import SFTConfig, SFTTrainer
 
@@ -48,7 +49,7 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     else:
         model, tokenizer = tiny_model("ulysses"), tiny_tokenizer()
-    zero_init = any(hasattr(p, "ds_id") for p in model.parameters())  # a ZeRO-3 config: built partitioned
+    zero_init = built_under_zero_init(model)   # a ZeRO-3 config: built partitioned
 
     class SPSFTTrainer(ukhf.SequenceParallelTrainerMixin, SFTTrainer):      # SP
         pass
@@ -57,12 +58,8 @@ def main(argv=None):
                            train_dataset=synthetic_documents(64, 16, 200))
     result = trainer.train()
     if trainer.is_world_process_zero():
-        engine = "no DeepSpeed"
-        if trainer.is_deepspeed_enabled:
-            engine = f"DeepSpeed ZeRO-{trainer.accelerator.deepspeed_plugin.zero_stage}" + (
-                ", built under zero.Init" if zero_init else "")
         print(f"done: {result.global_step} steps at SP {groups.sp_size} x DP {groups.dp_size}, "
-              f"final loss {trainer.state.log_history[-2]['loss']} ({engine})")
+              f"final loss {trainer.state.log_history[-2]['loss']} ({describe(trainer, zero_init)})")
     return result
 
 

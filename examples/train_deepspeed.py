@@ -46,6 +46,28 @@ def packed_row(seq_len, vocab, seed):
     return ids, pos, labels
 
 
+def build_model(zero: int, config: dict):
+    """The tiny model, built partitioned under zero.Init with ZeRO-3 (what from_pretrained
+    does once a ZeRO-3 config exists)."""
+    import deepspeed
+    from _tiny import tiny_model
+
+    with deepspeed.zero.Init(config_dict_or_path=config, enabled=zero == 3):
+        return tiny_model("ulysses")
+
+
+def train_step(engine, groups, ids, pos, labels):
+    """One step of the recipe on one row (the same on every rank of an SP group); returns
+    the loss, the global mean over the row's targets."""
+    from ulysses_kernels import hf as ukhf
+
+    batch = ukhf.shard_batch(ids, groups, position_ids=pos, labels=labels)             # SP
+    loss = ukhf.causal_lm_loss(engine, batch, groups)                                  # SP: the global mean
+    engine.backward(ukhf.loss_for_world_average(loss, groups, engine=engine))          # SP: x sp_size
+    engine.step()
+    return loss
+
+
 def run(rank, world, argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sp", type=int, default=2)
@@ -57,7 +79,7 @@ def run(rank, world, argv=None):
     args = p.parse_args(argv)
 
     import deepspeed
-    from _tiny import VOCAB, tiny_model
+    from _tiny import VOCAB
 
     import ulysses_kernels as uk  # SP
     from ulysses_kernels import hf as ukhf  # SP
@@ -65,8 +87,7 @@ def run(rank, world, argv=None):
     groups = uk.init_sequence_parallel(args.sp)                             # SP
     ukhf.register(groups)                                                   # SP: attn_implementation="ulysses"
     config = deepspeed_config(args.zero, args.lr)
-    with deepspeed.zero.Init(config_dict_or_path=config, enabled=args.zero == 3):
-        model = tiny_model("ulysses")
+    model = build_model(args.zero, config)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     monitor = uk.StepMonitor(model=engine.module, sp_size=groups.sp_size)    # the per-step monitor
     losses, records = [], []
@@ -74,10 +95,7 @@ def run(rank, world, argv=None):
         # every SP group takes the same row, DP groups different ones
         ids, pos, labels = packed_row(args.seq_len, VOCAB, seed=step * groups.dp_size + groups.dp_rank)
         monitor.begin()
-        batch = ukhf.shard_batch(ids, groups, position_ids=pos, labels=labels)   # SP
-        loss = ukhf.causal_lm_loss(engine, batch, groups)                      # SP: the global mean
-        engine.backward(ukhf.loss_for_world_average(loss, groups))             # SP: x sp_size
-        engine.step()
+        loss = train_step(engine, groups, ids, pos, labels)
         records.append(monitor.end(tokens=ids.numel() * groups.dp_size, seq_len=ids.numel()))
         losses.append(loss.item())
         if rank == 0:

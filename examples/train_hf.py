@@ -163,7 +163,8 @@ def run(rank, world, argv=None):
     nparams = sum(p.numel() for p in model.parameters())
 
     monitor = uk.StepMonitor(model=getattr(model, "module", model), sp_size=sp, ring_size=args.ring, device=device,
-                             checkpointing=args.checkpointing, tiled_mlp=args.tiled, tiled_loss=args.tiled)
+                             checkpointing=args.checkpointing, checkpoint_offload=args.offload, tiled_mlp=args.tiled,
+                             tiled_loss=args.tiled)
     stream = packed_sequences(docs, args.seq_len)
     if rank == 0:
         print(f"world {world} = dp {dp} x sp {sp}, seq_len {args.seq_len}, {len(docs)} documents, "

@@ -53,6 +53,7 @@ def main(argv=None):
 
     import tempfile
 
+    from _deepspeed import built_under_zero_init, communicator_on_cpu, describe, trainer_config
     from _tiny import VOCAB, tiny_model
     from transformers import Trainer, TrainingArguments
 
@@ -60,21 +61,12 @@ def main(argv=None):
     from ulysses_kernels import hf as ukhf  # SP
 
     out = args.output_dir or tempfile.mkdtemp()
-    deepspeed = None
-    if args.zero:   # DeepSpeed ZeRO: the same recipe (docs/deepspeed.md); "auto" takes these arguments
-        deepspeed = {"zero_optimization": {"stage": args.zero}, "train_micro_batch_size_per_gpu": "auto",
-                     "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
-    on_cpu = not torch.cuda.is_available()
     config = TrainingArguments(output_dir=out, max_steps=args.steps, per_device_train_batch_size=1, per_device_eval_batch_size=1,
                                learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
-                               use_cpu=on_cpu, disable_tqdm=True,
-                               deepspeed=deepspeed)   # creates the process group; before the model (zero.Init)
-    if deepspeed and on_cpu:
-        # With use_cpu, accelerate leaves DeepSpeed's communicator unset; zero.Init would
-        # then size ZeRO-3 for one process. On GPUs accelerate sets it up (docs/deepspeed.md).
-        import deepspeed as ds
-
-        ds.init_distributed(dist_backend="gloo")
+                               use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+                               deepspeed=trainer_config(args.zero) if args.zero else None)
+    # ^ creates the process group; before the model (a ZeRO-3 config builds it under zero.Init)
+    communicator_on_cpu(config)   # DeepSpeed on CPU only (docs/deepspeed.md)
     groups = uk.init_sequence_parallel(args.sp)                             # SP
     ukhf.register(groups)                                                   # SP
     if args.model:
@@ -88,7 +80,7 @@ def main(argv=None):
     class SPTrainer(ukhf.SequenceParallelTrainerMixin, Trainer):           # SP
         pass
 
-    zero_init = any(hasattr(p, "ds_id") for p in model.parameters())     # ZeRO-3: built partitioned
+    zero_init = built_under_zero_init(model)
     trainer = SPTrainer(model=model, args=config, sp_groups=groups, monitor=True,   # SP: sp_groups; the monitor
                         train_dataset=PackedRows(64, args.seq_len, vocab, seed=1),
                         eval_dataset=PackedRows(8, args.seq_len, vocab, seed=2))
@@ -97,9 +89,8 @@ def main(argv=None):
     trainer.save_model(os.path.join(out, "final"))
     if trainer.is_world_process_zero():
         print(f"done: {result.global_step} steps at SP {groups.sp_size} x DP {groups.dp_size}, "
-              f"train loss {result.training_loss:.4f}, eval loss {metrics['eval_loss']:.4f}"
-              + (f" (DeepSpeed ZeRO-{args.zero}" if args.zero else "") + (", built under zero.Init" if zero_init else "")
-              + (")" if args.zero else ""))
+              f"train loss {result.training_loss:.4f}, eval loss {metrics['eval_loss']:.4f} "
+              f"({describe(trainer, zero_init)})")
     return result, metrics, zero_init
 
 

@@ -59,6 +59,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launch_script(cmd, *, timeout: float, **env_extra) -> str:
+    """Run a launcher command (torchrun, accelerate launch) from the repository root, one
+    thread per process, outside any process group of this one; its stdout and stderr
+    together. A non-zero exit fails with the output's tail."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env_extra)
+    env.pop("RANK", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+class SpawnedRuns:
+    """Each world's jobs spawned once per test module, every test reading the same results,
+    or re-raising the same failure. jobs(world): (the function the spawned ranks run, its
+    args)."""
+
+    def __init__(self, jobs, timeout: float):
+        self.jobs, self.timeout, self.results = jobs, timeout, {}
+
+    def __call__(self, world: int):
+        from ulysses_kernels.launch import spawn
+
+        if world not in self.results:
+            fn, args = self.jobs(world)
+            try:
+                self.results[world] = spawn(fn, world, args=args, timeout=self.timeout)
+            except Exception as exc:  # report the same failure in every test that needs it
+                self.results[world] = exc
+        if isinstance(self.results[world], Exception):
+            raise self.results[world]
+        return self.results[world]
+
+
 def shard(t: torch.Tensor, world: int, rank: int, dim: int = 1) -> torch.Tensor:
     """This rank's `torch.tensor_split` slice along the sequence (a contiguous copy)."""
     return torch.tensor_split(t, world, dim=dim)[rank].clone()

@@ -57,19 +57,107 @@ def test_shape_from_a_config_dict():
     assert planner.shape_from_dict(dict(LLAMA_LIKE, head_dim=64)).head_dim == 64
 
 
-def test_expected_activation_follows_the_planner():
-    """The expectation is the planner's largest phase at the step's length and SP size:
-    it grows with the length and shrinks with the SP size (each rank holds 1/sp of it)."""
+def test_expected_activation_is_the_planners_activations():
+    """The expectation is what the planner's terms hold in activations at the step's peak:
+    the layer inputs kept by checkpointing plus the largest peak phase (with checkpointing),
+    every layer's saved activations plus the largest peak phase (without); never the
+    states. It grows with the length and shrinks with the SP size."""
     shape = planner.shape_from_dict(LLAMA_LIKE)
-    monitor = StepMonitor(shape=shape, sp_size=1, device="cpu", checkpointing=True)
-    want = planner.largest_activation_bytes(planner.memory_terms(shape, planner.PlanOptions(
-        seq_len=4096, gpus_per_node=1, sp_size=1, checkpointing=True)))
-    assert monitor.expected_activation_bytes(4096) == want > 0
-    assert monitor.expected_activation_bytes(8192) > 1.5 * want
+    for checkpointing in (True, False):
+        monitor = StepMonitor(shape=shape, sp_size=1, device="cpu", checkpointing=checkpointing, attention="flash")
+        terms = planner.memory_terms(shape, planner.PlanOptions(seq_len=4096, gpus_per_node=1, sp_size=1,
+                                                                checkpointing=checkpointing))
+        kept = (terms["checkpointed layer inputs"] if checkpointing else terms["every layer's saved activations"])
+        phases = [v for k, v in terms.items() if k.endswith("(peak phase)")]
+        assert len(phases) == 2 and kept > 0
+        want = kept + max(phases)
+        assert monitor.expected_activation_bytes(4096) == pytest.approx(want, rel=1e-12)
+        assert monitor.expected_activation_bytes(8192) > 1.5 * want
+        halved = StepMonitor(shape=shape, sp_size=2, device="cpu", checkpointing=checkpointing, attention="flash")
+        assert halved.expected_activation_bytes(4096) < 0.75 * want
     assert monitor.expected_activation_bytes(0) is None
-    halved = StepMonitor(shape=shape, sp_size=2, device="cpu", checkpointing=True).expected_activation_bytes(4096)
-    assert halved < 0.75 * want
-    assert _step(monitor, 0, seq_len=4096).as_logs()["planner_activation_gib"] == float(f"{want / planner.GIB:.4g}")
+    assert _step(monitor, 0, seq_len=4096).as_logs()["planner_activation_gib"] == float(
+        f"{monitor.expected_activation_bytes(4096) / planner.GIB:.4g}")
+
+
+def test_every_planner_term_has_a_kind():
+    """Each of memory_terms' keys is a state, an activation kept through the step or a peak
+    phase: a new term must say which (planner.STATE_TERMS / ACTIVATION_TERMS), or the
+    monitor's expectation would silently leave it out."""
+    shape = planner.shape_from_dict(LLAMA_LIKE)
+    for checkpointing in (True, False):
+        for extra in ({}, {"tiled_mlp": True, "ring_size": 2, "checkpoint_offload": checkpointing}):
+            terms = planner.memory_terms(shape, planner.PlanOptions(seq_len=4096, gpus_per_node=2, sp_size=2,
+                                                                    checkpointing=checkpointing, **extra))
+            for key in terms:
+                assert key in planner.STATE_TERMS or key in planner.ACTIVATION_TERMS or key.endswith(
+                    "(peak phase)"), key
+
+
+@pytest.mark.slow   # builds a transformers model
+def test_model_sets_the_planner_defaults():
+    """With a model, its parameters' dtype and its activation checkpointing are the planner
+    options (explicit options win); a multimodal config's text sizes are the shape."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in LLAMA_LIKE.items() if k != "model_type"})
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    assert StepMonitor(model=model).options == {"dtype_bytes": 2, "checkpointing": False, "attention": "reference"}
+    model.activation_checkpointing_enable()
+    assert StepMonitor(model=model, dtype_bytes=4, attention="flash").options == {
+        "dtype_bytes": 4, "checkpointing": True, "attention": "flash"}
+
+    class Multimodal:   # a config whose decoder sizes sit in its text config (as Gemma 3's)
+        def get_text_config(self):
+            return config
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config, self.inner = Multimodal(), model
+
+    assert StepMonitor(model=Wrapper()).shape == planner.shape_from_dict(config.to_dict())
+
+
+def test_a_record_covers_the_steps_since_the_last():
+    """step_done() counts locally; record() covers every step since the previous record:
+    the tokens summed, the time summed, the highest peak of the steps; pending() says how
+    many there are."""
+    monitor = StepMonitor(device="cpu")
+    for mib in (0, 256, 0):
+        monitor.begin()
+        held = _touch(mib) if mib else None
+        monitor.step_done(50, seq_len=10)
+        del held
+    assert monitor.pending() == 3
+    record = monitor.record()
+    assert monitor.pending() == 0 and monitor.last_record is record
+    assert (record.step, record.steps, record.tokens) == (3, 3, 150)
+    quiet = _step(monitor, 0)
+    assert (quiet.step, quiet.steps) == (4, 1) and "step 4:" in quiet.line() and "steps 1-3:" in record.line()
+    assert record.peak_bytes[0] - quiet.peak_bytes[0] > 200 * MIB or quiet.memory != "resident", (record, quiet)
+
+
+def test_without_a_peak_reset_the_record_says_so(monkeypatch):
+    """Where Linux refuses the reset of the resident peak, the record says what it holds."""
+    import ulysses_kernels.monitor as monitor_module
+
+    monkeypatch.setattr(monitor_module, "_reset_resident_peak", lambda: False)
+    assert _step(StepMonitor(device="cpu"), 0).memory == "resident, process peak so far"
+
+
+@pytest.mark.gpu
+def test_record_measures_the_step_on_the_gpu():
+    """On a GPU the peak is the allocator's, reset at begin(): a step that allocates 256 MiB
+    reads at least 256 MiB above a quiet one."""
+    monitor = StepMonitor(device="cuda")
+    monitor.begin()
+    quiet = monitor.end(1)
+    monitor.begin()
+    held = torch.ones(256 * MIB // 4, device="cuda")
+    busy = monitor.end(1)
+    del held
+    assert busy.memory == "device allocator"
+    assert busy.peak_bytes[0] - quiet.peak_bytes[0] >= 256 * MIB, (quiet, busy)
 
 
 def _ranks_allocate(rank, world):

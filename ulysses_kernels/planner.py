@@ -178,16 +178,30 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     return t
 
 
-def largest_activation_bytes(terms: Dict[str, float]) -> float:
+# memory_terms' keys by kind: what lives through the step regardless of its length (the
+# states and the reserve) and the activations that live through it; the rest are the
+# "(peak phase)" terms, of which only the largest is live at the peak.
+STATE_TERMS = ("weights (fp32, sharded)", "gradients (fp32, sharded)", "optimizer (AdamW fp32 m, v)",
+               "gathered compute weights", "reserve (context, NCCL, fragmentation)")
+ACTIVATION_TERMS = ("checkpointed layer inputs", "every layer's saved activations")
+
+
+def peak_phase_bytes(terms: Dict[str, float]) -> float:
     """The largest of the phases that never coexist ("(peak phase)": the logits and loss,
-    one layer's backward): what a step's activations add to what lives through it."""
+    one layer's backward)."""
     return max((v for k, v in terms.items() if k.endswith("(peak phase)")), default=0.0)
 
 
 def peak_bytes(terms: Dict[str, float]) -> float:
     """The step's peak: everything that lives through the step, plus the largest of the
     phases that do not overlap (the loss, one layer's backward), marked "(peak phase)"."""
-    return sum(v for k, v in terms.items() if not k.endswith("(peak phase)")) + largest_activation_bytes(terms)
+    return sum(v for k, v in terms.items() if not k.endswith("(peak phase)")) + peak_phase_bytes(terms)
+
+
+def activation_bytes(terms: Dict[str, float]) -> float:
+    """What the step's activations hold at its peak (the peak without the states and the
+    reserve): the activations kept through the step plus the largest peak phase."""
+    return sum(terms.get(k, 0.0) for k in ACTIVATION_TERMS) + peak_phase_bytes(terms)
 
 
 def host_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:

@@ -15,10 +15,9 @@ import torch.distributed as dist
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install 'ulysses-kernels[hf]')")
 
-from helpers import ROOT, SLOW_SPAWN_TIMEOUT  # noqa: E402
+from helpers import ROOT, SLOW_SPAWN_TIMEOUT, SpawnedRuns  # noqa: E402
 
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.launch import spawn  # noqa: E402
 
 TOL = 1e-5
 
@@ -443,18 +442,7 @@ _JOBS = {
         ("generate", ()), ("generate_ring", ())],
     8: [("wide", (2,))],
 }
-_RESULTS = {}
-
-
-def _run(world):
-    if world not in _RESULTS:
-        try:
-            _RESULTS[world] = spawn(run_jobs, world, args=(_JOBS[world],), timeout=SLOW_SPAWN_TIMEOUT)
-        except Exception as exc:  # report the same failure in every test that needs it
-            _RESULTS[world] = exc
-    if isinstance(_RESULTS[world], Exception):
-        raise _RESULTS[world]
-    return _RESULTS[world]
+_run = SpawnedRuns(lambda world: (run_jobs, (_JOBS[world],)), timeout=SLOW_SPAWN_TIMEOUT)
 
 
 # ------------------------------------------------------------- single-process units

@@ -22,3 +22,22 @@ def test_cu_seqlens_from_position_ids():
     assert ukhf.cu_seqlens_from_position_ids(torch.tensor([[5, 6, 0, 1, 0]])).tolist() == [0, 2, 4, 5]
     with pytest.raises(ValueError, match="batch size 1"):
         ukhf.cu_seqlens_from_position_ids(torch.tensor([[0, 1, 0], [0, 1, 2]]))
+
+
+def test_loss_for_world_average_scales_by_the_sp_size_and_checks_the_engine():
+    """x sp_size (the engine's mean over the world is then the SP sum and the DP mean);
+    anything but init_sequence_parallel's groups is refused, and so is an engine that
+    averages over fewer ranks than the world (an mpu, DeepSpeed's own sequence parallelism)."""
+    from types import SimpleNamespace
+
+    from ulysses_kernels import ParallelGroups
+    from ulysses_kernels.hf import loss_for_world_average
+
+    groups = ParallelGroups(*[None] * len(ParallelGroups._fields))._replace(sp_size=4)
+    loss = torch.tensor(1.5, dtype=torch.float64)
+    assert loss_for_world_average(loss, groups).item() == 6.0
+    assert loss_for_world_average(loss, groups, engine=SimpleNamespace(dp_world_size=1)).item() == 6.0
+    with pytest.raises(TypeError, match="init_sequence_parallel"):
+        loss_for_world_average(loss, 4)
+    with pytest.raises(ValueError, match="averages gradients over 1 of the 1 ranks \\(sequence_parallel_size 2\\)"):
+        loss_for_world_average(loss, groups, engine=SimpleNamespace(dp_world_size=1, sequence_parallel_size=2))

@@ -14,20 +14,18 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from helpers import ROOT, SLOW_SPAWN_TIMEOUT, free_port, rel_err  # noqa: E402
+from helpers import ROOT, SLOW_SPAWN_TIMEOUT, SpawnedRuns, free_port, launch_script  # noqa: E402
 from trainer_cases import (  # noqa: E402
-    STEPS,
-    TOL,
     PackedDocuments,
-    compare,
+    check_example,
+    compare_ranks,
     finish,
     launch_env,
+    resumed_errors,
     run_plain,
     run_sp,
     shared_dir,
 )
-
-from ulysses_kernels.launch import spawn  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Hugging Face Trainer runs in spawned groups
 
@@ -42,9 +40,16 @@ def sp_jobs(rank, world):
     resumed = run_sp("trainer", 2, shared_dir("sp2"), save_strategy="steps", save_steps=2)
     resumed.train(resume_from_checkpoint=os.path.join(shared_dir("sp2"), "checkpoint-2"))
     out["resumed"] = finish(resumed)
-    trainer = run_sp("trainer", 2, shared_dir("sp2ga"), gradient_accumulation_steps=2, max_steps=2)
+    trainer = run_sp("trainer", 2, shared_dir("sp2ga"), gradient_accumulation_steps=2, max_steps=2,
+                     monitor="instance")
     trainer.train()
     out["sp2_ga2"] = finish(trainer)
+    out["sp2_ga2_log"] = [entry for entry in trainer.state.log_history if "loss" in entry]
+    out["sp2_ga2_record"] = trainer.monitor.last_record
+    # the monitor's planner options as the model trains (Trainer turns checkpointing on in train())
+    trainer = run_sp("trainer", 2, shared_dir("sp2ckpt"), max_steps=1, monitor=True, activation_checkpointing=True)
+    trainer.train()
+    out["checkpointing_monitor"] = dict(trainer.monitor.options, log=trainer.state.log_history[0])
     trainer = run_sp("trainer", 4, shared_dir("sp4"))
     trainer.train()
     trainer.eval_loss = trainer.evaluate(eval_dataset=PackedDocuments())["eval_loss"]
@@ -73,26 +78,12 @@ def dp_reference_jobs(rank, world):
             "trainer_ga2": run_plain("trainer", shared_dir("ref_ga"), gradient_accumulation_steps=2, max_steps=2)}
 
 
-_RESULTS = {}
-
-
-def _run(world):
-    if world not in _RESULTS:
-        try:
-            fn = sp_jobs if world == 4 else dp_reference_jobs
-            _RESULTS[world] = spawn(fn, world, timeout=SLOW_SPAWN_TIMEOUT)
-        except Exception as exc:  # report the same failure in every test that needs it
-            _RESULTS[world] = exc
-    if isinstance(_RESULTS[world], Exception):
-        raise _RESULTS[world]
-    return _RESULTS[world]
+_run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
 
 
 def test_trainer_sp2_dp2_matches_dp_only_run():
     reference = _run(2)[0]["trainer"]
-    errors = []
-    for rank, result in enumerate(_run(4)):
-        errors += compare(result["sp2"], reference, f"rank {rank}")
+    errors = compare_ranks(_run(4), "sp2", reference)
     assert not errors, "\n".join(errors)
 
 
@@ -100,19 +91,43 @@ def test_trainer_gradient_accumulation_matches_dp_only_run():
     """Two micro-batches per step: the loss is normalised by the tokens of the whole step
     (Trainer's own token weighting across the accumulation window and the DP ranks)."""
     reference = _run(2)[0]["trainer_ga2"]
-    errors = []
-    for rank, result in enumerate(_run(4)):
-        errors += compare(result["sp2_ga2"], reference, f"rank {rank}")
+    errors = compare_ranks(_run(4), "sp2_ga2", reference)
     assert not errors, "\n".join(errors)
 
 
 def test_trainer_resumes_on_the_same_curve():
+    """Saved at step 2, resumed: steps 3-4 (losses, parameter updates) are the uninterrupted run's."""
+    errors = []
     for rank, result in enumerate(_run(4)):
-        losses, params = result["resumed"]
-        full_losses, full_params = result["sp2"]
-        assert losses.shape == (STEPS - 2,), losses
-        assert rel_err(losses, full_losses[2:]) < TOL, (rank, losses.tolist(), full_losses.tolist())
-        assert all(rel_err(params[n], p) < TOL for n, p in full_params.items() if n != "eval_loss"), rank
+        errors += resumed_errors(result["resumed"], result["sp2"], f"resumed rank {rank}")
+    assert not errors, "\n".join(errors)
+
+
+def test_monitor_counts_every_token_once():
+    """A StepMonitor passed in (monitor=<instance>) under gradient accumulation 2 at SP 2 x
+    DP 2: the last logged step counts the 2 DP groups' 2 micro-batches of 29 tokens once
+    (116) and holds every rank's peak memory; without a model there is no planner
+    expectation; every training step is logged with the monitor's keys."""
+    from trainer_cases import SEQ
+
+    records = [result["sp2_ga2_record"] for result in _run(4)]
+    for result, record in zip(_run(4), records):
+        assert (record.step, record.steps, record.tokens) == (2, 1, 2 * 2 * SEQ), record
+        assert len(record.peak_bytes) == 4 and min(record.peak_bytes) > 0, record
+        assert record == records[0]   # one record, the same on every rank
+        log = result["sp2_ga2_log"]
+        assert len(log) == 2 and all(e["tokens_per_s"] > 0 and "planner_activation_gib" not in e for e in log), log
+
+
+def test_monitor_takes_the_planner_options_as_the_model_trains():
+    """monitor=True with activation_checkpointing=True: Trainer turns checkpointing on in
+    train(), and the monitor's planner options say so (with the model's float32 and the
+    attention path); the logged step carries the planner's expectation."""
+    for result in _run(4):
+        options = result["checkpointing_monitor"]
+        assert options["checkpointing"] is True and options["dtype_bytes"] == 4, options
+        assert options["tiled_mlp"] is False and options["tiled_loss"] is False, options
+        assert options["log"]["planner_activation_gib"] > 0, options["log"]
 
 
 @pytest.mark.parametrize("kind", ["trainer", "sft"])
@@ -121,30 +136,15 @@ def test_sp4_matches_single_process_run(kind, tmp_path):
     if kind == "sft":
         pytest.importorskip("trl")
     reference = run_plain(kind, str(tmp_path))
-    errors = []
-    for rank, result in enumerate(_run(4)):
-        errors += compare(result["sp4" if kind == "trainer" else "sft_sp4"], reference, f"rank {rank}")
+    errors = compare_ranks(_run(4), "sp4" if kind == "trainer" else "sft_sp4", reference)
     assert not errors, "\n".join(errors)
 
 
 def test_sft_trainer_padding_free_sp2_dp2_matches_dp_only_run():
     pytest.importorskip("trl")
     reference = _run(2)[0]["sft"]
-    errors = []
-    for rank, result in enumerate(_run(4)):
-        errors += compare(result["sft_sp2"], reference, f"rank {rank}")
+    errors = compare_ranks(_run(4), "sft_sp2", reference)
     assert not errors, "\n".join(errors)
-
-
-def _launch(cmd, timeout=150):
-    import subprocess
-
-    root = str(ROOT)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout
 
 
 def test_accelerate_launch_runs_the_trl_example():
@@ -152,8 +152,8 @@ def test_accelerate_launch_runs_the_trl_example():
     import sys
 
     pytest.importorskip("trl")
-    out = _launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_cpu.yaml",
-                   "--main_process_port", str(free_port()), "examples/sft_trl.py", "--sp", "2", "--steps", "3"])
+    out = launch_script([sys.executable, "-m", "accelerate.commands.launch", "--config_file", "examples/accelerate_cpu.yaml",
+                   "--main_process_port", str(free_port()), "examples/sft_trl.py", "--sp", "2", "--steps", "3"], timeout=150)
     assert "done: 3 steps at SP 2 x DP 2" in out, out[-2000:]
 
 
@@ -163,6 +163,4 @@ def test_trainer_example_trains_evaluates_and_saves():
     loss, a saved model."""
     results = [r["example"] for r in _run(4)]
     assert results[0]["saved"], results[0]   # rank 0 writes (no barrier after save_model)
-    for example in results:
-        assert example["steps"] == 2 and 0 < example["eval_loss"] < 10, example
-        assert example["eval_loss"] == results[0]["eval_loss"]
+    check_example(results)

@@ -27,6 +27,7 @@ OPTIMIZER = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, lr_scheduler
 # The examples' tiny model, tokenizer and documents (examples/_tiny.py): the tests train
 # what the examples train.
 sys.path.insert(0, str(ROOT / "examples"))
+from _deepspeed import built_under_zero_init, communicator_on_cpu  # noqa: E402, F401 (re-exported)
 from _tiny import VOCAB, synthetic_documents, tiny_tokenizer  # noqa: E402
 from _tiny import tiny_model as make_model  # noqa: E402
 
@@ -113,10 +114,7 @@ def trainer_args(out, sft=False, **extra):
         from transformers import TrainingArguments
 
         args = TrainingArguments(**common)
-    if args.deepspeed:   # as examples/train_trainer.py: on CPU accelerate leaves DeepSpeed's communicator unset
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
+    communicator_on_cpu(args)   # as examples/train_trainer.py (DeepSpeed on CPU)
     return args
 
 
@@ -138,11 +136,6 @@ def forget_deepspeed() -> None:
     except ImportError:
         return
     unset_hf_deepspeed_config()
-
-
-def built_under_zero_init(model) -> bool:
-    """True when DeepSpeed ZeRO-3 partitioned the model as it was built (zero.Init)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 def run_plain(kind, out, **extra):
@@ -179,6 +172,8 @@ def run_sp(kind, sp, out, monitor=False, **extra):
     groups = uk.init_sequence_parallel(sp)
     ukhf.register(groups)
     model = start_from_initial(make_model("ulysses"))
+    if monitor == "instance":   # the caller's own monitor (no model: no planner expectation)
+        monitor = uk.StepMonitor(device="cpu")
     if kind == "sft":
         from trl import SFTTrainer
 
@@ -255,3 +250,31 @@ def compare(got, want, what, tol=TOL, update_tol=UPDATE_TOL):
         errors.append(f"{what}: eval loss rel err {found['eval_loss']:.2e}")
     errors += [f"{what}: {n} update rel err {e:.2e}" for n, e in found["updates"].items() if not e < update_tol]
     return errors
+
+
+def compare_ranks(per_rank, job, reference, **tolerances):
+    """compare() of every rank's result `job` (a (losses, params) pair, or a dict holding
+    one under "result") with `reference`: all the differences, each naming job and rank."""
+    errors = []
+    for rank, result in enumerate(per_rank):
+        got = result[job]["result"] if isinstance(result[job], dict) else result[job]
+        errors += compare(got, reference, f"{job} rank {rank}", **tolerances)
+    return errors
+
+
+def resumed_errors(resumed, full, what):
+    """compare() of a run resumed from its step-2 checkpoint with steps 3.. of the
+    uninterrupted run (both (losses, params)): the same losses and parameters."""
+    (losses, params), (full_losses, full_params) = resumed, full
+    if losses.shape != (STEPS - 2,):
+        return [f"{what}: resumed for {tuple(losses.shape)} steps, want {STEPS - 2}"]
+    return compare((losses, params), (full_losses[2:], full_params), what)
+
+
+def check_example(per_rank):
+    """An example's main() in a spawned group (per rank: its steps, eval loss and optional
+    zero_init flag): 2 steps, a finite eval loss, the same on every rank."""
+    for example in per_rank:
+        assert example["steps"] == 2 and 0 < example["eval_loss"] < 10, example
+        assert example["eval_loss"] == per_rank[0]["eval_loss"], per_rank
+        assert example.get("zero_init", True), example

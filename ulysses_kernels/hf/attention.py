@@ -60,6 +60,11 @@ def get_sequence_parallel_group():
     return _STATE.group
 
 
+def get_attention_backend() -> Optional[str]:
+    """The backend set by `set_sequence_parallel_group` / `register` (None: automatic)."""
+    return _STATE.backend
+
+
 def _sp_group():
     """(group, world, rank) for the attention; refuses to guess in a multi-rank world."""
     if not _STATE.group_set and dist.is_available() and dist.is_initialized() \

@@ -69,16 +69,29 @@ def causal_lm_loss(model: nn.Module, batch: SequenceParallelBatch, group=None, *
     return sequence_parallel_loss(logits, batch.labels, group, ignore_index=ignore_index)
 
 
-def loss_for_world_average(loss: torch.Tensor, groups) -> torch.Tensor:
+def loss_for_world_average(loss: torch.Tensor, groups, engine=None) -> torch.Tensor:
     """The loss to backpropagate through an engine that averages gradients over the whole
-    world: DeepSpeed's `engine.backward` (every ZeRO stage), DDP without `apply_ddp`'s hook,
-    FSDP's default. `loss` is the exact global mean of `causal_lm_loss` /
-    `sequence_parallel_loss` (log that one); this returns it times the SP size, so that
-    the engine's mean over the world is the SUM over each SP group (whose ranks hold
-    disjoint tokens of one batch) and the MEAN over the DP groups (docs/deepspeed.md).
-    `groups`: `init_sequence_parallel`'s groups. `SequenceParallelTrainerMixin` scales its
-    loss the same way itself."""
+    world: DeepSpeed's `engine.backward` (every ZeRO stage, no `mpu`), DDP without
+    `apply_ddp`'s hook, FSDP's default. `loss` is the global mean of `causal_lm_loss` /
+    `sequence_parallel_loss` over this DP group's batch (log that one); this returns it
+    times the SP size, so that the engine's mean over the world is the SUM over each SP
+    group (whose ranks hold disjoint tokens of one batch) and the MEAN over the DP groups
+    (each DP group's mean weighted equally, where the Trainer mixin weights every token
+    equally: the same when the DP groups' batches hold as many targets; docs/deepspeed.md).
+
+    groups: `init_sequence_parallel`'s groups. engine: a DeepSpeed engine, checked to
+    average over the whole world (`dp_world_size`; an `mpu` or DeepSpeed's own
+    `sequence_parallel_size` would change that and make this scale wrong). The
+    `SequenceParallelTrainerMixin` scales its loss the same way itself."""
     if not isinstance(groups, ParallelGroups):
         raise TypeError("loss_for_world_average needs init_sequence_parallel(...)'s groups (its sp_size), got "
                         f"{type(groups).__name__}")
+    if engine is not None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        dp_world = getattr(engine, "dp_world_size", world)
+        engine_sp = getattr(engine, "sequence_parallel_size", 1)
+        if dp_world != world or engine_sp != 1:
+            raise ValueError(f"loss_for_world_average: the engine averages gradients over {dp_world} of the "
+                             f"{world} ranks (sequence_parallel_size {engine_sp}); the scale assumes all of "
+                             "them. Call deepspeed.initialize without mpu= and without sequence_parallel_size.")
     return loss * groups.sp_size

@@ -26,6 +26,11 @@ def is_loss_patched(model) -> bool:
     return getattr(m, "_ulysses_tiled_loss", False)
 
 
+def is_mlp_tiled(model) -> bool:
+    """True when patch_model tiled the model's MLPs."""
+    return any(hasattr(m, "_ulysses_orig_forward") for m in getattr(model, "module", model).modules())
+
+
 def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = True,
                 mlp_tile_tokens: Optional[int] = None, loss_tile_tokens: Optional[int] = None,
                 offload_checkpoints: Union[bool, CheckpointOffload] = False) -> nn.Module:

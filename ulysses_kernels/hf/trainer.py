@@ -31,10 +31,10 @@ first). What the mixin changes, through Trainer's public hooks where they exist:
 * **DeepSpeed** (`TrainingArguments(deepspeed=...)`, ZeRO-2/3, also under `zero.Init`):
   the engine averages gradients over the whole world like DDP, so the same loss gives
   the SP sum and the DP mean (docs/deepspeed.md).
-* **Monitor** (`monitor=True`, or a `StepMonitor`): every logged step also carries
-  `tokens_per_s`, the peak memory of every rank (`peak_mem_gib`, its minimum and the rank
-  of the maximum) and the planner's largest activation for the step
-  (ulysses_kernels/monitor.py).
+* **Monitor** (`monitor=True`, or a `StepMonitor`): every logged training step also
+  carries, for the optimizer steps since the last log, `tokens_per_s` (each token once),
+  the peak memory of every rank (`peak_mem_gib`, its minimum and the rank of the maximum)
+  and the activations the planner expects (ulysses_kernels/monitor.py).
 
 Padding (an `attention_mask` with zeros) is refused by the attention, on every rank:
 pack documents (TRL's ``padding_free=True``) or use equal-length batches.
@@ -85,31 +85,33 @@ class SequenceParallelTrainerMixin:
         if self.accelerator.num_processes != dist.get_world_size():
             raise ValueError(f"SequenceParallelTrainerMixin: accelerate sees {self.accelerator.num_processes} "
                              f"processes, torch.distributed {dist.get_world_size()}")
-        self.step_tokens = self.step_seq_len = self.monitor_record = None
-        self.monitor = self._make_monitor(monitor)
+        self.step_tokens = self.step_seq_len = None
+        self.monitor = monitor if isinstance(monitor, StepMonitor) else (self._make_monitor() if monitor else None)
         if self.monitor is not None:
-            self.add_callback(monitor_callback(self))
+            self.add_callback(monitor_callback(self, refresh_options=not isinstance(monitor, StepMonitor)))
 
-    def _make_monitor(self, monitor) -> Optional[StepMonitor]:
-        if not monitor:
-            return None
-        if isinstance(monitor, StepMonitor):
-            return monitor
+    def _make_monitor(self) -> StepMonitor:
+        return StepMonitor(model=self.accelerator.unwrap_model(self.model), sp_size=self.sp_groups.sp_size,
+                           ring_size=self.sp_groups.ring_size, device=self.args.device, **self.monitor_plan_options())
+
+    def monitor_plan_options(self) -> dict:
+        """The planner options of the model as it trains: its dtype, activation checkpointing
+        (which Trainer turns on in train()), the tiles of patch_model and the attention path."""
         from ..api import resolve_path
-        from .attention import _STATE as attention_state
+        from ..monitor import plan_defaults
+        from .attention import get_attention_backend
+        from .patch import is_mlp_tiled
 
         model = self.accelerator.unwrap_model(self.model)
-        path = resolve_path(attention_state.backend, self.args.device, distributed=True)
-        checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
-        tiled_mlp = any(hasattr(m, "_ulysses_orig_forward") for m in model.modules())
-        return StepMonitor(model=model, sp_size=self.sp_groups.sp_size, ring_size=self.sp_groups.ring_size,
-                           device=self.args.device, checkpointing=checkpointing, tiled_mlp=tiled_mlp,
-                           tiled_loss=is_loss_patched(model), attention="reference" if path == "reference" else "flash")
+        path = resolve_path(get_attention_backend(), self.args.device, distributed=True)
+        return dict(plan_defaults(model), tiled_mlp=is_mlp_tiled(model), tiled_loss=is_loss_patched(model),
+                    attention="reference" if path == "reference" else "flash")
 
     def log(self, logs, *args, **kwargs):
-        """Trainer's log, with the monitor's record of the last step where a training step is logged."""
-        if self.monitor_record is not None and "loss" in logs:
-            logs.update(self.monitor_record.as_logs())
+        """Trainer's log; a logged training step (every rank logs it) also gets the monitor's
+        record of the steps since the last one (a collective)."""
+        if self.monitor is not None and "loss" in logs and self.monitor.pending():
+            logs.update(self.monitor.record().as_logs())
         return super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ data
@@ -165,22 +167,27 @@ class SequenceParallelTrainerMixin:
         labels = labels if shifted else labels[..., 1:]
         return int((labels != IGNORE_INDEX).sum())
 
-    def _over_dp(self, count: int) -> torch.Tensor:
-        """The sum of a per-DP-group count over the DP groups (every SP rank has it whole)."""
-        t = torch.tensor([count], dtype=torch.float64)
+    def _over_dp(self, *counts: int) -> torch.Tensor:
+        """The sums of per-DP-group counts over the DP groups (every SP rank has them whole):
+        one all-reduce."""
+        t = torch.tensor(counts, dtype=torch.float64)
         group = self.sp_groups.dp_group
         if group is not None and dist.get_world_size(group) > 1:
             dev = collective_device(group)
             t = t.to(dev)
             dist.all_reduce(t, group=group)
-        return t.cpu()[0]
+        return t.cpu()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
-        count = self._over_dp(sum(self._count(b) for b in batch_samples)) if batch_samples else None
-        if batch_samples:   # the step's tokens, each once (the monitor's tokens/s)
-            self.step_tokens = int(self._over_dp(sum(b["input_ids"].numel() for b in batch_samples)))
-            self.step_seq_len = max(b["input_ids"].numel() for b in batch_samples)
+        if not batch_samples:
+            return batch_samples, None
+        count = sum(self._count(b) for b in batch_samples)
+        if self.monitor is None:
+            return batch_samples, self._over_dp(count)[0]
+        # with the monitor: also the step's tokens, each once, in the same all-reduce
+        count, tokens = self._over_dp(count, sum(b["input_ids"].numel() for b in batch_samples))
+        self.step_tokens, self.step_seq_len = int(tokens), max(b["input_ids"].numel() for b in batch_samples)
         return batch_samples, count
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -188,7 +195,7 @@ class SequenceParallelTrainerMixin:
         mask = inputs.get("attention_mask")
         batch = shard_batch(inputs["input_ids"], self.sp_groups, position_ids=inputs.get("position_ids"),
                             labels=labels, labels_shifted=shifted, attention_mask=mask)
-        count = num_items_in_batch if num_items_in_batch is not None else self._over_dp(self._count(inputs))
+        count = num_items_in_batch if num_items_in_batch is not None else self._over_dp(self._count(inputs))[0]
         model_inputs = batch.model_inputs()
         if is_loss_patched(self.accelerator.unwrap_model(model)):
             outputs = model(**model_inputs, ulysses_labels=batch.labels)
@@ -204,16 +211,22 @@ class SequenceParallelTrainerMixin:
         return (loss, outputs) if return_outputs else loss
 
 
-def monitor_callback(trainer):
+def monitor_callback(trainer, refresh_options: bool = True):
     """A transformers `TrainerCallback` that times every optimizer step of `trainer` (a
-    SequenceParallelTrainerMixin) with its monitor; the mixin adds the record to the logs."""
+    SequenceParallelTrainerMixin) with its monitor (locally; the mixin's `log` gathers the
+    record of a logging interval). refresh_options: take the planner options again when
+    training begins (Trainer turns checkpointing on in train())."""
     from transformers import TrainerCallback
 
     class _StepMonitorCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if refresh_options:
+                trainer.monitor.options.update(trainer.monitor_plan_options())
+
         def on_step_begin(self, args, state, control, **kwargs):
             trainer.monitor.begin()
 
         def on_step_end(self, args, state, control, **kwargs):
-            trainer.monitor_record = trainer.monitor.end(trainer.step_tokens or 0, trainer.step_seq_len)
+            trainer.monitor.step_done(trainer.step_tokens or 0, trainer.step_seq_len)
 
     return _StepMonitorCallback()
