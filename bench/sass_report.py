@@ -1,6 +1,7 @@
 """Static performance report of the Triton attention kernels, without a GPU.
 
-Compiles the default config of every kernel x layout for Hopper (sm_90, Triton's bundled
+Compiles the default config of every kernel x layout (and x attention variant: window band,
+softcap, sinks, a value head dim of half the head dim) for Hopper (sm_90, Triton's bundled
 ptxas; no GPU needed) and prints, per build: tile (BLOCK_M x BLOCK_N), warps/stages,
 registers, spills, static shared memory, HGMMA (wgmma) count, and the SASS of the inner
 loop(s): instructions per iteration of the main (unmasked) loop, its HGMMA, global loads,
@@ -40,8 +41,11 @@ DEFAULT_REPO = os.path.dirname(HERE)
 # ============================================================================================
 # THE REPORT'S TABLE: which kernel builds, for which layout, with which constexprs.
 #
-# LAYOUTS: layout name -> constexpr overrides. A constexpr the kernel does not declare skips
-# that (kernel, layout) row with a note (e.g. a new addressing constexpr on an old checkout).
+# LAYOUTS: layout or variant name -> constexpr overrides (or a function of the head dim
+# returning them). A constexpr the kernel does not declare skips that (kernel, layout) row
+# with a note (e.g. a new addressing constexpr on an old checkout, or SINKS, which only the
+# forward has). The variants are built on the plain layout as their launches run them (a
+# window band with CAUSAL off: the host folds causal into the band).
 # ROWS: (short name, module of the package ulysses_kernels.triton, kernel attribute or None
 # for the kernel of the module's `_launch`, layouts (names of LAYOUTS, or a dict of its
 # own name -> overrides), config chooser[, constexprs for every layout of the row, e.g.
@@ -58,6 +62,12 @@ LAYOUTS = {
     "buffer": dict(VARLEN=False, SPLIT=1),        # all-to-all buffer, affine tiles (even blocks)
     "buffer/token": dict(VARLEN=False, SPLIT=2),  # all-to-all buffer, per-token fallback (uneven)
     "varlen": dict(VARLEN=True, SPLIT=0),         # packed documents (batch 1: any buffer reads as plain)
+    "window": dict(VARLEN=False, SPLIT=0, CAUSAL=False, WINDOW=True),  # sliding window / band
+    "softcap": dict(VARLEN=False, SPLIT=0, SOFTCAP=True),              # c * tanh(s / c) scores
+    "sinks": dict(VARLEN=False, SPLIT=0, SINKS=True),                  # sink logits (forward only)
+    # v with half the head dim (MLA-like Dv != D)
+    "dv=d/2": lambda head_dim: dict(VARLEN=False, SPLIT=0, HEAD_DIM_V=head_dim // 2,
+                                    BLOCK_DV=max(16, 1 << (head_dim // 2 - 1).bit_length())),
 }
 
 
@@ -66,7 +76,9 @@ def launcher_default(module, block_d, dtype, consts, launch_name="_launch"):
     launch = getattr(module, launch_name)
     if dtype == "fp32" and getattr(launch, "fp32_configs", None):
         return launch.fp32_configs.get(block_d, launch.fp32_configs[128])
-    return launch.default(block_d, bool(consts.get("VARLEN") or consts.get("SPLIT") == 2))
+    # (TunedLauncher.masked on a checkout that has it; the VARLEN / SPLIT=2 rule before it.)
+    masked = getattr(launch, "masked", lambda c: bool(c.get("VARLEN") or c.get("SPLIT") == 2))
+    return launch.default(block_d, masked(consts))
 
 
 def atomic_default(module, block_d, dtype, consts):
@@ -80,20 +92,22 @@ def preprocess_default(module, block_d, dtype, consts):
 
 
 ALL = ("plain", "buffer", "buffer/token", "varlen")
+VARIANTS = ("window", "softcap", "sinks", "dv=d/2")
 ROWS = [
-    ("fwd", "flash_fwd", "_flash_fwd_kernel", ALL, launcher_default),
-    ("bwd_atomic", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", ALL, atomic_default,
+    ("fwd", "flash_fwd", "_flash_fwd_kernel", ALL + VARIANTS, launcher_default),
+    ("bwd_atomic", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", ALL + VARIANTS, atomic_default,
      {"DQ_ATOMIC": True, "KV_ATOMIC": False}),
-    ("bwd_dkdv", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", ALL, launcher_default,
+    ("bwd_dkdv", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", ALL + VARIANTS, launcher_default,
      {"DQ_ATOMIC": False, "KV_ATOMIC": False}),
-    ("bwd_dq", "flash_bwd_dq", "_flash_bwd_dq_kernel", ALL, launcher_default),
+    ("bwd_dq", "flash_bwd_dq", "_flash_bwd_dq_kernel", ALL + VARIANTS, launcher_default),
     ("bwd_pre", "flash_bwd_preprocess", "_flash_bwd_preprocess_kernel",
      {"plain": dict(SPLIT=0), "buffer": dict(SPLIT=1), "buffer/token": dict(SPLIT=2)}, preprocess_default),
 ]
 LIMIT_PAIRS = [("buffer", "plain")]
-# Signature: pointers are the all-uppercase runtime arguments (LSE, DELTA and *_ACC fp32;
-# DOCS, CU int32; the rest the data type), except these uppercase integer scalars (any
-# argument declared do_not_specialize is taken as a scalar too).
+# Signature: pointers are the all-uppercase runtime arguments (LSE, DELTA, SINK and *_ACC
+# fp32; DOCS, CU, COUNTS int32; the rest the data type), except these uppercase integer
+# scalars (any argument declared do_not_specialize is taken as a scalar too). Lowercase
+# scalars are int32, but fp32 where the name holds "scale" or starts with "softcap".
 SCALAR_ARGS = {"B", "P", "HQ", "HKV", "GROUP", "TUNE_KEY"}
 LOOP_RATIO_LIMIT = 1.15
 # ============================================================================================
@@ -153,12 +167,18 @@ DATA_TYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
 def pointer_type(name, dtype):
-    """fp32 side tensors, int32 document tables, else the data type (see SCALAR_ARGS)."""
-    if name in ("LSE", "DELTA") or name.endswith("_ACC"):
+    """fp32 side tensors, int32 document tables and counters, else the data type (see
+    SCALAR_ARGS)."""
+    if name in ("LSE", "DELTA", "SINK") or name.endswith("_ACC"):
         return "*fp32"
-    if name in ("DOCS", "CU"):
+    if name in ("DOCS", "CU", "COUNTS"):
         return "*i32"
     return DATA_TYPES[dtype]
+
+
+def scalar_type(name):
+    """fp32 for the scales and the softcap factors, else int32."""
+    return "fp32" if "scale" in name or name.startswith("softcap") else "i32"
 
 
 def build_signature(kernel, consts, dtype):
@@ -188,7 +208,7 @@ def build_signature(kernel, consts, dtype):
             sig[n] = pointer_type(n, dtype)
             attrs[(p.num,)] = [["tt.divisibility", 16]]
         else:
-            sig[n] = "fp32" if "scale" in n else "i32"
+            sig[n] = scalar_type(n)
             if n.endswith(("_s", "_h", "_b")) and not p.do_not_specialize:
                 attrs[(p.num,)] = [["tt.divisibility", 16]]
     return sig, values, attrs
@@ -488,8 +508,8 @@ def compile_one(job):
             out.update(ptxas_spills(ptx, tmp))
     if job.get("sass_dir"):
         os.makedirs(job["sass_dir"], exist_ok=True)
-        with open(os.path.join(job["sass_dir"], "%s_%s_%s.sass" % (job["name"], job["layout"].replace("+", "_"),
-                                                                   job["dtype"])), "w") as f:
+        layout = re.sub(r"[^A-Za-z0-9_.-]", "_", job["layout"])  # "buffer/token", "dv=d/2": one file name
+        with open(os.path.join(job["sass_dir"], "%s_%s_%s.sass" % (job["name"], layout, job["dtype"])), "w") as f:
             f.write(sass)
     analysis = analyze_sass(sass, os.path.join(job["repo"], "triton_kernels"))
     out["total"] = analysis["total"]
@@ -521,7 +541,8 @@ def plan_jobs(repo, head_dim, dtype, kernels=None, sass_dir=None, ptxas_log=Fals
 
     bd = _common.block_d(head_dim)
     precision = "tf32" if dtype != "fp32" else ("tf32x3" if bd <= 128 else "tf32")
-    base = dict(HEAD_DIM=head_dim, BLOCK_D=bd, CAUSAL=True, FP32_DOT=False, PRECISION=precision)
+    base = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim, BLOCK_DV=bd, CAUSAL=True, FP32_DOT=False,
+                PRECISION=precision)
     jobs, notes = [], []
     for name, mod_name, attr, layouts, chooser, *extra in ROWS:
         row_consts = extra[0] if extra else {}
@@ -542,7 +563,10 @@ def plan_jobs(repo, head_dim, dtype, kernels=None, sass_dir=None, ptxas_log=Fals
             row_consts = {k: v for k, v in row_consts.items() if k in params}
         mine = []
         for layout in layouts:
-            overrides = dict(layouts[layout] if isinstance(layouts, dict) else LAYOUTS[layout], **row_consts)
+            overrides = layouts[layout] if isinstance(layouts, dict) else LAYOUTS[layout]
+            if callable(overrides):
+                overrides = overrides(head_dim)
+            overrides = dict(overrides, **row_consts)
             unknown = sorted(set(overrides) - params)
             if unknown:
                 notes.append("%s %s: skipped (not a constexpr of %s: %s)" % (name, layout, kernel.fn.__name__,

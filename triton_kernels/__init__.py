@@ -7,6 +7,12 @@ Installed as ``ulysses_kernels.triton``. Public API:
   autograd; read/write the Ulysses all-to-all buffers in place via ``seq_splits``)
 * :func:`inputs_problem` (what the kernels support: dtypes and head dims)
 
+Variants (keyword arguments of all three, compile-time switches of the kernels, so the
+plain kernels are built unchanged when they are off): a window band
+``window=(left, right)`` (any ints or None, negative for shifted bands; the loops skip the
+blocks outside it), logit softcapping ``softcap=c``, attention sinks ``sinks`` (``[Hq]``
+logits in the softmax denominator, differentiable), and v with a head dim of its own.
+
 The ops are registered as ``torch.ops.ulysses_kernels.triton_flash_fwd`` /
 ``triton_flash_bwd`` / ``triton_flash_fwd_out`` / ``triton_flash_bwd_out``.
 On CPU tensors the kernels run only in the Triton interpreter (``TRITON_INTERPRET=1``,

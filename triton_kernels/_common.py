@@ -22,6 +22,19 @@ For SPLIT 0 and 1 a tile's offsets are ``tile_base(s0) + i*stride_s``: the secon
 does not depend on the loop variable, so the compiler keeps it out of the inner loops
 and only the scalar base advances. All offsets are int64 (sequences of millions of
 tokens times large row strides).
+
+Variants (compile-time switches, off by default: without them a kernel builds the same
+instructions as before, bench/sass_report.py; docs/architecture.md, "Attention variants"):
+
+* ``WINDOW``: a band. With off = Sk - Sq, query i sees key j iff
+  ``i + off - left <= j <= i + off + right`` (runtime ints ``window_left`` /
+  ``window_right``, negative allowed; the host folds ``causal`` into the right side and
+  clamps both, see :func:`kernel_band`). The loops visit only the blocks inside the band.
+* ``SOFTCAP``: scores ``c * tanh(scale * q.k / c)`` (tanh from exp2: :func:`capped_tanh`).
+* ``SINKS`` (forward only): one logit per query head in the softmax denominator.
+* ``HEAD_DIM_V`` / ``BLOCK_DV``: v, out, dO and dV have a head dim of their own.
+* ``COUNT``: tests count the blocks each program visits (one atomic add per loop
+  iteration into ``COUNTS``; :class:`VisitCounter`).
 """
 
 import math
@@ -34,6 +47,7 @@ from ..env import TRITON_AUTOTUNE, flag, interpreting  # noqa: F401  (interpreti
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+TWO_LOG2E = 2.0 * LOG2E
 
 
 # Read once at import: decides whether kernels are wrapped in @triton.autotune.
@@ -192,10 +206,133 @@ def query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off, DOCS, CU,
     return doc_q, lo, hi, unmasked_end
 
 
-# Autotune key shared by all attention kernels: retune per head dim, mask kind, layout,
-# GQA group and power-of-two sequence bucket. (Head counts, lengths and the GQA group are
-# runtime arguments, never specialized on: one compiled kernel serves every head count.)
-TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "CAUSAL", "VARLEN", "SPLIT", "GROUP"]
+@triton.jit
+def in_band(key_pos, query_pos, causal_off, window_left, window_right):
+    """The band rule (WINDOW): key j is visible to query i iff
+    ``i + off - left <= j <= i + off + right`` (broadcast key_pos against query_pos)."""
+    rel = key_pos - (query_pos + causal_off)  # the key's distance from the query's diagonal
+    return (rel >= -window_left) & (rel <= window_right)
+
+
+@triton.jit
+def phase_bounds(start, end, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Split the visited range ``[start, end)`` into masked ``[start, a)``, unmasked
+    ``[a, b)`` and masked ``[b, end)``, where ``[full_lo, full_hi)`` holds the positions
+    every valid row (column) of the tile sees. a and b are start plus whole blocks, so the
+    three loops together visit exactly ``cdiv(end - start, BLOCK)`` blocks."""
+    a = tl.minimum(start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK) * BLOCK, end)
+    b = a + tl.maximum(full_hi - a, 0) // BLOCK * BLOCK
+    return a, b
+
+
+@triton.jit
+def query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right, DOCS, CU,
+                          VARLEN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys a query tile ``[m0, m_last]`` visits under a band (WINDOW), for the forward and
+    the dQ kernels: ``[max(lo, m0+off-left), min(hi, m_last+off+right+1))`` with
+    ``[lo, hi)`` the sequence or the tile's documents; no block outside it is visited.
+
+    Returns (doc_q, start, a, b, end): ``[start, a)`` and ``[b, end)`` need masks,
+    every valid row sees every key of ``[a, b)`` (see phase_bounds). All bounds lie in
+    ``[lo, hi]``, so an empty phase addresses no key past the sequence.
+    """
+    if VARLEN:
+        doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
+        first_doc = tl.load(DOCS + m0)
+        last_doc = tl.load(DOCS + m_last)
+        lo = tl.load(CU + first_doc)
+        hi = tl.load(CU + last_doc + 1)
+        one_doc = first_doc == last_doc
+    else:
+        doc_q = offs_m  # unused
+        lo = 0
+        hi = Sk
+        one_doc = True
+    start = tl.minimum(tl.maximum(lo, m0 + causal_off - window_left), hi)
+    end = tl.maximum(tl.minimum(hi, m_last + causal_off + window_right + 1), start)
+    if SPLIT == 1:
+        # Affine tiles must not straddle two buffer blocks: key blocks start at multiples
+        # of BLOCK_N (lo = 0 here: SPLIT 1 never has documents).
+        start = start // BLOCK_N * BLOCK_N
+    # Every row of the tile sees [m_last + off - left, m0 + off + right], if one document.
+    full_lo = tl.maximum(lo, m_last + causal_off - window_left)
+    full_hi = tl.where(one_doc, tl.minimum(hi, m0 + causal_off + window_right + 1), full_lo)
+    a, b = phase_bounds(start, end, full_lo, full_hi, BLOCK_N)
+    return doc_q, start, a, b, end
+
+
+@triton.jit
+def capped_tanh(qk, softcap_in):
+    """``t = tanh(scale * qk / softcap)`` of raw dot products (SOFTCAP), the score being
+    ``softcap * t``; ``softcap_in = 2 * log2(e) * scale / softcap``. Built from exp2 (no
+    libdevice tanh on every Triton): ``tanh(x) = 1 - 2 / (e^(2x) + 1)``, exactly +-1
+    where exp2 overflows or underflows. Each score pays one more exp2 and a reciprocal
+    (two MUFU ops; the forward's sm_90 inner loop grows from 583 to 1096 instructions at
+    D = 128, bench/sass_report.py)."""
+    return 1.0 - 2.0 / (tl.math.exp2(qk * softcap_in) + 1.0)
+
+
+# Autotune key shared by all attention kernels: retune per head dims, mask kind, variant,
+# layout, GQA group and power-of-two sequence bucket. (Head counts, lengths, the GQA group
+# and the window sides are runtime arguments, never specialized on: one compiled kernel
+# serves every head count.) Each kernel is keyed on the names it declares.
+TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "HEAD_DIM_V", "BLOCK_DV", "CAUSAL", "VARLEN", "SPLIT", "GROUP",
+             "WINDOW", "SOFTCAP", "SINKS", "COUNT"]
+
+
+def kernel_band(causal, window, seqlen_q, seqlen_k):
+    """(causal, band) as the kernels take a mask: band None (WINDOW off) or (left, right)
+    ints for the band rule (see in_band), causal folded into it.
+
+    A side that hides no key becomes unbounded (None): left >= Sk - 1, right >= Sq - 1.
+    No band left, or only the causal edge (left unbounded, right 0): the causal or the
+    plain kernels, unchanged. Otherwise sides are clamped to where they hide every key
+    (left >= -Sq, right >= -Sk), so the kernels' int32 arithmetic cannot overflow.
+    """
+    left, right = window
+    if causal:
+        right = 0 if right is None else min(int(right), 0)
+    if left is not None and left >= seqlen_k - 1:
+        left = None
+    if right is not None and right >= seqlen_q - 1:
+        right = None
+    if left is None and right is None:
+        return False, None
+    if left is None and right == 0:
+        return True, None
+    left = seqlen_k if left is None else max(int(left), -seqlen_q)
+    right = seqlen_q if right is None else max(int(right), -seqlen_k)
+    return False, (left, right)
+
+
+def variant_args(band, softcap: float, softmax_scale: float):
+    """Runtime arguments ``(softcap_in, softcap_out, window_left, window_right)`` and
+    constexprs (WINDOW, SOFTCAP) of a launch. band: kernel_band's (None: no window);
+    softcap: c > 0, or 0 for none. ``softcap_in = 2 log2(e) scale / c`` feeds capped_tanh,
+    ``softcap_out = c log2(e)`` turns tanh into a log2-unit score."""
+    left, right = band if band is not None else (0, 0)
+    cap_in = TWO_LOG2E * softmax_scale / softcap if softcap else 0.0
+    return (cap_in, softcap * LOG2E, int(left), int(right)), dict(WINDOW=band is not None, SOFTCAP=bool(softcap))
+
+
+class VisitCounter:
+    """Tests (COUNT): how many blocks each program of a kernel visits (see
+    ``ops._count_visited_blocks``). ``slots`` must cover the largest grid of the call."""
+
+    def __init__(self, device, slots: int):
+        self.device, self.slots = device, int(slots)
+        self.counts, self.configs, self.grids = {}, {}, {}
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A zeroed int32 counter for kernel ``name``: program p adds to slot p."""
+        self.counts[name] = torch.zeros(self.slots, dtype=torch.int32, device=self.device)
+        return self.counts[name]
+
+    def ran(self, name: str, config, grid) -> None:
+        """Kernel ``name`` ran ``config`` on ``grid``: program (x, y) counted in slot
+        ``y * grid[0] + x``."""
+        self.configs[name] = config
+        self.grids[name] = grid
 
 
 class TunedLauncher:
@@ -203,8 +340,9 @@ class TunedLauncher:
 
     ``configs`` maps the padded head dim to ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
     candidates, the first being the default. ``masked_configs`` (optional, same shape)
-    replaces the default for the VARLEN / per-token SPLIT=2 variants, whose extra index arithmetic
-    costs registers (a default that spills there is worse than a smaller tile). On a GPU
+    replaces the default for the VARLEN / per-token SPLIT=2 / WINDOW variants, whose extra
+    index arithmetic (a window: three inner loops) costs registers (a default that spills
+    there is worse than a smaller tile; see :meth:`masked`). On a GPU
     with autotuning enabled the kernel is autotuned over the candidates of its head dim;
     otherwise the default runs; in the interpreter the small ``interpret_blocks``
     (BLOCK_M, BLOCK_N) keep tests fast. ``override`` (a config tuple, or None) forces one
@@ -222,7 +360,8 @@ class TunedLauncher:
         self.override = None
         self.tuned = None
         if autotune_enabled():
-            self.tuned = triton.autotune(configs=self._all_configs(), key=TUNE_KEYS,
+            keys = [k for k in TUNE_KEYS if k in kernel.arg_names]
+            self.tuned = triton.autotune(configs=self._all_configs(), key=keys,
                                          prune_configs_by={"early_config_prune": self._prune},
                                          reset_to_zero=reset_to_zero)(kernel)
 
@@ -245,13 +384,18 @@ class TunedLauncher:
         def arg(name):
             return kwargs.get(name, named_args.get(name))
 
-        bd = arg("BLOCK_D")
+        bd = max(arg("BLOCK_D"), arg("BLOCK_DV") or 0)  # the configs of the wider head dim
         allowed = list(self._candidates(bd))
-        if arg("VARLEN") or arg("SPLIT") == 2:
+        if self.masked({name: arg(name) for name in ("VARLEN", "SPLIT", "WINDOW")}):
             allowed += self.masked_configs.get(bd, [])
         keep = [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
         return keep or configs[:1]
+
+    @staticmethod
+    def masked(meta) -> bool:
+        """Whether a launch with these constexprs takes the masked configs."""
+        return bool(meta.get("VARLEN") or meta.get("SPLIT") == 2 or meta.get("WINDOW"))
 
     def default(self, block_d: int, masked: bool = False):
         if masked and block_d in self.masked_configs:
@@ -265,16 +409,20 @@ class TunedLauncher:
         return {str(k): str(v) for k, v in getattr(self.tuned, "cache", {}).items()}
 
     def __call__(self, grid, args, meta, block_d: int, fp32_dot: bool, fp32_inputs: bool = False):
-        """grid(BLOCK_M, BLOCK_N) -> launch grid."""
+        """grid(BLOCK_M, BLOCK_N) -> launch grid. block_d: the wider padded head dim (q/k or
+        v). Returns the (BLOCK_M, BLOCK_N, num_warps, num_stages) it ran, None when the
+        autotuner chose. A counting launch (COUNT) never autotunes: every trial would add
+        its visits."""
         if fp32_dot:
             (bm, bn), w, s = self.interpret_blocks, 4, 1
         elif fp32_inputs and self.fp32_configs:
             bm, bn, w, s = self.fp32_configs.get(block_d, self.fp32_configs[128])
         elif self.override is not None:
             bm, bn, w, s = self.override
-        elif self.tuned is not None:
+        elif self.tuned is not None and not meta.get("COUNT"):
             self.tuned[lambda META: grid(META["BLOCK_M"], META["BLOCK_N"])](*args, **meta)
-            return
+            return None
         else:
-            bm, bn, w, s = self.default(block_d, bool(meta.get("VARLEN") or meta.get("SPLIT") == 2))
+            bm, bn, w, s = self.default(block_d, self.masked(meta))
         self.kernel[grid(bm, bn)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+        return bm, bn, w, s

@@ -4,13 +4,16 @@ separate dQ kernel (7 GEMMs, no atomics). See docs/architecture.md, "Attention k
 backward".
 
 Host-side orchestration only; the kernels live in ``flash_bwd_preprocess.py``,
-``flash_bwd_dkdv.py`` and ``flash_bwd_dq.py``.
+``flash_bwd_dkdv.py`` and ``flash_bwd_dq.py``. The variants (window band, softcap, a
+value head dim of its own) are the kernels' compile-time switches; the sinks' gradient is
+computed here from delta and the sink-inclusive LSE (:func:`sinks_gradient`).
 """
 
 import torch
 import triton
 
 from ..env import BWD_HEAD_SPLITS, DETERMINISTIC, flag, integer
+from ._common import block_d as padded_head_dim
 from .flash_bwd_dkdv import _launch_atomic, head_splits, launch_dkdv
 from .flash_bwd_dq import launch_dq
 from .flash_bwd_preprocess import launch_preprocess
@@ -36,38 +39,61 @@ def _head_splits(q, batch, seqlen_k, num_q_heads, num_kv_heads, block_d) -> int:
     return head_splits(triton.cdiv(seqlen_k, block_n), batch, num_kv_heads, group, sms)
 
 
+def sinks_gradient(sinks, lse, delta):
+    """dL/dsink_h = -sum_{b,i} P_sink[b,h,i] * delta[b,h,i], fp32 ``[Hq]``.
+
+    The sink is a key of value 0 with probability ``P_sink = exp(sink_h - lse)`` (lse
+    includes it), so its score gets ``P_sink * (0 - dO.O)`` like any key's. A row with
+    lse = -inf (no key and a sink of -inf) contributes 0, not NaN.
+    """
+    p_sink = torch.exp(sinks.view(1, -1, 1) - lse)
+    p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(p_sink), p_sink)
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
 def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_of, batch, seqlen_q,
                seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
-               split, seq_splits, deterministic):
-    """strides_of(t): t's (batch, seq, head, dim) strides as the kernels address it."""
+               split, seq_splits, deterministic, head_dim_v=None, band=None, softcap=0.0, sinks=None,
+               dsinks=None, counter=None):
+    """strides_of(t): t's (batch, seq, head, dim) strides as the kernels address it.
+    head_dim_v: v's (default head_dim); band, softcap, counter: see flash_fwd.launch_fwd;
+    sinks (fp32 ``[Hq]``) and dsinks (fp32 ``[Hq]``, overwritten with the sinks' gradient)
+    go together."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     delta = torch.empty((batch, num_q_heads, seqlen_q), dtype=torch.float32, device=q.device)
     common = dict(batch=batch, seqlen_q=seqlen_q, split=split, seq_splits=seq_splits)
     shape = dict(seqlen_k=seqlen_k, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, block_d=block_d, causal=causal, softmax_scale=softmax_scale)
+    variant = dict(head_dim_v=head_dim_v, band=band, softcap=softcap, counter=counter)
+    # delta = rowsum(dO * O) runs over v's head dim.
     launch_preprocess(out, do, delta, so_strides=strides_of(out), sdo_strides=strides_of(do),
-                      num_q_heads=num_q_heads, head_dim=head_dim, block_d=block_d, **common)
+                      num_q_heads=num_q_heads, head_dim=head_dim_v, block_d=padded_head_dim(head_dim_v),
+                      **common)
+    if dsinks is not None:
+        dsinks.copy_(sinks_gradient(sinks, lse, delta))
     base = tuple(strides_of(t) for t in (q, k, v, do))
     if deterministic:
         launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens,
-                    strides=base + (strides_of(dk), strides_of(dv)), **shape, **common)
+                    strides=base + (strides_of(dk), strides_of(dv)), **shape, **common, **variant)
         launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens,
-                  strides=base + (strides_of(dq),), **shape, **common)
+                  strides=base + (strides_of(dq),), **shape, **common, **variant)
         return
     # fp32 accumulators [B, H, S, block_d] by position (compile-time strides in the
     # kernel, see flash_bwd_dkdv); one elementwise pass puts them into q's/k's layout.
     dq_acc = torch.zeros((batch, num_q_heads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
-    splits = _head_splits(q, batch, seqlen_k, num_q_heads, num_kv_heads, block_d)
+    splits = _head_splits(q, batch, seqlen_k, num_q_heads, num_kv_heads, max(block_d, padded_head_dim(head_dim_v)))
     dk_out, dv_out = dk, dv
     if splits > 1:
-        dk_out, dv_out = (torch.zeros((batch, num_kv_heads, seqlen_k, block_d), dtype=torch.float32,
-                                      device=k.device) for _ in range(2))
+        dk_out, dv_out = (torch.zeros((batch, num_kv_heads, seqlen_k, width), dtype=torch.float32, device=k.device)
+                          for width in (block_d, padded_head_dim(head_dim_v)))
     # dk/dv strides: those of the outputs (the kernel ignores them for the accumulators).
     launch_dkdv(q, k, v, do, dk_out, dv_out, lse, delta, docs, cu_seqlens,
-                strides=base + (strides_of(dk), strides_of(dv)), dq_acc=dq_acc, splits=splits, **shape, **common)
+                strides=base + (strides_of(dk), strides_of(dv)), dq_acc=dq_acc, splits=splits, **shape, **common,
+                **variant)
     copy_positions(dq, dq_acc.mul_(softmax_scale), head_dim, batch, seq_splits)
     if splits > 1:
         copy_positions(dk, dk_out, head_dim, batch, seq_splits)
-        copy_positions(dv, dv_out, head_dim, batch, seq_splits)
+        copy_positions(dv, dv_out, head_dim_v, batch, seq_splits)
 
 
 def copy_positions(dst, acc, head_dim, batch, seq_splits):

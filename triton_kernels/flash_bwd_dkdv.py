@@ -19,6 +19,13 @@ Two modes (docs/architecture.md, "Attention kernels: backward"):
 
 Query rows are visited in three phases: masked (causal diagonal / document start),
 unmasked (rows that see the whole key tile), masked (document end / sequence end).
+
+Variants (see _common): ``WINDOW`` visits only the query rows of the key tile's band,
+``[n0 - off - right, n_last - off + left]`` (:func:`_band_query_rows`), in the same three
+phases; ``SOFTCAP`` back-propagates through ``softcap * tanh(.)``
+(``dS_raw = dS * (1 - t^2)``); ``HEAD_DIM_V``: v, dO and dV have their own head dim (the
+head-split accumulators are ``[.., BLOCK_D]`` for dK and ``[.., BLOCK_DV]`` for dV). Sinks
+need nothing here: the LSE includes them.
 """
 
 import torch
@@ -28,12 +35,17 @@ import triton.language as tl
 from ._common import (
     LOG2E,
     TunedLauncher,
+    capped_tanh,
     dot_precision,
+    in_band,
     interpreting,
     maybe_fp32,
+    phase_bounds,
     seq_bucket,
     seq_offsets,
+    variant_args,
 )
+from ._common import block_d as padded_head_dim
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -41,11 +53,13 @@ LOG2E_C = tl.constexpr(LOG2E)
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                 sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                b, Sq, B, P, lo, hi, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
+                b, Sq, B, P, lo, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                SPLIT: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr,
-                PRECISION: tl.constexpr):
+                SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
+                DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DV: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Query rows [lo, hi) of query heads ``hk*GROUP + g_lo ..`` (g_cnt of them), as ONE
     flat loop.
 
@@ -55,6 +69,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
     iteration ``it`` covers head ``it // nblk`` and row block ``it % nblk``.
     """
     d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
     local_m = tl.arange(0, BLOCK_M)
     nblk = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
     # Every address the body forms must lie inside the tensors for ANY `it`, the empty
@@ -66,6 +81,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
     # the group and the per-row reads (LSE, delta, documents) clamped to the sequence.
     per_head = tl.maximum(nblk, 1)
     for it in range(0, nblk * g_cnt):
+        if COUNT:  # tests: one more block visited by this program
+            tl.atomic_add(COUNTS + count_slot, 1)
         g = tl.minimum(it // per_head, g_cnt - 1)
         h = (hk * GROUP + g_lo + g).to(tl.int64)
         lse_base = (b * HQ + h) * Sq
@@ -82,22 +99,31 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
         lse = tl.load(LSE + lse_base + addr_m, mask=m_ok, other=float("inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
         delta = tl.load(DELTA + lse_base + addr_m, mask=m_ok, other=0.0)
-        do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_d[None, :] * sdo_d),
-                     mask=tile_mask, other=0.0)
+        do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_dv[None, :] * sdo_d),
+                     mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
         do = maybe_fp32(do, FP32_DOT)
         qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
+        if SOFTCAP:
+            tT = capped_tanh(qkT, softcap_in)
+            pT = tl.math.exp2(tT * softcap_out - lse2[None, :])
+        else:
+            pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
             valid = m_ok[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
+            if WINDOW:
+                valid = valid & in_band(offs_n[:, None], offs_m[None, :], causal_off, window_left, window_right)
             if VARLEN:
                 doc_q = tl.load(DOCS + addr_m, mask=m_ok, other=-2)
                 valid = valid & (doc_k[:, None] == doc_q[None, :])
             pT = tl.where(valid, pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
+        dsT = pT * (dpT - delta[None, :])
+        if SOFTCAP:
+            dsT = dsT * (1.0 - tT * tT)  # d(softcap * tanh(x / softcap)) / dx
+        dsT = dsT.to(q.dtype)
         dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
         if DQ_ATOMIC:
             # dQ rows of this block += dS K (unscaled; the host scales the fp32 sum). The
@@ -110,49 +136,11 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP", "HEAD_SPLITS"])
-def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOCS, CU,
-    sq_b, sq_s, sq_h, sq_d,
-    sk_b, sk_s, sk_h, sk_d,
-    sv_b, sv_s, sv_h, sv_d,
-    sdo_b, sdo_s, sdo_h, sdo_d,
-    sdk_b, sdk_s, sdk_h, sdk_d,
-    sdv_b, sdv_s, sdv_h, sdv_d,
-    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY, HQ, HKV, GROUP, HEAD_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr, KV_ATOMIC: tl.constexpr,
-    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid = tl.program_id(1).to(tl.int64)
-    part = pid % HEAD_SPLITS
-    pid_bh = pid // HEAD_SPLITS
-    b = pid_bh // HKV
-    hk = pid_bh % HKV
-    g_cnt = GROUP // HEAD_SPLITS  # the host makes HEAD_SPLITS divide GROUP
-    g_lo = part * g_cnt
-    n0 = pid_n * BLOCK_N
-    local_n = tl.arange(0, BLOCK_N)
-    offs_n = n0 + local_n
-    offs_d = tl.arange(0, BLOCK_D)
-    n_ok = offs_n < Sk
-    d_ok = offs_d < HEAD_DIM
-    n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
-    causal_off = Sk - Sq
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-
-    k_base, k_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-    v_base, v_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
-    k = tl.load(K + (hk * sk_h + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d), mask=kv_mask,
-                other=0.0)
-    v = tl.load(V + (hk * sv_h + v_base) + (v_rows[:, None] + offs_d[None, :] * sv_d), mask=kv_mask,
-                other=0.0)
-    k = maybe_fp32(k, FP32_DOT)
-    v = maybe_fp32(v, FP32_DOT)
-
+@triton.jit
+def _query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, DOCS, CU,
+                CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query rows a key tile ``[n0, n_last]`` visits (no band): (doc_k, lo, a, b, hi) with
+    ``[lo, a)`` and ``[b, hi)`` masked and every row of ``[a, b)`` seeing the whole tile."""
     # Query rows [lo, hi) that may see a key of the tile; [full_lo, full_hi) see all of it.
     if VARLEN:
         doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
@@ -180,39 +168,139 @@ def _flash_bwd_dkdv_kernel(
     a_end = lo + tl.cdiv(full_lo - lo, BLOCK_M) * BLOCK_M
     a_end = tl.minimum(a_end, hi)
     b_end = a_end + tl.maximum(full_hi - a_end, 0) // BLOCK_M * BLOCK_M
+    return doc_k, lo, a_end, b_end, hi
+
+
+@triton.jit
+def _band_query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, window_left, window_right, DOCS, CU,
+                     VARLEN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query rows a key tile ``[n0, n_last]`` visits under a band (WINDOW): key j is seen
+    by rows ``[j - off - right, j - off + left]``, so the tile by
+    ``[n0 - off - right, n_last - off + left]`` within the sequence or its documents; every
+    row of ``[n_last - off - right, n0 - off + left]`` (one document) sees all of it.
+    Returns (doc_k, start, a, b, end) as _query_rows; all bounds lie in ``[0, Sq]``."""
+    if VARLEN:
+        doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
+        first_doc = tl.load(DOCS + n0)
+        last_doc = tl.load(DOCS + n_last)
+        lo = tl.load(CU + first_doc)
+        hi = tl.load(CU + last_doc + 1)
+        one_doc = first_doc == last_doc
+    else:
+        doc_k = offs_n  # unused
+        lo = 0
+        hi = Sq
+        one_doc = True
+    start = tl.minimum(tl.maximum(lo, n0 - causal_off - window_right), hi)
+    end = tl.maximum(tl.minimum(hi, n_last - causal_off + window_left + 1), start)
+    if SPLIT == 1:
+        # Affine tiles must not straddle two buffer blocks: row blocks start at multiples
+        # of BLOCK_M (lo = 0 here: SPLIT 1 never has documents).
+        start = start // BLOCK_M * BLOCK_M
+    full_lo = tl.maximum(lo, n_last - causal_off - window_right)
+    full_hi = tl.where(one_doc, tl.minimum(hi, n0 - causal_off + window_left + 1), full_lo)
+    if not VARLEN:
+        # Rows past Sq are neutral (q = dO = 0, P = 0): a band reaching the end needs no mask there.
+        full_hi = tl.where(full_hi == Sq, Sq + BLOCK_M - 1, full_hi)
+    a, b = phase_bounds(start, end, full_lo, full_hi, BLOCK_M)
+    return doc_k, start, a, b, end
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP", "HEAD_SPLITS",
+                               "window_left", "window_right"])
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOCS, CU, COUNTS,
+    sq_b, sq_s, sq_h, sq_d,
+    sk_b, sk_s, sk_h, sk_d,
+    sv_b, sv_s, sv_h, sv_d,
+    sdo_b, sdo_s, sdo_h, sdo_d,
+    sdk_b, sdk_s, sdk_h, sdk_d,
+    sdv_b, sdv_s, sdv_h, sdv_d,
+    Sq, Sk, B, P, sm_scale, qk_scale, softcap_in, softcap_out, window_left, window_right,
+    TUNE_KEY, HQ, HKV, GROUP, HEAD_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+    DQ_ATOMIC: tl.constexpr, KV_ATOMIC: tl.constexpr,
+    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, COUNT: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1).to(tl.int64)
+    part = pid % HEAD_SPLITS
+    pid_bh = pid // HEAD_SPLITS
+    b = pid_bh // HKV
+    hk = pid_bh % HKV
+    g_cnt = GROUP // HEAD_SPLITS  # the host makes HEAD_SPLITS divide GROUP
+    g_lo = part * g_cnt
+    n0 = pid_n * BLOCK_N
+    local_n = tl.arange(0, BLOCK_N)
+    offs_n = n0 + local_n
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    n_ok = offs_n < Sk
+    d_ok = offs_d < HEAD_DIM
+    n_last = tl.minimum(n0 + BLOCK_N, Sk) - 1
+    causal_off = Sk - Sq
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    v_mask = n_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    count_slot = pid * tl.num_programs(0) + pid_n
+
+    k_base, k_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+    v_base, v_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+    k = tl.load(K + (hk * sk_h + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d), mask=kv_mask,
+                other=0.0)
+    v = tl.load(V + (hk * sv_h + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d), mask=v_mask,
+                other=0.0)
+    k = maybe_fp32(k, FP32_DOT)
+    v = maybe_fp32(v, FP32_DOT)
+
+    if WINDOW:
+        doc_k, lo, a_end, b_end, hi = _band_query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off,
+                                                       window_left, window_right, DOCS, CU,
+                                                       VARLEN, SPLIT, BLOCK_M)
+    else:
+        doc_k, lo, a_end, b_end, hi = _query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, DOCS, CU,
+                                                  CAUSAL, VARLEN, BLOCK_M)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # Three phases, each over the query heads of this program (see _dkdv_inner).
     dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                         b, Sq, B, P, lo, a_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                         True, CAUSAL, VARLEN, SPLIT, DQ_ATOMIC, BLOCK_M, HEAD_DIM, BLOCK_D, FP32_DOT,
-                         PRECISION)
+                         b, Sq, B, P, lo, a_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                         window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                         True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
     dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                         b, Sq, B, P, a_end, b_end, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                         False, CAUSAL, VARLEN, SPLIT, DQ_ATOMIC, BLOCK_M, HEAD_DIM, BLOCK_D, FP32_DOT,
-                         PRECISION)
+                         b, Sq, B, P, a_end, b_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                         window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                         False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
     dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                         b, Sq, B, P, b_end, hi, offs_n, offs_d, doc_k, DOCS, qk_scale, causal_off,
-                         True, CAUSAL, VARLEN, SPLIT, DQ_ATOMIC, BLOCK_M, HEAD_DIM, BLOCK_D, FP32_DOT,
-                         PRECISION)
+                         b, Sq, B, P, b_end, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                         window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                         True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
     dk = dk * sm_scale
     if KV_ATOMIC:
         # Partial sums of a split query-head group, into fp32 accumulators laid out
-        # [B, HKV, Sk, BLOCK_D] by position (compile-time strides, as for dQ).
-        acc_offs = ((b * HKV + hk) * Sk + n0) * BLOCK_D + (local_n[:, None] * BLOCK_D + offs_d[None, :])
-        tl.atomic_add(DK + acc_offs, dk, mask=n_ok[:, None], sem="relaxed")
-        tl.atomic_add(DV + acc_offs, dv, mask=n_ok[:, None], sem="relaxed")
+        # [B, HKV, Sk, BLOCK_D] (dK) and [B, HKV, Sk, BLOCK_DV] (dV) by position
+        # (compile-time strides, as for dQ).
+        row = (b * HKV + hk) * Sk + n0
+        tl.atomic_add(DK + row * BLOCK_D + (local_n[:, None] * BLOCK_D + offs_d[None, :]), dk,
+                      mask=n_ok[:, None], sem="relaxed")
+        tl.atomic_add(DV + row * BLOCK_DV + (local_n[:, None] * BLOCK_DV + offs_dv[None, :]), dv,
+                      mask=n_ok[:, None], sem="relaxed")
     else:
         dk_base, dk_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sdk_b, sdk_s, SPLIT)
         dv_base, dv_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sdv_b, sdv_s, SPLIT)
         tl.store(DK + (hk * sdk_h + dk_base) + (dk_rows[:, None] + offs_d[None, :] * sdk_d),
                  dk.to(DK.dtype.element_ty), mask=kv_mask)
-        tl.store(DV + (hk * sdv_h + dv_base) + (dv_rows[:, None] + offs_d[None, :] * sdv_d),
-                 dv.to(DV.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + (hk * sdv_h + dv_base) + (dv_rows[:, None] + offs_dv[None, :] * sdv_d),
+                 dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; first = default.
@@ -277,27 +365,41 @@ def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_c
 
 def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q,
                 seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
-                split, seq_splits, dq_acc=None, splits=1):
+                split, seq_splits, dq_acc=None, splits=1, head_dim_v=None, band=None, softcap=0.0,
+                counter=None):
     """strides: (q, k, v, do, dk, dv) stride 4-tuples.
 
     dq_acc: atomic mode, a zero-filled fp32 ``[B, Hq, Sq, block_d]`` accumulator (by
     position) that receives the unscaled dS K. splits > 1 (atomic mode only): dk/dv are
-    zero-filled fp32 ``[B, Hkv, Sk, block_d]`` accumulators for the partial sums."""
+    zero-filled fp32 ``[B, Hkv, Sk, block_d]`` / ``[B, Hkv, Sk, block_dv]`` accumulators for
+    the partial sums. head_dim_v: v's (default head_dim); band, softcap, counter: see
+    flash_fwd.launch_fwd. Returns the config it ran (None when autotuned)."""
     fp32_dot = interpreting()
     varlen = docs is not None
     atomic = dq_acc is not None
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    bdv = padded_head_dim(head_dim_v)
     if splits > 1 and (not atomic or dk.dtype != torch.float32 or (num_q_heads // num_kv_heads) % splits):
         raise ValueError("launch_dkdv: head splits need atomic mode, fp32 dk/dv and a divisor of the group")
+    variant, variant_meta = variant_args(band, softcap, softmax_scale)
+    counts = counter.tensor("dkdv") if counter is not None else None
     args = (q, k, v, do, dk, dv, dq_acc if atomic else lse, lse, delta, docs if varlen else lse,
-            cu_seqlens if varlen else lse,
+            cu_seqlens if varlen else lse, counts if counts is not None else lse,
             *strides[0], *strides[1], *strides[2], *strides[3], *strides[4], *strides[5],
-            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E,
+            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E, *variant,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_kv_heads,
             num_q_heads // num_kv_heads, splits)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d,
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 DQ_ATOMIC=atomic, KV_ATOMIC=splits > 1,
-                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, block_d))
+                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(block_d, bdv)),
+                **variant_meta, COUNT=counts is not None)
     launcher = _launch_atomic if atomic else _launch
-    launcher(lambda bm, bn: (triton.cdiv(seqlen_k, bn), batch * num_kv_heads * splits), args, meta, block_d,
-             fp32_dot, q.dtype == torch.float32)
+
+    def grid(bm, bn):
+        return (triton.cdiv(seqlen_k, bn), batch * num_kv_heads * splits)
+
+    config = launcher(grid, args, meta, max(block_d, bdv), fp32_dot, q.dtype == torch.float32)
+    if counter is not None:
+        counter.ran("dkdv", config, grid(*config[:2]))
+    return config

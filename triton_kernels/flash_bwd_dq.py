@@ -4,6 +4,11 @@ One program owns a ``[BLOCK_M, D]`` tile of dQ for one (batch, query head) and w
 keys it can see (same two phases as the forward: unmasked blocks, then masked ones):
 ``P = exp2(QK^T * scale*log2e - lse*log2e)``, ``dS = P * (dO V^T - delta)``,
 ``dQ += dS K``; finally ``dQ *= scale``. No atomics: deterministic.
+
+Variants (as in the forward): ``WINDOW`` visits only the band's key blocks (masked left
+edge, unmasked middle, masked right edge); ``SOFTCAP`` recomputes ``t = tanh(.)`` and
+back-propagates through it (``dS_raw = dS * (1 - t^2)``); ``HEAD_DIM_V``: dO and v have
+their own head dim (dQ keeps D). Sinks need nothing here: the LSE includes them.
 """
 
 import torch
@@ -13,13 +18,18 @@ import triton.language as tl
 from ._common import (
     LOG2E,
     TunedLauncher,
+    capped_tanh,
     dot_precision,
+    in_band,
     interpreting,
     maybe_fp32,
+    query_tile_band_range,
     query_tile_key_range,
     seq_bucket,
     seq_offsets,
+    variant_args,
 )
+from ._common import block_d as padded_head_dim
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -27,59 +37,76 @@ LOG2E_C = tl.constexpr(LOG2E)
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-              b, Sk, B, P, lo, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
+              b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+              window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-              SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-              BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+              SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+              FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
     local_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
+        if COUNT:  # tests: one more block visited by this program
+            tl.atomic_add(COUNTS + count_slot, 1)
         offs_n = start_n + local_n
         n_ok = offs_n < Sk
         k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
         v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
         k_ptrs = K + (k_head + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d)
-        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_d[None, :] * sv_d)
+        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
         if MASKED:
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif HEAD_DIM == BLOCK_D:  # whole key blocks, no padded dims: no mask
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        else:  # whole key blocks: mask padded dims only
+            if HEAD_DIM == BLOCK_D:
+                k = tl.load(k_ptrs)
+            else:
+                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            if HEAD_DIM_V == BLOCK_DV:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         k = maybe_fp32(k, FP32_DOT)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if SOFTCAP:
+            t = capped_tanh(qk, softcap_in)
+            p = tl.math.exp2(t * softcap_out - lse2[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             valid = n_ok[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            if WINDOW:
+                valid = valid & in_band(offs_n[None, :], offs_m[:, None], causal_off, window_left, window_right)
             if VARLEN:
                 doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
                 valid = valid & (doc_k[None, :] == doc_q[:, None])
             p = tl.where(valid, p, 0.0)
         dp = tl.dot(do, tl.trans(maybe_fp32(v, FP32_DOT)), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP", "window_left", "window_right"])
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, DOCS, CU,
+    Q, K, V, DO, DQ, LSE, DELTA, DOCS, CU, COUNTS,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sv_b, sv_s, sv_h, sv_d,
     sdo_b, sdo_s, sdo_h, sdo_d,
     sdq_b, sdq_s, sdq_h, sdq_d,
-    Sq, Sk, B, P, sm_scale, qk_scale, TUNE_KEY, HQ, GROUP,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Sq, Sk, B, P, sm_scale, qk_scale, softcap_in, softcap_out, window_left, window_right, TUNE_KEY, HQ, GROUP,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, COUNT: tl.constexpr = False,
 ):
     num_m = tl.cdiv(Sq, BLOCK_M)
     pid_m = num_m - 1 - tl.program_id(0)
@@ -91,18 +118,20 @@ def _flash_bwd_dq_kernel(
     local_m = tl.arange(0, BLOCK_M)
     offs_m = m0 + local_m
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
     m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
     causal_off = Sk - Sq
     tile_mask = m_ok[:, None] & d_ok[None, :]
+    count_slot = pid_bh * num_m + pid_m
 
     q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
     do_base, do_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
     q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d), mask=tile_mask,
                 other=0.0)
-    do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_d[None, :] * sdo_d),
-                 mask=tile_mask, other=0.0)
+    do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_dv[None, :] * sdo_d),
+                 mask=m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
     q = maybe_fp32(q, FP32_DOT)
     do = maybe_fp32(do, FP32_DOT)
     lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=m_ok, other=float("inf"))
@@ -110,20 +139,47 @@ def _flash_bwd_dq_kernel(
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
     delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=m_ok, other=0.0)
 
-    doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
-                                                       DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
-
     k_head = hk * sk_h
     v_head = hk * sv_h
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
-                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                   b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
-                   False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT, PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
-                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                   b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
-                   True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT, PRECISION)
+    if WINDOW:
+        doc_q, start, a, b_end, end = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                            window_left, window_right, DOCS, CU,
+                                                            VARLEN, SPLIT, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                       b, Sk, B, P, start, a, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+        if a < b_end:  # its loads are unmasked: not even a pipelined first load when empty
+            dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                           sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                           b, Sk, B, P, a, b_end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+                           window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                           False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
+                           HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                       b, Sk, B, P, b_end, end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+    else:
+        doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                           DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                       b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                       False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                       b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
     dq = dq * sm_scale
     dq_base, dq_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdq_b, sdq_s, SPLIT)
     tl.store(DQ + (h * sdq_h + dq_base) + (dq_rows[:, None] + offs_d[None, :] * sdq_d),
@@ -153,16 +209,32 @@ _launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS, fp
 
 
 def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q, seqlen_k,
-              num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale, split, seq_splits):
-    """strides: (q, k, v, do, dq) stride 4-tuples."""
+              num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale, split, seq_splits,
+              head_dim_v=None, band=None, softcap=0.0, counter=None):
+    """strides: (q, k, v, do, dq) stride 4-tuples; head_dim_v: v's (default head_dim);
+    band, softcap, counter: see flash_fwd.launch_fwd. Returns the config it ran (None
+    when autotuned)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    bd, bdv = block_d, padded_head_dim(head_dim_v)
     fp32_dot = interpreting()
     varlen = docs is not None
+    variant, variant_meta = variant_args(band, softcap, softmax_scale)
+    counts = counter.tensor("dq") if counter is not None else None
     args = (q, k, v, do, dq, lse, delta, docs if varlen else lse, cu_seqlens if varlen else lse,
+            counts if counts is not None else lse,
             *strides[0], *strides[1], *strides[2], *strides[3], *strides[4],
-            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E,
+            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E, *variant,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d,
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
-                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, block_d))
-    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, block_d, fp32_dot,
-            q.dtype == torch.float32)
+                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(bd, bdv)),
+                **variant_meta, COUNT=counts is not None)
+
+    def grid(bm, bn):
+        return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
+
+    config = _launch(grid, args, meta, max(bd, bdv),
+                     fp32_dot, q.dtype == torch.float32)
+    if counter is not None:
+        counter.ran("dq", config, grid(*config[:2]))
+    return config

@@ -1,4 +1,8 @@
-"""Backward preprocess: ``delta = rowsum(dO * O)`` in fp32, stored ``[B, Hq, Sq]``."""
+"""Backward preprocess: ``delta = rowsum(dO * O)`` in fp32, stored ``[B, Hq, Sq]``.
+
+O and dO have v's head dim (Dv, the HEAD_DIM the host passes here). delta also gives the
+sinks' gradient (``flash_bwd.sinks_gradient``).
+"""
 
 import triton
 import triton.language as tl

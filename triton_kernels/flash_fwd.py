@@ -1,10 +1,21 @@
 """Flash-attention forward kernel (online softmax, exp2, fp32 accumulation).
 
-One program computes a ``[BLOCK_M, D]`` tile of the output of one (batch, query head).
+One program computes a ``[BLOCK_M, Dv]`` tile of the output of one (batch, query head).
 Keys are visited in two phases: blocks every valid row of the tile sees in full (no
 mask), then the blocks that need a mask (causal diagonal, sequence end, document
 boundaries). Causal masks are bottom-right aligned: query i sees key j iff
 ``j <= i + Sk - Sq``. Rows that see no key produce zeros and LSE = -inf.
+
+Variants (compile-time switches, see _common):
+
+* ``WINDOW``: only the keys of the tile's band ``[m0 + off - left, m_last + off + right]``
+  are visited, in three phases: a masked left edge, an unmasked middle where every valid
+  row sees the whole block, a masked right edge (``_common.query_tile_band_range``).
+* ``SOFTCAP``: scores ``softcap * tanh(scale * q.k / softcap)`` before masks and softmax.
+* ``SINKS``: the online softmax starts from the head's sink, a virtual key of logit
+  ``sink`` and value 0 (``m = sink * log2e``, ``l = 1``), so the LSE includes it and a
+  row that sees no key gives out 0 and LSE = sink.
+* ``HEAD_DIM_V``: v and out have their own head dim (the accumulator is ``[BLOCK_M, Dv]``).
 """
 
 import torch
@@ -16,34 +27,45 @@ from ._common import (
     LOG2E,
     TunedLauncher,
     block_d,
+    capped_tanh,
     dot_precision,
+    in_band,
     interpreting,
     maybe_fp32,
+    query_tile_band_range,
     query_tile_key_range,
     seq_bucket,
     seq_offsets,
+    variant_args,
 )
 
 LN2_C = tl.constexpr(LN2)
+LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
                sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-               b, Sk, B, P, lo, hi, offs_m, offs_d, doc_q, DOCS, qk_scale, causal_off,
+               b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+               window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-               SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+               SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+               FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
+    dv_ok = offs_dv < HEAD_DIM_V
     local_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
+        if COUNT:  # tests: one more block visited by this program
+            tl.atomic_add(COUNTS + count_slot, 1)
         offs_n = start_n + local_n
         n_ok = offs_n < Sk
         k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
         v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
         # Scalar base + tile offsets (loop invariant for SPLIT 0/1): see _common.
         kt_ptrs = K + (k_head + k_base) + (k_rows[None, :] + offs_d[:, None] * sk_d)
-        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_d[None, :] * sv_d)
+        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
         if MASKED:
             kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
         elif HEAD_DIM == BLOCK_D:  # whole blocks of keys and no padded dims: no mask at all
@@ -51,11 +73,16 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
         else:
             kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         qk = tl.dot(maybe_fp32(q, FP32_DOT), maybe_fp32(kt, FP32_DOT), input_precision=PRECISION)
-        qk = qk * qk_scale
+        if SOFTCAP:
+            qk = capped_tanh(qk, softcap_in) * softcap_out  # softcap * tanh(.), in log2 units
+        else:
+            qk = qk * qk_scale
         if MASKED:
             valid = n_ok[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
+            if WINDOW:
+                valid = valid & in_band(offs_n[None, :], offs_m[:, None], causal_off, window_left, window_right)
             if VARLEN:
                 doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
                 valid = valid & (doc_k[None, :] == doc_q[:, None])
@@ -71,11 +98,11 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif HEAD_DIM == BLOCK_D:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+        elif HEAD_DIM_V == BLOCK_DV:
             v = tl.load(v_ptrs)
         else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         if FP32_DOT:
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision=PRECISION)
         else:
@@ -84,18 +111,20 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP", "window_left", "window_right"])
 def _flash_fwd_kernel(
-    Q, K, V, O, LSE, DOCS, CU,
+    Q, K, V, O, LSE, DOCS, CU, SINK, COUNTS,
     sq_b, sq_s, sq_h, sq_d,
     sk_b, sk_s, sk_h, sk_d,
     sv_b, sv_s, sv_h, sv_d,
     so_b, so_s, so_h, so_d,
-    Sq, Sk, B, P, qk_scale, TUNE_KEY, HQ, GROUP,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    Sq, Sk, B, P, qk_scale, softcap_in, softcap_out, window_left, window_right, TUNE_KEY, HQ, GROUP,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
+    COUNT: tl.constexpr = False,
 ):
     num_m = tl.cdiv(Sq, BLOCK_M)
     # Heaviest (last, for causal) tiles first: better tail balance.
@@ -108,44 +137,81 @@ def _flash_fwd_kernel(
     local_m = tl.arange(0, BLOCK_M)
     offs_m = m0 + local_m
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < Sq
     d_ok = offs_d < HEAD_DIM
     m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
     causal_off = Sk - Sq
     tile_ok = m_ok[:, None] & d_ok[None, :]
+    out_ok = m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+    count_slot = pid_bh * num_m + pid_m
 
     q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
     q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
                 mask=tile_ok, other=0.0)
 
-    doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
-                                                       DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
-
     k_head = hk * sk_h
     v_head = hk * sv_h
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
-                               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                               b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, doc_q, DOCS,
-                               qk_scale, causal_off,
-                               False, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT,
-                               PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
-                               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                               b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, doc_q, DOCS,
-                               qk_scale, causal_off,
-                               True, CAUSAL, VARLEN, SPLIT, BLOCK_N, HEAD_DIM, BLOCK_D, FP32_DOT,
-                               PRECISION)
+    if SINKS:
+        # The sink: a virtual key of logit sink and value 0, seen first by every row.
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINK + h) * LOG2E_C
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if WINDOW:
+        doc_q, start, a, b_end, end = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                            window_left, window_right, DOCS, CU,
+                                                            VARLEN, SPLIT, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                                   b, Sk, B, P, start, a, offs_m, offs_d, offs_dv, doc_q, DOCS,
+                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
+                                   COUNTS, count_slot,
+                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+        if a < b_end:  # its loads are unmasked: not even a pipelined first load when empty
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                                       b, Sk, B, P, a, b_end, offs_m, offs_d, offs_dv, doc_q, DOCS,
+                                       qk_scale, causal_off, window_left, window_right, softcap_in,
+                                       softcap_out, COUNTS, count_slot,
+                                       False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
+                                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                                   b, Sk, B, P, b_end, end, offs_m, offs_d, offs_dv, doc_q, DOCS,
+                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
+                                   COUNTS, count_slot,
+                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+    else:
+        doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                           DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                                   b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, offs_dv, doc_q, DOCS,
+                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
+                                   COUNTS, count_slot,
+                                   False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                                   b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, offs_dv, doc_q, DOCS,
+                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
+                                   COUNTS, count_slot,
+                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
 
+    # l = 0: no key seen (and no sink, or a sink of -inf): out 0, LSE -inf.
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2_C)
     o_base, o_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, so_b, so_s, SPLIT)
-    tl.store(O + (h * so_h + o_base) + (o_rows[:, None] + offs_d[None, :] * so_d),
-             out.to(O.dtype.element_ty), mask=tile_ok)
+    tl.store(O + (h * so_h + o_base) + (o_rows[:, None] + offs_dv[None, :] * so_d),
+             out.to(O.dtype.element_ty), mask=out_ok)
     tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=m_ok)
 
 
@@ -181,21 +247,37 @@ _launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS, _FWD
 
 
 def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
-               batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim,
-               causal, softmax_scale, docs, cu_seqlens, split, seq_splits):
+               batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim, head_dim_v=None,
+               causal, softmax_scale, docs, cu_seqlens, split, seq_splits,
+               band=None, softcap=0.0, sinks=None, counter=None):
     """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides;
-    split is the SPLIT mode (_common.split_mode)."""
-    bd = block_d(head_dim)
+    split is the SPLIT mode (_common.split_mode). band: ``_common.kernel_band``'s (causal
+    already folded in), softcap: c or 0, sinks: fp32 contiguous ``[Hq]`` or None,
+    counter: a ``_common.VisitCounter`` (tests). Returns the config it ran (None when
+    autotuned)."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    bd, bdv = block_d(head_dim), block_d(head_dim_v)
     fp32_dot = interpreting()
-    precision = dot_precision(q.dtype, bd)
+    precision = dot_precision(q.dtype, max(bd, bdv))
     varlen = docs is not None
     dummy = lse
+    variant, variant_meta = variant_args(band, softcap, softmax_scale)
+    counts = counter.tensor("fwd") if counter is not None else None
     args = (q, k, v, out, lse, docs if varlen else dummy, cu_seqlens if varlen else dummy,
+            sinks if sinks is not None else dummy, counts if counts is not None else dummy,
             *sq_strides, *sk_strides, *sv_strides, *so_strides,
-            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale * LOG2E,
+            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale * LOG2E, *variant,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd,
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
-                FP32_DOT=fp32_dot, PRECISION=precision)
-    _launch(lambda bm, bn: (triton.cdiv(seqlen_q, bm), batch * num_q_heads), args, meta, bd, fp32_dot,
-            q.dtype == torch.float32)
+                FP32_DOT=fp32_dot, PRECISION=precision,
+                **variant_meta, SINKS=sinks is not None, COUNT=counts is not None)
+
+    def grid(bm, bn):
+        return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
+
+    config = _launch(grid, args, meta, max(bd, bdv),
+                     fp32_dot, q.dtype == torch.float32)
+    if counter is not None:
+        counter.ran("fwd", config, grid(*config[:2]))
+    return config

@@ -1,14 +1,35 @@
 """torch.library custom ops, autograd glue and the Python API of the Triton attention.
 
-Custom ops (namespace ``ulysses_kernels``):
+Custom ops (namespace ``ulysses_kernels``; the variant arguments ``window_left``,
+``window_right`` (int or None), ``softcap`` (float, 0: off) and ``sinks`` (``[Hq]`` or
+None) default to plain attention):
 
-* ``triton_flash_fwd(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False) -> (out, lse)``
+* ``triton_flash_fwd(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False,
+  window_left=None, window_right=None, softcap=0.0, sinks=None) -> (out, lse)``
   (deterministic only travels to the backward)
-* ``triton_flash_bwd(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False)
-  -> (dq, dk, dv)``
-* ``triton_flash_fwd_out(q, k, v, out!, lse!, causal, softmax_scale, cu_seqlens, seq_splits, batch) -> ()``
+* ``triton_flash_bwd(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False,
+  window_left=None, window_right=None, softcap=0.0, sinks=None) -> (dq, dk, dv, dsinks)``
+  (dsinks fp32 ``[Hq]``; an empty ``[0]`` tensor without sinks)
+* ``triton_flash_fwd_out(q, k, v, out!, lse!, causal, softmax_scale, cu_seqlens, seq_splits, batch,
+  window_left=None, window_right=None, softcap=0.0, sinks=None) -> ()``
 * ``triton_flash_bwd_out(do, q, k, v, out, lse, dq!, dk!, dv!, causal, softmax_scale, cu_seqlens,
-  seq_splits, batch, deterministic=False) -> ()``
+  seq_splits, batch, deterministic=False, window_left=None, window_right=None, softcap=0.0,
+  sinks=None, dsinks!=None) -> ()``
+
+Variants (docs/architecture.md, "Attention variants"), each a compile-time switch of the
+kernels, so a call without them runs exactly the plain kernels:
+
+* window band ``(left, right)``: with off = Sk - Sq, query i sees key j iff
+  ``i + off - left <= j <= i + off + right`` (a side None: unbounded; any int, negative
+  ones give the shifted bands of off-diagonal ring blocks), and, if causal,
+  ``j <= i + off``; the kernels skip the key/query blocks outside the band.
+* ``softcap = c > 0``: scores ``c * tanh(softmax_scale * q.k / c)``.
+* ``sinks``: ``[Hq]`` logits (any float dtype, read as fp32) in every row's softmax
+  denominator; the LSE includes them and their gradient is
+  ``dsinks[h] = -sum_{b,i} exp(sinks[h] - lse[b,h,i]) * rowsum(dO * O)[b,h,i]``.
+* v, out, dO and dv with a head dim Dv of their own (multiple of 16 up to 256).
+
+A row that sees no key gives out 0 and LSE -inf (the sink's logit with sinks).
 
 Backward modes: by default dQ is accumulated with fp32 atomics (5 GEMMs, run-to-run
 differences of rounding order); ``deterministic=True`` (or the environment variable
@@ -26,7 +47,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ._common import MAX_ROW_STRIDE, block_d, interpreting, split_mode
+from ._common import MAX_ROW_STRIDE, VisitCounter, block_d, interpreting, kernel_band, split_mode
 from .flash_bwd import deterministic_default, launch_bwd
 from .flash_fwd import launch_fwd
 
@@ -40,8 +61,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class _Geom:
     """Shapes and (batch, seq, head, dim) strides of one call."""
 
-    def __init__(self, q, k, seq_splits, batch):
+    def __init__(self, q, k, v, seq_splits, batch):
         self.split = q.dim() == 3
+        self.dv = v.shape[-1]
         if self.split:
             self.batch = int(batch) if batch is not None else 1
             rows_q, self.hq, self.d = q.shape
@@ -78,16 +100,22 @@ class _Geom:
 def inputs_problem(q, k, v) -> Optional[str]:
     """Why the kernels cannot take these q, k, v (None when they can): THE rule of what the
     kernels support, which the Ulysses paths ask before choosing them. One dtype among
-    float16/bfloat16/float32, and one head dim for q and k that is a multiple of 16 up to
-    256."""
+    float16/bfloat16/float32, one head dim for q and k that is a multiple of 16 up to
+    256, and a head dim for v (Dv, may differ) that is one too."""
     if any(t.dtype != q.dtype for t in (k, v)) or q.dtype not in _FLOAT_DTYPES:
         return (f"the kernels take float16/bfloat16/float32 inputs of one dtype, got "
                 f"{'/'.join(str(t.dtype).replace('torch.', '') for t in (q, k, v))}")
     d = q.shape[-1]
-    if k.shape[-1] != d or d % 16 != 0 or d > 256 or d == 0:
+    if k.shape[-1] != d or not _supported_head_dim(d):
         return (f"the kernels need a head dim that is a multiple of 16 up to 256, equal for q and k, "
                 f"got {d} and {k.shape[-1]}")
+    if not _supported_head_dim(v.shape[-1]):
+        return f"the kernels need a head dim of v that is a multiple of 16 up to 256, got {v.shape[-1]}"
     return None
+
+
+def _supported_head_dim(d: int) -> bool:
+    return 0 < d <= 256 and d % 16 == 0
 
 
 def _check_inputs(q, k, v, split: bool, name="flash_attention"):
@@ -95,8 +123,9 @@ def _check_inputs(q, k, v, split: bool, name="flash_attention"):
     for n, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != want:
             raise ValueError(f"{name}: {n} must be {want}-D, got shape {tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"{name}: k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{name}: k and v differ in more than the head dim: {tuple(k.shape)} vs "
+                         f"{tuple(v.shape)}")
     problem = inputs_problem(q, k, v)
     if problem:
         raise ValueError(f"{name}: {problem}")
@@ -107,6 +136,29 @@ def _check_inputs(q, k, v, split: bool, name="flash_attention"):
         raise ValueError(f"{name}: batch sizes differ: {q.shape[0]} vs {k.shape[0]}")
     if q.device.type == "cpu" and not interpreting():
         raise RuntimeError(f"{name}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+
+
+def _check_variants(q, window, softcap, sinks, dsinks=None, name="flash_attention"):
+    """ValueError for variant arguments the kernels cannot take (see the module docstring)."""
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"{name}: window must be a pair (left, right) of ints or None, got {window!r}")
+    for side_name, side in zip(("left", "right"), window):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
+            raise ValueError(f"{name}: window {side_name} side must be an int or None (unbounded), got {side!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
+            or softcap < 0:
+        raise ValueError(f"{name}: softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    hq = q.shape[-2]
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
+            raise ValueError(f"{name}: sinks must be a floating-point tensor [{hq}], got {sinks!r}")
+        if tuple(sinks.shape) != (hq,) or sinks.device != q.device:
+            raise ValueError(f"{name}: sinks must be [{hq}] (one logit per query head) on {q.device}, got "
+                             f"{tuple(sinks.shape)} on {sinks.device}")
+    if dsinks is not None:
+        if sinks is None:
+            raise ValueError(f"{name}: dsinks (the sinks' gradient) needs sinks")
+        _check_out("dsinks", dsinks, (hq,), torch.float32, q.device)
 
 
 def _kernel_cu_seqlens(cu_seqlens, total):
@@ -135,8 +187,14 @@ def _resolve_scale(softmax_scale, d):
     return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d)
 
 
-def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch):
-    g = _Geom(q, k, seq_splits, batch)
+def _kernel_sinks(sinks):
+    """The sinks as the forward kernel reads them: fp32, contiguous (Hq values)."""
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
+def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, window=(None, None),
+             softcap=0.0, sinks=None, counter=None):
+    g = _Geom(q, k, v, seq_splits, batch)
     if cu_seqlens is not None and g.batch != 1:
         raise ValueError(f"flash_attention: cu_seqlens needs batch 1, got {g.batch}")
     if cu_seqlens is not None and g.sq != g.sk:
@@ -144,117 +202,157 @@ def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, b
                          f"got {g.sq} and {g.sk}")
     if g.sq == 0 or g.batch == 0 or g.hq == 0:
         return
-    if g.sk == 0:
+    if g.sk == 0:  # no key: out 0, LSE -inf or the sink's logit
         out.zero_()
-        lse.fill_(float("-inf"))
+        lse.copy_(sinks.float().view(1, -1, 1).expand_as(lse) if sinks is not None else
+                  torch.full_like(lse, float("-inf")))
         return
+    causal, band = kernel_band(causal, window, g.sq, g.sk)
     docs, table = _kernel_cu_seqlens(cu_seqlens, g.sk)
     launch_fwd(q, k, v, out, lse, sq_strides=g.strides(q), sk_strides=g.strides(k),
                sv_strides=g.strides(v), so_strides=g.strides(out),
                batch=g.batch, seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv,
-               head_dim=g.d, causal=causal, softmax_scale=softmax_scale, docs=docs,
-               cu_seqlens=table, split=g.mode, seq_splits=g.seq_splits)
+               head_dim=g.d, head_dim_v=g.dv, causal=causal, softmax_scale=softmax_scale, docs=docs,
+               cu_seqlens=table, split=g.mode, seq_splits=g.seq_splits, band=band, softcap=float(softcap),
+               sinks=_kernel_sinks(sinks), counter=counter)
 
 
 def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             deterministic):
-    g = _Geom(q, k, seq_splits, batch)
-    if g.batch == 0 or g.hq == 0:
+             deterministic, window=(None, None), softcap=0.0, sinks=None, dsinks=None, counter=None):
+    g = _Geom(q, k, v, seq_splits, batch)
+    if g.batch == 0 or g.hq == 0 or g.sq == 0 or g.sk == 0:
+        # Nothing to attend: zero gradients. (No key: out = 0, so delta = 0 and the sinks'
+        # gradient is 0 too.)
+        for t in (dq, dk, dv, dsinks):
+            if t is not None:
+                t.zero_()
         return
-    if g.sq == 0 or g.sk == 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return
+    causal, band = kernel_band(causal, window, g.sq, g.sk)
     docs, table = _kernel_cu_seqlens(cu_seqlens, g.sk)
     launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, table, strides_of=g.strides, batch=g.batch,
                seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv, head_dim=g.d,
                block_d=block_d(g.d), causal=causal, softmax_scale=softmax_scale, split=g.mode,
-               seq_splits=g.seq_splits, deterministic=deterministic)
+               seq_splits=g.seq_splits, deterministic=deterministic, head_dim_v=g.dv, band=band,
+               softcap=float(softcap), sinks=_kernel_sinks(sinks), dsinks=dsinks, counter=counter)
 
 
 # ------------------------------------------------------------------------ custom ops
 
 
+def _out_shape(q, v):
+    """out (and dO): q's shape with v's head dim."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 @torch.library.custom_op(f"{_NS}::triton_flash_fwd", mutates_args=())
 def triton_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      softmax_scale: float, cu_seqlens: Optional[torch.Tensor],
-                     deterministic: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    B, Sq, Hq, D = q.shape
-    out = torch.empty((B, Sq, Hq, D), dtype=q.dtype, device=q.device)
+                     deterministic: bool = False, window_left: Optional[int] = None,
+                     window_right: Optional[int] = None, softcap: float = 0.0,
+                     sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    B, Sq, Hq, _ = q.shape
+    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, 1, None)
+    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, 1, None, (window_left, window_right),
+             softcap, sinks)
     return out, lse
 
 
 @triton_flash_fwd.register_fake
-def _(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False):
-    B, Sq, Hq, D = q.shape
-    return (q.new_empty((B, Sq, Hq, D)), q.new_empty((B, Hq, Sq), dtype=torch.float32))
+def _(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False, window_left=None, window_right=None,
+      softcap=0.0, sinks=None):
+    B, Sq, Hq, _ = q.shape
+    return (q.new_empty(_out_shape(q, v)), q.new_empty((B, Hq, Sq), dtype=torch.float32))
+
+
+def _dsinks_like(q, sinks):
+    """The functional backward's sinks gradient: fp32 [Hq], or an empty [0] without sinks."""
+    return q.new_empty((q.shape[-2] if sinks is not None else 0,), dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{_NS}::triton_flash_bwd", mutates_args=())
 def triton_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
-                     cu_seqlens: Optional[torch.Tensor], deterministic: bool = False
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     cu_seqlens: Optional[torch.Tensor], deterministic: bool = False,
+                     window_left: Optional[int] = None, window_right: Optional[int] = None,
+                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, 1, None, deterministic)
-    return dq, dk, dv
+    dsinks = _dsinks_like(q, sinks)
+    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, 1, None, deterministic,
+             (window_left, window_right), softcap, sinks, dsinks if sinks is not None else None)
+    return dq, dk, dv, dsinks
 
 
 @triton_flash_bwd.register_fake
-def _(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+def _(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False, window_left=None,
+      window_right=None, softcap=0.0, sinks=None):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_like(q, sinks))
 
 
 @torch.library.custom_op(f"{_NS}::triton_flash_fwd_out", mutates_args=("out", "lse"))
 def triton_flash_fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, causal: bool, softmax_scale: float,
-                         cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int) -> None:
-    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch)
+                         cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int,
+                         window_left: Optional[int] = None, window_right: Optional[int] = None,
+                         softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> None:
+    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch,
+             (window_left, window_right), softcap, sinks)
 
 
 @triton_flash_fwd_out.register_fake
-def _(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch):
+def _(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, window_left=None,
+      window_right=None, softcap=0.0, sinks=None):
     return None
 
 
-@torch.library.custom_op(f"{_NS}::triton_flash_bwd_out", mutates_args=("dq", "dk", "dv"))
+@torch.library.custom_op(f"{_NS}::triton_flash_bwd_out", mutates_args=("dq", "dk", "dv", "dsinks"))
 def triton_flash_bwd_out(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                          dv: torch.Tensor, causal: bool, softmax_scale: float,
                          cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int,
-                         deterministic: bool = False) -> None:
+                         deterministic: bool = False, window_left: Optional[int] = None,
+                         window_right: Optional[int] = None, softcap: float = 0.0,
+                         sinks: Optional[torch.Tensor] = None, dsinks: Optional[torch.Tensor] = None) -> None:
     _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             deterministic)
+             deterministic, (window_left, window_right), softcap, sinks, dsinks)
 
 
 @triton_flash_bwd_out.register_fake
 def _(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-      deterministic=False):
+      deterministic=False, window_left=None, window_right=None, softcap=0.0, sinks=None, dsinks=None):
     return None
 
 
+# triton_flash_fwd's arguments after q, k, v (setup_context may see them without defaults).
+_FWD_OPTIONS = ("causal", "softmax_scale", "cu_seqlens", "deterministic", "window_left", "window_right",
+                "softcap", "sinks")
+_FWD_DEFAULTS = dict(deterministic=False, window_left=None, window_right=None, softcap=0.0, sinks=None)
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, cu_seqlens, *rest = inputs
+    q, k, v, *rest = inputs
+    options = dict(_FWD_DEFAULTS, **dict(zip(_FWD_OPTIONS, rest)))
     out, lse = output
-    ctx.deterministic = bool(rest[0]) if rest else False
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-    ctx.causal = causal
-    ctx.softmax_scale = softmax_scale
+    ctx.save_for_backward(q, k, v, out, lse, options["cu_seqlens"], options["sinks"])
+    ctx.options = {name: options[name] for name in ("causal", "softmax_scale", "deterministic", "window_left",
+                                                     "window_right", "softcap")}
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
+    no_grads = (None,) * len(_FWD_OPTIONS)
     if grad_out is None:
-        return None, None, None, None, None, None, None
-    dq, dk, dv = triton_flash_bwd(grad_out, q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                  cu_seqlens, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+        return (None, None, None) + no_grads
+    o = ctx.options
+    dq, dk, dv, dsinks = triton_flash_bwd(grad_out, q, k, v, out, lse, o["causal"], o["softmax_scale"],
+                                          cu_seqlens, o["deterministic"], o["window_left"], o["window_right"],
+                                          o["softcap"], sinks)
+    dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
+    return (dq, dk, dv) + no_grads[:-1] + (dsinks,)
 
 
 triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -266,21 +364,28 @@ triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: Optional[float] = None,
                     cu_seqlens: Optional[torch.Tensor] = None,
-                    deterministic: Optional[bool] = None) -> torch.Tensor:
-    """Exact attention (flash, Triton), differentiable w.r.t. q, k, v.
+                    deterministic: Optional[bool] = None, window: Tuple[Optional[int], Optional[int]] = (None, None),
+                    softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Exact attention (flash, Triton), differentiable w.r.t. q, k, v and sinks.
 
-    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` with any strides (views into larger
-    buffers are read in place), ``Hq % Hkv == 0`` (query head h uses KV head
-    ``h // (Hq // Hkv)``), D a multiple of 16 up to 256, fp16/bf16 (fp32 for tests).
-    causal: bottom-right aligned (query i sees key j iff ``j <= i + Sk - Sq``).
+    q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]`` with any strides
+    (views into larger buffers are read in place), ``Hq % Hkv == 0`` (query head h uses KV
+    head ``h // (Hq // Hkv)``), D and Dv multiples of 16 up to 256, fp16/bf16 (fp32 for
+    tests). causal: bottom-right aligned (query i sees key j iff ``j <= i + Sk - Sq``).
     cu_seqlens: int32 document boundaries (B == 1, Sq == Sk); attention stays within a
-    document. Rows that see no key give zeros. Returns ``[B, Sq, Hq, D]`` in q's dtype.
+    document. window: a band ``(left, right)``, query i sees key j iff
+    ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (None: that side unbounded; any
+    int, negative too). softcap: c > 0 caps the scores at ``c * tanh(s / c)``. sinks:
+    ``[Hq]`` logits in every row's softmax denominator. Rows that see no key give zeros.
+    Returns ``[B, Sq, Hq, Dv]`` in q's dtype.
     deterministic: backward without atomics (None: ``ULYSSES_KERNELS_DETERMINISTIC``).
     Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     _check_inputs(q, k, v, split=False)
+    _check_variants(q, window, softcap, sinks)
     scale = _resolve_scale(softmax_scale, q.shape[-1])
-    out, _ = triton_flash_fwd(q, k, v, bool(causal), scale, cu_seqlens, _deterministic(deterministic))
+    out, _ = triton_flash_fwd(q, k, v, bool(causal), scale, cu_seqlens, _deterministic(deterministic),
+                              window[0], window[1], float(softcap), sinks)
     return out
 
 
@@ -293,37 +398,42 @@ def _check_out(name, t, shape, dtype, device):
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                             softmax_scale: Optional[float], cu_seqlens: Optional[torch.Tensor] = None,
                             out: Optional[torch.Tensor] = None, seq_splits: int = 1,
-                            batch: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                            batch: Optional[int] = None, window: Tuple[Optional[int], Optional[int]] = (None, None),
+                            softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
+                            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Low-level forward (no autograd) over ordinary or all-to-all buffer layouts.
 
     Layouts:
-      * 4-D: q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, any strides; ``seq_splits``
-        must be 1; out (if given) ``[B, Sq, Hq, D]``.
-      * 3-D (all-to-all receive/send buffers): q ``[B*S, Hq, D]``, k/v ``[B*S, Hkv, D]``,
-        out ``[B*S, Hq, D]``, any row/head/dim strides, ``batch=B``. The rows form
-        ``P = seq_splits`` adjacent blocks; block i is a contiguous ``[B, S_i]`` row range
-        holding global positions ``[start_i, start_i + S_i)``, with ``S_i`` the
-        ``torch.tensor_split`` lengths of S over P (the first ``S % P`` blocks one longer).
-        Token (b, s) of block i is row ``B*start_i + b*S_i + (s - start_i)``. With P == 1
-        this is plain ``[B, S]`` row order. q/k/v may be head slices of one packed q|k|v
-        buffer (e.g. ``buf.view(B*S, Hq + 2*Hkv, D)[:, :Hq]``).
+      * 4-D: q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]``, any
+        strides; ``seq_splits`` must be 1; out (if given) ``[B, Sq, Hq, Dv]``.
+      * 3-D (all-to-all receive/send buffers): q ``[B*S, Hq, D]``, k ``[B*S, Hkv, D]``, v
+        ``[B*S, Hkv, Dv]``, out ``[B*S, Hq, Dv]``, any row/head/dim strides, ``batch=B``.
+        The rows form ``P = seq_splits`` adjacent blocks; block i is a contiguous
+        ``[B, S_i]`` row range holding global positions ``[start_i, start_i + S_i)``, with
+        ``S_i`` the ``torch.tensor_split`` lengths of S over P (the first ``S % P`` blocks
+        one longer). Token (b, s) of block i is row ``B*start_i + b*S_i + (s - start_i)``.
+        With P == 1 this is plain ``[B, S]`` row order. q/k/v may be head slices of one
+        packed q|k|v buffer (e.g. ``buf.view(B*S, Hq + 2*Hkv, D)[:, :Hq]``).
     out is written in place when given (else allocated contiguous). Returns (out, lse)
-    with lse ``[B, Hq, Sq]`` fp32 contiguous, natural log, -inf for rows that see no key.
-    cu_seqlens: int32 global document boundaries (B == 1).
+    with lse ``[B, Hq, Sq]`` fp32 contiguous, natural log, -inf for rows that see no key;
+    with sinks the LSE includes them (a row that sees no key has LSE = its sink).
+    cu_seqlens: int32 global document boundaries (B == 1). window, softcap, sinks: the
+    variants of :func:`flash_attention`.
     """
     split = q.dim() == 3
     _check_inputs(q, k, v, split=split)
+    _check_variants(q, window, softcap, sinks)
     if seq_splits < 1:
         raise ValueError(f"flash_attention: seq_splits must be >= 1, got {seq_splits}")
-    g = _Geom(q, k, seq_splits, batch)
+    g = _Geom(q, k, v, seq_splits, batch)
     scale = _resolve_scale(softmax_scale, g.d)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     else:
-        _check_out("out", out, q.shape, q.dtype, q.device)
+        _check_out("out", out, _out_shape(q, v), q.dtype, q.device)
     lse = torch.empty((g.batch, g.hq, g.sq), dtype=torch.float32, device=q.device)
     triton_flash_fwd_out(q, k, v, out, lse, bool(causal), scale, cu_seqlens, int(seq_splits),
-                         int(g.batch))
+                         int(g.batch), window[0], window[1], float(softcap), sinks)
     return out, lse
 
 
@@ -333,21 +443,27 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              cu_seqlens: Optional[torch.Tensor] = None,
                              dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None,
                              dv: Optional[torch.Tensor] = None, seq_splits: int = 1,
-                             batch: Optional[int] = None, deterministic: Optional[bool] = None
+                             batch: Optional[int] = None, deterministic: Optional[bool] = None,
+                             window: Tuple[Optional[int], Optional[int]] = (None, None), softcap: float = 0.0,
+                             sinks: Optional[torch.Tensor] = None, dsinks: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Low-level backward (no autograd); same layouts as :func:`flash_attention_forward`.
 
-    do/out/dq have q's shape, dk/dv k's shape; lse is the forward's ``[B, Hq, Sq]`` fp32.
-    dq/dk/dv are written in place when given (e.g. views into the reverse all-to-all send
-    buffer), else allocated contiguous. deterministic: no atomics (7 GEMMs instead of 5;
-    None: ``ULYSSES_KERNELS_DETERMINISTIC``). Returns (dq, dk, dv).
+    do/out have out's shape (q's with Dv), dq q's, dk k's and dv v's shape; lse is the
+    forward's ``[B, Hq, Sq]`` fp32 (sink-inclusive with sinks). dq/dk/dv are written in
+    place when given (e.g. views into the reverse all-to-all send buffer), else allocated
+    contiguous. deterministic: no atomics (7 GEMMs instead of 5; None:
+    ``ULYSSES_KERNELS_DETERMINISTIC``). window, softcap, sinks: the forward's variants.
+    dsinks: an fp32 ``[Hq]`` tensor, overwritten with the sinks' gradient (needs sinks).
+    Returns (dq, dk, dv).
     """
     split = q.dim() == 3
     _check_inputs(q, k, v, split=split)
-    g = _Geom(q, k, seq_splits, batch)
+    _check_variants(q, window, softcap, sinks, dsinks)
+    g = _Geom(q, k, v, seq_splits, batch)
     scale = _resolve_scale(softmax_scale, g.d)
-    _check_out("do", do, q.shape, q.dtype, q.device)
-    _check_out("out", out, q.shape, q.dtype, q.device)
+    _check_out("do", do, _out_shape(q, v), q.dtype, q.device)
+    _check_out("out", out, _out_shape(q, v), q.dtype, q.device)
     _check_out("lse", lse, (g.batch, g.hq, g.sq), torch.float32, q.device)
     if not lse.is_contiguous():
         raise ValueError("flash_attention: lse must be contiguous")
@@ -360,5 +476,34 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         bufs.append(t)
     dq, dk, dv = bufs
     triton_flash_bwd_out(do, q, k, v, out, lse, dq, dk, dv, bool(causal), scale, cu_seqlens,
-                         int(seq_splits), int(g.batch), _deterministic(deterministic))
+                         int(seq_splits), int(g.batch), _deterministic(deterministic), window[0], window[1],
+                         float(softcap), sinks, dsinks)
     return dq, dk, dv
+
+
+def _count_visited_blocks(q, k, v, *, causal=False, window=(None, None), cu_seqlens=None, deterministic=True):
+    """Tests: how many blocks each program of the kernels visits, on 4-D inputs.
+
+    Runs the forward and the backward (``deterministic``: the dK/dV and dQ kernels; else
+    the atomic dK/dV kernel) with the COUNT switch and returns ``{kernel: (counts, config)}``
+    for "fwd" and "dq" (key blocks per query tile, counts ``[B*Hq, query tiles]``) and
+    "dkdv" (query blocks times query heads per key tile, ``[B*Hkv*head splits, key tiles]``).
+    config: the (BLOCK_M, BLOCK_N, warps, stages) the kernel ran (never autotuned).
+    """
+    _check_inputs(q, k, v, split=False)
+    _check_variants(q, window, 0.0, None)
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    counter = VisitCounter(q.device, B * Hq * -(-max(Sq, Sk) // 16))  # tiles are >= 16 rows
+    scale = _resolve_scale(None, D)
+    out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    _run_fwd(q, k, v, out, lse, causal, scale, cu_seqlens, 1, None, window, counter=counter)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    _run_bwd(torch.ones_like(out), q, k, v, out, lse, *grads, causal, scale, cu_seqlens, 1, None, deterministic,
+             window, counter=counter)
+    result = {}
+    for name, counts in counter.counts.items():
+        tiles, programs = counter.grids[name]
+        result[name] = (counts[:programs * tiles].view(programs, tiles), counter.configs[name])
+    return result

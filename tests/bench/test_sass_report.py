@@ -149,6 +149,17 @@ def test_main_loop_from_the_masked_argument(tmp_path):
     assert sass_report.main_loop_index([dict(instrs=50, masked=None), dict(instrs=40, masked=None)]) == 1
 
 
+def test_variant_layouts_and_argument_types():
+    """The variant rows' constexprs (a band runs with CAUSAL off; Dv is half the head
+    dim) and the new arguments' types: sink logits fp32, counters int32, softcap factors
+    fp32, window sides int32."""
+    assert sass_report.LAYOUTS["window"]["WINDOW"] and not sass_report.LAYOUTS["window"]["CAUSAL"]
+    assert sass_report.LAYOUTS["dv=d/2"](128)["HEAD_DIM_V"] == 64 and sass_report.LAYOUTS["dv=d/2"](48)["BLOCK_DV"] == 32
+    assert sass_report.pointer_type("SINK", "bf16") == "*fp32" and sass_report.pointer_type("COUNTS", "bf16") == "*i32"
+    assert sass_report.scalar_type("softcap_in") == "fp32" and sass_report.scalar_type("qk_scale") == "fp32"
+    assert sass_report.scalar_type("window_left") == "i32"
+
+
 def test_signature_builder():
     import triton.language as tl
     from triton.runtime.jit import JITFunction
@@ -213,6 +224,10 @@ def test_report_on_the_kernels(report_rows):
     rows = report_rows
     assert rows, "no builds"
     assert {"fwd", "bwd_atomic", "bwd_dkdv", "bwd_dq"} <= {r["name"] for r in rows}
+    # The attention variants are rows too (sinks: the forward only; the LSE carries them).
+    for name in ("fwd", "bwd_atomic", "bwd_dkdv", "bwd_dq"):
+        variants = {"window", "softcap", "dv=d/2"} | ({"sinks"} if name == "fwd" else set())
+        assert variants <= {r["layout"] for r in rows if r["name"] == name}, name
     for r in rows:
         label = "%s %s" % (r["name"], r["layout"])
         assert not r.get("error"), label + ": " + r["error"]
@@ -225,6 +240,7 @@ def test_report_on_the_kernels(report_rows):
 
 
 def test_report_limits(report_rows):
-    """No spills in the bf16 defaults; each kernel's buffer-layout main loop (affine tiles)
-    within 15% of the plain layout's at the same tile (issue 14's limits)."""
+    """No spills in the bf16 defaults (the variants' too); each kernel's buffer-layout main
+    loop (affine tiles) within 15% of the plain layout's at the same tile (issue 14's
+    limits)."""
     assert sass_report.check_limits(report_rows) == []

@@ -59,6 +59,41 @@ def test_opcheck_bwd():
                           test_utils=OPCHECK_TESTS)
 
 
+def variant_qkv(seed=3):
+    """Dv != D (32 / 16), GQA, and the sink logits."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(1, 11, 2, 32, generator=g), torch.randn(1, 13, 1, 32, generator=g), \
+        torch.randn(1, 13, 1, 16, generator=g)
+    return q, k, v, torch.randn(2, generator=g)
+
+
+def test_opcheck_variants():
+    """A shifted window band, softcap, sinks (differentiable) and Dv != D through every op."""
+    q, k, v, sinks = variant_qkv()
+    for t in (q, k, v, sinks):
+        t.requires_grad_()
+    variant = (-2, 5, 3.0, sinks)
+    torch.library.opcheck(OPS.triton_flash_fwd.default, (q, k, v, True, 0.25, None, False, *variant),
+                          test_utils=OPCHECK_TESTS)
+    out, lse = OPS.triton_flash_fwd(q, k, v, True, 0.25, None, False, *variant)
+    do = torch.randn_like(out)
+    torch.library.opcheck(OPS.triton_flash_bwd.default,
+                          (do, q.detach(), k.detach(), v.detach(), out.detach(), lse, True, 0.25, None, True,
+                           -2, 5, 3.0, sinks.detach()), test_utils=OPCHECK_TESTS)
+    B, Sq = 1, 11
+    q3, k3, v3 = (t.detach().reshape(B * t.shape[1], t.shape[2], t.shape[3]) for t in (q, k, v))
+    k3, v3 = k3[:Sq], v3[:Sq]  # the buffer views take Sq == Sk rows per batch
+    out3, lse3 = torch.empty(B * Sq, 2, 16), torch.empty(B, 2, Sq)
+    torch.library.opcheck(OPS.triton_flash_fwd_out.default,
+                          (q3, k3, v3, out3, lse3, False, 0.25, None, 1, B, 4, None, 3.0, sinks.detach()),
+                          test_utils=OPCHECK_TESTS)
+    OPS.triton_flash_fwd_out(q3, k3, v3, out3, lse3, False, 0.25, None, 1, B, 4, None, 3.0, sinks.detach())
+    grads = (torch.empty_like(q3), torch.empty_like(k3), torch.empty_like(v3))
+    torch.library.opcheck(OPS.triton_flash_bwd_out.default,
+                          (torch.randn_like(out3), q3, k3, v3, out3, lse3, *grads, False, 0.25, None, 1, B, False,
+                           4, None, 3.0, sinks.detach(), torch.empty(2)), test_utils=OPCHECK_TESTS)
+
+
 def test_opcheck_inplace_ops():
     B, S, Hq, Hkv, D, P = 2, 7, 2, 1, 16, 2
     q, k, v = (t.reshape(B * S, -1, D) for t in qkv(B=B, S=S, Hq=Hq, Hkv=Hkv, D=D))
@@ -84,9 +119,18 @@ def test_fake_tensor_shapes():
         out, lse = OPS.triton_flash_fwd(q, k, v, True, 0.125, None)
         assert out.shape == (2, 33, 8, 64) and out.dtype == torch.bfloat16
         assert lse.shape == (2, 8, 33) and lse.dtype == torch.float32
-        dq, dk, dv = OPS.triton_flash_bwd(out, q, k, v, out, lse, True, 0.125, None)
+        dq, dk, dv, dsinks = OPS.triton_flash_bwd(out, q, k, v, out, lse, True, 0.125, None)
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+        assert dsinks.shape == (0,)  # no sinks: an empty gradient
+        # the variants: out and dv have v's head dim, dsinks is [Hq] fp32
+        v_small = torch.empty(2, 40, 2, 32, dtype=torch.bfloat16)
+        sinks = torch.empty(8, dtype=torch.bfloat16)
+        out, lse = OPS.triton_flash_fwd(q, k, v_small, True, 0.125, None, False, 16, None, 30.0, sinks)
+        assert out.shape == (2, 33, 8, 32) and lse.shape == (2, 8, 33)
+        dq, dk, dv, dsinks = OPS.triton_flash_bwd(out, q, k, v_small, out, lse, True, 0.125, None, False, 16,
+                                                  None, 30.0, sinks)
+        assert dv.shape == v_small.shape and dsinks.shape == (8,) and dsinks.dtype == torch.float32
         # the public wrapper too (views of a packed buffer as input)
         buf = torch.empty(1, 17, 12, 32, dtype=torch.float16)
         o = uk_triton.flash_attention(buf[:, :, :8], buf[:, :, 8:10], buf[:, :, 10:], causal=True)
@@ -111,6 +155,27 @@ def test_torch_compile_fullgraph():
     assert rel_err(out, ref) < 1e-5
     for got, want in zip(leaves, ref_leaves):
         assert rel_err(got.grad, want.grad) < 1e-5
+
+
+def test_torch_compile_fullgraph_variants():
+    """A window, softcap, sinks (with their gradient) and Dv != D under torch.compile."""
+    torch._dynamo.reset()
+    q, k, v, sinks = variant_qkv(seed=4)
+
+    def fn(q, k, v, sinks):
+        return uk_triton.flash_attention(q, k, v, causal=True, window=(4, None), softcap=2.0, sinks=sinks) * 2.0
+
+    compiled = torch.compile(fn, backend="eager", fullgraph=True)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out = compiled(*leaves)
+    out.sum().backward()
+    eager = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    fn(*eager).sum().backward()
+    assert out.shape == (1, 11, 2, 16)
+    torch.testing.assert_close(out, fn(*eager), rtol=0, atol=0)
+    for got, want in zip(leaves, eager):
+        assert got.grad is not None and got.grad.abs().sum() > 0
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
 
 
 def test_torch_compile_fullgraph_lowlevel_inplace():
