@@ -130,6 +130,44 @@ def reference_with_lse(q, k, v, do, causal, cu_seqlens=None, softmax_scale=None)
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def brute_force_attention(q, k, v, do, *, causal=False, cu_seqlens=None, window_size=(-1, -1), softcap=0.0,
+                          sinks=None, softmax_scale=None):
+    """Float64 (out, dq, dk, dv, dsinks or None) of attention with the variants, written
+    out independently of the package: the whole score matrix, one boolean mask from the
+    rule (bottom-right aligned band, causal, same document), the sinks as one more logit
+    column whose value is 0, autograd for the gradients."""
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    s = sinks.detach().double().requires_grad_(True) if sinks is not None else None
+    qd, kd, vd = leaves
+    B, Sq, Hq, D = qd.shape
+    Sk, group = kd.shape[1], Hq // kd.shape[2]
+    scale = softmax_scale if softmax_scale is not None else D ** -0.5
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(group, 2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(Sq)[:, None] + (Sk - Sq)
+    j = torch.arange(Sk)[None, :]
+    visible = torch.ones(Sq, Sk, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if window_size[0] >= 0:
+        visible &= j >= i - window_size[0]
+    if window_size[1] >= 0:
+        visible &= j <= i + window_size[1]
+    if cu_seqlens is not None:
+        doc = torch.searchsorted(cu_seqlens.long()[1:], torch.arange(Sk), right=True)
+        visible &= doc[:, None] == doc[None, :]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    seen = visible.any(-1, keepdim=True) | (s is not None)  # a row that sees nothing outputs zeros
+    scores = scores.masked_fill(~seen, 0.0)
+    if s is not None:
+        scores = torch.cat([scores, s.view(1, Hq, 1, 1).expand(B, Hq, Sq, 1)], dim=-1)
+    p = torch.softmax(scores, dim=-1) * seen
+    out = torch.einsum("bhqk,bkhd->bqhd", p[..., :Sk], vd.repeat_interleave(group, 2))
+    out.backward(do.double())
+    return (out.detach(), *(t.grad for t in leaves), s.grad if s is not None else None)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (the absolute error when ref is zero)."""
     out, ref = out.detach().double(), ref.detach().double().to(out.device)

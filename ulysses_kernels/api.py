@@ -37,6 +37,7 @@ from .layout import head_plan_error, split_heads_error, split_lengths
 from .ring.schedule import RingSpec, ulysses_ring_attention
 from .ring.shard import RingShard, gather_ring
 from .ring.validate import exchange_and_check_ring, trusted_ring_lengths
+from .variants import Variant, make_variant, sinks_problem
 
 # The execution paths, by name (distributed/dispatch.py, `Path`).
 PATHS = {"reference": reference.PATH, "triton": triton_path.PATH, "fused": fused.PATH}
@@ -75,9 +76,15 @@ def _collect(errors: List[str], find: Callable, what: str = "", default=None):
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: Optional[float] = None, cu_seqlens=None, backend: Optional[str] = None,
-                    deterministic: Optional[bool] = None) -> torch.Tensor:
+                    deterministic: Optional[bool] = None, window_size=(-1, -1), softcap: float = 0.0,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact single-device attention over `[B, S, H, D]` with GQA/MQA, causal (bottom-right
     aligned when Sq != Sk) and packed documents (`cu_seqlens`, B == 1, Sq == Sk).
+
+    The variants (docs/api.md, "Attention variants"): `window_size=(left, right)`
+    (flash_attn's convention, -1 unbounded), `softcap` (> 0: scores `c * tanh(s / c)`),
+    `sinks` (`[Hq]` logits in every row's softmax denominator, differentiable), and v
+    with a head dim of its own (the output has v's).
 
     backend: None/"auto" (Triton on CUDA when available, else reference), "reference",
     or "triton" (on CPU tensors only with TRITON_INTERPRET=1). "fused" means the
@@ -88,17 +95,23 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     True keeps the Triton kernel (its two-kernel backward); the reference path always is.
     """
     cu_seqlens = _as_cu_seqlens(cu_seqlens, q.device)
-    row = build_descriptor("ulysses_attention", [q, k, v], causal=causal,
-                           softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    # Reuse the distributed checks with a world of one; Sq != Sk is allowed here.
-    err = shape_error(q, k, v) or check_table("ulysses_attention", [row], ["q", "k", "v"], same_length=False)
+    errors: List[str] = []
+    variant = _collect(errors, lambda: make_variant(window_size, softcap, causal=causal))
+    err = errors[0] if errors else shape_error(q, k, v)
+    if not err:
+        err = sinks_problem(sinks, q.shape[2], q.device)
+    if not err:
+        row = build_descriptor("ulysses_attention", [q, k, v], causal=causal,
+                               softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        # Reuse the distributed checks with a world of one; Sq != Sk is allowed here.
+        err = check_table("ulysses_attention", [row], ["q", "k", "v"], same_length=False)
     if not err and cu_seqlens is not None and q.shape[1] != k.shape[1]:
         err = f"cu_seqlens needs equal query and key lengths, got {q.shape[1]} and {k.shape[1]}"
     if err:
         raise ValueError(f"flash_attention: {err}")
     name = resolve_path(backend, q.device, distributed=False, tensors=(q, k, v))
     out, _ = PATHS[name].attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                            deterministic=deterministic)
+                                   deterministic=deterministic, variant=variant, sinks=sinks)
     return out
 
 
@@ -107,12 +120,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None,
                       causal: bool = False, softmax_scale: Optional[float] = None,
                       seq_lens: Optional[Sequence[int]] = None, cu_seqlens=None,
-                      backend: Optional[str] = None, ring_group=None) -> torch.Tensor:
+                      backend: Optional[str] = None, ring_group=None, window_size=(-1, -1),
+                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Exact attention over the global sequence, each rank holding a contiguous slice.
 
-    q `[B, S_local, Hq, D]`, k/v `[B, S_local, Hkv, D]`; slices follow
-    `torch.tensor_split(x, P, dim=1)`. See docs/api.md for the full contract. Returns
-    `[B, S_local, Hq, D]`, differentiable with respect to q, k and v.
+    q `[B, S_local, Hq, D]`, k `[B, S_local, Hkv, D]`, v `[B, S_local, Hkv, Dv]`; slices
+    follow `torch.tensor_split(x, P, dim=1)`. See docs/api.md for the full contract.
+    Returns `[B, S_local, Hq, Dv]`, differentiable with respect to q, k, v and sinks.
+
+    The variants (docs/api.md, "Attention variants"), as in `flash_attention`:
+    `window_size=(left, right)` over global positions (inside each document with
+    `cu_seqlens`), `softcap`, and `sinks` `[Hq]` over the global heads (the same tensor
+    on every rank; each rank uses its heads' slice, so its gradient is its share and the
+    sum over the group is the full gradient).
 
     ring_group: the Ulysses x Ring hybrid. `group` is then this rank's Ulysses group and
     `ring_group` its ring group (both from `init_sequence_parallel(sp, ring_size=R)`);
@@ -121,8 +141,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     the global sequence. A ring group of one rank is pure Ulysses.
     """
     call = prepare_attention(q, k, v, group=group, ring_group=ring_group, causal=causal,
-                             softmax_scale=softmax_scale, seq_lens=seq_lens, cu_seqlens=cu_seqlens, backend=backend)
-    return run_attention(call, q, k, v)
+                             softmax_scale=softmax_scale, seq_lens=seq_lens, cu_seqlens=cu_seqlens, backend=backend,
+                             window_size=window_size, softcap=softcap, sinks=sinks)
+    return run_attention(call, q, k, v, sinks=sinks)
 
 
 @dataclass(frozen=True)
@@ -138,11 +159,14 @@ class AttentionCall:
     softmax_scale: float
     cu_seqlens: Optional[torch.Tensor]
     ring: Optional[RingSpec] = None  # the ring of a Ulysses x Ring call
+    variant: Variant = Variant()     # the window band and the softcap (variants.py)
+    sinks: bool = False              # whether the call has sink logits (the tensor goes to run_attention)
 
 
 def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = False,
                       softmax_scale: Optional[float] = None, seq_lens: Optional[Sequence[int]] = None,
-                      cu_seqlens=None, backend: Optional[str] = None,
+                      cu_seqlens=None, backend: Optional[str] = None, window_size=(-1, -1),
+                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
                       local_errors: Sequence[str] = ()) -> AttentionCall:
     """Resolve the groups and the path and validate the inputs on every rank (see
     ulysses_attention): the one preparation of pure Ulysses and Ulysses x Ring calls. q/k/v
@@ -155,13 +179,19 @@ def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = Fa
     errors = list(local_errors)
     device = getattr(q, "device", None)
     cu_seqlens = _collect(errors, lambda: _as_cu_seqlens(cu_seqlens, device), "cu_seqlens could not be read: ")
+    variant = _collect(errors, lambda: make_variant(window_size, softcap, causal=causal), default=Variant())
+    heads = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
+    err = sinks_problem(sinks, heads, device)
+    if err:
+        errors.append(err)
+        sinks = None  # not described: the message reaches every rank
     name = None
     if isinstance(q, torch.Tensor):
         name = _collect(errors, lambda: resolve_path(backend, q.device, distributed=group is not None or ring,
                                                      tensors=(q, k, v)))
     if seq_lens is None:
         options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                       backend=backend if backend in BACKENDS else None)
+                       backend=backend if backend in BACKENDS else None, variant=variant, sinks=sinks)
         names = ["q", "k", "v"]
         if ring:
             all_lens = exchange_and_check_ring("ulysses_attention", group, ring_group, names, [q, k, v],
@@ -186,9 +216,10 @@ def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = Fa
     spec = None
     if ring:
         spec = RingSpec(ring_group, ring_world, ring_rank, sum(all_lens), bool(causal), float(softmax_scale),
-                        _ring_documents(cu_seqlens, sum(all_lens), q.shape[0]))
+                        _ring_documents(cu_seqlens, sum(all_lens), q.shape[0]), variant=variant)
     lens = list(all_lens[ring_rank * world:(ring_rank + 1) * world])
-    return AttentionCall(PATHS[name], group, world, rank, lens, bool(causal), float(softmax_scale), cu_seqlens, spec)
+    return AttentionCall(PATHS[name], group, world, rank, lens, bool(causal), float(softmax_scale), cu_seqlens, spec,
+                         variant, sinks is not None)
 
 
 def _ring_documents(cu_seqlens, total: int, batch: int):
@@ -205,14 +236,16 @@ def _ring_documents(cu_seqlens, total: int, batch: int):
     return documents
 
 
-def run_attention(call: AttentionCall, q, k, v) -> torch.Tensor:
-    """Run a prepared call on its path."""
+def run_attention(call: AttentionCall, q, k, v, *, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Run a prepared call on its path; `sinks` are the tensor the call was prepared with."""
+    if (sinks is not None) != call.sinks:
+        raise ValueError("run_attention: pass the sinks the call was prepared with (and only then)")
     if call.ring is not None:
         return ulysses_ring_attention(call.path, q, k, v, group=call.group, rank=call.rank, seq_lens=call.lens,
-                                      spec=call.ring)
+                                      spec=call.ring, sinks=sinks)
     return call.path.ulysses_attention(q, k, v, group=call.group, rank=call.rank, seq_lens=call.lens,
                                        causal=call.causal, softmax_scale=call.softmax_scale,
-                                       cu_seqlens=call.cu_seqlens)
+                                       cu_seqlens=call.cu_seqlens, variant=call.variant, sinks=sinks)
 
 
 # ------------------------------------------------------------------------ exchanges

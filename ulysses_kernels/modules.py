@@ -12,30 +12,37 @@ from torch import nn
 from . import fused
 from .api import prepare_attention, run_attention, ulysses_attention
 from .rotary import apply_rotary, position_embeddings_error
+from .variants import make_variant
 
 
 class UlyssesAttention(nn.Module):
     """`nn.Module` around `ulysses_attention` for a fixed group and options.
 
-    forward(q, k, v, *, seq_lens=None, cu_seqlens=None) with q `[B, S_local, Hq, D]`.
+    forward(q, k, v, *, seq_lens=None, cu_seqlens=None, sinks=None) with q `[B, S_local, Hq, D]`;
+    `window_size` and `softcap` are the call's variants (docs/api.md, "Attention variants"),
+    `sinks` a `[Hq]` tensor passed per call (the model owns it as a parameter).
     """
 
     def __init__(self, group=None, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                 backend: Optional[str] = None, ring_group=None):
+                 backend: Optional[str] = None, ring_group=None, window_size=(-1, -1), softcap: float = 0.0):
         super().__init__()
+        make_variant(window_size, softcap, causal=causal)  # bad values fail here, not at the first call
         self.group = group
         self.ring_group = ring_group
         self.causal = causal
         self.softmax_scale = softmax_scale
         self.backend = backend
+        self.window_size, self.softcap = tuple(window_size), softcap
 
-    def forward(self, q, k, v, *, seq_lens=None, cu_seqlens=None):
+    def forward(self, q, k, v, *, seq_lens=None, cu_seqlens=None, sinks=None):
         return ulysses_attention(q, k, v, group=self.group, causal=self.causal,
                                  softmax_scale=self.softmax_scale, seq_lens=seq_lens,
-                                 cu_seqlens=cu_seqlens, backend=self.backend, ring_group=self.ring_group)
+                                 cu_seqlens=cu_seqlens, backend=self.backend, ring_group=self.ring_group,
+                                 window_size=self.window_size, softcap=self.softcap, sinks=sinks)
 
     def extra_repr(self):
-        return f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend}"
+        return (f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend}, "
+                f"{make_variant(self.window_size, self.softcap, causal=self.causal).describe()}")
 
 
 class UlyssesSelfAttention(nn.Module):
@@ -55,14 +62,20 @@ class UlyssesSelfAttention(nn.Module):
     projection GEMMs run chunk by chunk inside the exchange pipeline
     (`ulysses_kernels.fused.layer`); otherwise the block is the plain composition.
     `ring_group`: the Ulysses x Ring hybrid (`group` is then the Ulysses group; see
-    `ulysses_attention`), which runs the plain composition.
+    `ulysses_attention`), which runs the plain composition. `window_size` and `softcap`:
+    the attention variants (docs/api.md, "Attention variants"); `sinks=True` gives the
+    block a learnable `[num_heads]` parameter `sinks` of sink logits (GPT-OSS), which
+    takes the plain composition on every path.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, *, group=None, causal: bool = True,
                  softmax_scale: Optional[float] = None, bias: bool = False, backend: Optional[str] = None,
-                 overlap_projections: bool = True, device=None, dtype=None, ring_group=None):
+                 overlap_projections: bool = True, device=None, dtype=None, ring_group=None,
+                 window_size=(-1, -1), softcap: float = 0.0, sinks: bool = False):
         super().__init__()
+        make_variant(window_size, softcap, causal=causal)  # bad values fail here, not at the first call
+        self.window_size, self.softcap = tuple(window_size), softcap
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
         if num_heads <= 0 or num_kv_heads <= 0 or head_dim <= 0 or num_heads % num_kv_heads:
@@ -76,6 +89,7 @@ class UlyssesSelfAttention(nn.Module):
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
+        self.sinks = nn.Parameter(torch.zeros(num_heads, device=device, dtype=dtype)) if sinks else None
 
     def _placeholders(self, x, position_embeddings):
         """Stand-ins for q/k/v with the shapes, dtype and device the projection would give,
@@ -106,22 +120,24 @@ class UlyssesSelfAttention(nn.Module):
         q, k, v, errors = self._placeholders(x, position_embeddings)
         call = prepare_attention(q, k, v, group=self.group, ring_group=self.ring_group, causal=self.causal,
                                  softmax_scale=self.softmax_scale, seq_lens=seq_lens, cu_seqlens=cu_seqlens,
-                                 backend=self.backend, local_errors=errors)
+                                 backend=self.backend, local_errors=errors, window_size=self.window_size,
+                                 softcap=self.softcap, sinks=self.sinks)
         B, S, _ = x.shape
-        if call.path is fused.PATH and call.ring is None and self._overlap_ok(x):  # the layer has no ring
+        # The layer has no ring and no sinks (a parameter its autograd function would have to return).
+        if call.path is fused.PATH and call.ring is None and self.sinks is None and self._overlap_ok(x):
             return fused.self_attention(
                 x, self.qkv_proj.weight, self.qkv_proj.bias, self.o_proj.weight, self.o_proj.bias,
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                 group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
                 softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens,
-                position_embeddings=position_embeddings)
+                position_embeddings=position_embeddings, variant=call.variant)
         qkv = self.qkv_proj(x).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         hq, hkv = self.num_heads, self.num_kv_heads
         q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
         if position_embeddings is not None:
             cos, sin = (t.detach().to(q.dtype) for t in position_embeddings)  # as on the fused path
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = run_attention(call, q, k, v)
+        out = run_attention(call, q, k, v, sinks=self.sinks)
         return self.o_proj(out.reshape(B, S, hq * self.head_dim))
 
     def extra_repr(self):

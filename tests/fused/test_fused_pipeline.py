@@ -23,7 +23,18 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import SLOW_SPAWN_TIMEOUT, make_qkv, needs_extension, needs_interpreter, param_id, randn, seq_lens, shard
+from helpers import (
+    SLOW_SPAWN_TIMEOUT,
+    brute_force_attention,
+    make_qkv,
+    needs_extension,
+    needs_interpreter,
+    param_id,
+    randn,
+    rel_err,
+    seq_lens,
+    shard,
+)
 
 import ulysses_kernels as uk
 from ulysses_kernels import env, fused, testing
@@ -73,6 +84,25 @@ def test_fused_pipeline_cpu_world1(Hq, Hkv, chunks, monkeypatch):
     torch.testing.assert_close(vf.grad, vr.grad, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_fused_pipeline_cpu_variants(chunks, monkeypatch):
+    """A window, softcap and sinks through the chunked pipeline (each chunk its heads'
+    sinks), against the float64 brute force."""
+    needs_interpreter()
+    q, k, v, do = make_qkv(2, 9, 4, 2, 16, dtype=torch.float32, seed=11)
+    sinks = randn(4, seed=3)
+    monkeypatch.setenv(env.NUM_CHUNKS.name, str(chunks))
+    options = dict(causal=True, window_size=(3, -1), softcap=5.0)
+    with testing.fused_stand_ins():
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, sinks)]
+        out = uk.ulysses_attention(*leaves[:3], sinks=leaves[3], backend="fused", **options)
+        assert _grad_fn(out) == "_FusedUlyssesAttentionBackward"
+        out.backward(do)
+    want = brute_force_attention(q, k, v, do, sinks=sinks, **options)
+    for name, got, ref in zip(("out", "dq", "dk", "dv", "dsinks"), [out] + [t.grad for t in leaves], want):
+        assert rel_err(got, ref) < 2e-5, name
+
+
 def test_fused_pipeline_cpu_retain_graph():
     """retain_graph=True: a second backward gives the same gradients again; without it,
     a second backward raises torch's usual error instead of reading freed buffers."""
@@ -107,13 +137,13 @@ def test_fused_attention_op_no_grad_uses_engine_buffers():
                             attention=AttentionOptions(causal=True, softmax_scale=0.25, cu_seqlens=None),
                             plan=tuple(fused.plan_chunks(4, 2, 2)))
         with torch.no_grad():
-            out = _FusedUlyssesAttention.apply(q, k, v, setup, torch.is_grad_enabled())
+            out = _FusedUlyssesAttention.apply(q, k, v, None, setup, torch.is_grad_enabled())
         assert {"fwd_recv", "fwd_osend", "fwd_orecv", "fwd_send"} <= set(engine._buffers)
         ref, _ = reference_attention(q, k, v, causal=True, softmax_scale=0.25)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         engine._buffers.clear()
         qg = q.clone().requires_grad_(True)
-        out = _FusedUlyssesAttention.apply(qg, k, v, setup, True)
+        out = _FusedUlyssesAttention.apply(qg, k, v, None, setup, True)
         assert "fwd_recv" not in engine._buffers and "fwd_orecv" in engine._buffers
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     finally:
@@ -127,6 +157,7 @@ def test_problem_cpu_and_dtypes():
         assert fused.problem(CPU, (q, q, q)) is None
         assert "float16/bfloat16/float32" in fused.problem(CPU, (q.double(), q.double(), q.double()))
         assert "multiple of 16" in fused.problem(CPU, (q[..., :8], q[..., :8], q[..., :8]))
+        assert "v's head dim (32) differs" in fused.problem(CPU, (q, q, torch.randn(1, 4, 2, 32)))
         with pytest.raises(RuntimeError, match="the fused path cannot run these inputs: .*head dim.*; "
                                                "use backend='triton' or 'reference'"):
             fused.ulysses_attention(q[..., :8], q[..., :8], q[..., :8], group=None, rank=0, seq_lens=[4],

@@ -17,6 +17,7 @@ from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple
 import torch
 
 from .. import env
+from ..variants import PLAIN
 
 BACKENDS = tuple(name for name in env.BACKEND.choices if name != "auto")   # the paths, by name
 
@@ -34,8 +35,10 @@ class Path(Protocol):
         whether it can run at all), phrased to follow "backend='<name>' "."""
 
     def ulysses_attention(self, q, k, v, *, group, rank: int, seq_lens, causal: bool, softmax_scale: float,
-                          cu_seqlens) -> torch.Tensor:
-        """Pure Ulysses attention (differentiable): q `[B, S_local, Hq, D]` -> `[B, S_local, Hq, D]`."""
+                          cu_seqlens, variant=PLAIN, sinks=None) -> torch.Tensor:
+        """Pure Ulysses attention (differentiable): q `[B, S_local, Hq, D]` -> `[B, S_local, Hq, Dv]`.
+        `variant` (variants.py) and the global `[Hq]` `sinks` (each rank uses
+        its heads' slice) are the attention variants."""
 
     def seq_to_heads(self, tensors, *, group, rank: int, seq_lens) -> Tuple[torch.Tensor, ...]:
         """Sequence shards `[B, S_local, H_t, D]` -> head shards `[B, S, Hl_t, D]`, one exchange
@@ -45,10 +48,10 @@ class Path(Protocol):
         """Head shard `[B, S, Hl, D]` -> sequence shard `[B, S_local, P * Hl, D]` (differentiable)."""
 
     def attention(self, q, k, v, *, causal: bool, softmax_scale: Optional[float], cu_seqlens=None,
-                  deterministic: Optional[bool] = None,
-                  with_lse: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                  deterministic: Optional[bool] = None, with_lse: bool = False, variant=PLAIN,
+                  sinks=None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Single-device attention over `[B, S, H, D]` (bottom-right causal when Sq != Sk;
-        packed documents with `cu_seqlens`): (out, lse `[B, Hq, Sq]` when `with_lse`
+        packed documents with `cu_seqlens`; the `variant` and `[Hq]` `sinks`): (out, lse `[B, Hq, Sq]` when `with_lse`
         (float32; float64 for float64 inputs; forward only), else None). `deterministic`:
         a bitwise-reproducible backward (None: `ULYSSES_KERNELS_DETERMINISTIC`)."""
 

@@ -2,7 +2,8 @@
 
 A rank that raises while its peers enter a collective leaves them waiting forever. So
 by default every call first all-gathers a small fixed-size int64 *descriptor* of its
-inputs (shapes, dtypes, devices, options, a checksum of `cu_seqlens`). Every rank then
+inputs (shapes, dtypes, devices, options, the attention variants, checksums of
+`cu_seqlens` and of the sink logits). Every rank then
 runs the same pure function over the same table and either all ranks proceed or all
 ranks raise the same `ValueError`, which names the rank and the numbers that are wrong.
 The group is left in a clean state (the only collective issued has completed), so it can
@@ -19,6 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..layout import head_plan_error, split_heads_error, split_lengths
+from ..variants import PLAIN, band_lengths
 from .collectives import first_message, gather_ints
 from .dispatch import BACKENDS
 
@@ -37,7 +39,7 @@ _DEVICE_TYPES = ["cpu", "cuda", "meta", "other"]
 _TENSOR_FIELDS = 8  # present, ndim, 4 dims, dtype, device type
 _MAX_TENSORS = 3
 _HEADER = 4  # magic, kind, number of tensors, local error flag
-_OPTIONS = 13
+_OPTIONS = 20  # causal, scale (2), backend, cu_seqlens (9), window (2), softcap, sinks (4)
 DESCRIPTOR_LEN = _HEADER + _MAX_TENSORS * _TENSOR_FIELDS + _OPTIONS
 SEQ_FIELD = _HEADER + 3  # shape[1] of the first tensor: S_local
 ERROR_FIELD = 3
@@ -95,14 +97,27 @@ def cu_seqlens_summary(cu_seqlens) -> List[int]:
     return [1, t.numel(), is_int, t.dim(), first, last, non_decreasing, total, weighted]
 
 
+def sinks_summary(sinks) -> List[int]:
+    """present, numel, the bits of the sum and of the position-weighted sum of the sink
+    logits (a host read; only on the checked path)."""
+    if sinks is None:
+        return [0] * 4
+    values = sinks.detach().double().reshape(-1).cpu()
+    weights = torch.arange(1, values.numel() + 1, dtype=torch.float64)
+    return [1, values.numel(), _float_bits(values.sum()), _float_bits((values * weights).sum())]
+
+
 def build_descriptor(kind: str, tensors: Sequence, *, causal=False, softmax_scale=None,
-                     backend=None, cu_seqlens=None, local_error: bool = False) -> List[int]:
+                     backend=None, cu_seqlens=None, local_error: bool = False, variant=PLAIN,
+                     sinks=None) -> List[int]:
     row = [_MAGIC, _KINDS[kind], len(tensors), int(local_error)]
     for i in range(_MAX_TENSORS):
         row += _tensor_fields(tensors[i] if i < len(tensors) else None)
     backend_code = BACKENDS.index(backend) + 1 if backend in BACKENDS else 0
     row += [int(bool(causal)), int(softmax_scale is not None), _float_bits(softmax_scale), backend_code]
     row += cu_seqlens_summary(cu_seqlens)
+    row += list(band_lengths(variant.window)) + [_float_bits(variant.softcap)]
+    row += sinks_summary(sinks)
     assert len(row) == DESCRIPTOR_LEN
     return row
 
@@ -214,13 +229,16 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
             if b != b0 or (same_length and s != s0):
                 return (f"rank {r.rank}: {name} has batch x seq_local {b} x {s} but {names[0]} has "
                         f"{b0} x {s0}")
-            if d != d0:
+            if d != d0 and not (len(names) == 3 and i == 2):  # v may have a head dim of its own
                 return f"rank {r.rank}: head dims differ: {names[0]} has {d0}, {name} has {d}"
         if len(names) == 3:
             k, v = r.tensor(1), r.tensor(2)
             if k["shape"][2] != v["shape"][2]:
                 return (f"rank {r.rank}: key and value head counts differ "
                         f"({k['shape'][2]} vs {v['shape'][2]})")
+            if r.options[16] and r.options[17] != r.tensor(0)["shape"][2]:
+                return (f"rank {r.rank}: sinks must have one logit per query head "
+                        f"({r.tensor(0)['shape'][2]}), got {r.options[17]}")
 
     # Cross-rank agreement.
     checks = [("batch size", lambda r: r.tensor(0)["shape"][0]),
@@ -229,12 +247,18 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
               ("device type", lambda r: _DEVICE_TYPES[r.tensor(0)["device"]])]
     for i, name in enumerate(names):
         checks.append((f"the number of {name} heads", lambda r, i=i: r.tensor(i)["shape"][2]))
+    if len(names) == 3:
+        checks.append(("the value head dim", lambda r: r.tensor(2)["shape"][3]))
     opts = lambda r: r.options  # noqa: E731
     checks += [("causal", lambda r: bool(opts(r)[0])),
                ("softmax_scale", lambda r: _bits_float(opts(r)[2]) if opts(r)[1] else None),
                ("backend", lambda r: (("auto",) + BACKENDS)[opts(r)[3]]),
                ("cu_seqlens", lambda r: "None" if not opts(r)[4] else
-                f"{opts(r)[5]} entries, last {opts(r)[9]}, checksum {opts(r)[11]:x}:{opts(r)[12]:x}")]
+                f"{opts(r)[5]} entries, last {opts(r)[9]}, checksum {opts(r)[11]:x}:{opts(r)[12]:x}"),
+               ("window_size", lambda r: tuple(opts(r)[13:15])),
+               ("softcap", lambda r: _bits_float(opts(r)[15])),
+               ("sinks", lambda r: "None" if not opts(r)[16] else
+                f"{opts(r)[17]} logits, sum {_bits_float(opts(r)[18]):.9g}, checksum {opts(r)[19] & (2**64 - 1):x}")]
     for what, key in checks:
         err = _disagreement(rows, what, key)
         if err:
@@ -353,8 +377,8 @@ def shape_error(q, k, v) -> Optional[str]:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             return f"{name} must be a 4-D tensor [batch, seq, heads, head_dim]"
-    if k.shape != v.shape:
-        return f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}"
+    if k.shape[:3] != v.shape[:3]:
+        return f"k and v differ in batch, sequence or heads: {tuple(k.shape)} vs {tuple(v.shape)}"
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         return f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head dim"
     if q.shape[2] % k.shape[2] != 0:

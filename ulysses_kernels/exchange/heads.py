@@ -26,6 +26,27 @@ def seq_to_heads(tensors: Sequence[torch.Tensor], *, group, rank: int, seq_lens)
     return SeqToHeads.apply(group, rank, list(seq_lens), *tensors)
 
 
+def exchange_qkv(exchange, q, k, v, *, group, rank: int, seq_lens):
+    """q/k/v sequence shards -> head shards with a path's `exchange` (`seq_to_heads` here or
+    the fused path's): one exchange, or two when v has a head dim of its own (an exchange
+    moves tensors of one head dim)."""
+    if v.shape[3] == q.shape[3]:
+        return exchange((q, k, v), group=group, rank=rank, seq_lens=seq_lens)
+    qh, kh = exchange((q, k), group=group, rank=rank, seq_lens=seq_lens)
+    (vh,) = exchange((v,), group=group, rank=rank, seq_lens=seq_lens)
+    return qh, kh, vh
+
+
+def local_sinks(sinks, rank: int, world: int):
+    """This rank's slice of the global `[Hq]` sink logits: its query heads are the rank-th
+    of `world` equal slices (`layout.py`). Differentiable, so each rank's gradient is its
+    share and the sum over the group is the full gradient."""
+    if sinks is None:
+        return None
+    local = sinks.shape[0] // world
+    return sinks[rank * local:(rank + 1) * local]
+
+
 def heads_to_seq(x: torch.Tensor, *, group, rank: int, seq_lens) -> torch.Tensor:
     """Head shard `[B, S, Hl, D]` -> sequence shard `[B, S_local, P * Hl, D]` (differentiable)."""
     return HeadsToSeq.apply(group, rank, list(seq_lens), x)

@@ -9,9 +9,11 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ..exchange.heads import local_sinks
 from ..extensions import load_extension
 from ..layout import HeadPlan, split_lengths
 from ..triton_path import kernels_problem
+from ..variants import PLAIN, Variant
 from . import ops, pipeline
 from .engine import Engine, get_engine
 from .pipeline import AttentionOptions, Geometry, Saved
@@ -26,6 +28,10 @@ def problem(device: torch.device, tensors=()) -> Optional[str]:
     their limits are this path's too."""
     if device.type not in ops.device_types():
         return f"needs CUDA tensors, got tensors on {device}"
+    if len(tensors) == 3 and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors) \
+            and tensors[2].shape[3] != tensors[0].shape[3]:
+        return ("moves q, k and v of one head dim in one exchange; v's head dim "
+                f"({tensors[2].shape[3]}) differs from q's ({tensors[0].shape[3]})")
     if not ops.is_supported():
         _, reason = load_extension()
         if reason:
@@ -47,9 +53,10 @@ class Setup:
 
 def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *, group, rank: int,
             seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
-            num_chunks: Optional[int] = None) -> Setup:
+            num_chunks: Optional[int] = None, variant: Variant = PLAIN, sinks=None) -> Setup:
     """Engine, geometry, options and chunk plan for a validated call whose q is
-    `q_shape = [B, S_p, Hq, D]` (shared by the attention op and layer.py)."""
+    `q_shape = [B, S_p, Hq, D]` (shared by the attention op and layer.py); `sinks`: this
+    rank's local query heads' (detached: the autograd function returns their gradient)."""
     lens = tuple(int(n) for n in seq_lens)
     world = len(lens)
     B, _, Hq, D = q_shape
@@ -63,7 +70,8 @@ def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *,
     plan = tuple(plan_chunks(heads.local_q_heads, heads.local_kv_heads, chunks))
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
-    attn = AttentionOptions(causal=bool(causal), softmax_scale=float(softmax_scale), cu_seqlens=cu_seqlens)
+    attn = AttentionOptions(causal=bool(causal), softmax_scale=float(softmax_scale), cu_seqlens=cu_seqlens,
+                            variant=variant, sinks=sinks.detach() if sinks is not None else None)
     return Setup(get_engine(group, world, rank, device), geo, attn, plan)
 
 
@@ -98,9 +106,9 @@ class _AttentionIo:
 
 class _FusedUlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, setup: Setup, grad_enabled: bool):
+    def forward(ctx, q, k, v, sinks, setup: Setup, grad_enabled: bool):
         # needs_input_grad does not see torch.no_grad(): the caller passes the grad mode.
-        save = grad_enabled and any(ctx.needs_input_grad[:3])
+        save = grad_enabled and any(ctx.needs_input_grad[:4])
         out = q.new_empty(q.shape)
         with device_ctx(q.device):
             saved = pipeline.forward(setup.engine, _AttentionIo([q, k, v], [out], backward=False), setup.geometry,
@@ -121,22 +129,29 @@ class _FusedUlyssesAttention(torch.autograd.Function):
         setup = ctx.setup
         dq = dout.new_empty(dout.shape)
         dk, dv = (dout.new_empty(ctx.kv_shape) for _ in range(2))
+        sinks = setup.attention.sinks
+        dsinks = torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device) if sinks is not None else None
         with device_ctx(dout.device):
             pipeline.backward(setup.engine, _AttentionIo([dout], [dq, dk, dv], backward=True), setup.geometry,
-                              setup.attention, setup.plan, saved, dtype=dout.dtype, device=dout.device)
-        return dq, dk, dv, None, None  # setup, grad_enabled
+                              setup.attention, setup.plan, saved, dtype=dout.dtype, device=dout.device,
+                              dsinks=dsinks)
+        dsinks = dsinks.to(sinks.dtype) if dsinks is not None else None
+        return dq, dk, dv, dsinks, None, None  # setup, grad_enabled
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, rank: int,
                       seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
-                      num_chunks: Optional[int] = None) -> torch.Tensor:
+                      num_chunks: Optional[int] = None, variant: Variant = PLAIN, sinks=None) -> torch.Tensor:
     """Fused Ulysses attention (differentiable). Called by `ulysses_kernels.ulysses_attention`
     after it validated the inputs: `seq_lens` is every rank's local length, `group` None
     means the default group (or a single process when torch.distributed is not initialised).
+    `variant` and the global `[Hq]` `sinks` are the attention variants (variants.py).
     """
     why = problem(q.device, (q, k, v))
     if why:
         raise RuntimeError(f"the fused path {why}; use backend='triton' or 'reference'")
+    sinks = local_sinks(sinks, rank, len(seq_lens))
     setup = prepare(q.shape, k.shape[2], q.dtype, q.device, group=group, rank=rank, seq_lens=seq_lens,
-                    causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, num_chunks=num_chunks)
-    return _FusedUlyssesAttention.apply(q, k, v, setup, torch.is_grad_enabled())
+                    causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, num_chunks=num_chunks,
+                    variant=variant, sinks=sinks)
+    return _FusedUlyssesAttention.apply(q, k, v, sinks, setup, torch.is_grad_enabled())

@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from ..variants import PLAIN, Variant
 from .engine import Engine
 from .exchange import return_to_seq, send_to_heads
 from .plan import Chunk
@@ -127,6 +128,14 @@ class AttentionOptions:
     causal: bool
     softmax_scale: float
     cu_seqlens: Optional[torch.Tensor]  # int32 on the device, or None
+    variant: Variant = PLAIN            # the window band and the softcap (variants.py)
+    sinks: Optional[torch.Tensor] = None  # this rank's local query heads' sink logits, or None
+
+    def kernel_kwargs(self, chunk: Chunk) -> Dict:
+        """The kernels' attention arguments for `chunk` (its query heads' sinks)."""
+        sinks = self.sinks[chunk.q_off:chunk.q_off + chunk.q_cnt] if self.sinks is not None else None
+        return dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=self.cu_seqlens,
+                    window=self.variant.window, softcap=self.variant.softcap, sinks=sinks)
 
 
 @dataclass
@@ -238,8 +247,7 @@ def forward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, 
     for i, c in enumerate(plan):
         wait(compute, ready[i])
         q, k, v, out = chunk_views(plan, i, saved, geo)
-        _, lse = flash_attention_forward(q, k, v, causal=attn.causal, softmax_scale=attn.softmax_scale,
-                                         cu_seqlens=attn.cu_seqlens, out=out, **geo.attn_kwargs())
+        _, lse = flash_attention_forward(q, k, v, out=out, **attn.kernel_kwargs(c), **geo.attn_kwargs())
         saved.lses.append(lse)
         _chunk_done(engine, io, plan, i, geo, send=osend[osend_off[i]:], recv=orecv[orecv_off[i]:],
                     channels=c.q_cnt, unpacked=unpacked)
@@ -248,8 +256,10 @@ def forward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, 
 
 
 def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, plan: Sequence[Chunk],
-             saved: Saved, *, dtype: torch.dtype, device: torch.device) -> None:
-    """Backward pipeline: io.inputs gives dO per chunk, io.outputs takes dq/dk/dv."""
+             saved: Saved, *, dtype: torch.dtype, device: torch.device,
+             dsinks: Optional[torch.Tensor] = None) -> None:
+    """Backward pipeline: io.inputs gives dO per chunk, io.outputs takes dq/dk/dv;
+    `dsinks` (fp32, one per local query head; with sinks) receives the sinks' gradient."""
     from ..triton import flash_attention_backward
 
     drecv_off, drecv_total = regions([geo.recv_numel(c.q_cnt) for c in plan], dtype)
@@ -267,9 +277,10 @@ def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions,
                            channels=lambda c: c.q_cnt, dtype=dtype)
     io.after_inputs()
     unpacked: list = []
-    options = dict(causal=attn.causal, softmax_scale=attn.softmax_scale, cu_seqlens=attn.cu_seqlens,
-                   **geo.attn_kwargs())
     for i, c in enumerate(plan):
+        options = dict(attn.kernel_kwargs(c), **geo.attn_kwargs())
+        if dsinks is not None:
+            options["dsinks"] = dsinks[c.q_off:c.q_off + c.q_cnt]
         wait(compute, ready[i])
         q, k, v, out = chunk_views(plan, i, saved, geo)
         do = geo.attn_view(drecv[drecv_off[i]:], c.q_cnt, 0, c.q_cnt)

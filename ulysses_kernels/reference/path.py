@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 
 from ..exchange import heads
-from .attention import reference_attention
+from ..variants import PLAIN
+from .attention import attend
 from .block_ops import TorchBlockOps
 
 
@@ -25,15 +26,19 @@ class ReferencePath:
         return None  # any device, any float dtype
 
     @staticmethod
-    def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens):
-        qh, kh, vh = heads.seq_to_heads((q, k, v), group=group, rank=rank, seq_lens=seq_lens)
-        out, _ = reference_attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, variant=PLAIN,
+                          sinks=None):
+        qh, kh, vh = heads.exchange_qkv(heads.seq_to_heads, q, k, v, group=group, rank=rank, seq_lens=seq_lens)
+        out, _ = attend(qh, kh, vh, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                        variant=variant, sinks=heads.local_sinks(sinks, rank, len(seq_lens)))
         return heads.heads_to_seq(out, group=group, rank=rank, seq_lens=seq_lens)
 
     @staticmethod
-    def attention(q, k, v, *, causal, softmax_scale, cu_seqlens=None, deterministic=None, with_lse=False):
+    def attention(q, k, v, *, causal, softmax_scale, cu_seqlens=None, deterministic=None, with_lse=False,
+                  variant=PLAIN, sinks=None):
         """Exact torch attention (differentiable; always deterministic)."""
-        out, lse = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        out, lse = attend(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                          variant=variant, sinks=sinks)
         return out, (lse if with_lse else None)
 
     @staticmethod

@@ -46,3 +46,25 @@ def merge_partials(outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor]) -
     for o, s in zip(outs, lses):
         merge_partial(out, lse, o, s)
     return out, lse
+
+
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of attention whose softmax denominator also holds `exp(sinks[h])`
+    (docs/architecture.md, "Attention variants"): the merge with a partial of value 0 and
+    LSE `sinks[h]`, applied once after every key has been merged. out `[B, n, H, Dv]`,
+    lse `[B, H, n]`, sinks `[H]` (differentiable through this function)."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    new_lse = torch.logaddexp(lse, sink)
+    weight = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)  # rows without keys: 0
+    return out * weight.to(out.dtype), new_lse
+
+
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks `[H]` from the final (sink-inclusive) lse `[B, H, n]`, output and its
+    gradient `[B, n, H, Dv]`: a sink's weight in row i is `exp(sink - lse_i)` and its value
+    is 0, so `d out_i / d sink = -exp(sink - lse_i) * out_i` and the gradient is
+    `-sum_i exp(sink - lse_i) * rowsum(dO_i * O_i)`."""
+    acc = lse.dtype
+    delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, n]
+    weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+    return -(weight * delta).sum(dim=(0, 2)).to(sinks.dtype)

@@ -8,7 +8,9 @@ of `plan.ring_blocks` are computed, and the partial outputs are merged by their
 log-sum-exp in float32 (float64 for float64 inputs). The backward passes K/V around the
 ring again, and with them an fp32 accumulator of their dK/dV, which comes home after a
 full turn (the scheme of ring-flash-attn); dQ accumulates locally. Summation orders are
-fixed, so results are deterministic.
+fixed, so results are deterministic. The variants (docs/architecture.md, "Attention
+variants"): the window is part of the block plan, the softcap part of every block's
+scores, and the sinks join the merged (out, lse) once, after every key has been merged.
 
 What differs between paths is declared here and passed in by the path: how a block is
 computed (`BlockOps`: the reference path's torch ops, the Triton kernels of the Triton
@@ -26,19 +28,22 @@ from typing import Callable, Optional, Protocol, Tuple
 import torch
 import torch.distributed as dist
 
+from ..exchange.heads import exchange_qkv, local_sinks
+from ..variants import PLAIN, Variant
 from .layout import portion_lengths
-from .merge import accumulate_dtype
+from .merge import accumulate_dtype, merge_sinks, sink_gradient
 from .plan import Block, ring_blocks
 
 
 class BlockOps(Protocol):
     """The block computations of one path. q `[B, n, Hq, D]`, k/v `[B, m, Hkv, D]` are row
-    ranges of head-sharded portions; `block` says which mask applies inside."""
+    ranges of head-sharded portions; `block` says which mask applies inside and `softcap`
+    (0: none) caps the block's scores."""
 
-    def forward(self, q, k, v, block: Block, scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(out `[B, n, Hq, D]`, lse `[B, Hq, n]`) of the block alone."""
+    def forward(self, q, k, v, block: Block, scale: float, softcap: float = 0.0) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(out `[B, n, Hq, Dv]`, lse `[B, Hq, n]`) of the block alone."""
 
-    def backward(self, do, q, k, v, out, lse, block: Block, scale: float):
+    def backward(self, do, q, k, v, out, lse, block: Block, scale: float, softcap: float = 0.0):
         """(dq, dk, dv) of this block's share of the final attention, from the final
         output and LSE (so P is the final softmax restricted to the block)."""
 
@@ -70,12 +75,14 @@ class RingSpec:
     documents: Optional[Tuple[int, ...]] = None  # global cu_seqlens, on the host
     block_ops: Optional[BlockOps] = None         # the path's (ulysses_ring_attention sets them); required
     shift: Optional[Shift] = None                # None: torch.distributed P2P (RingShift)
+    variant: Variant = PLAIN                     # the window (in the block plan) and the softcap
 
     def portion(self, ring_rank: int) -> int:
         return portion_lengths(self.total, self.world)[ring_rank]
 
     def blocks(self, kv_rank: int) -> Tuple[Block, ...]:
-        return ring_blocks(self.total, self.world, self.rank, kv_rank, self.causal, self.documents)
+        return ring_blocks(self.total, self.world, self.rank, kv_rank, self.causal, self.documents,
+                           self.variant.window)
 
     def transfer(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> Transfer:
         return self.shift(send, recv, tag) if self.shift is not None else RingShift(self, send, recv, tag)
@@ -106,15 +113,17 @@ class RingShift:
         self.works = []
 
 
-def _kv_numel(k, length):
+def _kv_numel(k, v, length):
     B, _, H, D = k.shape
-    return 2 * B * length * H * D
+    return B * length * H * (D + v.shape[3])
 
 
-def _split_kv(flat, like, length):
-    B, _, H, D = like.shape
+def _split_kv(flat, k, v, length):
+    """K `[B, length, H, D]` and V `[B, length, H, Dv]` views of one flat buffer."""
+    B, _, H, D = k.shape
     n = B * length * H * D
-    return flat[:n].view(B, length, H, D), flat[n:2 * n].view(B, length, H, D)
+    m = B * length * H * v.shape[3]
+    return flat[:n].view(B, length, H, D), flat[n:n + m].view(B, length, H, v.shape[3])
 
 
 def _rows(t, start, stop):
@@ -123,34 +132,40 @@ def _rows(t, start, stop):
 
 # --------------------------------------------------------------------- forward, backward
 
-def ring_forward(q, k, v, spec: RingSpec):
-    """(out `[B, L, H, D]` in q's dtype, lse `[B, H, L]` fp32/fp64) of this rank's queries."""
-    B, L, H, D = q.shape
+def ring_forward(q, k, v, spec: RingSpec, sinks=None):
+    """(out `[B, L, H, Dv]` in q's dtype, lse `[B, H, L]` fp32/fp64) of this rank's queries;
+    `sinks` `[H]` (this rank's heads) join the merged result once."""
+    B, L, H, _ = q.shape
     ops = spec.block_ops
     acc = accumulate_dtype(q.dtype)
-    out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
+    softcap = spec.variant.softcap
+    out = torch.zeros(B, L, H, v.shape[3], dtype=acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
     kv = torch.cat([k.reshape(-1), v.reshape(-1)])
     for step in range(spec.world):
         src = (spec.rank - step) % spec.world
         shift = None
         if step + 1 < spec.world:  # the next block travels while this one is computed
-            incoming = kv.new_empty(_kv_numel(k, spec.portion((src - 1) % spec.world)))
+            incoming = kv.new_empty(_kv_numel(k, v, spec.portion((src - 1) % spec.world)))
             shift = spec.transfer(kv, incoming, tag=1)
-        kb, vb = _split_kv(kv, k, spec.portion(src))
+        kb, vb = _split_kv(kv, k, v, spec.portion(src))
         for b in spec.blocks(src):
             o, l_ = ops.forward(_rows(q, b.q_start, b.q_stop), _rows(kb, b.k_start, b.k_stop),
-                                _rows(vb, b.k_start, b.k_stop), b, spec.softmax_scale)
+                                _rows(vb, b.k_start, b.k_stop), b, spec.softmax_scale, softcap)
             ops.merge(out[:, b.q_start:b.q_stop], lse[:, :, b.q_start:b.q_stop], o, l_)
         if shift is not None:
             shift.wait()
             kv = incoming
+    if sinks is not None:
+        out, lse = merge_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
 def ring_backward(do, q, k, v, out, lse, spec: RingSpec):
-    """(dq, dk, dv) of this rank's q/k/v: dQ locally, dK/dV travelling with their K/V."""
+    """(dq, dk, dv) of this rank's q/k/v: dQ locally, dK/dV travelling with their K/V. The
+    final lse holds the sinks, so the blocks need nothing else of them."""
     ops = spec.block_ops
+    softcap = spec.variant.softcap
     acc = accumulate_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.cat([k.reshape(-1), v.reshape(-1)])
@@ -160,66 +175,73 @@ def ring_backward(do, q, k, v, out, lse, spec: RingSpec):
         length = spec.portion(src)
         shift = None
         if step + 1 < spec.world:
-            incoming = kv.new_empty(_kv_numel(k, spec.portion((src - 1) % spec.world)))
+            incoming = kv.new_empty(_kv_numel(k, v, spec.portion((src - 1) % spec.world)))
             shift = spec.transfer(kv, incoming, tag=2)
-        kb, vb = _split_kv(kv, k, length)
-        dkv = torch.zeros(_kv_numel(k, length), dtype=acc, device=q.device)
-        dkb, dvb = _split_kv(dkv, k, length)
+        kb, vb = _split_kv(kv, k, v, length)
+        dkv = torch.zeros(_kv_numel(k, v, length), dtype=acc, device=q.device)
+        dkb, dvb = _split_kv(dkv, k, v, length)
         for b in spec.blocks(src):
             rows = slice(b.q_start, b.q_stop)
             dq_b, dk_b, dv_b = ops.backward(
                 do[:, rows], q[:, rows], _rows(kb, b.k_start, b.k_stop), _rows(vb, b.k_start, b.k_stop),
-                out[:, rows], lse[:, :, rows].contiguous(), b, spec.softmax_scale)
+                out[:, rows], lse[:, :, rows].contiguous(), b, spec.softmax_scale, softcap)
             dq[:, rows] += dq_b
             dkb[:, b.k_start:b.k_stop] += dk_b
             dvb[:, b.k_start:b.k_stop] += dv_b
         if travelling is not None:  # the sum over the ring ranks that held this block before
             travelling[0].wait()
             dkv += travelling[1]
-        home = dkv.new_empty(_kv_numel(k, spec.portion((src - 1) % spec.world)))
+        home = dkv.new_empty(_kv_numel(k, v, spec.portion((src - 1) % spec.world)))
         travelling = (spec.transfer(dkv, home, tag=3), home)
         if shift is not None:
             shift.wait()
             kv = incoming
     travelling[0].wait()  # after a full turn, the sum for this rank's own block
-    dk, dv = _split_kv(travelling[1], k, k.shape[1])
+    dk, dv = _split_kv(travelling[1], k, v, k.shape[1])
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class RingAttention(torch.autograd.Function):
-    """Differentiable ring attention of head-sharded portions `[B, L, H, D]`."""
+    """Differentiable ring attention of head-sharded portions `[B, L, H, D]` (and of the
+    sinks of these heads, when given)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec: RingSpec):
-        out, lse = ring_forward(q, k, v, spec)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, spec: RingSpec):
+        out, lse = ring_forward(q, k, v, spec, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.spec = spec
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(grad_out.contiguous(), q, k, v, out, lse, ctx.spec)
-        return dq, dk, dv, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = ring_backward(grad_out, q, k, v, out, lse, ctx.spec)
+        dsinks = sink_gradient(sinks, lse, out, grad_out) if sinks is not None else None
+        return dq, dk, dv, dsinks, None
 
 
-def ring_attention(q, k, v, spec: RingSpec) -> torch.Tensor:
-    """Ring attention of head-sharded portions q `[B, L, Hq, D]`, k/v `[B, L, Hkv, D]`
-    (differentiable), with the spec's block ops and transfers."""
+def ring_attention(q, k, v, spec: RingSpec, sinks=None) -> torch.Tensor:
+    """Ring attention of head-sharded portions q `[B, L, Hq, D]`, k `[B, L, Hkv, D]`, v
+    `[B, L, Hkv, Dv]` (differentiable), with the spec's block ops and transfers; `sinks`
+    `[Hq]`: these heads' sink logits."""
     if spec.block_ops is None:
         raise ValueError("ring_attention: the RingSpec has no block_ops; a path's call sets them "
                          "(ulysses_ring_attention), or pass block_ops= (reference.block_ops.TorchBlockOps)")
-    return RingAttention.apply(q, k, v, spec)
+    return RingAttention.apply(q, k, v, sinks, spec)
 
 
-def ulysses_ring_attention(path, q, k, v, *, group, rank: int, seq_lens, spec: RingSpec) -> torch.Tensor:
+def ulysses_ring_attention(path, q, k, v, *, group, rank: int, seq_lens, spec: RingSpec,
+                           sinks=None) -> torch.Tensor:
     """A validated Ulysses x Ring call on `path` (distributed/dispatch.py, `Path`): the path's
     exchange to head shards of the portion over the Ulysses group, ring attention over the
-    ring group with the path's block ops and transfers, the path's exchange back."""
+    ring group with the path's block ops and transfers, the path's exchange back. `sinks`
+    `[Hq]` (global heads) are sliced to this rank's query heads."""
     lens = list(seq_lens)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        qh, kh, vh = path.seq_to_heads((q, k, v), group=group, rank=rank, seq_lens=lens)
+        qh, kh, vh = exchange_qkv(path.seq_to_heads, q, k, v, group=group, rank=rank, seq_lens=lens)
         spec = dataclasses.replace(spec, block_ops=path.block_ops,
                                    shift=path.ring_shift(spec.group, spec.world, spec.rank, q.device))
-        out = ring_attention(qh, kh, vh, spec)
+        out = ring_attention(qh, kh, vh, spec, local_sinks(sinks, rank, len(lens)))
         return path.heads_to_seq(out, group=group, rank=rank, seq_lens=lens)
+

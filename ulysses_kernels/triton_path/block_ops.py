@@ -24,16 +24,18 @@ class TritonBlockOps:
                     TritonBlockOps._documents.clear()
                 docs = torch.tensor(block.documents, dtype=torch.int32, device=device)
                 TritonBlockOps._documents[key] = docs
-        return dict(causal=block.diagonal and block.causal, cu_seqlens=docs)
+        return dict(causal=block.diagonal and block.causal, cu_seqlens=docs, window=block.band)
 
     @staticmethod
-    def forward(q, k, v, block, scale):
-        return require_triton_kernels().flash_attention_forward(q, k, v, softmax_scale=scale, **TritonBlockOps._options(block, q.device))
+    def forward(q, k, v, block, scale, softcap=0.0):
+        return require_triton_kernels().flash_attention_forward(q, k, v, softmax_scale=scale, softcap=softcap,
+                                                                **TritonBlockOps._options(block, q.device))
 
     @staticmethod
-    def backward(do, q, k, v, out, lse, block, scale):
+    def backward(do, q, k, v, out, lse, block, scale, softcap=0.0):
         return require_triton_kernels().flash_attention_backward(do, q, k, v, out, lse, softmax_scale=scale,
-                                                   **TritonBlockOps._options(block, q.device))
+                                                                 softcap=softcap,
+                                                                 **TritonBlockOps._options(block, q.device))
 
     @staticmethod
     def merge(acc, acc_lse, out, lse):

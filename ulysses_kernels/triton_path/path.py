@@ -10,6 +10,7 @@ import torch
 from .. import env
 from ..exchange import heads
 from ..extensions import require_triton_kernels, triton_kernels
+from ..variants import PLAIN
 from . import select, ulysses
 from .block_ops import TritonBlockOps
 
@@ -42,14 +43,16 @@ class TritonPath:
     problem = staticmethod(kernels_problem)
 
     @staticmethod
-    def attention(q, k, v, *, causal, softmax_scale, cu_seqlens=None, deterministic=None, with_lse=False):
+    def attention(q, k, v, *, causal, softmax_scale, cu_seqlens=None, deterministic=None, with_lse=False,
+                  variant=PLAIN, sinks=None):
         """The chosen kernel (select.py), differentiable; with the LSE: our kernel's forward
         (no autograd)."""
         if with_lse:
-            return require_triton_kernels().flash_attention_forward(q, k, v, causal=causal,
-                                                                    softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+            return require_triton_kernels().flash_attention_forward(
+                q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=variant.window,
+                softcap=variant.softcap, sinks=sinks)
         out = select.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                               deterministic=deterministic)
+                               deterministic=deterministic, variant=variant, sinks=sinks)
         return out, None
 
     @staticmethod

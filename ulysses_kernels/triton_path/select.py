@@ -33,6 +33,7 @@ import torch
 
 from .. import env
 from ..extensions import require_triton_kernels, triton_kernels
+from ..variants import PLAIN, Variant, band_lengths
 
 ENV_VAR = env.ATTENTION.name
 CACHE_DIR_VAR = env.CACHE_DIR.name
@@ -62,10 +63,14 @@ class Key:
     varlen: bool
     bucket: int  # next power of two of max(Sq, Sk)
     grad: bool  # timed forward+backward (True) or forward only
+    variant: Variant = PLAIN  # a window band / softcap (variants.py): only flash_attn computes those too
 
     def text(self) -> str:
-        return "|".join([self.device, self.dtype, f"d{self.head_dim}", "causal" if self.causal else "full",
-                         "varlen" if self.varlen else "dense", f"S{self.bucket}", "fwd+bwd" if self.grad else "fwd"])
+        parts = [self.device, self.dtype, f"d{self.head_dim}", "causal" if self.causal else "full",
+                 "varlen" if self.varlen else "dense", f"S{self.bucket}", "fwd+bwd" if self.grad else "fwd"]
+        if not self.variant.plain:
+            parts.append(self.variant.describe().replace(" ", ""))
+        return "|".join(parts)
 
 
 def bucket(length: int) -> int:
@@ -78,10 +83,11 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def key_for(q: torch.Tensor, k: torch.Tensor, *, causal: bool, varlen: bool = False, grad: bool = False) -> Key:
+def key_for(q: torch.Tensor, k: torch.Tensor, *, causal: bool, varlen: bool = False, grad: bool = False,
+            variant: Variant = PLAIN) -> Key:
     device = _device_name(q.device)
     return Key(device, str(q.dtype).replace("torch.", ""), int(q.shape[-1]), bool(causal), bool(varlen),
-               bucket(max(q.shape[1], k.shape[1])), bool(grad))
+               bucket(max(q.shape[1], k.shape[1])), bool(grad), variant)
 
 
 # ------------------------------------------------------------------- eligibility
@@ -125,6 +131,10 @@ def _backend_fits(name: str, key: Key, q_len: int, k_len: int) -> bool:
     d = key.head_dim
     if d % 8 or d > _MAX_HEAD_DIM[name]:
         return False
+    if not key.variant.plain:
+        # flash_attn has window_size and softcap with our meaning (bottom-right windows);
+        # SDPA has neither (an explicit mask would be another, slower computation).
+        return name == "flash" and (not key.causal or q_len <= k_len)
     if key.causal and name.startswith("sdpa"):
         return q_len == k_len  # SDPA's is_causal is top-left: the same mask only when Sq == Sk
     if key.causal:
@@ -168,17 +178,24 @@ def _sdpa(q, k, v, *, causal: bool, scale: float, backend: str) -> torch.Tensor:
 
 
 def run(name: str, q, k, v, *, causal: bool, softmax_scale: Optional[float] = None,
-        cu_seqlens: Optional[torch.Tensor] = None, deterministic: Optional[bool] = None) -> torch.Tensor:
+        cu_seqlens: Optional[torch.Tensor] = None, deterministic: Optional[bool] = None,
+        variant: Variant = PLAIN, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention on backend `name` (differentiable), whether or not it is eligible: the
     caller (`attention`, tests) decides. `deterministic` reaches our kernel's backward."""
     if name == "triton":
         return require_triton_kernels().flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                         cu_seqlens=cu_seqlens, deterministic=deterministic)
-    if cu_seqlens is not None:
-        raise ValueError(f"attention backend {name!r} does not take cu_seqlens")
+                                                        cu_seqlens=cu_seqlens, deterministic=deterministic,
+                                                        window=variant.window, softcap=variant.softcap, sinks=sinks)
+    if cu_seqlens is not None or sinks is not None:
+        raise ValueError(f"attention backend {name!r} takes neither cu_seqlens nor sinks")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if name == "flash":
-        return _flash_attn()[0](q, k, v, softmax_scale=scale, causal=causal)
+        extra = {}
+        if not variant.plain:
+            extra = dict(window_size=band_lengths(variant.window), softcap=variant.softcap)
+        return _flash_attn()[0](q, k, v, softmax_scale=scale, causal=causal, **extra)
+    if not variant.plain:
+        raise ValueError(f"attention backend {name!r} computes neither windows nor softcap")
     if name in ("sdpa_cudnn", "sdpa_flash"):
         return _sdpa(q, k, v, causal=causal, scale=scale, backend=name)
     raise ValueError(f"unknown attention backend {name!r}; one of {', '.join(BACKENDS)}")
@@ -218,7 +235,7 @@ def workload(name: str, key: Key, heads: Tuple[int, int], device) -> Callable[[]
 
     def call():
         with torch.enable_grad() if key.grad else torch.no_grad():
-            out = run(name, q, k, v, causal=key.causal)
+            out = run(name, q, k, v, causal=key.causal, variant=key.variant)
             if grad_out is not None:
                 torch.autograd.grad(out, (q, k, v), grad_out)
     return call
@@ -323,16 +340,19 @@ def requested() -> str:
 
 
 def choose(q: torch.Tensor, k: torch.Tensor, *, causal: bool, varlen: bool = False, need_lse: bool = False,
-           split_layout: bool = False, grad: bool = False, deterministic: Optional[bool] = None) -> str:
+           split_layout: bool = False, grad: bool = False, deterministic: Optional[bool] = None,
+           variant: Variant = PLAIN, sinks: bool = False, value_dim: Optional[int] = None) -> str:
     """The backend for attention of q `[B, Sq, Hq, D]` over k `[B, Sk, Hkv, D]` (see the
     module docstring); `grad`: the call will be differentiated (timed forward+backward);
-    `deterministic` (None: `ULYSSES_KERNELS_DETERMINISTIC`): a reproducible backward."""
+    `deterministic` (None: `ULYSSES_KERNELS_DETERMINISTIC`): a reproducible backward.
+    `variant`, `sinks` (whether the call has them) and `value_dim` (v's head dim): only our
+    kernel has sinks and a value head dim of its own."""
     wanted = requested()
-    if wanted == "triton":
+    if wanted == "triton" or sinks or (value_dim is not None and value_dim != q.shape[-1]):
         return "triton"
     if deterministic is None:
         deterministic = env.flag(env.DETERMINISTIC)
-    key = key_for(q, k, causal=causal, varlen=varlen, grad=grad)
+    key = key_for(q, k, causal=causal, varlen=varlen, grad=grad, variant=variant)
     eligible = candidates(key, q_len=q.shape[1], k_len=k.shape[1], need_lse=need_lse, split_layout=split_layout,
                           deterministic=deterministic)
     names = [n for n in eligible if n in _FAMILY[wanted]]
@@ -348,12 +368,14 @@ def choose(q: torch.Tensor, k: torch.Tensor, *, causal: bool, varlen: bool = Fal
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
-              cu_seqlens: Optional[torch.Tensor] = None, deterministic: Optional[bool] = None) -> torch.Tensor:
+              cu_seqlens: Optional[torch.Tensor] = None, deterministic: Optional[bool] = None,
+              variant: Variant = PLAIN, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over `[B, S, H, D]` views on the chosen backend, differentiable."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    name = choose(q, k, causal=causal, varlen=cu_seqlens is not None, grad=grad, deterministic=deterministic)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None)
+    name = choose(q, k, causal=causal, varlen=cu_seqlens is not None, grad=grad, deterministic=deterministic,
+                  variant=variant, sinks=sinks is not None, value_dim=v.shape[-1])
     return run(name, q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-               deterministic=deterministic)
+               deterministic=deterministic, variant=variant, sinks=sinks)
 
 
 # ----------------------------------------------------------------------- doctor

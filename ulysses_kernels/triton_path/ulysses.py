@@ -13,7 +13,9 @@ With one batch row (or one rank) the buffer rows are a strided `[B, S, H, D]` te
 the kernel may instead be torch SDPA or flash_attn, timed faster and exact for the call
 (select.py); its backward replays the autograd graph recorded in the forward.
 Backward: dO takes the same route as q; the kernels write dq|dk|dv into one buffer in
-the send layout; one all-to-all returns them; unpack sums replicated KV heads.
+the send layout; one all-to-all returns them; unpack sums replicated KV heads. When v has
+a head dim of its own (MLA) q|k and v move in two buffers (a row holds one head dim).
+The variants (window, softcap, sinks: `ulysses_kernels/variants.py`) go to the kernels.
 
 The buffers and exchanges are the shared torch ones (`ulysses_kernels/exchange/`); the
 fused path replaces them with CUDA pack kernels and the NCCL engine.
@@ -23,7 +25,9 @@ import torch
 
 from ..distributed.collectives import all_to_all
 from ..exchange.buffers import exchange_seq_to_heads, pack_for_heads, placements_for, unpack_from_heads
+from ..exchange.heads import local_sinks
 from ..extensions import require_triton_kernels
+from ..variants import PLAIN
 from . import select
 
 
@@ -38,24 +42,24 @@ def _reverse_exchange(rows: torch.Tensor, batch: int, seq_lens, rank: int, group
     return recv.view(P, batch, seq_lens[rank], Hc, D)
 
 
-def _kernel_choice(q_rows, k_rows, batch, world, causal, cu_seqlens, grad) -> str:
+def _kernel_choice(q_rows, k_rows, batch, world, causal, cu_seqlens, grad, variant, sinks, value_dim) -> str:
     """The attention kernel for the receive buffer (select.py). With one batch
     row or one rank the buffer rows are a strided `[B, S, H, D]` tensor that torch SDPA or
-    flash_attn read in place; batch > 1 across ranks (two-level addressing) and packed
-    documents stay on the Triton kernels."""
+    flash_attn read in place; batch > 1 across ranks (two-level addressing), packed
+    documents, sinks and a value head dim of its own stay on the Triton kernels."""
     split = batch > 1 and world > 1
     view = (lambda t: t.view(batch, t.shape[0] // batch, *t.shape[1:])) if not split else (lambda t: t.unsqueeze(0))
     return select.choose(view(q_rows), view(k_rows), causal=causal, varlen=cu_seqlens is not None,
-                         split_layout=split, grad=grad)
+                         split_layout=split, grad=grad, variant=variant, sinks=sinks, value_dim=value_dim)
 
 
-def _external_forward(name, row_views, out_rows, batch, causal, softmax_scale, grad):
+def _external_forward(name, row_views, out_rows, batch, causal, softmax_scale, grad, variant):
     """Run a non-Triton kernel on `[B, S, H, D]` views of the buffer rows and write the
     output into `out_rows`. For the backward, the kernel's own autograd graph is recorded on
     detached views (no copies) and returned; backward replays it with torch.autograd.grad."""
     views = [t.detach().view(batch, t.shape[0] // batch, *t.shape[1:]).requires_grad_(grad) for t in row_views]
     with torch.enable_grad() if grad else torch.no_grad():
-        out = select.run(name, *views, causal=causal, softmax_scale=softmax_scale)
+        out = select.run(name, *views, causal=causal, softmax_scale=softmax_scale, variant=variant)
     out_rows.view(out.shape).copy_(out)
     return (views, out) if grad else None
 
@@ -68,63 +72,97 @@ def _external_backward(recorded, do_rows, grads) -> None:
         dst.view(src.shape).copy_(src)
 
 
+def _exchange_groups(q, k, v):
+    """The tensors each exchange moves: q|k|v in one, or q|k and v in two when v has a
+    head dim of its own (a buffer row holds heads of one head dim)."""
+    return [(0, 1, 2)] if v.shape[3] == q.shape[3] else [(0, 1), (2,)]
+
+
+def _row_views(buffers, groups, placements):
+    """The q, k, v (or dq, dk, dv) views `[B*S, Hl_t, D_t]` of the block-ordered row buffers."""
+    views = [None] * 3
+    for rows, members in zip(buffers, groups):
+        c = 0
+        for t in members:
+            views[t] = rows[:, c:c + placements[t].local]
+            c += placements[t].local
+    return views
+
+
 class TritonUlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, seq_lens, causal, softmax_scale, cu_seqlens):
+    def forward(ctx, q, k, v, sinks, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, variant):
         kernels = require_triton_kernels()
         world = len(seq_lens)
-        B, _, Hq, D = q.shape
+        B, _, Hq, _ = q.shape
+        rows_total = B * sum(seq_lens)
+        tensors = (q, k, v)
         placements = placements_for([Hq, k.shape[2], v.shape[2]], world)
-        hl_q, hl_kv = placements[0].local, placements[1].local
-        send = pack_for_heads([q, k, v], placements, world)
-        recv = exchange_seq_to_heads(send, seq_lens, rank, group)
-        channels = hl_q + 2 * hl_kv
-        rows = recv.view(B * sum(seq_lens), channels, D)  # block-ordered rows, zero copy
-        q_rows, k_rows, v_rows = rows[:, :hl_q], rows[:, hl_q:hl_q + hl_kv], rows[:, hl_q + hl_kv:]
-        out_rows = torch.empty(rows.shape[0], hl_q, D, dtype=q.dtype, device=q.device)
+        groups = _exchange_groups(q, k, v)
+        buffers = []
+        for members in groups:  # block-ordered rows of the receive buffer, zero copy
+            send = pack_for_heads([tensors[t] for t in members], [placements[t] for t in members], world)
+            recv = exchange_seq_to_heads(send, seq_lens, rank, group)
+            buffers.append(recv.view(rows_total, send.shape[3], send.shape[4]))
+        q_rows, k_rows, v_rows = _row_views(buffers, groups, placements)
+        out_rows = torch.empty(rows_total, placements[0].local, v.shape[3], dtype=q.dtype, device=q.device)
+        grad = any(ctx.needs_input_grad[:4])
         ctx.external = None
-        ctx.kernel = name = _kernel_choice(q_rows, k_rows, B, world, causal, cu_seqlens, any(ctx.needs_input_grad[:3]))
+        ctx.kernel = name = _kernel_choice(q_rows, k_rows, B, world, causal, cu_seqlens, grad, variant,
+                                           sinks is not None, v.shape[3])
         if name == "triton":
             _, lse = kernels.flash_attention_forward(q_rows, k_rows, v_rows, causal=causal,
                                                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                                                     out=out_rows, seq_splits=world, batch=B)
+                                                     out=out_rows, seq_splits=world, batch=B, window=variant.window,
+                                                     softcap=variant.softcap, sinks=sinks)
         else:
             lse = torch.empty(0)
             ctx.external = _external_forward(name, (q_rows, k_rows, v_rows), out_rows, B, causal, softmax_scale,
-                                             any(ctx.needs_input_grad[:3]))
-        back = _reverse_exchange(out_rows, B, seq_lens, rank, group)  # [P, B, S_r, hl_q, D]
-        ctx.save_for_backward(rows, out_rows, lse, cu_seqlens if cu_seqlens is not None else torch.empty(0))
-        ctx.has_cu = cu_seqlens is not None
-        ctx.meta = (group, rank, seq_lens, causal, softmax_scale, placements, B)
-        return back.permute(1, 2, 0, 3, 4).reshape(B, seq_lens[rank], Hq, D)
+                                             grad, variant)
+        back = _reverse_exchange(out_rows, B, seq_lens, rank, group)  # [P, B, S_r, hl_q, Dv]
+        ctx.save_for_backward(out_rows, lse, cu_seqlens if cu_seqlens is not None else torch.empty(0),
+                              sinks if sinks is not None else torch.empty(0), *buffers)
+        ctx.has_cu, ctx.has_sinks = cu_seqlens is not None, sinks is not None
+        ctx.meta = (group, rank, seq_lens, causal, softmax_scale, placements, groups, B, variant)
+        return back.permute(1, 2, 0, 3, 4).reshape(B, seq_lens[rank], Hq, v.shape[3])
 
     @staticmethod
     def backward(ctx, grad_out):
         kernels = require_triton_kernels()
-        rows, out_rows, lse, cu = ctx.saved_tensors
-        group, rank, seq_lens, causal, softmax_scale, placements, B = ctx.meta
+        out_rows, lse, cu, sinks, *buffers = ctx.saved_tensors
+        group, rank, seq_lens, causal, softmax_scale, placements, groups, B, variant = ctx.meta
         world = len(seq_lens)
-        hl_q, hl_kv = placements[0].local, placements[1].local
-        D = rows.shape[-1]
         send = pack_for_heads([grad_out.to(out_rows.dtype)], placements[:1], world)
-        do_rows = exchange_seq_to_heads(send, seq_lens, rank, group).view(rows.shape[0], hl_q, D)
-        grad_rows = torch.empty_like(rows)  # dq|dk|dv, block-ordered: the reverse send buffer
-        grads = (grad_rows[:, :hl_q], grad_rows[:, hl_q:hl_q + hl_kv], grad_rows[:, hl_q + hl_kv:])
+        do_rows = exchange_seq_to_heads(send, seq_lens, rank, group).view(out_rows.shape)
+        grad_buffers = [torch.empty_like(rows) for rows in buffers]  # dq|dk|dv, block-ordered: the send layout
+        grads = _row_views(grad_buffers, groups, placements)
+        dsinks = None
         if ctx.kernel != "triton":
             if ctx.external is None:  # never run the Triton backward on a forward it did not compute
                 raise RuntimeError(f"the {ctx.kernel} attention graph was already freed by an earlier backward")
             _external_backward(ctx.external, do_rows, grads)
             ctx.external = None  # free the recorded graph (and its copy of the output)
         else:
+            q_rows, k_rows, v_rows = _row_views(buffers, groups, placements)
+            if ctx.has_sinks:
+                dsinks = torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
             kernels.flash_attention_backward(
-                do_rows, rows[:, :hl_q], rows[:, hl_q:hl_q + hl_kv], rows[:, hl_q + hl_kv:], out_rows, lse,
-                causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu if ctx.has_cu else None,
-                dq=grads[0], dk=grads[1], dv=grads[2], seq_splits=world, batch=B)
-        back = _reverse_exchange(grad_rows, B, seq_lens, rank, group)
-        dq, dk, dv = unpack_from_heads(back, placements)
-        return dq, dk, dv, None, None, None, None, None, None
+                do_rows, q_rows, k_rows, v_rows, out_rows, lse, causal=causal, softmax_scale=softmax_scale,
+                cu_seqlens=cu if ctx.has_cu else None, dq=grads[0], dk=grads[1], dv=grads[2], seq_splits=world,
+                batch=B, window=variant.window, softcap=variant.softcap,
+                sinks=sinks if ctx.has_sinks else None, dsinks=dsinks)
+        results = [None] * 3
+        for rows, members in zip(grad_buffers, groups):
+            back = _reverse_exchange(rows, B, seq_lens, rank, group)
+            for t, d in zip(members, unpack_from_heads(back, [placements[t] for t in members])):
+                results[t] = d
+        dsinks = dsinks.to(sinks.dtype) if dsinks is not None else None
+        return (*results, dsinks, None, None, None, None, None, None, None)
 
 
-def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens):
-    """Pure Ulysses attention on this path (differentiable; validated by the caller)."""
-    return TritonUlyssesAttention.apply(q, k, v, group, rank, list(seq_lens), causal, softmax_scale, cu_seqlens)
+def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, variant=PLAIN,
+                      sinks=None):
+    """Pure Ulysses attention on this path (differentiable; validated by the caller); `sinks`
+    `[Hq]` are the global heads' (this rank's slice is used)."""
+    return TritonUlyssesAttention.apply(q, k, v, local_sinks(sinks, rank, len(seq_lens)), group, rank,
+                                        list(seq_lens), causal, softmax_scale, cu_seqlens, variant)

@@ -1,0 +1,109 @@
+"""THE attention variants (docs/architecture.md, "Attention variants"): what a call computes
+beyond softmax(q·kᵀ·scale + causal/document mask)·v, as one small value every path, the
+ring and the checks share.
+
+- A window band (flash_attn's `window_size=(left, right)`, -1 unbounded): with
+  off = Sk - Sq (bottom-right alignment), query i sees key j iff
+  `i + off - left <= j <= i + off + right`; with `causal=True` the right side is 0;
+  with packed documents the band applies inside each document.
+- Logit softcapping (`softcap=c > 0`): scaled scores become `c * tanh(scores / c)`.
+- Attention sinks (`sinks`, one logit per query head): they join the softmax
+  denominator, `p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))`. Sinks are a tensor
+  (differentiable), so they travel beside the `Variant`, not in it.
+- A value head dim of its own (MLA): a shape, checked with the others.
+
+Inside the package a window is a *band* `(left, right)`, each side an int or None
+(unbounded). Public values are non-negative; the ring's blocks use shifted bands
+(`ring/plan.py`), whose sides may be negative.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+Band = Tuple[Optional[int], Optional[int]]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A window band and a softcap (0.0: none). `Variant()` is plain attention."""
+
+    window: Band = (None, None)
+    softcap: float = 0.0
+
+    @property
+    def windowed(self) -> bool:
+        return self.window != (None, None)
+
+    @property
+    def plain(self) -> bool:
+        return not self.windowed and not self.softcap
+
+    def describe(self) -> str:
+        parts = []
+        if self.windowed:
+            left, right = (-1 if side is None else side for side in self.window)
+            parts.append(f"window_size=({left}, {right})")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap}")
+        return ", ".join(parts) or "plain attention"
+
+
+PLAIN = Variant()
+
+
+def window_problem(window_size) -> Optional[str]:
+    """Why `window_size` is not a flash_attn window (None when it is)."""
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        return f"window_size must be a pair (left, right) of ints, got {window_size!r}"
+    for name, side in (("left", left), ("right", right)):
+        if isinstance(side, bool) or not isinstance(side, int):
+            return f"window_size {name} side must be an int (-1: unbounded), got {side!r}"
+        if side < -1:
+            return f"window_size {name} side must be >= 0 or -1 (unbounded), got {side}"
+    return None
+
+
+def softcap_problem(softcap) -> Optional[str]:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        return f"softcap must be a number, got {softcap!r}"
+    if not math.isfinite(softcap) or softcap < 0:
+        return f"softcap must be > 0 (0 or None: off), got {softcap}"
+    return None
+
+
+def make_variant(window_size=(-1, -1), softcap: Optional[float] = 0.0, *, causal: bool = False) -> Variant:
+    """The Variant of public arguments; raises ValueError on bad values. Causal attention
+    bounds the right side at 0 (flash_attn's rule)."""
+    softcap = 0.0 if softcap is None else softcap
+    err = window_problem(window_size) or softcap_problem(softcap)
+    if err:
+        raise ValueError(err)
+    left, right = (None if side == -1 else int(side) for side in window_size)
+    if causal:
+        right = None  # the causal mask already bounds it at 0: no band needed on that side
+    return Variant(window=(left, right), softcap=float(softcap))
+
+
+def band_lengths(band: Band) -> Tuple[int, int]:
+    """The band as two ints with -1 for an unbounded side (descriptors, messages)."""
+    return tuple(-1 if side is None else int(side) for side in band)
+
+
+def sinks_problem(sinks, num_heads: int, device) -> Optional[str]:
+    """Why `sinks` cannot be the sink logits of `num_heads` query heads on `device`."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        return f"sinks must be a tensor [{num_heads}] of per-head logits, got {type(sinks).__name__}"
+    if sinks.dim() != 1 or sinks.shape[0] != num_heads:
+        return f"sinks must have shape [{num_heads}] (one logit per query head), got {tuple(sinks.shape)}"
+    if not sinks.dtype.is_floating_point:
+        return f"sinks must be a floating-point tensor, got {sinks.dtype}"
+    if device is not None and sinks.device != device:
+        return f"sinks are on {sinks.device} but q is on {device}"
+    return None
