@@ -22,8 +22,10 @@
 #   bench_attention  55   attention TFLOP/s next to SDPA (cuDNN, flash)
 #   fp32_tests       90   the fp32 GPU cases (tf32x3 compiles are the slowest)      [second call]
 #   microbench       60   `pytest bench/` kernel microbenchmarks (pytest-benchmark)  [second call]
+#   bench_window     45   windowed attention TFLOP/s (W = 4k, S = 32k..128k) next to
+#                         flash_attn's window and our full causal attention           [second call]
 # The default steps add up to 440 s, 480 s with 5 s for each to die after its timeout
-# (limit 480 s, checked before every run); the two second-call steps with a reinstall
+# (limit 480 s, checked before every run); the three second-call steps with a reinstall
 # (incremental on a warm machine) fit in what is left of a 15-minute lease.
 #
 # Every pytest step has a per-test limit (ULYSSES_KERNELS_TEST_TIMEOUT, tests/conftest.py,
@@ -55,9 +57,10 @@ export NCCL_DEBUG_SUBSYS="${NCCL_DEBUG_SUBSYS:-INIT,ENV}"
 export ULYSSES_KERNELS_TEST_TIMEOUT="${ULYSSES_KERNELS_TEST_TIMEOUT:-60}"
 
 DEFAULT_STEPS="env install preflight fused_tests bench_a2a bench_layer triton_tests bench_attention"
-SECOND_CALL_STEPS="fp32_tests microbench"
+SECOND_CALL_STEPS="fp32_tests microbench bench_window"
 declare -A LIMIT=([env]=15 [install]=80 [fallback]=40 [preflight]=25 [fused_tests]=90 [bench_a2a]=35
-                  [bench_layer]=40 [triton_tests]=100 [bench_attention]=55 [fp32_tests]=90 [microbench]=60)
+                  [bench_layer]=40 [triton_tests]=100 [bench_attention]=55 [fp32_tests]=90 [microbench]=60
+                  [bench_window]=45)
 BUDGET_LIMIT=480
 PYTEST=("$PYTHON" -m pytest -v -p no:cacheprovider -rs --durations=10)
 # The first GPU run lost whole steps to one fault: a segfault ended pytest, an illegal
@@ -170,6 +173,9 @@ if want fp32_tests; then
 fi
 if want microbench; then
   step microbench "${LIMIT[microbench]}" "$PYTHON" -m pytest bench/ --benchmark-json="$RESULTS/microbench.json"
+fi
+if want bench_window; then
+  step bench_window "${LIMIT[bench_window]}" "$PYTHON" bench/bench_window.py --out "$RESULTS" --budget-s 30
 fi
 
 echo "=== summary (logs in $RESULTS)"
