@@ -149,9 +149,6 @@ def error_cases(rank, world):
     n = batch.input_ids.shape[1]
     custom = torch.zeros(1, 1, n, n)
     report["custom_4d"] = _catch(lambda: model(**batch.model_inputs(), attention_mask=custom))
-    sw = make_model("qwen2", "ulysses", use_sliding_window=True, sliding_window=8, max_window_layers=0,
-                    layer_types=["sliding_attention", "sliding_attention"])
-    report["sliding"] = _catch(lambda: sw(**batch.model_inputs()))
     drop = make_model("llama", "ulysses", attention_dropout=0.1)
     report["dropout"] = _catch(lambda: drop(**batch.model_inputs()))
     # the group still works afterwards

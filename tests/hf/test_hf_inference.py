@@ -101,8 +101,9 @@ def test_generate_with_ulysses_x_ring():
 
 
 def test_generate_refuses_unsupported_modes_before_any_collective():
-    """Checked from the arguments and the config alone, so every rank raises the same error
-    without communicating: beam search, assisted generation, padded prompts, sliding windows."""
+    """Checked from the arguments alone, so every rank raises the same error without
+    communicating: beam search, assisted generation, padded prompts. Sliding windows are
+    no longer refused (test_hf_generation_families.py generates the windowed families)."""
     ukhf.register(None)
     model = gen_model("llama", "ulysses", {})
     ids = gen_prompt(3, 9)
@@ -114,10 +115,11 @@ def test_generate_refuses_unsupported_modes_before_any_collective():
     mask[1, 0] = 0
     with pytest.raises(ValueError, match="padded prompts"):
         ukhf.generate(model, ids, max_new_tokens=2, attention_mask=mask)
-    sliding = gen_model("qwen2", "ulysses", dict(use_sliding_window=True, sliding_window=8, max_window_layers=0,
-                                                 layer_types=["sliding_attention", "sliding_attention"]))
-    with pytest.raises(ValueError, match="sliding-window"):
-        ukhf.generate(sliding, ids, max_new_tokens=2)
+    # a sliding-window model generates (a window of 4 over a prompt of 9), like model.generate
+    sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                   layer_types=["sliding_attention", "sliding_attention"])
+    assert torch.equal(ukhf.generate(gen_model("qwen2", "ulysses", sliding), ids, max_new_tokens=4, do_sample=False),
+                       gen_model("qwen2", "eager", sliding).generate(ids, max_new_tokens=4, do_sample=False))
     # a single process (no group) generates like model.generate
     assert torch.equal(ukhf.generate(model, ids, max_new_tokens=4, do_sample=False),
                        gen_model("llama", "eager", {}).generate(ids, max_new_tokens=4, do_sample=False))

@@ -126,8 +126,9 @@ def ulysses_mask_function(*args, attention_mask=None, **kwargs):
         problem = problem or "another rank of the sequence-parallel group got an unsupported attention_mask"
     if problem:
         raise ValueError(f"ulysses attention: {problem}. Sequence-parallel training expects "
-                         "unpadded (optionally packed) batches: pack documents and mark them with "
-                         "position_ids restarting at 0 instead of padding (see shard_batch).")
+                         "unpadded (optionally packed) batches: pass the padding mask to "
+                         "shard_batch(..., attention_mask=mask), which unpads the batch, and call the model "
+                         "with batch.model_inputs() (no attention_mask).")
     return None
 
 
@@ -179,11 +180,25 @@ def _warn_local_positions(pos, lens):
 # ------------------------------------------------------------------------ attention
 
 _UNSUPPORTED_KW = {
-    "softcap": "attention logit softcapping",
-    "s_aux": "attention sinks",
-    "sinks": "attention sinks",
     "position_bias": "an additive position bias",
 }
+
+
+def layer_variants(module: nn.Module, kwargs, causal: bool) -> dict:
+    """The attention variants (docs/api.md, "Attention variants") of one transformers
+    attention call, from the per-layer arguments the model passes (so per-layer types,
+    Gemma's alternating `layer_types` or Qwen2's `max_window_layers`, follow):
+    `sliding_window=W` (the last W keys, the query included: `window_size=(W - 1, 0)`;
+    both sides without a causal mask), `softcap` (Gemma 2) and `s_aux` / `sinks` (GPT-OSS,
+    the module's `[Hq]` parameter over the global heads)."""
+    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    window = (-1, -1)
+    if sliding is not None and int(sliding) > 0:
+        window = (int(sliding) - 1, 0 if causal else int(sliding) - 1)
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
+    return dict(window_size=window, softcap=kwargs.get("softcap") or 0.0, sinks=sinks)
 
 
 def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -192,8 +207,9 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                               is_causal: Optional[bool] = None, **kwargs):
     """transformers attention function (``AttentionInterface``) running Ulysses attention.
 
-    query `[B, Hq, S_local, D]`, key/value `[B, Hkv, S_local, D]` (transformers' layout) ->
-    (`[B, S_local, Hq, D]`, None), like `sdpa_attention_forward`.
+    query `[B, Hq, S_local, D]`, key `[B, Hkv, S_local, D]`, value `[B, Hkv, S_local, Dv]`
+    (transformers' layout) -> (`[B, S_local, Hq, Dv]`, None), like `sdpa_attention_forward`;
+    sliding windows, softcap and sinks from the layer's arguments (`layer_variants`).
     """
     where = f"ulysses attention ({type(module).__name__})"
     if attention_mask is not None:
@@ -206,9 +222,10 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     for kw, what in _UNSUPPORTED_KW.items():
         if kwargs.get(kw) is not None:
             raise ValueError(f"{where}: {what} ({kw}) is not supported")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    variants = layer_variants(module, kwargs, bool(causal))
     if _STATE.inference_cache is not None:   # hf.prefill / hf.generate: a chunk over the KV cache
-        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        return _STATE.inference_cache.attention(query, key, value, scaling, causal), None
+        return _STATE.inference_cache.attention(query, key, value, scaling, causal, **variants), None
     if query.shape[2] != key.shape[2]:
         raise ValueError(f"{where}: query length {query.shape[2]} != key length {key.shape[2]} "
                          "(a KV cache / generation?): train with use_cache=False, generate with "
@@ -231,21 +248,14 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                 cu_seqlens = cu_seqlens_from_position_ids(full)
         else:
             lens = _lengths_only(query.shape[2], group, _STATE.ring_group)
-    total = sum(lens)
-
-    sliding = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    if sliding is not None and sliding > 0 and total > sliding:
-        raise ValueError(f"{where}: sliding-window attention (window {sliding}) over a sequence of "
-                         f"{total} tokens is not supported")
     if cu_seqlens is not None and query.shape[0] != 1:
         raise ValueError(f"{where}: packed documents need batch size 1, got {query.shape[0]}")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
 
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
     out = ulysses_attention(q, k, v, group=group, causal=bool(causal), softmax_scale=scaling,
                             seq_lens=lens if trusted else None, cu_seqlens=cu_seqlens,
-                            backend=_STATE.backend, ring_group=_STATE.ring_group)
+                            backend=_STATE.backend, ring_group=_STATE.ring_group, **variants)
     return out, None
 

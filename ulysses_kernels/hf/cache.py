@@ -5,10 +5,17 @@ After a Ulysses all-to-all every rank holds *its* heads for the *whole* sequence
 is the layout decoding wants, so `HeadShardedCache` keeps exactly that and is never
 reshuffled. Every model forward is a chunk of new tokens; a layer's attention is split
 in two halves: `update` (transformers calls it with the chunk's K/V) and `attention`
-(the "ulysses" attention function hands the queries to it). Both run on the execution
-path the dispatch picks for the chunk's tensors (distributed/dispatch.py): its exchange (the
-fused path's engine, or the torch all-to-all) and its attention (the kernel choice on
-the Triton and fused paths).
+(the "ulysses" attention function hands the queries to it, with the layer's attention
+variants). Both run on the execution path the dispatch picks for the chunk's tensors
+(distributed/dispatch.py): its exchange (the fused path's engine, or the torch all-to-all)
+and its attention (the kernel choice on the Triton and fused paths).
+
+What a layer caches is its business: the model's KV heads (split over the Ulysses ranks,
+or replicated where there are fewer than ranks), or a one-head latent that the layer
+expands into every head's keys and values itself (MLA, DeepSeek-V3: kept whole on every
+rank, like a single KV head). A sliding-window layer keeps only the keys a later query
+can still see: `attention` trims it after the chunk's attention, because only the
+attention call knows the window (transformers calls `update` first).
 
 This module needs transformers (the cache is a `DynamicCache`); generation.py imports it on
 first use.
@@ -20,10 +27,11 @@ import torch
 from transformers import DynamicCache
 
 from ..api import path_for
-from ..distributed.collectives import all_gather_tensor
+from ..distributed.collectives import all_gather_tensor, broadcast_tensor
 from ..distributed.groups import resolve_group
 from ..layout import head_plan_error, place_heads
-from ..ring.merge import accumulate_dtype, merge_partials
+from ..ring.merge import accumulate_dtype, merge_partials, merge_sinks
+from ..variants import make_variant
 
 
 def head_counts(model) -> Tuple[int, int]:
@@ -35,7 +43,8 @@ def head_counts(model) -> Tuple[int, int]:
 
 class HeadShardedCache(DynamicCache):
     """One rank's KV cache: the KV heads it owns in its Ulysses group, for the tokens its
-    ring rank holds (all of them without a ring).
+    ring rank holds (all of them without a ring; a sliding-window layer's last keys on
+    every ring rank).
 
     ulysses_group / ring_group: this rank's groups (None: the default group / no ring);
     backend: the execution path to run on (None: automatic, distributed/dispatch.py).
@@ -52,89 +61,203 @@ class HeadShardedCache(DynamicCache):
         self.q_place = place_heads(self.num_q_heads, self.ulysses[1])
         self.kv_place = place_heads(self.num_kv_heads, self.ulysses[1])
         self.backend = backend
-        self.path = None                     # the Path of this cache's chunks (the first chunk's tensors decide)
+        self.path = None                     # the Path of this cache (the first attention's q/k/v decide)
         self.held = [0] * self.ring[1]       # tokens each ring rank holds (the same list on every rank)
         self.chunk_lens: Optional[List[int]] = None   # Ulysses shard lengths of a sharded chunk
-        self._holds_chunk = True
+        self._holder = 0                     # the ring rank that appends the chunk in progress
+        self._layer: Optional[int] = None    # the layer whose `update` ran last: its `attention` comes next
+        self._chunk = None                   # that layer's chunk K/V (this rank's heads, as cached)
+        self._holds_keys = True              # whether this rank attends to keys of that layer at all
+
+    @property
+    def _holds_chunk(self) -> bool:
+        return self._holder == self.ring[2]
 
     # -- bookkeeping
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return sum(self.held)
 
+    def bytes_per_layer(self) -> List[int]:
+        """Bytes of K/V this rank holds, per layer."""
+        return [sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                    if isinstance(t, torch.Tensor)) for layer in self.layers]
+
     def bytes_per_rank(self) -> int:
         """Bytes of K/V this rank holds."""
-        return sum(t.numel() * t.element_size() for layer in self.layers
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                   if isinstance(t, torch.Tensor))
+        return sum(self.bytes_per_layer())
 
     def _own(self, place) -> slice:
         start = place.source_head(self.ulysses[2])
         return slice(start, start + place.local)
 
-    def _path_for(self, tensors):
-        if self.path is None:
-            self.path = path_for(self.backend, tensors, distributed=self.ulysses[0] is not None)
-        return self.path
+    def _path_for(self, tensors, *, keep: bool = True):
+        """The cache's path: chosen by the first attention's q/k/v (`keep`). Before it, the
+        first chunk's K/V choose its exchange only: what a layer caches need not be an
+        attention input (an MLA latent's head dims may be ones no kernel takes)."""
+        if self.path is not None:
+            return self.path
+        path = path_for(self.backend, tensors, distributed=self.ulysses[0] is not None)
+        if keep:
+            self.path = path
+        return path
+
+    @property
+    def _sharded(self) -> bool:
+        """The chunk in progress is split along the sequence over the Ulysses group."""
+        return self.chunk_lens is not None
 
     def _exchange_args(self):
         group, _, rank = self.ulysses
         return dict(group=group, rank=rank, seq_lens=self.chunk_lens)
 
-    # -- the two halves of a layer's attention
+    # -- the first half: the chunk's K/V
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        """K/V of the chunk `[B, Hkv, T_local, D]` -> this rank's held K/V `[B, Hkv_own, S_held, D]`."""
-        sharded = self.chunk_lens is not None
+        """K/V of the chunk `[B, H, T_local, D]` / `[B, H, T_local, Dv]` (H: the KV heads, or
+        one latent head) -> this rank's held K/V `[B, H_own, S_held, D]` (with the chunk
+        on the ring rank that holds it)."""
         if layer_idx == 0:   # a new chunk: the ring rank holding the fewest tokens takes it
-            total = sum(self.chunk_lens) if sharded else key_states.shape[2]
-            holder = min(range(len(self.held)), key=lambda i: self.held[i])
-            self.held[holder] += total
-            self._holds_chunk = holder == self.ring[2]
-        if sharded:
-            k, v = (x.transpose(1, 2).contiguous() for x in (key_states, value_states))
-            path = self._path_for((k, k, v))
-            k, v = path.seq_to_heads((k, v), **self._exchange_args())
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        else:
-            own = self._own(self.kv_place)
-            k, v = key_states[:, own], value_states[:, own]
+            total = sum(self.chunk_lens) if self._sharded else key_states.shape[2]
+            self._holder = min(range(len(self.held)), key=lambda i: self.held[i])
+            self.held[self._holder] += total
+        k, v = self._own_chunk(key_states, value_states, layer_idx)
+        self._layer, self._chunk = layer_idx, (k, v)
         if self._holds_chunk:
+            self._holds_keys = True
             return super().update(k, v, layer_idx, *args, **kwargs)
-        if layer_idx < len(self.layers) and getattr(self.layers[layer_idx], "keys", None) is not None \
-                and self.layers[layer_idx].keys.numel():
-            return self.layers[layer_idx].keys, self.layers[layer_idx].values
-        return k[:, :, :0], v[:, :, :0]
+        held = self._held(layer_idx)
+        self._holds_keys = held is not None
+        # No keys yet: the chunk's own K/V stand in, because models reshape what the cache
+        # returns and an empty tensor breaks some (MLA's expansion); the attention knows.
+        return held if held is not None else (k, v)
 
-    def attention(self, query, key, value, scaling, causal):
-        """query `[B, Hq, T_local, D]`, key/value from `update` -> `[B, T_local, Hq, D]`."""
-        _, world, _ = self.ulysses
+    def _own_chunk(self, key_states, value_states, layer_idx):
+        """This rank's heads of the chunk's cached tensors, over the whole chunk: exchanged
+        from the sequence shards (a sharded chunk) or sliced (a replicated one). The heads
+        are placed like KV heads (`layout.place_heads`): split, or replicated where there are
+        fewer than ranks, so a one-head latent lives whole on every rank."""
+        heads = key_states.shape[1]
+        if heads not in (self.num_kv_heads, 1) or value_states.shape[1] != heads:
+            raise ValueError(f"HeadShardedCache: layer {layer_idx} caches keys of {heads} heads and values of "
+                             f"{value_states.shape[1]}; the cache holds the model's {self.num_kv_heads} KV heads or "
+                             f"a one-head latent (MLA)")
+        if not self._sharded:
+            own = self._own(place_heads(heads, self.ulysses[1]))
+            return key_states[:, own], value_states[:, own]
+        k, v = (x.transpose(1, 2).contiguous() for x in (key_states, value_states))
+        path = self._path_for((k, k, v), keep=False)
+        if k.shape[3] == v.shape[3]:
+            k, v = path.seq_to_heads((k, v), **self._exchange_args())
+        else:   # an exchange moves tensors of one head dim
+            (k,), (v,) = (path.seq_to_heads((x,), **self._exchange_args()) for x in (k, v))
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _held(self, layer_idx):
+        """What a ring rank that does not take the chunk attends to: its held K/V (None: none)."""
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            return layer.keys, layer.values
+        return None
+
+    # -- the second half: the chunk's queries
+    def attention(self, query, key, value, scaling, causal, *, window_size=(-1, -1), softcap=0.0, sinks=None):
+        """query `[B, Hq, T_local, D]`, key/value `[B, Hk, S, D]` / `[B, Hk, S, Dv]` from `update`
+        (or expanded from it by the layer) -> `[B, T_local, Hq, Dv]`. window_size / softcap:
+        the layer's variants (docs/api.md, "Attention variants"); sinks: its `[Hq]` logits
+        over the global heads."""
+        layer, chunk = self._layer, self._chunk
+        if layer is None:
+            raise ValueError("HeadShardedCache: an attention call without its layer's cache update (layers that "
+                             "share another layer's KV cache are not supported)")
+        self._layer = self._chunk = None
+        variant = make_variant(window_size, softcap, causal=bool(causal))
+        expanded = key.shape[1] != chunk[0].shape[1] or key.shape[3] != chunk[0].shape[3]
+        q, path = self._own_queries(query, key, value)
+        k, v = (x.transpose(1, 2) for x in self._own_keys(key, value, expanded))
+        own_sinks = sinks[self._own(self.q_place)] if sinks is not None else None
+        if variant.windowed:
+            out = self._window_attention(path, q, k, v, causal, scaling, variant, own_sinks, layer, chunk)
+        elif self.ring[1] == 1:
+            out, _ = path.attention(q, k, v, causal=causal, softmax_scale=scaling, variant=variant, sinks=own_sinks)
+        else:   # keys held elsewhere all precede the chunk: no mask there
+            partial = self._partial(path, q, k, v, causal and self._holds_chunk, scaling, variant)
+            out = self._merge_over_ring(*partial, own_sinks)
+        return self._heads_to_output(path, out)
+
+    def _own_queries(self, query, key, value):
+        """This rank's query heads `[B, T, Hq_own, D]` over the whole chunk, and the path."""
         q = query.transpose(1, 2)
-        k, v = key.transpose(1, 2), value.transpose(1, 2)
-        path = self._path_for((q, k, v))
-        sharded = self.chunk_lens is not None and world > 1
-        if sharded:
-            q = path.seq_to_heads((q.contiguous(),), **self._exchange_args())[0]
-        else:
-            q = q[:, :, self._own(self.q_place)]
-        causal = causal and self._holds_chunk   # keys held elsewhere all precede the chunk
-        if self.ring[1] == 1:
-            out, _ = path.attention(q, k, v, causal=causal, softmax_scale=scaling)
-        else:
-            out = self._merge_over_ring(*self._partial(path, q, k, v, causal, scaling))
-        if sharded:
+        path = self._path_for((q, key.transpose(1, 2), value.transpose(1, 2)))
+        if self._sharded:
+            return path.seq_to_heads((q.contiguous(),), **self._exchange_args())[0], path
+        return q[:, :, self._own(self.q_place)], path
+
+    def _own_keys(self, key, value, expanded):
+        """Keys the layer expanded from its cache (MLA) carry every head of the model: take
+        this rank's, placed like the heads of that count (they follow the query heads)."""
+        if not expanded:
+            return key, value
+        heads = key.shape[1]
+        if heads not in (self.num_q_heads, self.num_kv_heads):
+            raise ValueError(f"HeadShardedCache: the layer attends to keys of {heads} heads, neither the model's "
+                             f"{self.num_q_heads} query heads nor its {self.num_kv_heads} KV heads")
+        own = self._own(place_heads(heads, self.ulysses[1]))
+        return key[:, own], value[:, own]
+
+    def _heads_to_output(self, path, out):
+        """This rank's head outputs -> `[B, T_local, Hq, Dv]`: back to the sequence shard (a
+        sharded chunk) or all-gathered over the heads (a replicated one)."""
+        if self._sharded:
             return path.heads_to_seq(out.contiguous(), **self._exchange_args())
         return torch.cat(all_gather_tensor(out.contiguous(), self.ulysses[0]), dim=2)
 
-    def _partial(self, path, q, k, v, causal, scale):
-        """(out, lse `[B, H, T]`) over this ring rank's keys; no keys: zeros and -inf."""
-        B, T, H, _ = q.shape
-        if k.shape[1] == 0:
-            return torch.zeros_like(q), torch.full((B, H, T), float("-inf"), device=q.device)
-        return path.attention(q, k, v, causal=causal, softmax_scale=scale, with_lse=True)
+    # -- sliding windows
+    def _window_attention(self, path, q, k, v, causal, scale, variant, sinks, layer, chunk):
+        """A sliding-window layer lives whole on every ring rank: each appends every chunk
+        (the window bounds it: W - 1 tokens per ring rank), so whichever takes the next
+        chunk holds the window before it. Its keys are the newest, contiguous, so the
+        kernels' bottom-right band is the window at the global positions. The ring rank
+        holding the chunk attends and broadcasts the output over the ring (the others
+        received their keys from `update` without the chunk, and an MLA layer has already
+        expanded them); then every ring rank trims the layer."""
+        if self._holds_chunk:
+            out, _ = path.attention(q, k, v, causal=causal, softmax_scale=scale, variant=variant, sinks=sinks)
+        else:
+            DynamicCache.update(self, *chunk, layer)   # the window's keys on every ring rank
+            B, T, H, _ = q.shape
+            out = q.new_empty(B, T, H, v.shape[3])
+        if self.ring[1] > 1:
+            out = broadcast_tensor(out, self._holder, self.ring[0])
+        self._trim(layer, variant.window[0])
+        return out
 
-    def _merge_over_ring(self, out, lse):
+    def _trim(self, layer_idx, left: Optional[int]):
+        """Keep the last `left` tokens of a layer whose band reaches `left` keys back: the
+        next query, at position p >= the tokens so far L, sees keys p - left .. p, of which
+        the held ones are L - left .. L - 1 at the most (HF's sliding_window W: W - 1).
+        A copy, so the trimmed storage is freed."""
+        layer = self.layers[layer_idx]
+        if left is None or layer.keys.shape[2] <= left:
+            return
+        start = layer.keys.shape[2] - left
+        layer.keys, layer.values = layer.keys[:, :, start:].clone(), layer.values[:, :, start:].clone()
+
+    # -- the ring
+    def _partial(self, path, q, k, v, causal, scale, variant):
+        """(out, lse `[B, H, T]`) over this ring rank's keys, without the sinks; no keys:
+        zeros and -inf."""
+        B, T, H, _ = q.shape
+        if not self._holds_keys:
+            return q.new_zeros(B, T, H, v.shape[3]), torch.full((B, H, T), float("-inf"), device=q.device)
+        return path.attention(q, k, v, causal=causal, softmax_scale=scale, with_lse=True, variant=variant)
+
+    def _merge_over_ring(self, out, lse, sinks):
         """The merge of every ring rank's partial attention (ring/merge.py): identical on
-        every ring rank (the same gathered lists, the same arithmetic)."""
+        every ring rank (the same gathered lists, the same arithmetic). The sinks join
+        once, after every key: a sink in each partial would count R times."""
         acc = accumulate_dtype(out.dtype)
         outs = all_gather_tensor(out.to(acc), self.ring[0])
         lses = all_gather_tensor(lse.to(acc), self.ring[0])
-        return merge_partials(outs, lses)[0].to(out.dtype)
+        merged, merged_lse = merge_partials(outs, lses)
+        if sinks is not None:
+            merged, _ = merge_sinks(merged, merged_lse, sinks)
+        return merged.to(out.dtype)

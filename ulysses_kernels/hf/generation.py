@@ -22,13 +22,37 @@ and its attention kernel). Two kinds of chunk:
   hidden state and draws the same token.
 * **Ulysses x Ring**: the ring dimension holds sequence shards of the cache. All ring
   ranks run the same chunk (each with its Ulysses group); one of them, the one holding
-  the fewest tokens, appends the chunk's K/V; each attends over what it holds (causally
-  only where the chunk is) and the partial outputs are merged by log-sum-exp over the
-  ring group. Prefill uses one chunk per ring rank by default, so each holds 1/R of the
+  the fewest tokens, appends the chunk's K/V (a windowed layer's: every ring rank,
+  below); each attends over what it holds (causally only where the chunk is) and the
+  partial outputs are merged by log-sum-exp over the ring group. Prefill uses one chunk per ring rank by default, so each holds 1/R of the
   prompt. The non-attention layers of a chunk run on every ring rank (R times).
 
+The attention variants of a layer (docs/api.md, "Attention variants") reach the cache's
+attention with the queries (hf/attention.py's `layer_variants`), so per-layer windows
+(Gemma's alternating `layer_types`, Qwen2's `max_window_layers`) follow:
+
+* **Sliding windows.** HF's `sliding_window=W` is the band `(W - 1, 0)`: the query at
+  position p sees keys p - W + 1 .. p. After a chunk's attention the layer keeps its last
+  W - 1 tokens, the most the next query (at position L, the tokens so far) can see, so a
+  windowed layer holds W - 1 tokens between forwards and W - 1 + T while a chunk of T
+  attends (transformers' own sliding-window cache keeps the same). The held keys stay
+  the newest, contiguous, so the kernels' bottom-right band (off = Sk - T) is the window
+  at the global positions. With a ring, a windowed layer lives whole on every ring rank
+  (each appends every chunk; W - 1 tokens each): the ring rank holding the chunk attends
+  and broadcasts the output over the ring, no merge.
+* **Softcap** applies inside every attention (each ring rank's partial included).
+* **Sinks** are the layer's `[Hq]` logits over the global heads: each rank takes its
+  query heads' slice. With a ring the partials merge without them and the sinks join
+  once after (`ring/merge.py`, `merge_sinks`), or they would count R times.
+* **MLA** (DeepSeek-V3): the layer caches a one-head latent (and its rotary key), which
+  every rank keeps whole, like a single KV head, and expands it into every head's keys
+  and values itself; the cache's attention takes this rank's heads of them, values with
+  their own head dim (the output has it).
+
 Per-rank KV memory: the prompt's K/V over the KV heads split (or, with fewer KV heads
-than the Ulysses degree, replicated) over the Ulysses ranks, and over ring ranks by tokens.
+than the Ulysses degree, replicated) over the Ulysses ranks, and over ring ranks by tokens;
+a windowed layer holds W - 1 tokens of the rank's heads, on every ring rank; an MLA latent
+is whole on every rank.
 """
 
 import contextlib
@@ -52,10 +76,6 @@ _UNSUPPORTED_GENERATION = {
     "assistant_model": (None, "assisted generation"),
     "prompt_lookup_num_tokens": (None, "prompt lookup decoding"),
 }
-
-
-def _text_config(model):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
 def _resolve_groups(group):
@@ -183,7 +203,7 @@ def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_siz
     return logits, cache
 
 
-def _check_generation_kwargs(model, kwargs):
+def _check_generation_kwargs(kwargs):
     config = kwargs.get("generation_config")
     for name, (neutral, what) in _UNSUPPORTED_GENERATION.items():
         value = kwargs.get(name, getattr(config, name, neutral) if config is not None else neutral)
@@ -193,12 +213,6 @@ def _check_generation_kwargs(model, kwargs):
     if mask is not None and not bool(mask.bool().all()):
         raise ValueError("ulysses_kernels.hf.generate: padded prompts (attention_mask with zeros) are not "
                          "supported; generate prompts of one length together, or one at a time")
-    config = _text_config(model)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or []
-    if window is not None and getattr(config, "use_sliding_window", True) is not False and \
-            (not layer_types or "sliding_attention" in layer_types):
-        raise ValueError(f"ulysses_kernels.hf.generate: sliding-window attention (window {window}) is not supported")
 
 
 def _share_rng(cache, device):
@@ -222,11 +236,11 @@ def generate(model, input_ids: torch.Tensor, group=None, *, prefill_chunk_size: 
     generation loop runs on every rank in lockstep from the head-sharded cache (greedy and
     sampling, logits processors, stopping criteria: all of it is transformers'). Sampling
     draws from the first rank's RNG state, copied to every rank first; the ranks' tokens
-    are compared at the end (a difference raises). Not supported, with a ValueError on
-    every rank: beam search and the other multi-candidate modes, padded prompts,
-    sliding-window models.
+    are compared at the end (a difference raises). Sliding windows, softcap, sinks and MLA
+    run like on one device (the module doc). Not supported, with a ValueError on every
+    rank: beam search and the other multi-candidate modes, padded prompts.
     """
-    _check_generation_kwargs(model, generation_kwargs)
+    _check_generation_kwargs(generation_kwargs)
     cache = make_cache(model, group)
     _check_prompt(input_ids, cache, "generate")
     if input_ids.shape[1] > 1:

@@ -10,6 +10,10 @@ from .batch import IGNORE_INDEX, SequenceParallelBatch, sp_group_of
 from .patch import is_loss_patched
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def global_mean_from_sum(local_sum: torch.Tensor, local_count, group=None) -> torch.Tensor:
     """Exact global mean from this rank's differentiable `local_sum` over its
     `local_count` valid tokens: returns a tensor whose *value* is
@@ -43,9 +47,11 @@ def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=Non
     """Cross-entropy averaged over the valid tokens of the whole SP group (exact global mean).
 
     logits `[B, S_local, V]` and *already shifted* labels `[B, S_local]` (from
-    `shard_batch`). Computed in float32. Differentiable (see `global_mean_from_sum`).
+    `shard_batch`). Computed in float32 (float64 logits in float64). Differentiable (see
+    `global_mean_from_sum`).
     """
-    local_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device),
+    local_sum = F.cross_entropy(_at_least_float32(logits).reshape(-1, logits.shape[-1]),
+                                labels.reshape(-1).to(logits.device),
                                 ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum()
     return global_mean_from_sum(local_sum, count, group)
@@ -56,17 +62,55 @@ def causal_lm_loss(model: nn.Module, batch: SequenceParallelBatch, group=None, *
     """Run `model` on this rank's shard and return the global mean loss (all ranks).
 
     Uses the tiled LM head + loss when `patch_model(..., tiled_loss=True)` was applied
-    (no `[S, vocab]` logits), the model's logits otherwise.
+    (no `[S, vocab]` logits), the model's logits otherwise (what the model applies to its
+    logits, e.g. Gemma 2's final softcap, is in them; the tiled head applies it too). A
+    mixture-of-experts model that returns router logits (`output_router_logits=True`) gets
+    its load-balancing loss over the whole SP group's tokens (`router_aux_loss`), as on
+    one device.
     """
     inputs = batch.model_inputs()
     count = (batch.labels != ignore_index).sum()
     if is_loss_patched(model):
         out = model(**inputs, ulysses_labels=batch.labels)
         local_sum = out["loss"] if isinstance(out, dict) else out.loss
-        return global_mean_from_sum(local_sum, count, group)
-    out = model(**inputs)
-    logits = out["logits"] if isinstance(out, dict) else out.logits
-    return sequence_parallel_loss(logits, batch.labels, group, ignore_index=ignore_index)
+        loss = global_mean_from_sum(local_sum, count, group)
+    else:
+        out = model(**inputs)
+        logits = out["logits"] if isinstance(out, dict) else out.logits
+        loss = sequence_parallel_loss(logits, batch.labels, group, ignore_index=ignore_index)
+    router_logits = out.get("router_logits") if isinstance(out, dict) else getattr(out, "router_logits", None)
+    config = getattr(getattr(model, "module", model), "config", None)
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if router_logits is not None and coef:
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        loss = loss + coef * router_aux_loss(router_logits, experts, config.num_experts_per_tok, group)
+    return loss
+
+
+def router_aux_loss(router_logits, num_experts: int, top_k: int, group=None) -> torch.Tensor:
+    """The Switch-Transformer load-balancing loss (transformers' `load_balancing_loss_func`
+    without a mask) over the tokens of the whole SP group: `E * sum_e f_e * P_e`, f_e the
+    fraction of top-k assignments and P_e the mean router probability of expert e over
+    every token and layer. Both are means over the group, so each rank's sums are
+    all-reduced (one collective); the value is the single-device loss on every rank and
+    the gradient flows through this rank's probabilities (the assignment counts are
+    constants), so the SP sum of the ranks' gradients is the full gradient."""
+    group, world, _ = resolve_group(sp_group_of(group))
+    counts, probs, rows = 0.0, 0.0, 0
+    for layer in router_logits:
+        p = torch.softmax(_at_least_float32(layer), dim=-1)
+        chosen = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
+        counts = counts + torch.bincount(chosen, minlength=num_experts).to(p.dtype)
+        probs = probs + p.sum(dim=0)
+        rows += p.shape[0]
+    local = torch.cat([counts.detach(), probs.detach(), probs.new_tensor([rows])]).double()
+    if group is not None and world > 1:
+        shared = local.to(collective_device(group))
+        dist.all_reduce(shared, group=group)
+        local = shared.to(probs.device)
+    total_counts, total_probs, total_rows = local[:num_experts], local[num_experts:-1], local[-1].clamp(min=1)
+    probs_all = probs + (total_probs - probs.detach().double()).to(probs.dtype)  # value global, gradient local
+    return num_experts * (total_counts.to(probs.dtype) * probs_all).sum() / total_rows.to(probs.dtype) ** 2
 
 
 def loss_for_world_average(loss: torch.Tensor, groups, engine=None) -> torch.Tensor:

@@ -15,10 +15,14 @@ from .tiling import tiled_cross_entropy_sum
 
 
 def _is_mlp(module: nn.Module) -> bool:
+    """A dense MLP block to tile. A mixture of experts (a block with `experts`, e.g.
+    GPT-OSS's `GptOssMLP`) is not: its output carries the router's scores, and its
+    activations are those of the experts each token chose, not the dense intermediate."""
     name = type(module).__name__
     if name.startswith("FSDP"):
         name = name[4:]
-    return name.endswith("MLP") and not any(type(c).__name__.endswith("MLP") for c in module.children())
+    return (name.endswith("MLP") and not hasattr(module, "experts")
+            and not any(type(c).__name__.endswith("MLP") for c in module.children()))
 
 
 def is_loss_patched(model) -> bool:
@@ -67,7 +71,8 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
                 m.forward = types.MethodType(_tiled_mlp_forward, m)
                 n += 1
         if n == 0:
-            raise ValueError("patch_model: found no *MLP module to tile")
+            raise ValueError("patch_model: found no dense *MLP module to tile (mixture-of-experts blocks "
+                             "are not tiled); pass tiled_mlp=False")
     if offload_checkpoints and not getattr(model, "_ulysses_offload_handles", None):
         checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x
         if checkpointing is None:
@@ -85,6 +90,10 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
         for attr in ("logit_scale", "logits_scaling"):
             if getattr(cfg, attr, None) not in (None, 1, 1.0):
                 raise ValueError(f"patch_model: tiled loss does not support config.{attr}")
+        if getattr(cfg, "output_router_logits", False) and getattr(cfg, "router_aux_loss_coef", 0):
+            raise ValueError("patch_model: the tiled loss returns no router logits, so the MoE load-balancing "
+                             "loss (config.output_router_logits) would be dropped; use tiled_loss=False or "
+                             "set output_router_logits=False")
         if model.get_output_embeddings() is None:
             raise ValueError("patch_model: the model has no output embeddings (LM head)")
         model._ulysses_orig_model_forward = model.forward

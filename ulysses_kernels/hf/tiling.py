@@ -106,7 +106,8 @@ def tiled_mlp(module: nn.Module, x: torch.Tensor, tile_tokens: int, forward: Opt
 
 def _lm_head_run(lm_head, ignore_index, softcap):
     def run(h, labels):
-        logits = lm_head(h).float()
+        logits = lm_head(h)
+        logits = logits if logits.dtype == torch.float64 else logits.float()  # float32 at least
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),

@@ -1,0 +1,108 @@
+"""Tiny random configs of the model families people train on long contexts, for the
+Hugging Face tests (training parity in test_hf_families.py, generation in
+test_hf_inference.py): what each family needs of the attention (a sliding window shorter
+than the test sequences, softcap, sinks, MLA's value head dim, MoE routers) at the
+smallest size that still exercises it. Float64 weights: parity is checked at 1e-9.
+
+`make_family_model(name, attn_implementation)` builds one with a fixed seed, so the
+single-device reference and every rank hold the same weights.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install 'ulysses-kernels[hf]')")
+
+VOCAB = 96
+WINDOW = 7  # shorter than every test sequence: the window changes the result
+
+_COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, attention_dropout=0.0)
+
+
+def family_config(name: str, **overrides):
+    """The tiny config of family `name` (see FAMILIES)."""
+    import transformers
+
+    common = dict(_COMMON)
+    if name == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif name == "mistral":
+        config = transformers.MistralConfig(sliding_window=WINDOW, **common)
+    elif name == "qwen2_sliding":  # layer 0 full, layer 1 windowed (max_window_layers)
+        config = transformers.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                                          **common)
+    elif name == "gemma2":  # softcap, final softcap, alternating windows
+        config = transformers.Gemma2Config(head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0,
+                                           final_logit_softcapping=3.0, query_pre_attn_scalar=16,
+                                           layer_types=["sliding_attention", "full_attention"], **common)
+    elif name == "gemma3":  # alternating windows, one KV head (fewer than the ranks)
+        common.update(num_key_value_heads=1)
+        config = transformers.Gemma3TextConfig(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                                               layer_types=["sliding_attention", "full_attention"], **common)
+    elif name == "gpt_oss":  # sinks, windows, MoE
+        common.update(intermediate_size=32)
+        config = transformers.GptOssConfig(head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+                                           num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"],
+                                           **common)
+    elif name == "deepseek_v3":  # MLA (q/k 24, v 16), MoE after the first layer
+        common.update(num_key_value_heads=4)
+        config = transformers.DeepseekV3Config(kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                                               qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
+                                               n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                               first_k_dense_replace=1, moe_intermediate_size=32, **common)
+    else:
+        raise ValueError(f"unknown family {name!r}; one of {', '.join(FAMILIES)}")
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                          s_aux=None, **kwargs):
+    """transformers' eager attention (Gemma 2's softcap, GPT-OSS's sinks, the additive
+    masks eager builds, windows included) with the softmax in the inputs' dtype: eager
+    upcasts to float32 only, which would bound a float64 comparison at ~1e-7."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    if s_aux is not None:
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1)
+        scores = torch.cat([scores, sinks.to(scores.dtype)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if s_aux is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def register_exact_eager() -> str:
+    """Register `exact_eager_attention` (with eager's masks) as "eager64"; its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register("eager64", exact_eager_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("eager64", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    return "eager64"
+
+
+FAMILIES = ("llama", "mistral", "qwen2_sliding", "gemma2", "gemma3", "gpt_oss", "deepseek_v3")
+
+
+def make_family_model(name: str, attn_implementation: str, *, seed: int = 0, dtype=torch.float64, **overrides):
+    """A tiny random model of family `name` (same weights for the same seed), in train mode.
+    `attn_implementation="eager64"`: transformers' eager attention in float64 (the
+    single-device reference)."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == "eager64":
+        register_exact_eager()
+    torch.manual_seed(seed)
+    # MoE experts as plain loops: the grouped-GEMM kernels take no float64.
+    model = AutoModelForCausalLM.from_config(family_config(name, **overrides), attn_implementation=attn_implementation,
+                                             experts_implementation="eager")
+    return model.to(dtype).train()
