@@ -2,8 +2,8 @@
 
 A sequence-parallel run (SP 2 x DP 2, SP 4) must match, step for step, the loss and the
 parameter updates of the same run without sequence parallelism (DP only, the same global
-batches), below 1e-5 relative in float32, with packed documents (SGD without clipping:
-trainer_cases.py); a run resumed from its step-2 checkpoint must continue the
+batches), below 1e-5 relative in float32, with packed documents and with a padding
+collator's batches (SGD without clipping: trainer_cases.py); a run resumed from its step-2 checkpoint must continue the
 uninterrupted run's steps 3-4.
 """
 
@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")
 from helpers import ROOT, SLOW_SPAWN_TIMEOUT, SpawnedRuns, free_port, launch_script  # noqa: E402
 from trainer_cases import (  # noqa: E402
     PackedDocuments,
+    PaddedRows,
     check_example,
     compare_ranks,
     finish,
@@ -57,6 +58,10 @@ def sp_jobs(rank, world):
     trainer = run_sp("sft", 2, shared_dir("sft"))
     trainer.train()
     out["sft_sp2"] = finish(trainer)
+    trainer = run_sp("padded", 2, shared_dir("padded"))
+    trainer.train()
+    trainer.eval_loss = trainer.evaluate(eval_dataset=PaddedRows())["eval_loss"]
+    out["padded_sp2"] = finish(trainer)
     trainer = run_sp("sft", 4, shared_dir("sft4"))
     trainer.train()
     out["sft_sp4"] = finish(trainer)
@@ -75,7 +80,8 @@ def sp_jobs(rank, world):
 def dp_reference_jobs(rank, world):
     launch_env(rank, world)
     return {"trainer": run_plain("trainer", shared_dir("ref")), "sft": run_plain("sft", shared_dir("ref_sft")),
-            "trainer_ga2": run_plain("trainer", shared_dir("ref_ga"), gradient_accumulation_steps=2, max_steps=2)}
+            "trainer_ga2": run_plain("trainer", shared_dir("ref_ga"), gradient_accumulation_steps=2, max_steps=2),
+            "padded": run_plain("padded", shared_dir("ref_padded"))}
 
 
 _run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
@@ -92,6 +98,21 @@ def test_trainer_gradient_accumulation_matches_dp_only_run():
     (Trainer's own token weighting across the accumulation window and the DP ranks)."""
     reference = _run(2)[0]["trainer_ga2"]
     errors = compare_ranks(_run(4), "sp2_ga2", reference)
+    assert not errors, "\n".join(errors)
+
+
+def test_trainer_with_a_padding_collator_matches_dp_only_run():
+    """DataCollatorForLanguageModeling's batches (3 rows of 5 to 19 tokens a device, padded
+    on the right, labels -100 at the padding) at SP 2 x DP 2: the mixin unpads each batch
+    into one packed row and counts its valid targets; losses, parameter updates and the
+    eval loss equal the DP-only run on the same padded batches."""
+    from trainer_cases import PADDED_BATCH, padded_collator
+
+    rows = PaddedRows()
+    batch = padded_collator()([rows[i] for i in range(PADDED_BATCH)])
+    assert not bool(batch["attention_mask"].bool().all()), batch["attention_mask"]   # padding is there
+    reference = _run(2)[0]["padded"]
+    errors = compare_ranks(_run(4), "padded_sp2", reference)
     assert not errors, "\n".join(errors)
 
 

@@ -1,6 +1,6 @@
 """What the Trainer tests (test_hf_trainer.py, test_hf_deepspeed.py) share: the packed
-dataset, the examples' tiny model, the runs with and without sequence parallelism, and
-the comparison. Spawned ranks import this module by name.
+and the padded datasets, the examples' tiny model, the runs with and without sequence
+parallelism, and the comparison. Spawned ranks import this module by name.
 
 The optimizer is SGD without gradient clipping: its update is linear in the gradient, so
 a gradient scaled by a wrong factor (a loss normalised over the wrong ranks or tokens)
@@ -22,6 +22,8 @@ TOL = 1e-5
 # parameter's own resolution. A wrongly scaled gradient is off by tens of percent.
 UPDATE_TOL = 1e-4
 SEQ, N_SEQ, STEPS = 29, 12, 4
+# The padded runs: 3 rows a device (every batch has padding); 4 steps at DP 2 read 24 rows.
+N_PADDED, PADDED_BATCH = 24, 3
 OPTIMIZER = dict(optim="sgd", learning_rate=0.5, max_grad_norm=0.0, lr_scheduler_type="constant")
 
 # The examples' tiny model, tokenizer and documents (examples/_tiny.py): the tests train
@@ -47,6 +49,28 @@ class PackedDocuments(torch.utils.data.Dataset):
         labels[[0, 12]] = -100
         position_ids = torch.cat([torch.arange(12), torch.arange(SEQ - 12)])
         return dict(input_ids=self.ids[i], labels=labels, position_ids=position_ids)
+
+
+class PaddedRows(torch.utils.data.Dataset):
+    """Rows of 5 to 19 random tokens, which `padded_collator` pads on the right to the
+    longest row of each batch (labels -100 at the padding): an ordinary padded batch."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(13)
+        lengths = torch.randint(5, 20, (N_PADDED,), generator=g)
+        self.rows = [torch.randint(0, VOCAB - 2, (int(n),), generator=g).tolist() for n in lengths]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return dict(input_ids=self.rows[i])
+
+
+def padded_collator():
+    from transformers import DataCollatorForLanguageModeling
+
+    return DataCollatorForLanguageModeling(tiny_tokenizer(), mlm=False)
 
 
 def sft_dataset():
@@ -98,11 +122,13 @@ def finish(trainer):
     return losses, params
 
 
-def trainer_args(out, sft=False, **extra):
+def trainer_args(out, sft=False, padded=False, **extra):
     common = dict(output_dir=out, per_device_train_batch_size=1, per_device_eval_batch_size=1, max_steps=STEPS,
                   logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
                   ddp_backend="gloo" if dist.is_initialized() else None, **OPTIMIZER)
     common.update(extra)
+    if padded:
+        common.update(per_device_train_batch_size=PADDED_BATCH, per_device_eval_batch_size=PADDED_BATCH)
     if sft:
         from trl import SFTConfig
 
@@ -145,7 +171,7 @@ def run_plain(kind, out, **extra):
 
     forget_deepspeed()
     initial_parameters()   # before the arguments: built outside zero.Init
-    args = trainer_args(out, sft=kind == "sft", **extra)
+    args = trainer_args(out, sft=kind == "sft", padded=kind == "padded", **extra)
     model = start_from_initial(make_model("eager"))
     if kind == "sft":
         from trl import SFTTrainer
@@ -153,11 +179,23 @@ def run_plain(kind, out, **extra):
         trainer = recording(SFTTrainer)(model=model, args=args, train_dataset=sft_dataset(),
                                         processing_class=tiny_tokenizer())
     else:
-        trainer = recording(Trainer)(model=model, args=args, train_dataset=PackedDocuments())
+        trainer = recording(Trainer)(model=model, args=args, **trainer_data(kind))
     trainer.train()
     if kind != "sft":
-        trainer.eval_loss = trainer.evaluate(eval_dataset=PackedDocuments())["eval_loss"]
+        trainer.eval_loss = trainer.evaluate(eval_dataset=eval_dataset(kind))["eval_loss"]
     return finish(trainer)
+
+
+def trainer_data(kind):
+    """Trainer's data arguments for a run of `kind` ("trainer": packed rows, "padded":
+    padded batches)."""
+    if kind == "padded":
+        return dict(train_dataset=PaddedRows(), data_collator=padded_collator())
+    return dict(train_dataset=PackedDocuments())
+
+
+def eval_dataset(kind):
+    return PaddedRows() if kind == "padded" else PackedDocuments()
 
 
 def run_sp(kind, sp, out, monitor=False, **extra):
@@ -168,7 +206,7 @@ def run_sp(kind, sp, out, monitor=False, **extra):
 
     forget_deepspeed()
     initial_parameters()   # before the arguments: built outside zero.Init
-    args = trainer_args(out, sft=kind == "sft", **extra)
+    args = trainer_args(out, sft=kind == "sft", padded=kind == "padded", **extra)
     groups = uk.init_sequence_parallel(sp)
     ukhf.register(groups)
     model = start_from_initial(make_model("ulysses"))
@@ -184,7 +222,7 @@ def run_sp(kind, sp, out, monitor=False, **extra):
         from transformers import Trainer
 
         cls = recording(type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {}))
-        trainer = cls(model=model, args=args, train_dataset=PackedDocuments(), sp_groups=groups, monitor=monitor)
+        trainer = cls(model=model, args=args, sp_groups=groups, monitor=monitor, **trainer_data(kind))
     trainer.built_under_zero_init = built_under_zero_init(model)
     return trainer
 

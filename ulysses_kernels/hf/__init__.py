@@ -28,13 +28,22 @@ Design notes
 * **Masks.** `register()` also adds a mask function to `AttentionMaskInterface` under the
   same name, so transformers builds *no* mask tensor for this implementation: for an
   unpadded batch the mask function returns `None` (attention is causal and the document
-  boundaries come from the position ids, below). A 2-D padding mask with any zero (on
-  any rank of the group: the ranks agree through one tiny all-reduce per forward, so all
-  of them raise together instead of some hanging) raises `ValueError`; so do custom 4-D
-  masks, sliding windows shorter than the global sequence, attention logit softcapping,
-  attention sinks, dropout > 0 and KV caches outside `generate` / `prefill` (generation.py:
-  sequence-parallel prefill and generation from a head-sharded cache). Nothing is
-  silently dropped.
+  boundaries come from the position ids, below). A 2-D padding mask with any zero that
+  reaches the model (on any rank of the group: the ranks agree through one tiny
+  all-reduce per forward, so all of them raise together instead of some hanging) raises
+  `ValueError`; so do custom 4-D masks, dropout > 0 and KV caches outside `generate` /
+  `prefill` (generation.py: sequence-parallel prefill and generation from a head-sharded
+  cache). Nothing is silently dropped.
+* **Attention variants.** Each layer's sliding window, logit softcap and sinks
+  (`attention.layer_variants`) and a value head dim of its own (MLA) go to the attention
+  as they would on one device (Mistral, Qwen2, Gemma 2/3, GPT-OSS, DeepSeek-V3).
+* **Padded batches** go through `shard_batch(..., attention_mask=mask)`, which unpads
+  them before the model: the valid tokens of every row, one after the other, in one
+  packed row, each row a document with positions from 0, no target at a row's end; the
+  model gets no mask. `batch.padding` (a `PaddingInfo`) records where the tokens came
+  from: `repad` / `gather_tokens` put per-token results back into `[B, S]` (`fill` at
+  padding), `batch.shard_tokens` brings `[B, S]` per-token inputs to the shard, and
+  `count_targets` counts the targets the loss averages over.
 * **Packed documents.** Position ids restarting at 0 (any break in `p[t] = p[t-1] + 1`,
   the rule transformers itself uses) mark document boundaries; attention never crosses
   them. The robust path is `shard_batch`: it computes the *global* `cu_seqlens` once from
@@ -63,8 +72,8 @@ Design notes
 Files: `attention.py` (registration, masks, the attention function), `generation.py`
 (`generate`, `prefill`, `decoding`), `cache.py` (the head-sharded KV cache), `trainer.py`
 (`SequenceParallelTrainerMixin` for transformers' Trainer and TRL's SFTTrainer), `batch.py`
-(`shard_batch`), `loss.py`, `parallel.py` (gradient reduction, DDP, FSDP2), `tiling.py`
-(tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
+(`shard_batch`, unpadding, `repad`), `loss.py`, `parallel.py` (gradient reduction, DDP,
+FSDP2), `tiling.py` (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
 """
 
 from .attention import (
@@ -75,7 +84,16 @@ from .attention import (
     ulysses_attention_forward,
     ulysses_mask_function,
 )
-from .batch import IGNORE_INDEX, SequenceParallelBatch, cu_seqlens_from_position_ids, shard_batch
+from .batch import (
+    IGNORE_INDEX,
+    PaddingInfo,
+    SequenceParallelBatch,
+    count_targets,
+    cu_seqlens_from_position_ids,
+    gather_tokens,
+    repad,
+    shard_batch,
+)
 from .generation import decoding, generate, make_cache, prefill
 from .loss import causal_lm_loss, global_mean_from_sum, loss_for_world_average, sequence_parallel_loss
 from .offload import CheckpointOffload, HostBufferPool
@@ -87,7 +105,8 @@ from .trainer import SequenceParallelTrainerMixin
 __all__ = [
     "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "set_sequence_parallel_group", "get_sequence_parallel_group",
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
-    "SequenceParallelBatch", "shard_batch", "SequenceParallelTrainerMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
+    "SequenceParallelBatch", "shard_batch", "PaddingInfo", "repad", "gather_tokens", "count_targets",
+    "SequenceParallelTrainerMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
     "causal_lm_loss", "loss_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
 ]

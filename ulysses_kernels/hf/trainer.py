@@ -17,7 +17,8 @@ first). What the mixin changes, through Trainer's public hooks where they exist:
   `process_index = dp_rank`), so a DP x SP run sees exactly the batches of a DP-only run.
 * **Loss.** `compute_loss` shards the batch along the sequence (`shard_batch`: labels, or
   a collator's pre-shifted `shift_labels`, shifted before sharding; packed documents from
-  `position_ids`), runs the model and sums the cross-entropy of this rank's tokens. The
+  `position_ids`; a padded batch, an `attention_mask` with zeros, unpadded into one packed
+  row), runs the model and sums the cross-entropy of this rank's tokens. The
   token count of the whole optimizer step (every micro-batch of the gradient-accumulation
   window, every DP group) is counted once per step (`get_batch_samples`), so the loss is
   the token-weighted mean of Trainer's own loss with `average_tokens_across_devices`.
@@ -36,8 +37,12 @@ first). What the mixin changes, through Trainer's public hooks where they exist:
   the peak memory of every rank (`peak_mem_gib`, its minimum and the rank of the maximum)
   and the activations the planner expects (ulysses_kernels/monitor.py).
 
-Padding (an `attention_mask` with zeros) is refused by the attention, on every rank:
-pack documents (TRL's ``padding_free=True``) or use equal-length batches.
+Padded batches (`DataCollatorWithPadding`, `DataCollatorForLanguageModeling`, TRL without
+``padding_free``) take the same path: `shard_batch` drops the padding and packs the rows
+into one row, each row a document of its own, and the step's token count is the count of
+its valid targets (`count_targets`), so the run equals a DP-only run's token-weighted
+mean with right padding. With left padding, Trainer's own loss also gives the last pad
+of a row a target (the row's first token); the unpadded batch has no such target.
 """
 
 import contextlib
@@ -50,7 +55,7 @@ import torch.nn.functional as F
 from ..distributed.groups import ParallelGroups, collective_device
 from ..monitor import StepMonitor
 from .attention import register
-from .batch import IGNORE_INDEX, shard_batch
+from .batch import IGNORE_INDEX, count_targets, shard_batch
 from .patch import is_loss_patched
 
 TESTED_VERSIONS = {"transformers": "5.24", "accelerate": "1.15", "trl": "1.16"}
@@ -163,9 +168,15 @@ class SequenceParallelTrainerMixin:
 
     @staticmethod
     def _count(inputs) -> int:
+        """The batch's targets as `shard_batch` keeps them (none at padding or row ends)."""
         labels, shifted = SequenceParallelTrainerMixin._targets(inputs)
-        labels = labels if shifted else labels[..., 1:]
-        return int((labels != IGNORE_INDEX).sum())
+        return count_targets(labels, attention_mask=inputs.get("attention_mask"), labels_shifted=shifted)
+
+    @staticmethod
+    def _tokens(inputs) -> int:
+        """The batch's tokens, padding left out."""
+        mask = inputs.get("attention_mask")
+        return int(mask.bool().sum()) if mask is not None else inputs["input_ids"].numel()
 
     def _over_dp(self, *counts: int) -> torch.Tensor:
         """The sums of per-DP-group counts over the DP groups (every SP rank has them whole):
@@ -186,8 +197,8 @@ class SequenceParallelTrainerMixin:
         if self.monitor is None:
             return batch_samples, self._over_dp(count)[0]
         # with the monitor: also the step's tokens, each once, in the same all-reduce
-        count, tokens = self._over_dp(count, sum(b["input_ids"].numel() for b in batch_samples))
-        self.step_tokens, self.step_seq_len = int(tokens), max(b["input_ids"].numel() for b in batch_samples)
+        count, tokens = self._over_dp(count, sum(self._tokens(b) for b in batch_samples))
+        self.step_tokens, self.step_seq_len = int(tokens), max(self._tokens(b) for b in batch_samples)
         return batch_samples, count
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
