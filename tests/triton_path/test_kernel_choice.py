@@ -15,6 +15,7 @@ import ulysses_kernels as uk
 from ulysses_kernels import env
 from ulysses_kernels.launch import spawn
 from ulysses_kernels.triton_path import select as sel
+from ulysses_kernels.variants import make_variant
 
 ALL = ("triton", "sdpa_cudnn", "sdpa_flash", "flash")
 
@@ -67,6 +68,25 @@ def test_causal_with_unequal_lengths_excludes_sdpa():
     assert cands(key(causal=True), q_len=100, k_len=300) == ("triton", "flash")
     assert cands(key(causal=True), q_len=300, k_len=100) == ("triton",)
     assert cands(key(causal=False), q_len=300, k_len=100) == ALL
+
+
+def test_variants_keep_only_kernels_that_compute_them():
+    """flash_attn has window_size and softcap (bottom-right, our meaning); SDPA has
+    neither; sinks and a value head dim of its own are ours only (choose never offers
+    another backend for them, whatever the override)."""
+    windowed = key(causal=True, variant=make_variant((255, -1), causal=True))
+    assert cands(windowed) == ("triton", "flash")
+    assert cands(key(variant=make_variant(softcap=30.0))) == ("triton", "flash")
+    assert "window_size=(255,-1)" in windowed.text() and "window" not in key().text()
+
+
+def test_sinks_and_value_head_dims_choose_our_kernel(monkeypatch):
+    q, k = qk()
+    monkeypatch.setenv(sel.ENV_VAR, "sdpa")
+    assert sel.choose(q, k, causal=True) == "sdpa_cudnn"
+    assert sel.choose(q, k, causal=True, sinks=True) == "triton"
+    assert sel.choose(q, k, causal=True, value_dim=q.shape[-1] // 2) == "triton"
+    assert sel.choose(q, k, causal=True, variant=make_variant((8, -1), causal=True)) == "triton"  # SDPA: no window
 
 
 def test_head_dim_limits_and_availability():
