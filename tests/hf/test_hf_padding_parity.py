@@ -1,7 +1,7 @@
 """Training on padded batches under sequence parallelism (`shard_batch(...,
 attention_mask=mask)`, ulysses_kernels/hf/batch.py) equals single-device training on the
 valid tokens: a tiny float64 Llama (families.py) under `attn_implementation="ulysses"` at
-SP 2, 3 and on a 2x2 Ulysses x Ring grid, one step on batches with right padding, left
+SP 2, 3, 4 and on a 2x2 Ulysses x Ring grid, one step on batches with right padding, left
 padding and a mix (both sides, none, a row that is all padding); the right-padded one
 with a collator's labels (-100 at padding and at prompt tokens), the others with none
 (shard_batch's default, the input ids: the padding's ids are then labels, which must not
@@ -104,7 +104,7 @@ def reference(case, ulysses):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}, logp
 
 
-@pytest.mark.parametrize("world,ring_size", [(2, 1), (3, 1), (4, 2)], ids=["sp2", "sp3", "2x2"])
+@pytest.mark.parametrize("world,ring_size", [(2, 1), (3, 1), (4, 1), (4, 2)], ids=["sp2", "sp3", "sp4", "2x2"])
 def test_padded_batches_train_like_each_row_on_one_device(world, ring_size):
     per_rank = spawn(run_world, world, args=(ring_size,), timeout=SLOW_SPAWN_TIMEOUT)
     failures, worst = [], {}
