@@ -24,9 +24,15 @@
 #   microbench       60   `pytest bench/` kernel microbenchmarks (pytest-benchmark)  [second call]
 #   bench_window     45   windowed attention TFLOP/s (W = 4k, S = 32k..128k) next to
 #                         flash_attn's window and our full causal attention           [second call]
+#   symm_tests       60   SymmTransport (symmetric memory, not yet run on a GPU): P = 2, 4
+#                         ranks on one GPU vs gloo, fused attention at P = 2          [second call]
+#   variant_tests    90   the attention variants' kernels (window, softcap, sinks, Dv) vs
+#                         float64, bf16 and fp32, both backward modes                 [second call]
 # The default steps add up to 440 s, 480 s with 5 s for each to die after its timeout
-# (limit 480 s, checked before every run); the three second-call steps with a reinstall
-# (incremental on a warm machine) fit in what is left of a 15-minute lease.
+# (limit 480 s, checked before every run). The second-call steps add up to 345 s: more than
+# what a 15-minute lease leaves after the first call, so a second call names the ones it
+# runs (GPU_CHECK_STEPS, with "install": incremental on a warm machine), by the open
+# issues' priority.
 #
 # Every pytest step has a per-test limit (ULYSSES_KERNELS_TEST_TIMEOUT, tests/conftest.py,
 # or pytest-timeout's --timeout where installed), so one hang costs one test, and a killed
@@ -57,10 +63,10 @@ export NCCL_DEBUG_SUBSYS="${NCCL_DEBUG_SUBSYS:-INIT,ENV}"
 export ULYSSES_KERNELS_TEST_TIMEOUT="${ULYSSES_KERNELS_TEST_TIMEOUT:-60}"
 
 DEFAULT_STEPS="env install preflight fused_tests bench_a2a bench_layer triton_tests bench_attention"
-SECOND_CALL_STEPS="fp32_tests microbench bench_window"
+SECOND_CALL_STEPS="fp32_tests microbench bench_window symm_tests variant_tests"
 declare -A LIMIT=([env]=15 [install]=80 [fallback]=40 [preflight]=25 [fused_tests]=90 [bench_a2a]=35
                   [bench_layer]=40 [triton_tests]=100 [bench_attention]=55 [fp32_tests]=90 [microbench]=60
-                  [bench_window]=45)
+                  [bench_window]=45 [symm_tests]=60 [variant_tests]=90)
 BUDGET_LIMIT=480
 PYTEST=("$PYTHON" -m pytest -v -p no:cacheprovider -rs --durations=10)
 # The first GPU run lost whole steps to one fault: a segfault ended pytest, an illegal
@@ -176,6 +182,15 @@ if want microbench; then
 fi
 if want bench_window; then
   step bench_window "${LIMIT[bench_window]}" "$PYTHON" bench/bench_window.py --out "$RESULTS" --budget-s 30
+fi
+
+if want symm_tests; then
+  # Every rank on the one GPU: torch's CUDA symmetric-memory backend must allow it.
+  step symm_tests "${LIMIT[symm_tests]}" env TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 "${PYTEST[@]}" -m gpu \
+    tests/fused/test_symm_transport.py
+fi
+if want variant_tests; then
+  step variant_tests "${LIMIT[variant_tests]}" "${PYTEST[@]}" -m gpu tests/triton_kernels/test_triton_variants_gpu.py
 fi
 
 echo "=== summary (logs in $RESULTS)"
