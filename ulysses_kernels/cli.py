@@ -88,10 +88,22 @@ def doctor(_args) -> int:
             except Exception as exc:  # noqa: BLE001
                 chosen.append(f"error: {exc}")
         _line(f"default path ({device})", ", ".join(chosen))
+    _line("fused transport", transport_line(torch.device("cuda")))
     requested = env.text(env.BACKEND)
     if requested:
         _line(env.BACKEND.name, requested)
     return 0
+
+
+def transport_line(device) -> str:
+    """The fused path's default transport on `device` and why (ULYSSES_KERNELS_TRANSPORT)."""
+    from . import fused
+
+    try:
+        factory, why = fused.choose_transport(device)
+    except ValueError as exc:  # a bad ULYSSES_KERNELS_TRANSPORT: report it, as engine creation would raise it
+        return f"error: {exc}"
+    return f"{factory.name} ({why})" if factory is not None else f"unavailable: {why}"
 
 
 def _head_defaults(ranks, heads, kv_heads, dim):

@@ -62,9 +62,17 @@ TRITON_INTERPRET = Variable("TRITON_INTERPRET", "flag", "0", "ulysses_kernels/en
 NUM_CHUNKS = Variable("ULYSSES_KERNELS_NUM_CHUNKS", "integer", "0 (automatic)", "ulysses_kernels/fused/plan.py",
                       "Chunks of the fused pipeline (automatic by bytes moved; lowered to the largest count the "
                       "head layout allows).")
+TRANSPORT = Variable("ULYSSES_KERNELS_TRANSPORT", "choice", "auto", "ulysses_kernels/fused/engine.py",
+                     "How the fused path's exchanges cross ranks: nccl (its own NCCL communicator), symm (torch's "
+                     "symmetric memory inside one node, copy-engine reads of the peers' windows; not yet run on a "
+                     "GPU), or auto, which means nccl for now: auto will choose symmetric memory inside a node once "
+                     "its GPU tests have passed. Read when an engine is created; a transport set by "
+                     "`fused.use_transport` wins.",
+                     ("auto", "symm", "nccl"))
 NCCL_TIMEOUT = Variable("ULYSSES_KERNELS_NCCL_TIMEOUT", "number", "600", "ulysses_kernels/fused/transport.py",
                         "Seconds an NCCL init, launch or check may take before it raises (and aborts the "
-                        "communicator) instead of hanging. Read when a communicator is created.")
+                        "communicator) instead of hanging; also the limit of each symmetric-memory barrier "
+                        "(ULYSSES_KERNELS_TRANSPORT=symm). Read when a transport is created.")
 NCCL_CHECK = Variable("ULYSSES_KERNELS_NCCL_CHECK", "flag", "0", "ulysses_kernels/fused/transport.py",
                       "Wait on the host after every fused call for its exchanges (debugging: a hang inside NCCL "
                       "becomes an exception). Read when a communicator is created.")
@@ -92,7 +100,7 @@ GPU_CHECK_SIMULATE_BUILD_FAILURE = Variable("GPU_CHECK_SIMULATE_BUILD_FAILURE", 
                                             "With the dry run: walk the fallback after a failed CUDA build.")
 
 VARIABLES = (BACKEND, ATTENTION, CACHE_DIR, DETERMINISTIC, BWD_HEAD_SPLITS, TRITON_AUTOTUNE, TRITON_INTERPRET,
-             NUM_CHUNKS, NCCL_TIMEOUT, NCCL_CHECK, NCCL_BLOCKING,
+             NUM_CHUNKS, TRANSPORT, NCCL_TIMEOUT, NCCL_CHECK, NCCL_BLOCKING,
              SKIP_CUDA_BUILD, FORCE_CUDA_BUILD, HOST_COMPILER,
              TEST_TIMEOUT, GPU_ISOLATE, GPU_CHECK_DRY_RUN, GPU_CHECK_STEPS, GPU_CHECK_SIMULATE_BUILD_FAILURE)
 

@@ -4,7 +4,8 @@ attention (docs/architecture.md, "Fused path").
 
 - `plan.py`: which heads each chunk moves (pure arithmetic).
 - `ops.py`: the CUDA ops as the path calls them (placements from layout.py), their fakes.
-- `transport.py`: NCCL communicator; `engine.py`: transport + comm stream + buffers per group.
+- `transport.py`: NCCL communicator; `symm_transport.py`: symmetric-memory windows (not yet
+  run on a GPU, `ULYSSES_KERNELS_TRANSPORT=symm`); `engine.py`: transport + comm stream + buffers per group.
 - `streams.py`: stream/event helpers; `exchange.py`: the seq <-> heads exchange on the engine.
 - `pipeline.py`: the chunked forward/backward pipelines; `attention.py`: `ulysses_attention`
   on this path; `layer.py`: the self-attention block whose projection GEMMs run inside the
@@ -16,15 +17,16 @@ everything imported below.
 """
 
 from .attention import Setup, prepare, problem, ulysses_attention
-from .engine import Engine, close, get_engine, use_transport
+from .engine import Engine, choose_transport, close, get_engine, use_transport
 from .layer import self_attention
 from .ops import is_supported, use_ops
 from .path import PATH
 from .plan import Chunk, plan_chunks, resolve_num_chunks, valid_num_chunks
+from .symm_transport import SymmTransport
 from .transport import NcclTransport
 
 __all__ = [
     "PATH", "ulysses_attention", "self_attention", "prepare", "Setup", "problem",
-    "Engine", "get_engine", "close", "use_transport", "NcclTransport", "is_supported", "use_ops",
+    "Engine", "get_engine", "close", "use_transport", "choose_transport", "NcclTransport", "SymmTransport", "is_supported", "use_ops",
     "Chunk", "plan_chunks", "valid_num_chunks", "resolve_num_chunks",
 ]

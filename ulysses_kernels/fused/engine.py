@@ -3,16 +3,50 @@ that group reuses, the way DeepEP's Buffer does (docs/architecture.md, "Fused pa
 the transport (its own NCCL communicator), the high-priority comm stream, and grow-only
 buffers for the transient send/receive regions, so steady-state calls allocate nothing
 but their results. `get_engine` caches engines; `close` frees them (also at exit).
+
+Which transport: the one `use_transport` set for the group, else `choose_transport`,
+from `ULYSSES_KERNELS_TRANSPORT` (auto|symm|nccl): auto means NCCL for now (auto will
+choose symmetric memory inside a node once its GPU tests have passed), symm selects
+`SymmTransport` (fused/symm_transport.py) for every engine and fails at engine creation
+where it cannot run.
 """
 
 import atexit
 import threading
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .. import env
+from . import symm_transport
+from .symm_transport import SymmTransport
 from .transport import NcclTransport
+
+
+def choose_transport(device: torch.device) -> Tuple[Optional[Callable], str]:
+    """The default transport factory of an engine on `device` and why (None and the reason
+    when the requested one cannot run there). Raises ValueError for a bad
+    ULYSSES_KERNELS_TRANSPORT."""
+    requested = env.choice(env.TRANSPORT, env.TRANSPORT.choices, "auto")
+    if requested == "nccl":
+        return NcclTransport, f"{env.TRANSPORT.name}=nccl"
+    if requested == "auto":
+        # Never run on a GPU yet: auto stays on NCCL until the symm GPU tests have passed.
+        return NcclTransport, ("auto, which means NCCL for now; auto will choose symmetric memory inside a node "
+                               "once its GPU tests have passed")
+    why = symm_transport.problem(device)
+    if why is not None:
+        return None, f"{env.TRANSPORT.name}=symm, but the symmetric-memory transport {why}"
+    bound = "barriers bounded" if symm_transport.barrier_is_bounded() else "barriers UNBOUNDED (no timeout_ms)"
+    return SymmTransport, f"{env.TRANSPORT.name}=symm (not yet run on a GPU; {bound})"
+
+
+def _default_transport(device: torch.device) -> Callable:
+    factory, why = choose_transport(device)
+    if factory is None:
+        raise RuntimeError(f"ulysses_kernels: {why}; unset it or use {env.TRANSPORT.name}=nccl")
+    return factory
 
 
 class Engine:
@@ -97,7 +131,8 @@ def get_engine(group, world: int, rank: int, device: torch.device) -> Engine:
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None or engine.world != world or engine.rank != rank:
-            transport = _transport_for.get(key[0], NcclTransport)
+            # A transport set by use_transport wins over ULYSSES_KERNELS_TRANSPORT.
+            transport = _transport_for.get(key[0]) or _default_transport(device)
             if engine is not None:
                 stale.append(engine)
             for k in [k for k, e in _engines.items() if k != key and _group_destroyed(e.group)]:
@@ -121,12 +156,14 @@ _transport_for: Dict[int, Callable] = {}
 
 def use_transport(group, factory=None):
     """Build the engines of `group` (None = default group / single process) with
-    `factory(group, world, rank, device)` instead of `NcclTransport` (None restores it).
-    Drops a cached engine of that group so the next call uses the new transport. Returns
-    the factory that was selected before (None: NcclTransport)."""
+    `factory(group, world, rank, device)` instead of the default (`choose_transport`:
+    ULYSSES_KERNELS_TRANSPORT; None restores it). Drops a cached engine of that group so
+    the next call uses the new transport. Returns the factory that was selected before
+    (None: the default). An explicit NcclTransport is kept, so it wins over
+    ULYSSES_KERNELS_TRANSPORT=symm too."""
     key = _group_key(group)
     previous = _transport_for.get(key)
-    if factory is None or factory is NcclTransport:
+    if factory is None:
         _transport_for.pop(key, None)
     else:
         _transport_for[key] = factory
