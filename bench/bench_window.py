@@ -14,6 +14,7 @@ bench/results). Needs a CUDA GPU; `--dry-run` (or GPU_CHECK_DRY_RUN=1) only chec
 imports and arguments.
 
     python bench/bench_window.py [--seqlens 32768,65536,131072] [--window 4096] [--budget-s 40]
+    TRITON_INTERPRET=1 python bench/bench_window.py --smoke --out /tmp/w   # the script on CPU (tests/bench/)
 """
 
 import argparse
@@ -33,6 +34,9 @@ def parse_args():
     p.add_argument("--modes", type=str, default="fwd,fwd_bwd")
     p.add_argument("--budget-s", type=float, default=None, help="stop starting new lengths after this")
     p.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes in the Triton interpreter on CPU (TRITON_INTERPRET=1): exercises the "
+                        "script, its numbers mean nothing")
     return p.parse_args()
 
 
@@ -63,13 +67,28 @@ def main():
     import torch
     import triton
 
-    if not torch.cuda.is_available():
+    if args.smoke:
+        if not env.interpreting():
+            print("bench_window: --smoke runs the kernels in the interpreter: set TRITON_INTERPRET=1",
+                  file=sys.stderr)
+            return 2
+        args.seqlens, args.window, args.heads, args.head_dim = "96", 16, 1, 16
+    elif not torch.cuda.is_available():
         print("bench_window: no CUDA GPU available; this benchmark needs one.", file=sys.stderr)
         return 2
     from ulysses_kernels.triton import flash_attention
 
     os.makedirs(args.out, exist_ok=True)
-    flash = _flash_attn()
+    flash = None if args.smoke else _flash_attn()
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+
+    def timed(fn):
+        if args.smoke:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e3
+        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+
     W, H, D = args.window, args.heads, args.head_dim
     window = (W - 1, None)  # the kernels' band: the last W keys, the query included
     rows, t_start = [], time.time()
@@ -78,7 +97,7 @@ def main():
             print(f"bench_window: budget spent, skipping S={S}", flush=True)
             continue
         torch.manual_seed(0)
-        q, k, v = (torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(1, S, H, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         impls = {"triton_window": lambda: flash_attention(q, k, v, causal=True, window=window),
                  "triton_full": lambda: flash_attention(q, k, v, causal=True)}
@@ -92,12 +111,13 @@ def main():
                     out = fn()
                     if mode == "fwd_bwd":
                         torch.autograd.grad(out, (q, k, v), do)
-                ms = triton.testing.do_bench(run, warmup=5, rep=30, return_mode="median")
+                ms = timed(run)
                 flops = 4.0 * H * D * pairs[name] * (3.5 if mode == "fwd_bwd" else 1.0)
                 rows.append(dict(S=S, W=W, mode=mode, impl=name, ms=ms, tflops=flops / ms / 1e9))
                 print(f"S={S} W={W} {mode} {name}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                flash_attn=flash is not None, heads=H, head_dim=D, dtype="bfloat16")
+    gpu = "smoke (CPU, Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                flash_attn=flash is not None, heads=H, head_dim=D, dtype=str(dtype).replace("torch.", ""))
     with open(os.path.join(args.out, "window_results.json"), "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)
     with open(os.path.join(args.out, "window_results.md"), "w") as f:

@@ -168,6 +168,36 @@ def brute_force_attention(q, k, v, do, *, causal=False, cu_seqlens=None, window_
     return (out.detach(), *(t.grad for t in leaves), s.grad if s is not None else None)
 
 
+def to_a2a_buffer(t: torch.Tensor, P: int) -> torch.Tensor:
+    """`[B, S, H, D]` -> the all-to-all buffer `[B*S, H, D]` of P blocks (block i: the
+    `[B, S_i]` rows of its `torch.tensor_split` positions), written out independently of
+    the package's exchange code."""
+    return torch.cat([part.reshape(-1, *t.shape[2:]) for part in torch.tensor_split(t, P, dim=1)])
+
+
+def from_a2a_buffer(x: torch.Tensor, B: int, P: int) -> torch.Tensor:
+    """Inverse of `to_a2a_buffer`: `[B*S, H, D]` in P-block order -> `[B, S, H, D]`."""
+    S = x.shape[0] // B
+    parts, row = [], 0
+    for n in split_lengths(S, P):
+        parts.append(x[row:row + B * n].reshape(B, n, *x.shape[1:]))
+        row += B * n
+    return torch.cat(parts, dim=1)
+
+
+def check_rank_against_reference(full, out, leaves, *, rank, world, causal, tol):
+    """A spawned rank's `ulysses_attention` output and q/k/v gradients (`leaves`, its
+    shards) against the float32 reference path on the whole tensors `full` = (q, k, v, dO):
+    this rank's `tensor_split` slice of each."""
+    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in full[:3])
+    ref, _ = reference_attention(qr, kr, vr, causal=causal)
+    ref.backward(full[3].float())
+    for name, a, b in (("out", out, ref), ("dq", leaves[0].grad, qr.grad), ("dk", leaves[1].grad, kr.grad),
+                       ("dv", leaves[2].grad, vr.grad)):
+        b = torch.tensor_split(b, world, dim=1)[rank]
+        torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (the absolute error when ref is zero)."""
     out, ref = out.detach().double(), ref.detach().double().to(out.device)

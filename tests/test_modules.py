@@ -4,7 +4,7 @@ projections are tested in tests/fused/test_fused_layer.py."""
 
 import pytest
 import torch
-from helpers import SPAWN_TIMEOUT, rel_err, rope_tables, shard
+from helpers import SPAWN_TIMEOUT, brute_force_attention, rel_err, rope_tables, shard
 
 import ulysses_kernels as uk
 from ulysses_kernels import env
@@ -71,6 +71,32 @@ def test_single_process_block_is_the_plain_composition():
     assert "heads=4, kv_heads=2, head_dim=8" in repr(layer)
 
 
+def test_modules_pass_the_variants():
+    """UlyssesSelfAttention(window_size, softcap, sinks=True) is the composition with the
+    float64 brute force of the variants (its `sinks` parameter differentiable);
+    UlyssesAttention passes the same and its per-call sinks."""
+    torch.manual_seed(4)
+    B, S, hidden, Hq, Hkv, D = 2, 11, 24, 4, 2, 8
+    variants = dict(window_size=(3, -1), softcap=4.0)
+    layer = uk.UlyssesSelfAttention(hidden, Hq, Hkv, D, causal=True, sinks=True, dtype=torch.float64, **variants)
+    with torch.no_grad():
+        layer.sinks.copy_(torch.randn(Hq, dtype=torch.float64))  # the zeros it starts with would hide a dropped sink
+    x = torch.randn(B, S, hidden, dtype=torch.float64)
+    y = layer(x)
+    y.backward(torch.ones_like(y))
+    qkv = layer.qkv_proj(x).view(B, S, Hq + 2 * Hkv, D).detach()
+    q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
+    d_out = torch.ones(B, S, hidden, dtype=torch.float64) @ layer.o_proj.weight.detach()
+    out, *_, dsinks = brute_force_attention(q, k, v, d_out.view(B, S, Hq, D), causal=True,
+                                            sinks=layer.sinks.detach(), **variants)
+    assert rel_err(y, layer.o_proj(out.reshape(B, S, Hq * D))) < 1e-12
+    assert rel_err(layer.sinks.grad, dsinks) < 1e-12
+    module = uk.UlyssesAttention(causal=True, **variants)
+    assert "window_size=(3, -1), softcap=4.0" in repr(module)
+    got = module(q, k, v, sinks=layer.sinks.detach())
+    assert rel_err(got, out) < 1e-12
+
+
 def test_single_process_errors():
     with pytest.raises(ValueError, match="num_heads \\(4\\) a positive multiple of num_kv_heads \\(3\\)"):
         uk.UlyssesSelfAttention(24, 4, 3, 8)
@@ -83,3 +109,11 @@ def test_single_process_errors():
         layer(x, position_embeddings=(cos[:, :4], sin[:, :4]))
     with pytest.raises(ValueError, match="position_embeddings must be a pair"):
         layer(x, position_embeddings=cos)
+    with pytest.raises(ValueError, match="left side must be >= 0 or -1"):
+        uk.UlyssesSelfAttention(16, 2, 1, 8, window_size=(-4, 0))
+    with pytest.raises(ValueError, match="softcap must be > 0"):
+        uk.UlyssesAttention(softcap=-1.0)
+    q = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    call = uk.api.prepare_attention(q, q, q)
+    with pytest.raises(ValueError, match="pass the sinks the call was prepared with"):
+        uk.api.run_attention(call, q, q, q, sinks=torch.zeros(2, dtype=torch.float64))

@@ -174,6 +174,18 @@ def maybe_fp32(x, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def tile_documents(offs, ok, first, last, DOCS, CU, MISSING: tl.constexpr):
+    """The documents of a tile of positions ``[first, last]`` (VARLEN): (each position's
+    document, MISSING past the sequence; the tile's documents' start lo and end hi; whether
+    the tile lies in one document). Query tiles pass MISSING = -2 and key tiles -1, so a
+    padded row never matches a padded key."""
+    doc = tl.load(DOCS + offs, mask=ok, other=MISSING)
+    first_doc = tl.load(DOCS + first)
+    last_doc = tl.load(DOCS + last)
+    return doc, tl.load(CU + first_doc), tl.load(CU + last_doc + 1), first_doc == last_doc
+
+
+@triton.jit
 def query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off, DOCS, CU,
                          CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr):
     """Keys a query tile `[m0, m_last]` visits, shared by the forward and the dQ kernels.
@@ -183,16 +195,12 @@ def query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off, DOCS, CU,
     `[unmasked_end, hi)` is visited with masks. doc_q is each row's document (VARLEN).
     """
     if VARLEN:
-        doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
-        first_doc = tl.load(DOCS + m0)
-        last_doc = tl.load(DOCS + m_last)
-        lo = tl.load(CU + first_doc)
-        hi = tl.load(CU + last_doc + 1)
+        doc_q, lo, hi, one_doc = tile_documents(offs_m, m_ok, m0, m_last, DOCS, CU, -2)
         if CAUSAL:
-            full_end = tl.where(first_doc == last_doc, tl.minimum(hi, m0 + 1), lo)
+            full_end = tl.where(one_doc, tl.minimum(hi, m0 + 1), lo)
             hi = tl.minimum(hi, m_last + 1)
         else:
-            full_end = tl.where(first_doc == last_doc, hi, lo)
+            full_end = tl.where(one_doc, hi, lo)
     else:
         doc_q = offs_m  # unused
         lo = 0
@@ -237,12 +245,7 @@ def query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left,
     ``[lo, hi]``, so an empty phase addresses no key past the sequence.
     """
     if VARLEN:
-        doc_q = tl.load(DOCS + offs_m, mask=m_ok, other=-2)
-        first_doc = tl.load(DOCS + m0)
-        last_doc = tl.load(DOCS + m_last)
-        lo = tl.load(CU + first_doc)
-        hi = tl.load(CU + last_doc + 1)
-        one_doc = first_doc == last_doc
+        doc_q, lo, hi, one_doc = tile_documents(offs_m, m_ok, m0, m_last, DOCS, CU, -2)
     else:
         doc_q = offs_m  # unused
         lo = 0

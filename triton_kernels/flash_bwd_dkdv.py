@@ -43,6 +43,7 @@ from ._common import (
     phase_bounds,
     seq_bucket,
     seq_offsets,
+    tile_documents,
     variant_args,
 )
 from ._common import block_d as padded_head_dim
@@ -143,17 +144,13 @@ def _query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, DOCS, CU,
     ``[lo, a)`` and ``[b, hi)`` masked and every row of ``[a, b)`` seeing the whole tile."""
     # Query rows [lo, hi) that may see a key of the tile; [full_lo, full_hi) see all of it.
     if VARLEN:
-        doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
-        first_doc = tl.load(DOCS + n0)
-        last_doc = tl.load(DOCS + n_last)
-        lo = tl.load(CU + first_doc)
-        hi = tl.load(CU + last_doc + 1)
+        doc_k, lo, hi, one_doc = tile_documents(offs_n, n_ok, n0, n_last, DOCS, CU, -1)
         if CAUSAL:
             lo = tl.maximum(lo, n0)
             full_lo = tl.minimum(tl.maximum(n_last, lo), hi)
         else:
             full_lo = lo
-        full_hi = tl.where(first_doc == last_doc, hi, full_lo)
+        full_hi = tl.where(one_doc, hi, full_lo)
     else:
         doc_k = offs_n  # unused
         lo = 0
@@ -180,12 +177,7 @@ def _band_query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, window_left, wind
     row of ``[n_last - off - right, n0 - off + left]`` (one document) sees all of it.
     Returns (doc_k, start, a, b, end) as _query_rows; all bounds lie in ``[0, Sq]``."""
     if VARLEN:
-        doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
-        first_doc = tl.load(DOCS + n0)
-        last_doc = tl.load(DOCS + n_last)
-        lo = tl.load(CU + first_doc)
-        hi = tl.load(CU + last_doc + 1)
-        one_doc = first_doc == last_doc
+        doc_k, lo, hi, one_doc = tile_documents(offs_n, n_ok, n0, n_last, DOCS, CU, -1)
     else:
         doc_k = offs_n  # unused
         lo = 0

@@ -81,3 +81,24 @@ def test_bench_hybrid_model(tmp_path):
     assert invalid and all(r["model"] == "qwen2.5-7b" and "28" in r["why_not"] for r in invalid)
     assert all(r["layer_ms"] >= r["compute_ms"] > 0 for r in rows if r["valid"])
     assert "Sources of the defaults" in (tmp_path / "hybrid_model.md").read_text()
+
+
+def test_bench_window_smoke(tmp_path):
+    """bench_window.py end to end in the interpreter; its count of visible pairs equals a
+    brute-force count of the causal window mask."""
+    import importlib.util
+
+    import torch
+
+    _needs_triton()
+    _run("bench_window.py", tmp_path)
+    data = json.loads((tmp_path / "window_results.json").read_text())
+    assert {r["impl"] for r in data["results"]} == {"triton_window", "triton_full"}
+    assert {r["mode"] for r in data["results"]} == {"fwd", "fwd_bwd"}
+    assert "| 96 | 16 | fwd |" in (tmp_path / "window_results.md").read_text()
+    spec = importlib.util.spec_from_file_location("bench_window", BENCH / "bench_window.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for S, W in ((96, 16), (10, 16), (4096, 256)):
+        i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+        assert module.visible_pairs(S, W) == int(((j <= i) & (j > i - W)).sum())

@@ -144,6 +144,33 @@ def test_self_attention_module_takes_the_fused_layer(monkeypatch):
         torch.testing.assert_close(y2, expected, rtol=2e-4, atol=2e-5)
 
 
+def test_self_attention_module_variants_on_the_fused_path(monkeypatch):
+    """A window and softcap reach the fused layer (its chunked pipeline); with sinks (a
+    parameter the layer's autograd function does not return) the module takes the plain
+    composition on the fused attention op. Both equal the reference path."""
+    needs_interpreter()
+    monkeypatch.setenv(env.NUM_CHUNKS.name, "2")
+    torch.manual_seed(6)
+    x = torch.randn(1, 13, 32, requires_grad=True)
+    for sinks, grad_fn in ((False, "_FusedSelfAttentionBackward"), (True, None)):
+        layer = uk.UlyssesSelfAttention(32, 4, 2, 16, causal=True, window_size=(4, -1), softcap=3.0, sinks=sinks)
+        if sinks:
+            with torch.no_grad():
+                layer.sinks.normal_()
+        expected = layer(x)  # CPU: reference path
+        layer.backend = "fused"
+        with testing.fused_stand_ins():
+            y = layer(x)
+        if grad_fn:
+            assert type(y.grad_fn).__name__ == grad_fn
+        else:
+            assert _graph_has(y, "_FusedUlyssesAttentionBackward")
+        torch.testing.assert_close(y, expected, rtol=2e-4, atol=2e-5)
+    plain = uk.UlyssesSelfAttention(32, 4, 2, 16, causal=True)
+    plain.load_state_dict({n: p for n, p in layer.state_dict().items() if n != "sinks"})
+    assert not torch.allclose(plain(x), expected)  # the variants change the result
+
+
 class _CountingTransport(HostTransport):
     """HostTransport that counts its exchanges."""
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from helpers import (
     SLOW_SPAWN_TIMEOUT,
     brute_force_attention,
+    check_rank_against_reference,
     make_qkv,
     needs_extension,
     needs_interpreter,
@@ -431,14 +432,8 @@ def gpu_rank_worker(rank, world, case):
     assert type(out.grad_fn).__name__ == "_FusedUlyssesAttentionBackward"
     assert fused.get_engine(None, world, rank, ql.device).transport.name == "host"
     out.backward(mine[3])
-    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in full[:3])
-    ref, _ = reference_attention(qr, kr, vr, causal=causal)
-    ref.backward(full[3].float())
-    tol = 3e-2 if dtype == torch.bfloat16 else 2e-3
-    for name, a, b in (("out", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
-                       ("dv", vl.grad, vr.grad)):
-        b = torch.tensor_split(b, world, dim=1)[rank]
-        torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+    check_rank_against_reference(full, out, (ql, kl, vl), rank=rank, world=world, causal=causal,
+                                 tol=3e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import needs_extension, randn, seq_lens
+from helpers import check_rank_against_reference, needs_extension, randn, seq_lens
 
 import ulysses_kernels as uk
 from ulysses_kernels import cli, env, fused
@@ -28,7 +28,6 @@ from ulysses_kernels.fused import engine as fused_engine
 from ulysses_kernels.fused import symm_transport as st
 from ulysses_kernels.fused.symm_transport import SymmTransport
 from ulysses_kernels.launch import spawn
-from ulysses_kernels.reference import reference_attention
 from ulysses_kernels.testing import HostTransport
 
 CPU = torch.device("cpu")
@@ -194,13 +193,7 @@ def attention_worker(rank, world):
     assert type(out.grad_fn).__name__ == "_FusedUlyssesAttentionBackward"
     assert fused.get_engine(None, world, rank, ql.device).transport.name == "symm"
     out.backward(mine[3])
-    qr, kr, vr = (t.detach().float().requires_grad_(True) for t in full[:3])
-    ref, _ = reference_attention(qr, kr, vr, causal=True)
-    ref.backward(full[3].float())
-    for name, a, b in (("out", out, ref), ("dq", ql.grad, qr.grad), ("dk", kl.grad, kr.grad),
-                       ("dv", vl.grad, vr.grad)):
-        b = torch.tensor_split(b, world, dim=1)[rank]
-        torch.testing.assert_close(a.float(), b, rtol=3e-2, atol=3e-2, msg=lambda m: f"{name}: {m}")
+    check_rank_against_reference(full, out, (ql, kl, vl), rank=rank, world=world, causal=True, tol=3e-2)
     torch.cuda.synchronize()
     fused.close()
 

@@ -168,3 +168,24 @@ def test_patch_model_on_mixture_of_experts():
         ukhf.patch_model(make_family_model("gpt_oss", "eager64"))
     with pytest.raises(ValueError, match="router logits"):
         ukhf.patch_model(make_family_model("gpt_oss", "eager64", output_router_logits=True), tiled_mlp=False)
+
+
+def test_layer_variants_follow_the_layer_arguments():
+    """transformers' per-layer arguments -> the attention variants: HF's window W is the
+    last W keys (the query included), both sides without a causal mask; none or 0: no
+    window; softcap and sinks (either keyword) pass through."""
+    from torch import nn
+
+    from ulysses_kernels.hf.attention import layer_variants
+
+    layer, sinks = nn.Module(), torch.zeros(4)
+    assert layer_variants(layer, dict(sliding_window=8), causal=True)["window_size"] == (7, 0)
+    assert layer_variants(layer, dict(sliding_window=8), causal=False)["window_size"] == (7, 7)
+    for off in (dict(sliding_window=None), dict(sliding_window=0), {}):
+        assert layer_variants(layer, off, causal=True)["window_size"] == (-1, -1)
+    layer.sliding_window = 5  # the module's attribute when the call does not pass it
+    assert layer_variants(layer, {}, causal=True)["window_size"] == (4, 0)
+    assert layer_variants(layer, dict(softcap=50.0, s_aux=sinks), causal=True)["softcap"] == 50.0
+    assert layer_variants(layer, dict(s_aux=sinks), causal=True)["sinks"] is sinks
+    assert layer_variants(layer, dict(sinks=sinks), causal=True)["sinks"] is sinks
+    assert layer_variants(layer, dict(softcap=None), causal=True)["softcap"] == 0.0

@@ -9,10 +9,9 @@ import os
 
 import pytest
 import torch
-from helpers import make_qkv, param_id, reference_with_lse, rel_err
+from helpers import from_a2a_buffer, make_qkv, param_id, reference_with_lse, rel_err
 
 from ulysses_kernels import env
-from ulysses_kernels.layout import split_lengths
 from ulysses_kernels.reference import reference_attention
 
 uk_triton = pytest.importorskip("ulysses_kernels.triton")
@@ -169,16 +168,6 @@ def pack_buffer(tensors, P):
     return buf, views
 
 
-def unpack(x, B, P):
-    """[B*S, H, D] in P-block order -> [B, S, H, D]."""
-    S = x.shape[0] // B
-    parts, row = [], 0
-    for n in split_lengths(S, P):
-        parts.append(x[row:row + B * n].reshape(B, n, *x.shape[1:]))
-        row += B * n
-    return torch.cat(parts, dim=1)
-
-
 def run_buffer_case(B, S, Hq, Hkv, D, P, causal, dtype=torch.float32, cu=None, seed=9, device=None,
                     tol=None, deterministic=None):
     device = device or DEVICE
@@ -202,11 +191,11 @@ def run_buffer_case(B, S, Hq, Hkv, D, P, causal, dtype=torch.float32, cu=None, s
     assert dv.data_ptr() == dvb.data_ptr()
     r_out, r_lse, r_dq, r_dk, r_dv = reference_with_lse(q, k, v, do, causal, cu)
     tol = tol if tol is not None else TOL[dtype]
-    assert rel_err(unpack(out, B, P), r_out) < tol
+    assert rel_err(from_a2a_buffer(out, B, P), r_out) < tol
     check_lse(lse, r_lse, max(1e-4, tol))
-    assert rel_err(unpack(dq, B, P), r_dq) < tol
-    assert rel_err(unpack(dk, B, P), r_dk) < tol
-    assert rel_err(unpack(dv, B, P), r_dv) < tol
+    assert rel_err(from_a2a_buffer(dq, B, P), r_dq) < tol
+    assert rel_err(from_a2a_buffer(dk, B, P), r_dk) < tol
+    assert rel_err(from_a2a_buffer(dv, B, P), r_dv) < tol
 
 
 @interp_only
@@ -278,7 +267,7 @@ def test_buffer_read_in_place_without_copies(monkeypatch):
     assert qb.data_ptr() == recv.data_ptr()  # q is the start of the receive buffer
     assert out.data_ptr() == ptr
     r_out = reference_attention(q.double(), k.double(), v.double(), causal=True)[0]
-    assert rel_err(unpack(out_buf, B, P), r_out) < 1e-5
+    assert rel_err(from_a2a_buffer(out_buf, B, P), r_out) < 1e-5
 
 
 @interp_only

@@ -13,10 +13,9 @@ import math
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import from_a2a_buffer, rel_err, to_a2a_buffer
 
 from ulysses_kernels import env
-from ulysses_kernels.layout import split_lengths
 
 uk_triton = pytest.importorskip("ulysses_kernels.triton")
 from ulysses_kernels.triton import flash_bwd_dkdv, flash_bwd_dq, flash_fwd, ops  # noqa: E402
@@ -282,21 +281,6 @@ def test_all_variants_with_documents():
 
 # ------------------------------------------------------------------ all-to-all buffers
 
-def to_buffer(t, P):
-    """``[B, S, H, D]`` -> the all-to-all buffer ``[B*S, H, D]`` of P blocks (block i: the
-    ``[B, S_i]`` rows of its positions)."""
-    return torch.cat([part.reshape(-1, *t.shape[2:]) for part in torch.tensor_split(t, P, dim=1)])
-
-
-def from_buffer(x, B, P):
-    S = x.shape[0] // B
-    parts, row = [], 0
-    for n in split_lengths(S, P):
-        parts.append(x[row:row + B * n].reshape(B, n, *x.shape[1:]))
-        row += B * n
-    return torch.cat(parts, dim=1)
-
-
 @pytest.mark.parametrize("mode", ALL_MODES)
 @pytest.mark.parametrize("B,S,P,split", [(2, 47, 3, 2), (2, 64, 2, 1)], ids=["per-token", "affine"])
 def test_buffer_layouts(B, S, P, split, mode, monkeypatch):
@@ -313,8 +297,8 @@ def test_buffer_layouts(B, S, P, split, mode, monkeypatch):
     q, k, v, do = inputs(B, S, S, Hq, Hkv, D, Dv, seed=S + P, scale=2.0)
     sinks = sink_logits(Hq, S)
     options = dict(causal=False, window=(11, -2), softcap=4.0, sinks=sinks)
-    qk = to_buffer(torch.cat([q, k], dim=2), P)
-    qb, kb, vb, dob = qk[:, :Hq], qk[:, Hq:], to_buffer(v, P), to_buffer(do, P)
+    qk = to_a2a_buffer(torch.cat([q, k], dim=2), P)
+    qb, kb, vb, dob = qk[:, :Hq], qk[:, Hq:], to_a2a_buffer(v, P), to_a2a_buffer(do, P)
     send = torch.full((B * S, Hq + 3, Dv), 7.0)
     out, lse = uk_triton.flash_attention_forward(qb, kb, vb, softmax_scale=None, out=send[:, 1:1 + Hq],
                                                  seq_splits=P, batch=B, **options)
@@ -327,7 +311,7 @@ def test_buffer_layouts(B, S, P, split, mode, monkeypatch):
                                                     deterministic=deterministic, dsinks=dsinks, **options)
     assert torch.all(dv_buf[:, 0] == 5.0)
     r_out, r_lse, r_dq, r_dk, r_dv, r_dsinks = reference(q, k, v, do, **options)
-    got = [from_buffer(t, B, P) for t in (out, dq, dk, dv)] + [dsinks]
+    got = [from_a2a_buffer(t, B, P) for t in (out, dq, dk, dv)] + [dsinks]
     errors = check_errors(got, [r_out, r_dq, r_dk, r_dv, r_dsinks], ["out", "dq", "dk", "dv", "dsinks"])
     errors["lse"] = check_lse(lse, r_lse)
     print(f"errors buffer SPLIT={split} {mode}: "
