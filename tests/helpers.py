@@ -139,6 +139,29 @@ def brute_force_attention(q, k, v, do, *, causal=False, cu_seqlens=None, window_
     leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
     s = sinks.detach().double().requires_grad_(True) if sinks is not None else None
     qd, kd, vd = leaves
+    Sk, group = kd.shape[1], qd.shape[2] // kd.shape[2]
+    scores, seen = _brute_force_logits(qd, kd, s, causal=causal, cu_seqlens=cu_seqlens, window_size=window_size,
+                                       softcap=softcap, softmax_scale=softmax_scale)
+    p = torch.softmax(scores.masked_fill(~seen, 0.0), dim=-1) * seen  # a row that sees nothing outputs zeros
+    out = torch.einsum("bhqk,bkhd->bqhd", p[..., :Sk], vd.repeat_interleave(group, 2))
+    out.backward(do.double())
+    return (out.detach(), *(t.grad for t in leaves), s.grad if s is not None else None)
+
+
+def brute_force_lse(q, k, *, causal=False, cu_seqlens=None, window_size=(-1, -1), softcap=0.0, sinks=None,
+                    softmax_scale=None):
+    """Float64 ``[B, Hq, Sq]`` log-sum-exp of brute_force_attention's logits (the sinks
+    included): -inf for a row that sees no key and has no sink."""
+    scores, seen = _brute_force_logits(q.detach().double(), k.detach().double(),
+                                       sinks.detach().double() if sinks is not None else None, causal=causal,
+                                       cu_seqlens=cu_seqlens, window_size=window_size, softcap=softcap,
+                                       softmax_scale=softmax_scale)
+    return torch.logsumexp(scores, dim=-1).masked_fill(~seen[..., 0], float("-inf"))
+
+
+def _brute_force_logits(qd, kd, s, *, causal, cu_seqlens, window_size, softcap, softmax_scale):
+    """([B, Hq, Sq, Sk (+1 with sinks)] logits, -inf where not visible; [B|1, Hq|1, Sq, 1]
+    whether a row has any finite logit)."""
     B, Sq, Hq, D = qd.shape
     Sk, group = kd.shape[1], Hq // kd.shape[2]
     scale = softmax_scale if softmax_scale is not None else D ** -0.5
@@ -158,14 +181,10 @@ def brute_force_attention(q, k, v, do, *, causal=False, cu_seqlens=None, window_
         doc = torch.searchsorted(cu_seqlens.long()[1:], torch.arange(Sk), right=True)
         visible &= doc[:, None] == doc[None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
-    seen = visible.any(-1, keepdim=True) | (s is not None)  # a row that sees nothing outputs zeros
-    scores = scores.masked_fill(~seen, 0.0)
+    seen = visible.any(-1, keepdim=True) | (s is not None)
     if s is not None:
         scores = torch.cat([scores, s.view(1, Hq, 1, 1).expand(B, Hq, Sq, 1)], dim=-1)
-    p = torch.softmax(scores, dim=-1) * seen
-    out = torch.einsum("bhqk,bkhd->bqhd", p[..., :Sk], vd.repeat_interleave(group, 2))
-    out.backward(do.double())
-    return (out.detach(), *(t.grad for t in leaves), s.grad if s is not None else None)
+    return scores, seen
 
 
 def to_a2a_buffer(t: torch.Tensor, P: int) -> torch.Tensor:

@@ -165,6 +165,30 @@ def seq_offsets(s, s0, local, b, S, B, P, stride_b, stride_s, SPLIT: tl.constexp
 
 
 @triton.jit
+def tile_row(s0, b, S, B, P, SPLIT: tl.constexpr):
+    """Row of token ``s0`` of batch ``b`` in a tensor descriptor's 2-D view (KV_DESC,
+    SPLIT 0 or 1), int32 as TMA coordinates are: the view is batch b's S rows (SPLIT 0), or
+    the buffer's B*S rows, block i holding batch b's tokens at ``B*i*L + b*L`` (SPLIT 1,
+    L = S/P; tiles never straddle two blocks)."""
+    if SPLIT == 1:
+        length = S // P
+        blk = s0 // length
+        return s0 + length * (blk * (B - 1) + b.to(tl.int32))
+    else:
+        return s0
+
+
+@triton.jit
+def kv_descriptor(base, rows, row_stride, cols, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """A device-side tensor descriptor (TMA on Hopper) of ``rows x cols`` elements at
+    ``base`` with unit column stride, loaded in ``[BLOCK_ROWS, BLOCK_COLS]`` tiles. Tiles
+    past its bounds read zeros: keys past the sequence and dims past the head dim need no
+    mask. The host checks TMA's rules first (features.descriptor_ok)."""
+    return tl.make_tensor_descriptor(base, shape=[rows, cols], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_ROWS, BLOCK_COLS])
+
+
+@triton.jit
 def maybe_fp32(x, FP32_DOT: tl.constexpr):
     """The interpreter's tl.dot is wrong on bf16: compute in fp32 there (only there)."""
     if FP32_DOT:
@@ -280,7 +304,8 @@ def capped_tanh(qk, softcap_in):
 # and the window sides are runtime arguments, never specialized on: one compiled kernel
 # serves every head count.) Each kernel is keyed on the names it declares.
 TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "HEAD_DIM_V", "BLOCK_DV", "CAUSAL", "VARLEN", "SPLIT", "GROUP",
-             "WINDOW", "SOFTCAP", "SINKS", "COUNT"]
+             "WINDOW", "SOFTCAP", "SINKS", "COUNT", "KV_DESC", "FMA_SCALE", "LAZY_RESCALE", "WARP_SPECIALIZE",
+             "DQ_REDUCE"]
 
 
 def kernel_band(causal, window, seqlen_q, seqlen_k):
@@ -349,14 +374,17 @@ class TunedLauncher:
     with autotuning enabled the kernel is autotuned over the candidates of its head dim;
     otherwise the default runs; in the interpreter the small ``interpret_blocks``
     (BLOCK_M, BLOCK_N) keep tests fast. ``override`` (a config tuple, or None) forces one
-    config on the GPU, for benchmark sweeps.
+    config on the GPU, for benchmark sweeps. ``feature_configs`` maps a constexpr to
+    candidates of its own (same shape): a launch with that constexpr on takes them instead
+    of all the others (the warp-specialized forward needs 4-warp tiles).
     """
 
     def __init__(self, kernel, configs, interpret_blocks, masked_configs=None, fp32_configs=None,
-                 reset_to_zero=None):
+                 reset_to_zero=None, feature_configs=None):
         self.kernel = kernel
         self.configs = configs
         self.masked_configs = masked_configs or {}
+        self.feature_configs = feature_configs or {}
         # fp32 inputs on the GPU: tiles twice the bytes, tf32x3 dots; one small config.
         self.fp32_configs = fp32_configs or {}
         self.interpret_blocks = interpret_blocks
@@ -371,9 +399,17 @@ class TunedLauncher:
     def _candidates(self, block_d: int):
         return self.configs.get(block_d, self.configs[128])
 
+    def _feature_candidates(self, block_d: int, meta):
+        """The candidates of the first feature ``meta`` turns on, or None."""
+        for name, table in self.feature_configs.items():
+            if meta.get(name):
+                return table.get(block_d, table[128])
+        return None
+
     def _all_configs(self):
         seen, out = set(), []
-        for candidates in list(self.configs.values()) + list(self.masked_configs.values()):
+        tables = [self.configs, self.masked_configs, *self.feature_configs.values()]
+        for candidates in [c for table in tables for c in table.values()]:
             for cfg in candidates:
                 if cfg not in seen:
                     seen.add(cfg)
@@ -388,9 +424,11 @@ class TunedLauncher:
             return kwargs.get(name, named_args.get(name))
 
         bd = max(arg("BLOCK_D"), arg("BLOCK_DV") or 0)  # the configs of the wider head dim
-        allowed = list(self._candidates(bd))
-        if self.masked({name: arg(name) for name in ("VARLEN", "SPLIT", "WINDOW")}):
-            allowed += self.masked_configs.get(bd, [])
+        allowed = self._feature_candidates(bd, {name: arg(name) for name in self.feature_configs})
+        if allowed is None:
+            allowed = list(self._candidates(bd))
+            if self.masked({name: arg(name) for name in ("VARLEN", "SPLIT", "WINDOW")}):
+                allowed += self.masked_configs.get(bd, [])
         keep = [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
         return keep or configs[:1]
@@ -400,7 +438,12 @@ class TunedLauncher:
         """Whether a launch with these constexprs takes the masked configs."""
         return bool(meta.get("VARLEN") or meta.get("SPLIT") == 2 or meta.get("WINDOW"))
 
-    def default(self, block_d: int, masked: bool = False):
+    def default(self, block_d: int, masked: bool = False, meta=None):
+        """The config a launch runs without autotuning; ``meta``: its constexprs (for the
+        feature configs)."""
+        featured = self._feature_candidates(block_d, meta or {})
+        if featured is not None:
+            return featured[0]
         if masked and block_d in self.masked_configs:
             return self.masked_configs[block_d][0]
         return self._candidates(block_d)[0]
@@ -426,6 +469,6 @@ class TunedLauncher:
             self.tuned[lambda META: grid(META["BLOCK_M"], META["BLOCK_N"])](*args, **meta)
             return None
         else:
-            bm, bn, w, s = self.default(block_d, self.masked(meta))
+            bm, bn, w, s = self.default(block_d, self.masked(meta), meta)
         self.kernel[grid(bm, bn)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
         return bm, bn, w, s

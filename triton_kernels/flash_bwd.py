@@ -90,21 +90,29 @@ def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_o
     launch_dkdv(q, k, v, do, dk_out, dv_out, lse, delta, docs, cu_seqlens,
                 strides=base + (strides_of(dk), strides_of(dv)), dq_acc=dq_acc, splits=splits, **shape, **common,
                 **variant)
-    copy_positions(dq, dq_acc.mul_(softmax_scale), head_dim, batch, seq_splits)
+    copy_positions(dq, dq_acc, head_dim, batch, seq_splits, scale=softmax_scale)
     if splits > 1:
         copy_positions(dk, dk_out, head_dim, batch, seq_splits)
         copy_positions(dv, dv_out, head_dim_v, batch, seq_splits)
 
 
-def copy_positions(dst, acc, head_dim, batch, seq_splits):
+def copy_positions(dst, acc, head_dim, batch, seq_splits, scale=None):
     """dst (4-D ``[B, S, H, D]``, or a 3-D all-to-all buffer view ``[B*S, H, D]`` of
-    seq_splits blocks) = acc ``[B, H, S, >= D]`` (by position), cast to dst's dtype."""
+    seq_splits blocks) = acc ``[B, H, S, >= D]`` (by position) times ``scale`` (if given),
+    cast to dst's dtype: one elementwise pass (the product in fp32, then rounded once)."""
     src = acc[..., :head_dim].transpose(1, 2)  # [B, S, H, D]
+
+    def put(out, part):
+        if scale is None:
+            out.copy_(part)
+        else:
+            torch.mul(part, scale, out=out)
+
     if dst.dim() == 4:
-        dst.copy_(src)
+        put(dst, src)
         return
     row = 0
     for part in torch.tensor_split(src, seq_splits, dim=1):  # block i: rows [B, S_i] in order
         n = part.shape[0] * part.shape[1]
-        dst[row:row + n].view(part.shape).copy_(part)
+        put(dst[row:row + n].view(part.shape), part)
         row += n

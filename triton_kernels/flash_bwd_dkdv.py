@@ -47,6 +47,7 @@ from ._common import (
     variant_args,
 )
 from ._common import block_d as padded_head_dim
+from .features import backward_switches, requested
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -60,7 +61,8 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
                 SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
                 DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                BLOCK_DV: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_DV: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+                DQ_REDUCE: tl.constexpr, dq_desc):
     """Query rows [lo, hi) of query heads ``hk*GROUP + g_lo ..`` (g_cnt of them), as ONE
     flat loop.
 
@@ -132,8 +134,15 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
             # compile-time strides the atomics' addresses are one base register plus
             # immediates (runtime strides cost a 64-bit address per element: spills).
             dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)
-            dq_ptrs = DQ_ACC + ((b * HQ + h) * Sq + start_m) * BLOCK_D + (local_m[:, None] * BLOCK_D + offs_d[None, :])
-            tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
+            if DQ_REDUCE:
+                # One TMA reduce-add of the tile (staged in shared memory) instead of
+                # BLOCK_M x BLOCK_D atomics issued by the compute warps; rows past Sq fall
+                # outside the descriptor's [B*HQ, Sq, BLOCK_D] bounds and are dropped.
+                dq_desc.atomic_add([(b * HQ + h).to(tl.int32), start_m, 0], tl.reshape(dq, [1, BLOCK_M, BLOCK_D]))
+            else:
+                dq_ptrs = DQ_ACC + ((b * HQ + h) * Sq + start_m) * BLOCK_D + (local_m[:, None] * BLOCK_D
+                                                                             + offs_d[None, :])
+                tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -216,6 +225,7 @@ def _flash_bwd_dkdv_kernel(
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, COUNT: tl.constexpr = False,
+    DQ_REDUCE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
@@ -255,6 +265,12 @@ def _flash_bwd_dkdv_kernel(
         doc_k, lo, a_end, b_end, hi = _query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, DOCS, CU,
                                                   CAUSAL, VARLEN, BLOCK_M)
 
+    if DQ_REDUCE:
+        # The dQ accumulator [B*HQ, Sq, BLOCK_D] (by position) as a TMA descriptor.
+        dq_desc = tl.make_tensor_descriptor(DQ_ACC, shape=[B * HQ, Sq, BLOCK_D], strides=[Sq * BLOCK_D, BLOCK_D, 1],
+                                            block_shape=[1, BLOCK_M, BLOCK_D])
+    else:
+        dq_desc = DQ_ACC  # unused
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # Three phases, each over the query heads of this program (see _dkdv_inner).
@@ -263,19 +279,19 @@ def _flash_bwd_dkdv_kernel(
                          b, Sq, B, P, lo, a_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
                          window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                          True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc)
     dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
                          b, Sq, B, P, a_end, b_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
                          window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                          False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc)
     dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
                          sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
                          b, Sq, B, P, b_end, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
                          window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                          True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc)
     dk = dk * sm_scale
     if KV_ATOMIC:
         # Partial sums of a split query-head group, into fp32 accumulators laid out
@@ -358,14 +374,14 @@ def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_c
 def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q,
                 seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
                 split, seq_splits, dq_acc=None, splits=1, head_dim_v=None, band=None, softcap=0.0,
-                counter=None):
+                counter=None, features=None):
     """strides: (q, k, v, do, dk, dv) stride 4-tuples.
 
     dq_acc: atomic mode, a zero-filled fp32 ``[B, Hq, Sq, block_d]`` accumulator (by
     position) that receives the unscaled dS K. splits > 1 (atomic mode only): dk/dv are
     zero-filled fp32 ``[B, Hkv, Sk, block_d]`` / ``[B, Hkv, Sk, block_dv]`` accumulators for
-    the partial sums. head_dim_v: v's (default head_dim); band, softcap, counter: see
-    flash_fwd.launch_fwd. Returns the config it ran (None when autotuned)."""
+    the partial sums. head_dim_v: v's (default head_dim); band, softcap, counter, features:
+    see flash_fwd.launch_fwd. Returns the config it ran (None when autotuned)."""
     fp32_dot = interpreting()
     varlen = docs is not None
     atomic = dq_acc is not None
@@ -385,7 +401,8 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 DQ_ATOMIC=atomic, KV_ATOMIC=splits > 1,
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(block_d, bdv)),
-                **variant_meta, COUNT=counts is not None)
+                **variant_meta, COUNT=counts is not None,
+                **backward_switches(requested() if features is None else features, q=q, dq_acc=dq_acc))
     launcher = _launch_atomic if atomic else _launch
 
     def grid(bm, bn):

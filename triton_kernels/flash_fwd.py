@@ -31,20 +31,26 @@ from ._common import (
     dot_precision,
     in_band,
     interpreting,
+    kv_descriptor,
     maybe_fp32,
     query_tile_band_range,
     query_tile_key_range,
     seq_bucket,
     seq_offsets,
+    tile_row,
     variant_args,
 )
+from .features import forward_switches, requested
 
 LN2_C = tl.constexpr(LN2)
 LOG2E_C = tl.constexpr(LOG2E)
+# LAZY_RESCALE: the rows' maxima are moved only when one grows by more than this (log2
+# units: probabilities up to 2**8 before the final division).
+RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+def _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
                sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
                window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
@@ -52,30 +58,36 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
                SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-               FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+               FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
+               KV_DESC: tl.constexpr, FMA_SCALE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     local_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         if COUNT:  # tests: one more block visited by this program
             tl.atomic_add(COUNTS + count_slot, 1)
         offs_n = start_n + local_n
         n_ok = offs_n < Sk
-        k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-        v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
-        # Scalar base + tile offsets (loop invariant for SPLIT 0/1): see _common.
-        kt_ptrs = K + (k_head + k_base) + (k_rows[None, :] + offs_d[:, None] * sk_d)
-        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        elif HEAD_DIM == BLOCK_D:  # whole blocks of keys and no padded dims: no mask at all
-            kt = tl.load(kt_ptrs)
+        if KV_DESC:
+            # TMA: the descriptor's bounds zero-fill keys past Sk and dims past the head dim.
+            kt = k_desc.load([tile_row(start_n, b, Sk, B, P, SPLIT), 0]).T
         else:
-            kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+            k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+            v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+            # Scalar base + tile offsets (loop invariant for SPLIT 0/1): see _common.
+            kt_ptrs = K + (k_head + k_base) + (k_rows[None, :] + offs_d[:, None] * sk_d)
+            v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            elif HEAD_DIM == BLOCK_D:  # whole blocks of keys and no padded dims: no mask at all
+                kt = tl.load(kt_ptrs)
+            else:
+                kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         qk = tl.dot(maybe_fp32(q, FP32_DOT), maybe_fp32(kt, FP32_DOT), input_precision=PRECISION)
         if SOFTCAP:
             qk = capped_tanh(qk, softcap_in) * softcap_out  # softcap * tanh(.), in log2 units
-        else:
+        elif not FMA_SCALE:
             qk = qk * qk_scale
         if MASKED:
             valid = n_ok[None, :]
@@ -87,17 +99,43 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
                 doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
                 valid = valid & (doc_k[None, :] == doc_q[:, None])
             qk = tl.where(valid, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen no key yet keeps m = -inf: shift by 0 instead (no NaN).
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # The row maxima m are in log2 units. FMA_SCALE: the max of the raw scores times
+        # the (positive) scale is the max of the scaled scores, and each score costs one
+        # FFMA (qk * scale - m) instead of a multiply and a subtract.
+        if FMA_SCALE and not SOFTCAP:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
+        if LAZY_RESCALE:
+            # Keep the old maxima while no row's grows by more than RESCALE_THRESHOLD (then
+            # p <= 2**8: fp32 sums and 16-bit p stay exact to rounding); out = acc / l and
+            # the LSE use the same m, so the result is the same softmax.
+            grow = tl.max((m_new > m_i + RESCALE_THRESHOLD).to(tl.int32), 0)
+            if grow > 0:
+                m_keep = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.math.exp2(m_i - m_keep)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            # A row that has seen no key yet keeps m = -inf: shift by 0 instead (no NaN).
+            m_shift = tl.where(m_i == float("-inf"), 0.0, m_i)
+        elif MASKED:
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
             m_shift = m_new
-        p = tl.math.exp2(qk - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if MASKED:
+        if FMA_SCALE and not SOFTCAP:
+            p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
+        else:
+            p = tl.math.exp2(qk - m_shift[:, None])
+        if LAZY_RESCALE:
+            l_i = l_i + tl.sum(p, 1)
+        else:
+            alpha = tl.math.exp2(m_i - m_shift)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+        if KV_DESC:
+            v = v_desc.load([tile_row(start_n, b, Sk, B, P, SPLIT), 0])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
         elif HEAD_DIM_V == BLOCK_DV:
             v = tl.load(v_ptrs)
@@ -107,7 +145,8 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
             acc = tl.dot(p, v.to(tl.float32), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        m_i = m_new
+        if not LAZY_RESCALE:
+            m_i = m_new
     return acc, l_i, m_i
 
 
@@ -125,6 +164,8 @@ def _flash_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False,
     COUNT: tl.constexpr = False,
+    KV_DESC: tl.constexpr = False, FMA_SCALE: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     num_m = tl.cdiv(Sq, BLOCK_M)
     # Heaviest (last, for causal) tiles first: better tail balance.
@@ -146,12 +187,33 @@ def _flash_fwd_kernel(
     out_ok = m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     count_slot = pid_bh * num_m + pid_m
 
-    q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
-    q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
-                mask=tile_ok, other=0.0)
+    if WARP_SPECIALIZE:
+        # Triton's warp-specialized loop needs q from a descriptor too (a pointer load
+        # before it fails its pass, Triton 3.8).
+        if SPLIT == 1:
+            q_desc = kv_descriptor(Q + h * sq_h, B * Sq, sq_s, HEAD_DIM, BLOCK_M, BLOCK_D)
+        else:
+            q_desc = kv_descriptor(Q + (b * sq_b + h * sq_h), Sq, sq_s, HEAD_DIM, BLOCK_M, BLOCK_D)
+        q = q_desc.load([tile_row(m0, b, Sq, B, P, SPLIT), 0])
+    else:
+        q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+        q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
+                    mask=tile_ok, other=0.0)
 
     k_head = hk * sk_h
     v_head = hk * sv_h
+    if KV_DESC:
+        # One 2-D view [rows, head dim] of this (batch, KV head)'s keys and values: batch b's
+        # Sk rows (SPLIT 0), or the buffer's B*Sk rows, whose tiles tile_row finds (SPLIT 1).
+        if SPLIT == 1:
+            k_desc = kv_descriptor(K + k_head, B * Sk, sk_s, HEAD_DIM, BLOCK_N, BLOCK_D)
+            v_desc = kv_descriptor(V + v_head, B * Sk, sv_s, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
+        else:
+            k_desc = kv_descriptor(K + (b * sk_b + k_head), Sk, sk_s, HEAD_DIM, BLOCK_N, BLOCK_D)
+            v_desc = kv_descriptor(V + (b * sv_b + v_head), Sk, sv_s, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
+    else:
+        k_desc = K  # unused
+        v_desc = V
     if SINKS:
         # The sink: a virtual key of logit sink and value 0, seen first by every row.
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINK + h) * LOG2E_C
@@ -160,49 +222,72 @@ def _flash_fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    if WINDOW:
+    if WARP_SPECIALIZE:
+        # One masked loop over every key the tile visits: the warp-specialized loop must be
+        # the kernel's only loop (a second one fails Triton 3.8's pass).
+        if WINDOW:
+            doc_q, lo, _a, _b, hi = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                          window_left, window_right, DOCS, CU,
+                                                          VARLEN, SPLIT, BLOCK_N)
+        else:
+            doc_q, lo, hi, _u = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                     DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
+                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                                   b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS,
+                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
+                                   COUNTS, count_slot,
+                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
+                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
+    elif WINDOW:
         doc_q, start, a, b_end, end = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                             window_left, window_right, DOCS, CU,
                                                             VARLEN, SPLIT, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
                                    sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                    b, Sk, B, P, start, a, offs_m, offs_d, offs_dv, doc_q, DOCS,
                                    qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
                                    COUNTS, count_slot,
                                    True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
+                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
         if a < b_end:  # its loads are unmasked: not even a pipelined first load when empty
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
                                        sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                        b, Sk, B, P, a, b_end, offs_m, offs_d, offs_dv, doc_q, DOCS,
                                        qk_scale, causal_off, window_left, window_right, softcap_in,
                                        softcap_out, COUNTS, count_slot,
                                        False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
+                                       KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
                                    sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                    b, Sk, B, P, b_end, end, offs_m, offs_d, offs_dv, doc_q, DOCS,
                                    qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
                                    COUNTS, count_slot,
                                    True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
+                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
     else:
         doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                            DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
                                    sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                    b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, offs_dv, doc_q, DOCS,
                                    qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
                                    COUNTS, count_slot,
                                    False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_head, v_head,
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
+                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
                                    sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                    b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, offs_dv, doc_q, DOCS,
                                    qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
                                    COUNTS, count_slot,
                                    True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
+                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
 
     # l = 0: no key seen (and no sink, or a sink of -inf): out 0, LSE -inf.
     empty = l_i == 0.0
@@ -242,19 +327,30 @@ _FWD_FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2),
                      256: (64, 32, 4, 1)}
 
 
+# WARP_SPECIALIZE (features.py): Triton splits a 4-warp program into producer and consumer
+# partitions (8 warps build no warp-specialized code, Triton 3.8); candidates per head dim.
+_FWD_WS_CONFIGS = {
+    16: [(128, 64, 4, 2)],
+    32: [(128, 64, 4, 2)],
+    64: [(128, 128, 4, 2), (128, 64, 4, 3)],
+    128: [(128, 128, 4, 2), (128, 64, 4, 2)],
+    256: [(64, 64, 4, 2)],
+}
+
 _launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS, _FWD_MASKED_CONFIGS,
-                        _FWD_FP32_CONFIGS)
+                        _FWD_FP32_CONFIGS, feature_configs={"WARP_SPECIALIZE": _FWD_WS_CONFIGS})
 
 
 def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
                batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim, head_dim_v=None,
                causal, softmax_scale, docs, cu_seqlens, split, seq_splits,
-               band=None, softcap=0.0, sinks=None, counter=None):
+               band=None, softcap=0.0, sinks=None, counter=None, features=None):
     """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides;
     split is the SPLIT mode (_common.split_mode). band: ``_common.kernel_band``'s (causal
     already folded in), softcap: c or 0, sinks: fp32 contiguous ``[Hq]`` or None,
-    counter: a ``_common.VisitCounter`` (tests). Returns the config it ran (None when
-    autotuned)."""
+    counter: a ``_common.VisitCounter`` (tests), features: the Hopper features to try
+    (names, see features.py; None: ``ULYSSES_KERNELS_HOPPER_FEATURES``). Returns the config it
+    ran (None when autotuned)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     bd, bdv = block_d(head_dim), block_d(head_dim_v)
     fp32_dot = interpreting()
@@ -271,7 +367,12 @@ def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_stri
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 FP32_DOT=fp32_dot, PRECISION=precision,
-                **variant_meta, SINKS=sinks is not None, COUNT=counts is not None)
+                **variant_meta, SINKS=sinks is not None, COUNT=counts is not None,
+                **forward_switches(requested() if features is None else features, q=q, k=k, v=v,
+                                   sq_strides=sq_strides, sk_strides=sk_strides, sv_strides=sv_strides,
+                                   split=split, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                   head_dim=head_dim, head_dim_v=head_dim_v, varlen=varlen,
+                                   softmax_scale=softmax_scale, softcap=softcap))
 
     def grid(bm, bn):
         return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)

@@ -61,6 +61,8 @@ def doctor(_args) -> int:
     kernels, why = extensions.triton_kernels()
     interp = " (TRITON_INTERPRET=1: interpreter)" if env.interpreting() else ""
     _line("Triton attention", ("available" + interp) if kernels is not None else f"unavailable: {why}")
+    if kernels is not None:
+        _line("  Hopper features", hopper_features_line(kernels))
     for name, value in select.describe():  # the kernel chooser: override, backends, cached choices
         _line(name, value)
 
@@ -93,6 +95,15 @@ def doctor(_args) -> int:
     if requested:
         _line(env.BACKEND.name, requested)
     return 0
+
+
+def hopper_features_line(kernels) -> str:
+    """The opt-in kernel features ULYSSES_KERNELS_HOPPER_FEATURES asks for (features.py)."""
+    try:
+        names = kernels.features.requested()
+    except ValueError as exc:  # a bad list: report it, as the first launch would raise it
+        return f"error: {exc}"
+    return ", ".join(sorted(names)) + " (opt-in, not yet GPU-verified)" if names else "none (the measured kernels)"
 
 
 def transport_line(device) -> str:

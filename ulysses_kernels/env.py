@@ -58,6 +58,15 @@ TRITON_AUTOTUNE = Variable("ULYSSES_KERNELS_TRITON_AUTOTUNE", "flag", "1", "trit
 TRITON_INTERPRET = Variable("TRITON_INTERPRET", "flag", "0", "ulysses_kernels/env.py (and Triton itself)",
                             "Run Triton kernels in Triton's interpreter, on CPU tensors (set before importing "
                             "ulysses_kernels; tests/conftest.py sets it without a GPU).")
+HOPPER_FEATURES = Variable("ULYSSES_KERNELS_HOPPER_FEATURES", "text", "(none: the measured kernels)",
+                           "triton_kernels/features.py",
+                           "Opt-in Hopper features of the attention kernels, comma-separated. Forward: desc (K/V "
+                           "through TMA tensor descriptors), fma_scale (the softmax scale in one FFMA), "
+                           "lazy_rescale (rescale only when a row maximum grows by more than 2**8), "
+                           "warp_specialize (Triton's warp-specialized loop); backward: dq_reduce (dQ added by TMA "
+                           "reduce-adds); hopper: desc, fma_scale, warp_specialize and dq_reduce. Candidates until "
+                           "measured on a GPU: none is on by default (docs/architecture.md, \"Hopper kernel "
+                           "features\").")
 # -- the fused path
 NUM_CHUNKS = Variable("ULYSSES_KERNELS_NUM_CHUNKS", "integer", "0 (automatic)", "ulysses_kernels/fused/plan.py",
                       "Chunks of the fused pipeline (automatic by bytes moved; lowered to the largest count the "
@@ -100,6 +109,7 @@ GPU_CHECK_SIMULATE_BUILD_FAILURE = Variable("GPU_CHECK_SIMULATE_BUILD_FAILURE", 
                                             "With the dry run: walk the fallback after a failed CUDA build.")
 
 VARIABLES = (BACKEND, ATTENTION, CACHE_DIR, DETERMINISTIC, BWD_HEAD_SPLITS, TRITON_AUTOTUNE, TRITON_INTERPRET,
+             HOPPER_FEATURES,
              NUM_CHUNKS, TRANSPORT, NCCL_TIMEOUT, NCCL_CHECK, NCCL_BLOCKING,
              SKIP_CUDA_BUILD, FORCE_CUDA_BUILD, HOST_COMPILER,
              TEST_TIMEOUT, GPU_ISOLATE, GPU_CHECK_DRY_RUN, GPU_CHECK_STEPS, GPU_CHECK_SIMULATE_BUILD_FAILURE)

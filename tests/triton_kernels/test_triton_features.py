@@ -1,0 +1,234 @@
+"""The forward kernel's Hopper features (triton_kernels/features.py) against the float64
+brute force of tests/helpers.py: tensor-descriptor loads of K/V (zero-filled past the
+sequence and the head dim), the scale in one FFMA, lazy rescaling (scores that grow slowly,
+fast and by huge jumps), the warp-specialized single loop; causal and not, GQA, batch 2,
+Sq != Sk, padded head dims, the all-to-all buffer layouts, documents, and the attention
+variants. Also which features a call keeps (the rules of features.forward_switches) and the
+errors of a bad feature list.
+
+Runs on CPU in the Triton interpreter (fp32 inputs, errors ~1e-7, tolerance 1e-5): the
+interpreter runs the descriptor loads and the single loop but not the producer/consumer
+partitions, which tests/triton_kernels/test_triton_features_gpu.py runs on a GPU.
+"""
+
+import pytest
+import torch
+from helpers import brute_force_attention, brute_force_lse, from_a2a_buffer, randn, rel_err, to_a2a_buffer
+
+from ulysses_kernels import env
+
+uk_triton = pytest.importorskip("ulysses_kernels.triton")
+from ulysses_kernels.triton import features, flash_fwd  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not env.interpreting(), reason="CPU test: needs TRITON_INTERPRET=1")
+
+TOL = 1e-5
+VARIABLE = env.HOPPER_FEATURES.name
+ALL_OFF = {"KV_DESC": False, "FMA_SCALE": False, "LAZY_RESCALE": False, "WARP_SPECIALIZE": False}
+# Feature lists and the constexprs a plain call (no softcap, no documents) runs with.
+FEATURE_SETS = {
+    "desc": dict(ALL_OFF, KV_DESC=True),
+    "desc,fma_scale": dict(ALL_OFF, KV_DESC=True, FMA_SCALE=True),
+    "desc,fma_scale,lazy_rescale": dict(ALL_OFF, KV_DESC=True, FMA_SCALE=True, LAZY_RESCALE=True),
+    "hopper": dict(ALL_OFF, KV_DESC=True, FMA_SCALE=True, WARP_SPECIALIZE=True),
+}
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The constexprs of each forward launch's features, in order."""
+    seen = []
+    real = flash_fwd.forward_switches
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(flash_fwd, "forward_switches", spy)
+    return seen
+
+
+def forward(q, k, v, feature_list, monkeypatch, **options):
+    """flash_attention_forward with ULYSSES_KERNELS_HOPPER_FEATURES = feature_list."""
+    monkeypatch.setenv(VARIABLE, feature_list)
+    options.setdefault("softmax_scale", None)
+    return uk_triton.flash_attention_forward(q, k, v, **options)
+
+
+def check_forward(out, lse, q, k, v, **options):
+    """out and the LSE against the brute force (options in its window_size convention); the
+    LSE within TOL relative to max(1, |LSE|) (the fp32 sum of a score of thousands)."""
+    do = torch.zeros_like(out)
+    want = brute_force_attention(q, k, v, do, **options)[0]
+    want_lse = brute_force_lse(q, k, **options)
+    err = rel_err(out, want)
+    assert err < TOL, f"out error {err:.2e}"
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "LSE -inf pattern differs"
+    lse_err = ((lse.double()[finite] - want_lse[finite]).abs() / want_lse[finite].abs().clamp(min=1.0)).max().item() \
+        if finite.any() else 0.0
+    assert lse_err < TOL, f"lse error {lse_err:.2e}"
+    return err, lse_err
+
+
+def window_size(window):
+    """The kernels' (left|None, right|None) as the brute force's flash_attn pair."""
+    return tuple(-1 if side is None else side for side in window)
+
+
+@pytest.mark.parametrize("feature_list", list(FEATURE_SETS))
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal", [
+    (2, 70, 70, 4, 2, 32, False),   # batch 2, GQA, a partial last key block
+    (2, 70, 70, 4, 2, 32, True),
+    (1, 50, 83, 2, 1, 48, True),    # Sq < Sk (bottom-right causal), D padded to 64: zero-filled dims
+    (1, 83, 50, 3, 1, 16, True),    # Sq > Sk: the first rows see no key; MQA
+], ids=lambda x: str(x))
+def test_features_match_the_reference(B, Sq, Sk, Hq, Hkv, D, causal, feature_list, monkeypatch, launched):
+    q, k, v = (randn(B, s, h, D, seed=i + Sq) for i, (s, h) in enumerate([(Sq, Hq), (Sk, Hkv), (Sk, Hkv)]))
+    out, lse = forward(q, k, v, feature_list, monkeypatch, causal=causal)
+    assert launched[-1] == FEATURE_SETS[feature_list]
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("feature_list", list(FEATURE_SETS))
+def test_features_with_the_attention_variants(feature_list, monkeypatch, launched):
+    """A two-sided window (Sq < Sk: shifted), sinks and Dv != D; then softcap (fma_scale
+    dropped)."""
+    q, k, v = randn(2, 48, 4, 32, seed=1), randn(2, 64, 2, 32, seed=2), randn(2, 64, 2, 16, seed=3)
+    sinks = randn(4, seed=4)
+    out, lse = forward(q, k, v, feature_list, monkeypatch, causal=False, window=(9, 3), sinks=sinks)
+    assert launched[-1] == FEATURE_SETS[feature_list]
+    check_forward(out, lse, q, k, v, window_size=(9, 3), sinks=sinks)
+
+    out, lse = forward(q * 3, k, v, feature_list, monkeypatch, causal=True, softcap=4.0, sinks=sinks)
+    assert launched[-1] == dict(FEATURE_SETS[feature_list], FMA_SCALE=False)
+    check_forward(out, lse, q * 3, k, v, causal=True, softcap=4.0, sinks=sinks)
+
+
+@pytest.mark.parametrize("feature_list", ["desc,fma_scale,lazy_rescale", "hopper"])
+def test_features_with_documents(feature_list, monkeypatch, launched):
+    """Packed documents (an empty one, a one-token one): warp_specialize is dropped (its
+    loop cannot hold the document loads), the rest runs."""
+    cu = torch.tensor([0, 0, 13, 14, 40, 52], dtype=torch.int32)
+    q, k, v = randn(1, 52, 4, 16, seed=5), randn(1, 52, 1, 16, seed=6), randn(1, 52, 1, 16, seed=7)
+    out, lse = forward(q, k, v, feature_list, monkeypatch, causal=True, cu_seqlens=cu, window=(6, None))
+    assert launched[-1] == dict(FEATURE_SETS[feature_list], WARP_SPECIALIZE=False)
+    check_forward(out, lse, q, k, v, causal=True, cu_seqlens=cu, window_size=(6, -1))
+
+
+@pytest.mark.parametrize("B,S,P,split,kept", [(2, 64, 2, 1, True), (2, 47, 3, 2, False)],
+                         ids=["affine", "per-token"])
+def test_features_on_the_all_to_all_buffer(B, S, P, split, kept, monkeypatch, launched):
+    """3-D buffer views (q|k heads of one buffer): the affine layout (SPLIT 1) reads through
+    descriptors over the buffer's B*S rows; the per-token layout keeps pointer loads."""
+    from ulysses_kernels.triton._common import split_mode
+
+    assert split_mode(True, B, P, (S, S)) == split
+    Hq, Hkv, D = 4, 2, 32
+    q, k, v = randn(B, S, Hq, D, seed=8), randn(B, S, Hkv, D, seed=9), randn(B, S, Hkv, D, seed=10)
+    qk = to_a2a_buffer(torch.cat([q, k], dim=2), P)
+    for feature_list in FEATURE_SETS:
+        for causal in (False, True):
+            out, lse = forward(qk[:, :Hq], qk[:, Hq:], to_a2a_buffer(v, P), feature_list, monkeypatch,
+                               causal=causal, seq_splits=P, batch=B)
+            assert launched[-1] == (FEATURE_SETS[feature_list] if kept else ALL_OFF)
+            check_forward(from_a2a_buffer(out, B, P), lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("feature_list", ["desc,fma_scale,lazy_rescale", "desc,fma_scale"])
+@pytest.mark.parametrize("growth", [0.05, 0.3, 0.5, 6.0, 400.0], ids=lambda g: f"growth{g}")
+def test_rescaling_as_the_maxima_grow(growth, feature_list, monkeypatch):
+    """Scores that rise along the keys by `growth` (natural-log units) per key, about 23x
+    that in log2 units per 16-key block: a row maximum that grows by less than 8 per block
+    (0.05, 0.3: lazy_rescale keeps its maxima for the whole row), by a little more (0.5), by
+    ~140 per block (6: unrescaled probabilities would overflow fp32, a threshold of 200
+    fails here), and by huge jumps. Causal and not; the LSE checks the maxima bookkeeping."""
+    S, D = 80, 16
+    u = torch.nn.functional.normalize(randn(D, seed=11), dim=0)
+    q = u * D ** 0.5 + 0.1 * randn(1, S, 2, D, seed=12)   # q.u ~ sqrt(D): score_j ~ growth * j
+    k = (torch.arange(S, dtype=torch.float32).view(1, S, 1, 1) * growth * u + 0.1 * randn(1, S, 1, D, seed=13))
+    v = randn(1, S, 1, D, seed=14)
+    for causal in (False, True):
+        out, lse = forward(q, k, v, feature_list, monkeypatch, causal=causal)
+        check_forward(out, lse, q, k, v, causal=causal)
+
+
+def test_no_features_is_the_measured_kernel(monkeypatch, launched):
+    """Unset, empty, or features that do not apply: every switch off, bitwise the same
+    output as the plain kernel."""
+    q, k, v = randn(1, 40, 2, 16, seed=14), randn(1, 40, 1, 16, seed=15), randn(1, 40, 1, 16, seed=16)
+    monkeypatch.delenv(VARIABLE, raising=False)
+    plain, plain_lse = uk_triton.flash_attention_forward(q, k, v, causal=True, softmax_scale=None)
+    assert launched[-1] == ALL_OFF
+    out, lse = forward(q, k, v, "", monkeypatch, causal=True)
+    assert launched[-1] == ALL_OFF and torch.equal(out, plain) and torch.equal(lse, plain_lse)
+    # a negative scale: fma_scale's max over raw scores would be a min; dropped
+    forward(q, k, v, "desc,fma_scale", monkeypatch, causal=True, softmax_scale=-0.5)
+    assert launched[-1] == dict(ALL_OFF, KV_DESC=True)
+
+
+def test_feature_list_errors(monkeypatch):
+    assert features.parse("") == frozenset() and features.parse(None) == frozenset()
+    assert features.parse("hopper") == {"desc", "fma_scale", "warp_specialize", "dq_reduce"}
+    assert features.parse(" Desc , fma_scale,") == {"desc", "fma_scale"}
+    assert features.parse(["desc", "lazy_rescale"]) == {"desc", "lazy_rescale"}
+    with pytest.raises(ValueError, match="unknown kernel feature.*tma"):
+        features.parse("desc,tma")
+    with pytest.raises(ValueError, match="lazy_rescale and warp_specialize cannot be combined"):
+        features.parse("hopper,lazy_rescale")
+    q = randn(1, 8, 1, 16, seed=17)
+    monkeypatch.setenv(VARIABLE, "fast")
+    with pytest.raises(ValueError, match=f"{VARIABLE}: unknown kernel feature"):
+        uk_triton.flash_attention_forward(q, q, q, causal=True, softmax_scale=None)
+
+
+def test_descriptor_rules():
+    """TMA's rules, checked on the host: unit dim stride, 16-byte aligned base and strides,
+    rows of >= 16 bytes, SPLIT 0 or 1, int32 rows."""
+    x = torch.randn(2, 10, 3, 16, dtype=torch.bfloat16)
+    strides = x.stride()
+    assert features.descriptor_ok(x, strides, rows=10, width=16, split=0, batch=2)
+    assert features.descriptor_ok(x, strides, rows=20, width=16, split=1, batch=2)
+    assert not features.descriptor_ok(x, strides, rows=10, width=16, split=2, batch=2)
+    assert not features.descriptor_ok(x, (strides[0], strides[1], strides[2], 2), rows=10, width=16, split=0,
+                                      batch=2)
+    odd = torch.randn(2, 10, 3, 12, dtype=torch.bfloat16)  # 24-byte heads: unaligned head stride
+    assert not features.descriptor_ok(odd, odd.stride(), rows=10, width=12, split=0, batch=2)
+    shifted = torch.randn(2 * 10 * 3 * 16 + 1, dtype=torch.bfloat16)[1:].view(2, 10, 3, 16)
+    assert not features.descriptor_ok(shifted, strides, rows=10, width=16, split=0, batch=2)
+    narrow = torch.randn(1, 10, 1, 4, dtype=torch.bfloat16)  # 8-byte rows
+    assert not features.descriptor_ok(narrow, narrow.stride(), rows=10, width=4, split=0, batch=1)
+    assert not features.descriptor_ok(x, strides, rows=2**31, width=16, split=1, batch=2)
+
+
+def test_dq_reduce_rules(monkeypatch):
+    """dq_reduce: the atomic backward on a GPU only, 16-bit inputs, padded head dims up to
+    128. On CPU (the interpreter has no descriptor reduce) it is dropped, and the backward
+    runs and matches the reference as without it."""
+    q = randn(1, 40, 2, 16, seed=18)
+    acc = torch.zeros(1, 2, 40, 16)
+    assert features.backward_switches("dq_reduce", q=q, dq_acc=acc) == {"DQ_REDUCE": False}
+    assert features.backward_switches("hopper", q=q, dq_acc=None) == {"DQ_REDUCE": False}
+    assert features.backward_switches("", q=q, dq_acc=acc) == {"DQ_REDUCE": False}
+    monkeypatch.setenv(VARIABLE, "hopper")
+    k, v, do = randn(1, 40, 1, 16, seed=19), randn(1, 40, 1, 16, seed=20), randn(1, 40, 2, 16, seed=21)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    uk_triton.flash_attention(*leaves, causal=True).backward(do)
+    want = brute_force_attention(q, k, v, do, causal=True)
+    for name, got, ref in zip(("dq", "dk", "dv"), (t.grad for t in leaves), want[1:4]):
+        assert rel_err(got, ref) < TOL, name
+
+
+def test_doctor_shows_the_features(monkeypatch, capsys):
+    from ulysses_kernels import cli, extensions
+
+    monkeypatch.setattr(extensions, "load_extension", lambda: (None, "skipped in this test"))
+    monkeypatch.delenv(VARIABLE, raising=False)
+    assert cli.doctor(None) == 0
+    assert "Hopper features      none (the measured kernels)" in capsys.readouterr().out
+    monkeypatch.setenv(VARIABLE, "desc,dq_reduce")
+    cli.doctor(None)
+    assert "desc, dq_reduce (opt-in, not yet GPU-verified)" in capsys.readouterr().out
+    monkeypatch.setenv(VARIABLE, "desc,fast")
+    cli.doctor(None)
+    assert f"error: {VARIABLE}: unknown kernel feature(s) fast" in capsys.readouterr().out

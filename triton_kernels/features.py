@@ -1,0 +1,165 @@
+"""Hopper features of the attention kernels: opt-in compile-time switches, off by default.
+
+Each feature is a constexpr of a kernel; with all of them off the kernels build the
+instructions they always did (bench/sass_report.py). They stay opt-in
+(``ULYSSES_KERNELS_HOPPER_FEATURES``, or ``features=`` of the launchers) until the GPU
+tests and the benchmark have shown them exact and faster (docs/architecture.md, "Hopper
+kernel features"). The forward's (``flash_fwd._flash_fwd_kernel``):
+
+* ``desc`` (``KV_DESC``): K and V tiles through device-side tensor descriptors (TMA on
+  Hopper) instead of pointer loads. The descriptor's bounds zero-fill keys past the
+  sequence and dims past the head dim, so no load needs a mask. Only the strided (SPLIT 0)
+  and affine all-to-all (SPLIT 1) layouts, and only where TMA's rules hold
+  (:func:`descriptor_ok`); the per-token layout keeps pointers.
+* ``fma_scale`` (``FMA_SCALE``): the row max over the raw scores, then one FFMA per score
+  (``qk * scale - m``). Needs a positive scale; softcapped scores are scaled inside the
+  tanh already, so it is dropped there.
+* ``lazy_rescale`` (``LAZY_RESCALE``): the accumulator is rescaled only when some row's
+  maximum grows by more than 8 (log2 units), a branch the whole tile takes or skips. The
+  final ``acc / l`` and the LSE use the same maxima, so the softmax is the same up to
+  rounding.
+* ``warp_specialize`` (``WARP_SPECIALIZE``): Triton's warp-specialized key loop
+  (``tl.range(..., warp_specialize=True)``: a producer partition issues the TMA loads).
+  Triton 3.8 builds it on sm_90 only for a 4-warp program whose one loop follows
+  descriptor loads (a second loop, or a pointer load of q, fails its pass), so the kernel
+  then reads q through a descriptor too and visits every key block in one masked loop,
+  and the launcher takes 4-warp tiles (``flash_fwd._FWD_WS_CONFIGS``). Not with packed
+  documents (their loads fail the pass either). The interpreter runs the same single
+  loop, without the partitions.
+
+``fma_scale``, ``lazy_rescale`` and ``warp_specialize`` build on ``desc``: they were sized
+with descriptor loads (with pointer loads the default 128x128 tile spills 24 B for either of
+the first two), so a call that cannot take ``desc`` runs none of them.
+
+The backward's (``flash_bwd_dkdv._flash_bwd_dkdv_kernel``, atomic mode):
+
+* ``dq_reduce`` (``DQ_REDUCE``): each dQ tile is added to the fp32 accumulator by one TMA
+  reduce-add from shared memory instead of BLOCK_M x D atomics issued by the compute warps.
+  GPU only: Triton's interpreter has no descriptor reduce, so there it is dropped.
+
+A feature that does not apply to a call is dropped for that call, silently: the kernel
+then runs as without it (:func:`forward_switches`, :func:`backward_switches`).
+"""
+
+import torch
+import triton
+
+from ..env import HOPPER_FEATURES, interpreting, text
+
+FORWARD = ("desc", "fma_scale", "lazy_rescale", "warp_specialize")
+BACKWARD = ("dq_reduce",)
+FEATURES = FORWARD + BACKWARD
+ALL = "hopper"  # the features that build together
+HOPPER = ("desc", "fma_scale", "warp_specialize", "dq_reduce")
+CONSTEXPRS = {"desc": "KV_DESC", "fma_scale": "FMA_SCALE", "lazy_rescale": "LAZY_RESCALE",
+              "warp_specialize": "WARP_SPECIALIZE", "dq_reduce": "DQ_REDUCE"}
+# TMA: 16-byte aligned addresses and strides; coordinates are int32.
+_TMA_ALIGN = 16
+_TMA_MAX_ROWS = 2**31 - 1
+
+
+def parse(spec) -> frozenset:
+    """The features named by ``spec``: a comma-separated string ("" for none, "hopper" for
+    desc, fma_scale, warp_specialize and dq_reduce) or an iterable of names. Raises ValueError naming
+    unknown features, and for lazy_rescale with warp_specialize (Triton 3.8 does not
+    warp-specialize a loop holding lazy_rescale's branch: the 4-warp tile then spills)."""
+    if spec is None:
+        return frozenset()
+    names = [n.strip().lower() for n in spec.split(",")] if isinstance(spec, str) else [str(n) for n in spec]
+    names = {n for n in names if n}
+    if ALL in names:
+        names = (names - {ALL}) | set(HOPPER)
+    unknown = sorted(names - set(FEATURES))
+    if unknown:
+        raise ValueError(f"unknown kernel feature(s) {', '.join(unknown)}: use {', '.join(FEATURES)} or {ALL}")
+    if {"lazy_rescale", "warp_specialize"} <= names:
+        raise ValueError("forward features lazy_rescale and warp_specialize cannot be combined: Triton does not "
+                         "warp-specialize a loop with lazy_rescale's branch (bench/sass_report.py)")
+    return frozenset(names)
+
+
+def requested() -> frozenset:
+    """The features ``ULYSSES_KERNELS_HOPPER_FEATURES`` asks for (read at every launch)."""
+    try:
+        return parse(text(HOPPER_FEATURES))
+    except ValueError as error:
+        raise ValueError(f"{HOPPER_FEATURES.name}: {error}") from None
+
+
+def descriptor_ok(tensor, strides, rows: int, width: int, split: int, batch: int) -> bool:
+    """Whether ``tensor`` (a K or V operand: (batch, seq, head, dim) element ``strides``)
+    can be read through the 2-D tensor descriptors of ``KV_DESC``: SPLIT 0 or 1, unit dim
+    stride, 16-byte aligned base and batch/seq/head strides (every program's view starts
+    at ``base + b*stride_b + h*stride_h``), a row at least 16 bytes wide, and int32 rows."""
+    if split not in (0, 1):
+        return False
+    stride_b, stride_s, stride_h, stride_d = strides
+    size = tensor.element_size()
+    aligned = all((int(s) * size) % _TMA_ALIGN == 0 for s in (stride_s, stride_h)
+                  + ((stride_b,) if split == 0 and batch > 1 else ()))
+    return (int(stride_d) == 1 and aligned and tensor.data_ptr() % _TMA_ALIGN == 0
+            and width * size >= _TMA_ALIGN and 0 < rows <= _TMA_MAX_ROWS)
+
+
+def forward_switches(features, *, q, k, v, sq_strides, sk_strides, sv_strides, split, batch, seqlen_q, seqlen_k,
+                     head_dim, head_dim_v, varlen, softmax_scale, softcap) -> dict:
+    """The constexprs of a forward launch for the requested ``features`` (names), each
+    feature kept only where it applies to this call (module docstring)."""
+    on = set(parse(features)) & set(FORWARD)
+    if q.device.type == "cuda" and q.dtype == torch.float32:
+        on.clear()  # the fp32 (tf32x3) kernels are the accuracy path: measured configs only
+    rows_q, rows_k = (batch * seqlen_q, batch * seqlen_k) if split == 1 else (seqlen_q, seqlen_k)
+    if not (descriptor_ok(k, sk_strides, rows_k, head_dim, split, batch)
+            and descriptor_ok(v, sv_strides, rows_k, head_dim_v, split, batch)):
+        on.clear()  # every other feature was built and measured on descriptor loads
+    # The warp-specialized loop reads q, k and v through descriptors, and nothing else
+    # (VARLEN's document loads fail Triton's pass).
+    if varlen or not descriptor_ok(q, sq_strides, rows_q, head_dim, split, batch):
+        on.discard("warp_specialize")
+    if softcap or not softmax_scale > 0:
+        on.discard("fma_scale")
+    if "desc" not in on:
+        on.clear()
+    else:
+        ensure_allocator(k.device)
+    return {CONSTEXPRS[name]: name in on for name in FORWARD}
+
+
+def backward_switches(features, *, q, dq_acc) -> dict:
+    """The constexprs of a dK/dV launch: ``DQ_REDUCE`` in atomic mode (``dq_acc``, the
+    ``[B, Hq, Sq, block_d]`` fp32 accumulator, or None) with 16-bit inputs on a GPU, for
+    padded head dims up to 128 (at 256 the default tile spills 184 B with it, 120 B
+    without), when the accumulator's 3-D view fits TMA's int32 coordinates and strides."""
+    on = "dq_reduce" in parse(features)
+    if dq_acc is None or interpreting() or q.device.type != "cuda" or q.dtype == torch.float32:
+        on = False
+    elif dq_acc.shape[3] > 128:
+        on = False
+    elif dq_acc.shape[0] * dq_acc.shape[1] > _TMA_MAX_ROWS or dq_acc.shape[2] * dq_acc.shape[3] > _TMA_MAX_ROWS:
+        on = False
+    if on:
+        ensure_allocator(q.device)
+    return {"DQ_REDUCE": on}
+
+
+class _ScratchAllocator:
+    """Global scratch for device-side tensor descriptors (Triton asks for it at launch)."""
+
+    def __call__(self, size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator(device) -> None:
+    """Device-side tensor descriptors need Triton's launch allocator: set a torch one
+    when none is set (a caller's own allocator is left alone). Not needed in the
+    interpreter."""
+    if device.type != "cuda":
+        return
+    try:
+        from triton.runtime import _allocation
+        current = _allocation._allocator.get()
+        unset = isinstance(current, _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # another Triton layout: set ours
+        unset = True
+    if unset:
+        triton.set_allocator(_ScratchAllocator())
