@@ -78,7 +78,10 @@ def launcher_default(module, block_d, dtype, consts, launch_name="_launch"):
         return launch.fp32_configs.get(block_d, launch.fp32_configs[128])
     # (TunedLauncher.masked on a checkout that has it; the VARLEN / SPLIT=2 rule before it.)
     masked = getattr(launch, "masked", lambda c: bool(c.get("VARLEN") or c.get("SPLIT") == 2))
-    return launch.default(block_d, masked(consts))
+    try:
+        return launch.default(block_d, masked(consts), meta=consts)  # feature configs (WARP_SPECIALIZE)
+    except TypeError:  # an older checkout
+        return launch.default(block_d, masked(consts))
 
 
 def atomic_default(module, block_d, dtype, consts):
@@ -103,6 +106,54 @@ ROWS = [
     ("bwd_pre", "flash_bwd_preprocess", "_flash_bwd_preprocess_kernel",
      {"plain": dict(SPLIT=0), "buffer": dict(SPLIT=1), "buffer/token": dict(SPLIT=2)}, preprocess_default),
 ]
+# The forward's Hopper features (triton_kernels/features.py) as launches combine them (each
+# builds on desc; "hopper" is features.HOPPER; varlen drops warp_specialize), on the layouts
+# they apply to; "noncausal" rows are the plain layout without the causal mask.
+_DESC = dict(KV_DESC=True)
+_FMA = dict(KV_DESC=True, FMA_SCALE=True)
+_HOPPER = dict(KV_DESC=True, FMA_SCALE=True, WARP_SPECIALIZE=True)
+FWD_FEATURE_LAYOUTS = {
+    "noncausal": dict(VARLEN=False, SPLIT=0, CAUSAL=False),
+    "plain+desc": dict(VARLEN=False, SPLIT=0, **_DESC),
+    "buffer+desc": dict(VARLEN=False, SPLIT=1, **_DESC),
+    "plain+desc+fma": dict(VARLEN=False, SPLIT=0, **_FMA),
+    "noncausal+desc+fma": dict(VARLEN=False, SPLIT=0, CAUSAL=False, **_FMA),
+    "buffer+desc+fma": dict(VARLEN=False, SPLIT=1, **_FMA),
+    "plain+desc+fma+lazy": dict(VARLEN=False, SPLIT=0, LAZY_RESCALE=True, **_FMA),
+    "plain+desc+ws": dict(VARLEN=False, SPLIT=0, WARP_SPECIALIZE=True, **_DESC),
+    "plain+hopper": dict(VARLEN=False, SPLIT=0, **_HOPPER),
+    "noncausal+hopper": dict(VARLEN=False, SPLIT=0, CAUSAL=False, **_HOPPER),
+    "buffer+hopper": dict(VARLEN=False, SPLIT=1, **_HOPPER),
+    "varlen+desc+fma": dict(VARLEN=True, SPLIT=0, **_FMA),
+    "window+hopper": dict(VARLEN=False, SPLIT=0, CAUSAL=False, WINDOW=True, **_HOPPER),
+    "softcap+desc+ws": dict(VARLEN=False, SPLIT=0, SOFTCAP=True, WARP_SPECIALIZE=True, **_DESC),
+    "sinks+hopper": dict(VARLEN=False, SPLIT=0, SINKS=True, **_HOPPER),
+    "dv=d/2+hopper": lambda head_dim: dict(LAYOUTS["dv=d/2"](head_dim), **_HOPPER),
+}
+ROWS.append(("fwd_hopper", "flash_fwd", "_flash_fwd_kernel", FWD_FEATURE_LAYOUTS, launcher_default))
+
+
+def fixed(config):
+    """A chooser that builds one (BLOCK_M, BLOCK_N, num_warps, num_stages) config."""
+    return lambda module, block_d, dtype, consts: config
+
+
+# The atomic backward's candidates with query tiles of 64 rows (N >= 64 for every wgmma)
+# and the dQ reduce-add through a TMA descriptor (DQ_REDUCE), at the default tile too.
+_ATOMIC = {"DQ_ATOMIC": True, "KV_ATOMIC": False}
+_BWD_CANDIDATE_LAYOUTS = {"plain": dict(VARLEN=False, SPLIT=0), "buffer": dict(VARLEN=False, SPLIT=1),
+                          "plain+dq_reduce": dict(VARLEN=False, SPLIT=0, DQ_REDUCE=True),
+                          "noncausal+dq_reduce": dict(VARLEN=False, SPLIT=0, CAUSAL=False, DQ_REDUCE=True)}
+ROWS += [
+    ("bwd_atomic+dq_reduce", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel",
+     {name: lay for name, lay in _BWD_CANDIDATE_LAYOUTS.items() if "dq_reduce" in name}, atomic_default, _ATOMIC),
+    ("bwd_atomic@64x64", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", _BWD_CANDIDATE_LAYOUTS, fixed((64, 64, 8, 2)),
+     _ATOMIC),
+    ("bwd_atomic@64x128", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", _BWD_CANDIDATE_LAYOUTS,
+     fixed((64, 128, 8, 2)), _ATOMIC),
+]
+# Rows of candidates, not defaults: check_limits holds them to building, not to their spills.
+CANDIDATES = {"fwd_hopper", "bwd_atomic+dq_reduce", "bwd_atomic@64x64", "bwd_atomic@64x128"}
 LIMIT_PAIRS = [("buffer", "plain")]
 # Signature: pointers are the all-uppercase runtime arguments (LSE, DELTA, SINK and *_ACC
 # fp32; DOCS, CU, COUNTS int32; the rest the data type), except these uppercase integer
@@ -376,7 +427,8 @@ def count_ops(instrs):
         c["instrs"] += 1
         c["hgmma"] += _is_hgmma(ins)
         c["gload"] += base in ("LDG", "LDGSTS") or base.startswith(("UTMALDG", "UBLKCP"))
-        c["gstore"] += base in ("STG", "RED", "ATOMG") or base.startswith("UTMASTG")
+        c["gstore"] += base in ("STG", "RED", "REDG", "ATOMG") or base.startswith(("UTMASTG", "UTMAREDG"))
+        c["setmaxreg"] += base == "USETMAXREG"  # warp specialization's register reallocation
         c["sload"] += base in ("LDS", "LDSM")
         # An integer division: I2F(.U32).RP + MUFU.RCP + F2I ... (the reciprocal setup).
         c["idiv"] += base == "I2F" and ".RP" in op
@@ -638,17 +690,22 @@ def loop_ratios(rows, pairs=LIMIT_PAIRS):
     return out
 
 
+def spills(r):
+    """Whether a build spills registers (stack bytes or STL/LDL instructions)."""
+    return bool(spill_bytes(r) or r["total"].get("spill"))
+
+
 def check_limits(rows, ratio_limit=LOOP_RATIO_LIMIT, pairs=LIMIT_PAIRS):
-    """Violations (strings) of: (a) no spills in 16-bit (bf16/fp16) default configs;
-    (b) per kernel, each LIMIT_PAIRS layout's main-loop instruction count within
-    `ratio_limit` of its reference layout's at the same tile (the ratio is in the message).
-    A failed build is a violation too."""
+    """Violations (strings) of: (a) no spills in 16-bit (bf16/fp16) default configs (the
+    CANDIDATES rows are reported by candidate_spills instead: a spilling candidate is a
+    finding, not a regression); (b) per kernel, each LIMIT_PAIRS layout's main-loop
+    instruction count within `ratio_limit` of its reference layout's at the same tile (the
+    ratio is in the message). A failed build is a violation too, candidates' included."""
     out = []
     for r in rows:
         if r.get("error"):
             out.append("%s %s: build failed: %s" % (r["name"], r["layout"], r["error"]))
-        elif r["dtype"] in ("bf16", "fp16") and not r.get("reference_of") and (
-                spill_bytes(r) or r["total"].get("spill")):
+        elif r["dtype"] in ("bf16", "fp16") and not r.get("reference_of") and r["name"] not in CANDIDATES and spills(r):
             out.append("%s %s: spills (stack %s B, %d STL/LDL)" % (r["name"], r["layout"], r.get("stack"),
                                                                      r["total"].get("spill", 0)))
     for name, dtype, lay, ref, a, b, ratio in loop_ratios(rows, pairs):
@@ -656,6 +713,13 @@ def check_limits(rows, ratio_limit=LOOP_RATIO_LIMIT, pairs=LIMIT_PAIRS):
             out.append("%s: %s loop %d instrs = %.2fx %s (%d), limit %.2fx" % (name, lay, a, ratio, ref, b,
                                                                               ratio_limit))
     return out
+
+
+def candidate_spills(rows):
+    """The CANDIDATES builds that spill, as strings (printed with the report)."""
+    return ["%s %s: spills (stack %s B, %d STL/LDL)" % (r["name"], r["layout"], r.get("stack"),
+                                                       r["total"].get("spill", 0))
+            for r in rows if r["name"] in CANDIDATES and not r.get("error") and spills(r)]
 
 
 COLUMNS = ["kernel", "layout", "tile", "w/s", "regs", "spill B", "smem KiB", "HGMMA", "loop instrs", "loop HGMMA",
@@ -702,6 +766,10 @@ def report(rows, notes, header=""):
     violations = check_limits(rows)
     parts.append("\nLimits: " + ("OK" if not violations else "%d violation(s)" % len(violations)))
     parts += ["- " + v for v in violations]
+    candidates = candidate_spills(rows)
+    if candidates:
+        parts.append("\nCandidates that spill (not defaults, not limit violations):")
+        parts += ["- " + v for v in candidates]
     if notes:
         parts.append("\nNotes:")
         parts += ["- " + n for n in notes]
