@@ -5,6 +5,7 @@ numbers mean nothing and are not checked; the tables and JSON they write are."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -69,6 +70,21 @@ def test_bench_attention_smoke(tmp_path):
     assert {e["kernel"] for e in data["sweep"]} == {"fwd", "bwd_atomic", "dq", "dkdv"}
     assert all("error" not in e for e in data["sweep"]), data["sweep"]
     assert (tmp_path / "attention_results.md").exists() and (tmp_path / "attention_tflops.png").exists()
+
+
+def test_bench_hopper_smoke(tmp_path):
+    """The features benchmark: the measured kernels and three feature lists, both modes,
+    causal or not; the table shows each list's speed-up over the measured kernels."""
+    _needs_triton()
+    _run("bench_hopper.py", tmp_path)
+    data = json.loads((tmp_path / "hopper_results.json").read_text())
+    rows = data["results"]
+    assert {r["impl"] for r in rows} == {"triton[]", "triton[desc]", "triton[desc,fma_scale]", "triton[hopper]"}
+    assert len(rows) == 16 and all("error" not in r for r in rows), [r for r in rows if "error" in r]
+    assert data["meta"]["complete"]
+    table = (tmp_path / "hopper_results.md").read_text()
+    assert "| D | S | B | causal | mode | triton[] |" in table
+    assert len(re.findall(r"\| [0-9.]+ \([0-9.]+x\)", table)) == 12  # 3 lists x 4 rows: speed-ups
 
 
 def test_bench_hybrid_model(tmp_path):
