@@ -20,7 +20,7 @@ bench/results). Needs a CUDA GPU; `--dry-run` (or GPU_CHECK_DRY_RUN=1) checks th
 and arguments, `--smoke` runs the script on CPU in the Triton interpreter (numbers mean
 nothing).
 
-    python bench/bench_hopper.py [--seqlens 16384,65536] [--features "desc,fma_scale;hopper"] [--budget-s 60]
+    python bench/bench_hopper.py [--seqlens 16384,65536] [--features "desc,fma_scale;hopper"] [--budget-s 60] [--sweep]
     TRITON_INTERPRET=1 python bench/bench_hopper.py --smoke --out /tmp/h   # tests/bench/
 """
 
@@ -47,6 +47,10 @@ def parse_args():
     p.add_argument("--features", type=str, default=DEFAULT_FEATURES, help="';'-separated feature lists")
     p.add_argument("--modes", type=str, default="fwd,fwd_bwd")
     p.add_argument("--budget-s", type=float, default=None, help="do not start a new shape after this many seconds")
+    p.add_argument("--sweep", action="store_true",
+                   help="after the shapes (budget allowing): time every candidate tile config of the features "
+                        "(the forward's with desc,fma_scale and with warp_specialize; the atomic backward's with "
+                        "dq_reduce) at D = 128 and 64, S = 16k, to pick their defaults from")
     p.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes in the Triton interpreter on CPU (TRITON_INTERPRET=1): exercises the "
@@ -138,10 +142,75 @@ def main():
             continue
         rows += time_shape(args, torch, triton, flash, device, dtype, lists, D=D, S=S, causal=causal)
         write()
+    if args.sweep:
+        meta["sweep"] = sweep_configs(args, torch, triton, device, dtype, t_start, write)
     meta["seconds"] = round(time.time() - t_start, 1)
     write()
     print(table(rows, meta))
     return 0
+
+
+def sweep_configs(args, torch, triton, device, dtype, t_start, write):
+    """[{kernel, features, config, causal, D, tflops | error}]: each candidate config of the
+    features' kernels, forced through the launchers' override (forward alone; the backward
+    alone, from the forward's out and LSE)."""
+    from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward, flash_bwd_dkdv, flash_fwd
+
+    entries = []
+    S = 64 if args.smoke else 16384
+    for D in (32,) if args.smoke else (128, 64):
+        H = 2 if args.smoke else (16 if D >= 128 else 32)
+        B = max(1, args.tokens // S)
+        for causal in (False, True):
+            torch.manual_seed(0)
+            q, k, v, do = (torch.randn(B, S, H, D, device=device, dtype=dtype) for _ in range(4))
+            out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=None)
+            flops_fwd = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
+            block_d = max(16, 1 << (D - 1).bit_length())
+            plans = [("fwd", flash_fwd._launch, "desc,fma_scale", flash_fwd._FWD_CONFIGS[block_d]),
+                     ("fwd", flash_fwd._launch, "desc,fma_scale,warp_specialize", flash_fwd._FWD_WS_CONFIGS[block_d]),
+                     ("bwd_atomic", flash_bwd_dkdv._launch_atomic, "dq_reduce",
+                      flash_bwd_dkdv._ATOMIC_CONFIGS[block_d])]
+            for kernel, launch, spec, configs in plans:
+                for config in configs[:1] if args.smoke else configs:
+                    entry = dict(kernel=kernel, features=spec, config=list(config), causal=causal, D=D, S=S)
+                    if args.budget_s is not None and time.time() - t_start > args.budget_s:
+                        entries.append(dict(entry, skipped="budget"))
+                        continue
+                    launch.override = config
+                    try:
+                        with hopper_features(spec):
+                            if kernel == "fwd":
+                                ms = _time(args, triton, lambda: flash_attention_forward(
+                                    q, k, v, causal=causal, softmax_scale=None))
+                                entry["tflops"] = flops_fwd / (ms * 1e-3) / 1e12
+                            else:
+                                ms = _time(args, triton, lambda: flash_attention_backward(
+                                    do, q, k, v, out, lse, causal=causal, softmax_scale=None, deterministic=False))
+                                entry["tflops"] = 2.5 * flops_fwd / (ms * 1e-3) / 1e12
+                        entry["ms"] = ms
+                    except Exception as exc:  # noqa: BLE001 - a config that fails to build is a result
+                        entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    finally:
+                        launch.override = None
+                    entries.append(entry)
+                    print(f"sweep D={D} causal={causal} {kernel} [{spec}] {tuple(config)}: "
+                          + (f"{entry['tflops']:.1f} TFLOP/s" if "tflops" in entry else entry["error"]), flush=True)
+                    write()
+            q = k = v = do = out = lse = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return entries
+
+
+def _time(args, triton, fn):
+    """ms of fn: do_bench's median on a GPU, one call after a warm-up in smoke mode."""
+    fn()
+    if args.smoke:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
 def time_shape(args, torch, triton, flash, device, dtype, lists, *, D, S, causal):
@@ -170,14 +239,6 @@ def time_shape(args, torch, triton, flash, device, dtype, lists, *, D, S, causal
         impls["flash_attn"] = (lambda: flash(*leaves, causal=causal), leaves, do, "")
     flops_fwd = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
 
-    def timed(fn):
-        fn()  # warm-up: compiles
-        if args.smoke:
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
     rows = []
     for mode in args.modes.split(","):
         for name, (fn, inputs, grad, spec) in impls.items():
@@ -192,7 +253,7 @@ def time_shape(args, torch, triton, flash, device, dtype, lists, *, D, S, causal
             row = dict(D=D, S=S, B=B, H=H, causal=causal, mode=mode, impl=name)
             try:
                 with hopper_features(spec):
-                    ms = timed(step)
+                    ms = _time(args, triton, step)
                 row.update(ms=ms, tflops=flops_fwd * (3.5 if mode == "fwd_bwd" else 1.0) / (ms * 1e-3) / 1e12)
             except Exception as exc:  # noqa: BLE001 - a feature that fails to build is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -267,6 +328,12 @@ def table(rows, meta) -> str:
                                     f"{r['error']}" for r in errors]
     if meta.get("skipped"):
         lines += ["", f"Incomplete: {len(meta['skipped'])} shapes skipped (time budget)."]
+    if meta.get("sweep"):
+        lines += ["", "Config sweep ((BLOCK_M, BLOCK_N, num_warps, num_stages); forward or backward alone):", "",
+                  "| D | causal | kernel | features | config | TFLOP/s |", "|---|---|---|---|---|---|"]
+        lines += [f"| {e['D']} | {e['causal']} | {e['kernel']} | {e['features']} | {tuple(e['config'])} | "
+                  + (f"{e['tflops']:.1f}" if "tflops" in e else e.get("error") or e.get("skipped", "")) + " |"
+                  for e in meta["sweep"]]
     return "\n".join(lines) + "\n"
 
 

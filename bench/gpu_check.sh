@@ -31,7 +31,8 @@
 #   hopper_tests     90   the Hopper kernel features (TMA descriptors, FFMA scale, lazy
 #                         rescale, warp specialization, dQ reduce-add) vs float64 and vs
 #                         the measured kernels                                        [second call]
-#   bench_hopper     90   their TFLOP/s before/after, next to SDPA cuDNN/flash         [second call]
+#   bench_hopper     90   their TFLOP/s before/after, next to SDPA cuDNN/flash, then
+#                         their tile configs as the budget allows                     [second call]
 # The default steps add up to 440 s, 480 s with 5 s for each to die after its timeout
 # (limit 480 s, checked before every run). The second-call steps add up to 525 s: more than
 # what a 15-minute lease leaves after the first call, so a second call names the ones it
@@ -200,7 +201,7 @@ if want hopper_tests; then
   step hopper_tests "${LIMIT[hopper_tests]}" "${PYTEST[@]}" -m gpu tests/triton_kernels/test_triton_features_gpu.py
 fi
 if want bench_hopper; then
-  step bench_hopper "${LIMIT[bench_hopper]}" "$PYTHON" bench/bench_hopper.py --out "$RESULTS" --budget-s 60
+  step bench_hopper "${LIMIT[bench_hopper]}" "$PYTHON" bench/bench_hopper.py --out "$RESULTS" --budget-s 60 --sweep
 fi
 
 echo "=== summary (logs in $RESULTS)"

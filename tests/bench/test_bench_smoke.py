@@ -28,10 +28,10 @@ def _needs_triton():
         pytest.skip(f"Triton kernels unavailable: {reason}")
 
 
-def _run(script, out):
+def _run(script, out, *extra):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     env.pop("OUT", None)
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out), *extra], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -74,9 +74,10 @@ def test_bench_attention_smoke(tmp_path):
 
 def test_bench_hopper_smoke(tmp_path):
     """The features benchmark: the measured kernels and three feature lists, both modes,
-    causal or not; the table shows each list's speed-up over the measured kernels."""
+    causal or not; the table shows each list's speed-up over the measured kernels; the
+    config sweep times one config of each features' kernel."""
     _needs_triton()
-    _run("bench_hopper.py", tmp_path)
+    _run("bench_hopper.py", tmp_path, "--sweep")
     data = json.loads((tmp_path / "hopper_results.json").read_text())
     rows = data["results"]
     assert {r["impl"] for r in rows} == {"triton[]", "triton[desc]", "triton[desc,fma_scale]", "triton[hopper]"}
@@ -85,6 +86,11 @@ def test_bench_hopper_smoke(tmp_path):
     table = (tmp_path / "hopper_results.md").read_text()
     assert "| D | S | B | causal | mode | triton[] |" in table
     assert len(re.findall(r"\| [0-9.]+ \([0-9.]+x\)", table)) == 12  # 3 lists x 4 rows: speed-ups
+    sweep = data["meta"]["sweep"]
+    assert {(e["kernel"], e["features"]) for e in sweep} == {
+        ("fwd", "desc,fma_scale"), ("fwd", "desc,fma_scale,warp_specialize"), ("bwd_atomic", "dq_reduce")}
+    assert len(sweep) == 6 and all("tflops" in e for e in sweep), sweep
+    assert "Config sweep" in table
 
 
 def test_bench_hybrid_model(tmp_path):
