@@ -32,7 +32,8 @@ import sys
 import time
 
 # ';'-separated feature lists ("after"); "" (the measured kernels, "before") always runs.
-DEFAULT_FEATURES = "desc;desc,fma_scale;desc,fma_scale,lazy_rescale;desc,fma_scale,warp_specialize;dq_reduce;hopper"
+DEFAULT_FEATURES = ("desc;desc,fma_scale;desc,fma_scale,lazy_rescale;desc,fma_scale,warp_specialize;dq_reduce;"
+                    "bwd_warp_specialize;hopper;desc,fma_scale,warp_specialize,bwd_warp_specialize")
 TARGET_FWD_VS_CUDNN = 1.0
 TARGET_FWD_BWD_VS_CUDNN = 0.9
 VARIABLE = "ULYSSES_KERNELS_HOPPER_FEATURES"
@@ -50,7 +51,8 @@ def parse_args():
     p.add_argument("--sweep", action="store_true",
                    help="after the shapes (budget allowing): time every candidate tile config of the features "
                         "(the forward's with desc,fma_scale and with warp_specialize; the atomic backward's with "
-                        "dq_reduce) at D = 128 and 64, S = 16k, to pick their defaults from")
+                        "dq_reduce; the warp-specialized dK/dV kernel's, the dQ kernel at its default) at D = 128 "
+                        "and 64, S = 16k, to pick their defaults from")
     p.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes in the Triton interpreter on CPU (TRITON_INTERPRET=1): exercises the "
@@ -170,7 +172,9 @@ def sweep_configs(args, torch, triton, device, dtype, t_start, write):
             plans = [("fwd", flash_fwd._launch, "desc,fma_scale", flash_fwd._FWD_CONFIGS[block_d]),
                      ("fwd", flash_fwd._launch, "desc,fma_scale,warp_specialize", flash_fwd._FWD_WS_CONFIGS[block_d]),
                      ("bwd_atomic", flash_bwd_dkdv._launch_atomic, "dq_reduce",
-                      flash_bwd_dkdv._ATOMIC_CONFIGS[block_d])]
+                      flash_bwd_dkdv._ATOMIC_CONFIGS[block_d]),
+                     ("bwd_dkdv_ws", flash_bwd_dkdv._launch, "bwd_warp_specialize",
+                      flash_bwd_dkdv._DKDV_WS_CONFIGS[block_d])]
             for kernel, launch, spec, configs in plans:
                 for config in configs[:1] if args.smoke else configs:
                     entry = dict(kernel=kernel, features=spec, config=list(config), causal=causal, D=D, S=S)

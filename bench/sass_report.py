@@ -152,8 +152,18 @@ ROWS += [
     ("bwd_atomic@64x128", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", _BWD_CANDIDATE_LAYOUTS,
      fixed((64, 128, 8, 2)), _ATOMIC),
 ]
+# The warp-specialized dK/dV kernel (features "bwd_warp_specialize": dK/dV only, then the dQ
+# kernel), on the 4-warp 64-row tiles its launcher takes.
+_WS = dict(WARP_SPECIALIZE=True)
+ROWS.append(("bwd_dkdv+ws", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", {
+    "plain": dict(VARLEN=False, SPLIT=0, **_WS), "buffer": dict(VARLEN=False, SPLIT=1, **_WS),
+    "noncausal": dict(VARLEN=False, SPLIT=0, CAUSAL=False, **_WS),
+    "window": dict(VARLEN=False, SPLIT=0, CAUSAL=False, WINDOW=True, **_WS),
+    "softcap": dict(VARLEN=False, SPLIT=0, SOFTCAP=True, **_WS),
+    "dv=d/2": lambda head_dim: dict(LAYOUTS["dv=d/2"](head_dim), **_WS)},
+    launcher_default, {"DQ_ATOMIC": False, "KV_ATOMIC": False}))
 # Rows of candidates, not defaults: check_limits holds them to building, not to their spills.
-CANDIDATES = {"fwd_hopper", "bwd_atomic+dq_reduce", "bwd_atomic@64x64", "bwd_atomic@64x128"}
+CANDIDATES = {"fwd_hopper", "bwd_atomic+dq_reduce", "bwd_atomic@64x64", "bwd_atomic@64x128", "bwd_dkdv+ws"}
 LIMIT_PAIRS = [("buffer", "plain")]
 # Signature: pointers are the all-uppercase runtime arguments (LSE, DELTA, SINK and *_ACC
 # fp32; DOCS, CU, COUNTS int32; the rest the data type), except these uppercase integer

@@ -36,6 +36,13 @@ The backward's (``flash_bwd_dkdv._flash_bwd_dkdv_kernel``, atomic mode):
 * ``dq_reduce`` (``DQ_REDUCE``): each dQ tile is added to the fp32 accumulator by one TMA
   reduce-add from shared memory instead of BLOCK_M x D atomics issued by the compute warps.
   GPU only: Triton's interpreter has no descriptor reduce, so there it is dropped.
+* ``bwd_warp_specialize`` (the dK/dV kernel's ``WARP_SPECIALIZE``): the backward runs as
+  the warp-specialized dK/dV kernel (4 warps, 64-row query tiles: every wgmma N >= 64;
+  descriptor loads only, one masked loop) and the separate dQ kernel: the deterministic
+  two-kernel backward, 7 GEMMs, whatever ``deterministic`` says. Triton 3.8 does not
+  warp-specialize the loop when it also adds dQ (atomics or the reduce-add), hence the
+  separate dQ pass. Strided and affine layouts, no packed documents, 16-bit on a GPU
+  (:func:`bwd_warp_specialize`); the interpreter runs its single loop.
 
 A feature that does not apply to a call is dropped for that call, silently: the kernel
 then runs as without it (:func:`forward_switches`, :func:`backward_switches`).
@@ -47,12 +54,13 @@ import triton
 from ..env import HOPPER_FEATURES, interpreting, text
 
 FORWARD = ("desc", "fma_scale", "lazy_rescale", "warp_specialize")
-BACKWARD = ("dq_reduce",)
+BACKWARD = ("dq_reduce", "bwd_warp_specialize")
 FEATURES = FORWARD + BACKWARD
 ALL = "hopper"  # the features that build together
 HOPPER = ("desc", "fma_scale", "warp_specialize", "dq_reduce")
 CONSTEXPRS = {"desc": "KV_DESC", "fma_scale": "FMA_SCALE", "lazy_rescale": "LAZY_RESCALE",
-              "warp_specialize": "WARP_SPECIALIZE", "dq_reduce": "DQ_REDUCE"}
+              "warp_specialize": "WARP_SPECIALIZE", "dq_reduce": "DQ_REDUCE",
+              "bwd_warp_specialize": "WARP_SPECIALIZE"}
 # TMA: 16-byte aligned addresses and strides; coordinates are int32.
 _TMA_ALIGN = 16
 _TMA_MAX_ROWS = 2**31 - 1
@@ -123,6 +131,23 @@ def forward_switches(features, *, q, k, v, sq_strides, sk_strides, sv_strides, s
     else:
         ensure_allocator(k.device)
     return {CONSTEXPRS[name]: name in on for name in FORWARD}
+
+
+def bwd_warp_specialize(features, *, tensors, strides, split, batch, seqlen_q, seqlen_k, varlen) -> bool:
+    """Whether a backward runs the warp-specialized dK/dV kernel: requested, strided or
+    affine layout, no packed documents, 16-bit inputs on a GPU (any in the interpreter),
+    and q, k, v and dO (``tensors``, their ``strides``) through TMA descriptors."""
+    if "bwd_warp_specialize" not in parse(features) or varlen or split not in (0, 1):
+        return False
+    q = tensors[0]
+    if q.device.type == "cuda" and q.dtype == torch.float32:
+        return False
+    rows_q, rows_k = (batch * seqlen_q, batch * seqlen_k) if split == 1 else (seqlen_q, seqlen_k)
+    rows = (rows_q, rows_k, rows_k, rows_q)  # q, k, v, dO
+    ok = all(descriptor_ok(t, st, n, t.shape[-1], split, batch) for t, st, n in zip(tensors, strides, rows))
+    if ok:
+        ensure_allocator(q.device)
+    return ok
 
 
 def backward_switches(features, *, q, dq_acc) -> dict:

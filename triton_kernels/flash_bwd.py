@@ -14,6 +14,7 @@ import triton
 
 from ..env import BWD_HEAD_SPLITS, DETERMINISTIC, flag, integer
 from ._common import block_d as padded_head_dim
+from .features import bwd_warp_specialize, requested
 from .flash_bwd_dkdv import _launch_atomic, head_splits, launch_dkdv
 from .flash_bwd_dq import launch_dq
 from .flash_bwd_preprocess import launch_preprocess
@@ -72,9 +73,13 @@ def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_o
     if dsinks is not None:
         dsinks.copy_(sinks_gradient(sinks, lse, delta))
     base = tuple(strides_of(t) for t in (q, k, v, do))
-    if deterministic:
-        launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens,
-                    strides=base + (strides_of(dk), strides_of(dv)), **shape, **common, **variant)
+    ws = bwd_warp_specialize(requested(), tensors=(q, k, v, do), strides=base, split=split, batch=batch,
+                             seqlen_q=seqlen_q, seqlen_k=seqlen_k, varlen=docs is not None)
+    if deterministic or ws:  # the two-kernel backward: dK/dV, then dQ (bitwise reproducible)
+        rows = lse_rows(lse, delta) if ws else dict(lse=lse, delta=delta, lse_row_stride=None)
+        launch_dkdv(q, k, v, do, dk, dv, rows["lse"], rows["delta"], docs, cu_seqlens,
+                    strides=base + (strides_of(dk), strides_of(dv)), warp_specialize=ws,
+                    lse_row_stride=rows["lse_row_stride"], **shape, **common, **variant)
         launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens,
                   strides=base + (strides_of(dq),), **shape, **common, **variant)
         return
@@ -94,6 +99,20 @@ def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_o
     if splits > 1:
         copy_positions(dk, dk_out, head_dim, batch, seq_splits)
         copy_positions(dv, dv_out, head_dim_v, batch, seq_splits)
+
+
+def lse_rows(lse, delta):
+    """lse and delta ``[B, H, Sq]`` as the warp-specialized dK/dV kernel reads them: rows of
+    a stride that is a multiple of 4 (16-byte TMA strides), copied only when Sq is not;
+    the kernel's descriptors stop at Sq, so the padding is never read."""
+    sq = lse.shape[-1]
+    stride = -(-sq // 4) * 4
+    if stride == sq and lse.is_contiguous():
+        return dict(lse=lse, delta=delta, lse_row_stride=sq)
+    padded = [torch.empty((*t.shape[:-1], stride), dtype=t.dtype, device=t.device) for t in (lse, delta)]
+    for dst, src in zip(padded, (lse, delta)):
+        dst[..., :sq].copy_(src)
+    return dict(lse=padded[0], delta=padded[1], lse_row_stride=stride)
 
 
 def copy_positions(dst, acc, head_dim, batch, seq_splits, scale=None):

@@ -39,11 +39,13 @@ from ._common import (
     dot_precision,
     in_band,
     interpreting,
+    kv_descriptor,
     maybe_fp32,
     phase_bounds,
     seq_bucket,
     seq_offsets,
     tile_documents,
+    tile_row,
     variant_args,
 )
 from ._common import block_d as padded_head_dim
@@ -62,7 +64,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
                 DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_DV: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                DQ_REDUCE: tl.constexpr, dq_desc):
+                DQ_REDUCE: tl.constexpr, dq_desc, WARP_SPECIALIZE: tl.constexpr, descs):
     """Query rows [lo, hi) of query heads ``hk*GROUP + g_lo ..`` (g_cnt of them), as ONE
     flat loop.
 
@@ -83,7 +85,7 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
     # docs/architecture.md, "First GPU run"). Hence a divisor >= 1, the head clamped to
     # the group and the per-row reads (LSE, delta, documents) clamped to the sequence.
     per_head = tl.maximum(nblk, 1)
-    for it in range(0, nblk * g_cnt):
+    for it in tl.range(0, nblk * g_cnt, warp_specialize=WARP_SPECIALIZE):
         if COUNT:  # tests: one more block visited by this program
             tl.atomic_add(COUNTS + count_slot, 1)
         g = tl.minimum(it // per_head, g_cnt - 1)
@@ -93,18 +95,32 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
         offs_m = start_m + local_m
         m_ok = offs_m < Sq
         addr_m = tl.minimum(offs_m, Sq - 1)
-        tile_mask = m_ok[:, None] & d_ok[None, :]
-        q_base, q_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
-        do_base, do_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
-        q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
-                    mask=tile_mask, other=0.0)
-        q = maybe_fp32(q, FP32_DOT)
-        lse = tl.load(LSE + lse_base + addr_m, mask=m_ok, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-        delta = tl.load(DELTA + lse_base + addr_m, mask=m_ok, other=0.0)
-        do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_dv[None, :] * sdo_d),
-                     mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
-        do = maybe_fp32(do, FP32_DOT)
+        if WARP_SPECIALIZE:
+            # Descriptor loads only (see the kernel): q and dO tiles of head h, and the LSE
+            # and delta rows of (b, h) from the host's padded copies (padding: LSE +inf and
+            # delta 0, so padded rows give P = 0 like the pointer loads' `other`).
+            q_desc, do_desc, lse_desc, delta_desc = descs
+            row = tile_row(start_m, b, Sq, B, P, SPLIT)
+            q = tl.reshape(q_desc.load([h.to(tl.int32), row, 0]), [BLOCK_M, BLOCK_D])
+            do = tl.reshape(do_desc.load([h.to(tl.int32), row, 0]), [BLOCK_M, BLOCK_DV])
+            lse = tl.reshape(lse_desc.load([(b * HQ + h).to(tl.int32), start_m]), [BLOCK_M])
+            delta = tl.reshape(delta_desc.load([(b * HQ + h).to(tl.int32), start_m]), [BLOCK_M])
+            q = maybe_fp32(q, FP32_DOT)
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+            do = maybe_fp32(do, FP32_DOT)
+        else:
+            tile_mask = m_ok[:, None] & d_ok[None, :]
+            q_base, q_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+            do_base, do_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+            q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
+                        mask=tile_mask, other=0.0)
+            q = maybe_fp32(q, FP32_DOT)
+            lse = tl.load(LSE + lse_base + addr_m, mask=m_ok, other=float("inf"))
+            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+            delta = tl.load(DELTA + lse_base + addr_m, mask=m_ok, other=0.0)
+            do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_dv[None, :] * sdo_d),
+                         mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
+            do = maybe_fp32(do, FP32_DOT)
         qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         if SOFTCAP:
             tT = capped_tanh(qkT, softcap_in)
@@ -207,7 +223,7 @@ def _band_query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, window_left, wind
     return doc_k, start, a, b, end
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP", "HEAD_SPLITS",
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP", "HEAD_SPLITS", "s_lse",
                                "window_left", "window_right"])
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOCS, CU, COUNTS,
@@ -218,14 +234,14 @@ def _flash_bwd_dkdv_kernel(
     sdk_b, sdk_s, sdk_h, sdk_d,
     sdv_b, sdv_s, sdv_h, sdv_d,
     Sq, Sk, B, P, sm_scale, qk_scale, softcap_in, softcap_out, window_left, window_right,
-    TUNE_KEY, HQ, HKV, GROUP, HEAD_SPLITS,
+    TUNE_KEY, HQ, HKV, GROUP, HEAD_SPLITS, s_lse,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, KV_ATOMIC: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, COUNT: tl.constexpr = False,
-    DQ_REDUCE: tl.constexpr = False,
+    DQ_REDUCE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
@@ -248,12 +264,40 @@ def _flash_bwd_dkdv_kernel(
     v_mask = n_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
     count_slot = pid * tl.num_programs(0) + pid_n
 
-    k_base, k_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-    v_base, v_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
-    k = tl.load(K + (hk * sk_h + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d), mask=kv_mask,
-                other=0.0)
-    v = tl.load(V + (hk * sv_h + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d), mask=v_mask,
-                other=0.0)
+    if WARP_SPECIALIZE:
+        # Triton's warp-specialized loop (features.py) takes descriptor loads only, before
+        # it and in it, and must be the kernel's only loop: k and v, then every query row
+        # of the key tile in one masked loop. Views: q and dO as [HQ, rows, D] (batch b's
+        # Sq rows, or the buffer's B*Sq rows), LSE and delta as [B*HQ, s_lse].
+        if SPLIT == 1:
+            kv_off = 0
+            qdo_off = 0
+            rows_k = B * Sk
+            rows_q = B * Sq
+        else:
+            kv_off = b * sk_b
+            qdo_off = b * sq_b
+            rows_k = Sk
+            rows_q = Sq
+        k_row = tile_row(n0, b, Sk, B, P, SPLIT)
+        k = kv_descriptor(K + (kv_off + hk * sk_h), rows_k, sk_s, HEAD_DIM, BLOCK_N, BLOCK_D).load([k_row, 0])
+        v_off = kv_off if SPLIT == 1 else b * sv_b
+        v = kv_descriptor(V + (v_off + hk * sv_h), rows_k, sv_s, HEAD_DIM_V, BLOCK_N, BLOCK_DV).load([k_row, 0])
+        do_off = qdo_off if SPLIT == 1 else b * sdo_b
+        descs = (tl.make_tensor_descriptor(Q + qdo_off, shape=[HQ, rows_q, HEAD_DIM], strides=[sq_h, sq_s, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_D]),
+                 tl.make_tensor_descriptor(DO + do_off, shape=[HQ, rows_q, HEAD_DIM_V], strides=[sdo_h, sdo_s, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_DV]),
+                 tl.make_tensor_descriptor(LSE, shape=[B * HQ, Sq], strides=[s_lse, 1], block_shape=[1, BLOCK_M]),
+                 tl.make_tensor_descriptor(DELTA, shape=[B * HQ, Sq], strides=[s_lse, 1], block_shape=[1, BLOCK_M]))
+    else:
+        k_base, k_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+        v_base, v_rows = seq_offsets(offs_n, n0, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+        k = tl.load(K + (hk * sk_h + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d), mask=kv_mask,
+                    other=0.0)
+        v = tl.load(V + (hk * sv_h + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d), mask=v_mask,
+                    other=0.0)
+        descs = (Q, DO, LSE, DELTA)  # unused
     k = maybe_fp32(k, FP32_DOT)
     v = maybe_fp32(v, FP32_DOT)
 
@@ -273,25 +317,39 @@ def _flash_bwd_dkdv_kernel(
         dq_desc = DQ_ACC  # unused
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    # Three phases, each over the query heads of this program (see _dkdv_inner).
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                         sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                         b, Sq, B, P, lo, a_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                         window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                         True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                         sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                         b, Sq, B, P, a_end, b_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                         window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                         False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                         sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                         b, Sq, B, P, b_end, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                         window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                         True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc)
+    if WARP_SPECIALIZE:
+        # One masked loop over every row (see above), from a multiple of BLOCK_M: the LSE and
+        # delta tiles' offsets must be 16-byte aligned (the rows added before lo see no key
+        # of this tile, so the mask drops them).
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
+                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
+                             b, Sq, B, P, lo // BLOCK_M * BLOCK_M, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                             True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
+                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
+                             WARP_SPECIALIZE, descs)
+    else:  # three phases, each over the query heads of this program (see _dkdv_inner)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
+                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
+                             b, Sq, B, P, lo, a_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                             True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
+                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
+                             WARP_SPECIALIZE, descs)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
+                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
+                             b, Sq, B, P, a_end, b_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                             False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
+                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
+                             WARP_SPECIALIZE, descs)
+        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
+                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
+                             b, Sq, B, P, b_end, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
+                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                             True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
+                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
+                             WARP_SPECIALIZE, descs)
     dk = dk * sm_scale
     if KV_ATOMIC:
         # Partial sums of a split query-head group, into fp32 accumulators laid out
@@ -347,8 +405,19 @@ _DKDV_FP32_CONFIGS = {16: (16, 64, 4, 2), 32: (16, 64, 4, 2), 64: (16, 64, 4, 2)
                       256: (16, 64, 4, 1)}
 
 
+# WARP_SPECIALIZE (features.py, dK/dV only): 4-warp programs that Triton splits into
+# producer and consumer partitions; 64-row query tiles (every wgmma N >= 64) build without
+# spills there at D = 64 and 128 (bench/sass_report.py, Triton 3.6 and 3.8).
+_DKDV_WS_CONFIGS = {
+    16: [(64, 128, 4, 2)],
+    32: [(64, 128, 4, 2)],
+    64: [(64, 128, 4, 2), (64, 128, 4, 3)],
+    128: [(64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 2)],
+    256: [(64, 64, 4, 2)],
+}
+
 _launch = TunedLauncher(_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, _INTERPRET_BLOCKS,
-                        fp32_configs=_DKDV_FP32_CONFIGS)
+                        fp32_configs=_DKDV_FP32_CONFIGS, feature_configs={"WARP_SPECIALIZE": _DKDV_WS_CONFIGS})
 # Autotuning runs the kernel once per candidate: the accumulators restart from zero.
 _launch_atomic = TunedLauncher(_flash_bwd_dkdv_kernel, _ATOMIC_CONFIGS, _INTERPRET_BLOCKS,
                                fp32_configs=_DKDV_FP32_CONFIGS, reset_to_zero=["DQ_ACC", "DK", "DV"])
@@ -374,14 +443,17 @@ def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_c
 def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q,
                 seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
                 split, seq_splits, dq_acc=None, splits=1, head_dim_v=None, band=None, softcap=0.0,
-                counter=None, features=None):
+                counter=None, features=None, warp_specialize=False, lse_row_stride=None):
     """strides: (q, k, v, do, dk, dv) stride 4-tuples.
 
     dq_acc: atomic mode, a zero-filled fp32 ``[B, Hq, Sq, block_d]`` accumulator (by
     position) that receives the unscaled dS K. splits > 1 (atomic mode only): dk/dv are
     zero-filled fp32 ``[B, Hkv, Sk, block_d]`` / ``[B, Hkv, Sk, block_dv]`` accumulators for
     the partial sums. head_dim_v: v's (default head_dim); band, softcap, counter, features:
-    see flash_fwd.launch_fwd. Returns the config it ran (None when autotuned)."""
+    see flash_fwd.launch_fwd. warp_specialize (dK/dV only, features.bwd_warp_specialize's
+    rule holds): the warp-specialized kernel, reading lse and delta as rows of
+    lse_row_stride (a multiple of 4: 16-byte TMA strides) padded with +inf and 0. Returns
+    the config it ran (None when autotuned)."""
     fp32_dot = interpreting()
     varlen = docs is not None
     atomic = dq_acc is not None
@@ -396,13 +468,16 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
             *strides[0], *strides[1], *strides[2], *strides[3], *strides[4], *strides[5],
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E, *variant,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_kv_heads,
-            num_q_heads // num_kv_heads, splits)
+            num_q_heads // num_kv_heads, splits, lse_row_stride or seqlen_q)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 DQ_ATOMIC=atomic, KV_ATOMIC=splits > 1,
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(block_d, bdv)),
                 **variant_meta, COUNT=counts is not None,
-                **backward_switches(requested() if features is None else features, q=q, dq_acc=dq_acc))
+                **backward_switches(requested() if features is None else features, q=q, dq_acc=dq_acc),
+                WARP_SPECIALIZE=bool(warp_specialize))
+    if warp_specialize and (atomic or splits > 1):
+        raise ValueError("launch_dkdv: the warp-specialized kernel computes dK/dV only (no dQ atomics, no splits)")
     launcher = _launch_atomic if atomic else _launch
 
     def grid(bm, bn):

@@ -80,7 +80,8 @@ def test_bench_hopper_smoke(tmp_path):
     _run("bench_hopper.py", tmp_path, "--sweep")
     data = json.loads((tmp_path / "hopper_results.json").read_text())
     rows = data["results"]
-    assert {r["impl"] for r in rows} == {"triton[]", "triton[desc]", "triton[desc,fma_scale]", "triton[hopper]"}
+    assert {r["impl"] for r in rows} == {"triton[]", "triton[desc]", "triton[desc,fma_scale]",
+                                         "triton[desc,fma_scale,warp_specialize,bwd_warp_specialize]"}
     assert len(rows) == 16 and all("error" not in r for r in rows), [r for r in rows if "error" in r]
     assert data["meta"]["complete"]
     table = (tmp_path / "hopper_results.md").read_text()
@@ -88,8 +89,9 @@ def test_bench_hopper_smoke(tmp_path):
     assert len(re.findall(r"\| [0-9.]+ \([0-9.]+x\)", table)) == 12  # 3 lists x 4 rows: speed-ups
     sweep = data["meta"]["sweep"]
     assert {(e["kernel"], e["features"]) for e in sweep} == {
-        ("fwd", "desc,fma_scale"), ("fwd", "desc,fma_scale,warp_specialize"), ("bwd_atomic", "dq_reduce")}
-    assert len(sweep) == 6 and all("tflops" in e for e in sweep), sweep
+        ("fwd", "desc,fma_scale"), ("fwd", "desc,fma_scale,warp_specialize"), ("bwd_atomic", "dq_reduce"),
+        ("bwd_dkdv_ws", "bwd_warp_specialize")}
+    assert len(sweep) == 8 and all("tflops" in e for e in sweep), sweep
     assert "Config sweep" in table
 
 

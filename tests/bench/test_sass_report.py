@@ -251,7 +251,8 @@ def test_hopper_feature_builds(report_rows):
     pointer loads (global loads per key block down from 16 to the TMA issue, int64
     arithmetic from 22 to 3 instructions) and free registers; the FFMA scale shortens the
     loop; warp specialization splits the program (4 warps, register reallocation), and
-    spill-free; the dQ reduce-add shortens the atomic backward's loop without spills."""
+    spill-free; the dQ reduce-add shortens the atomic backward's loop without spills; the
+    warp-specialized dK/dV kernel runs 64-row tiles."""
     by = {(r["name"], r["layout"]): r for r in report_rows}
     loop = {key: sass_report.main_loop(r) for key, r in by.items()}
     measured, desc = loop[("fwd", "plain")], loop[("fwd_hopper", "plain+desc")]
@@ -270,3 +271,11 @@ def test_hopper_feature_builds(report_rows):
     assert sass_report.main_loop(reduce)["instrs"] < loop[("bwd_atomic", "plain")]["instrs"]
     atomics = loop[("bwd_atomic", "plain")]["gstore"]  # RED per element vs one UTMAREDG per tile
     assert 0 < sass_report.main_loop(reduce)["gstore"] < atomics
+    # The warp-specialized dK/dV kernel: 64-row query tiles (more rows per loop instruction
+    # than the measured 32-row kernel), partitioned, no spill without a causal mask.
+    ws, measured = by[("bwd_dkdv+ws", "noncausal")], by[("bwd_dkdv", "plain")]
+    assert ws["block_m"] == 64 and ws["warps"] == 4 and ws["total"]["setmaxreg"] > 0 and not sass_report.spills(ws)
+    per_row = sass_report.main_loop(ws)["instrs"] / ws["block_m"]
+    assert per_row < sass_report.main_loop(measured)["instrs"] / measured["block_m"]
+    for layout in ("plain", "buffer", "window", "softcap", "dv=d/2"):
+        assert by[("bwd_dkdv+ws", layout)]["total"]["setmaxreg"] > 0, layout

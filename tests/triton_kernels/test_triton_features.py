@@ -232,3 +232,86 @@ def test_doctor_shows_the_features(monkeypatch, capsys):
     monkeypatch.setenv(VARIABLE, "desc,fast")
     cli.doctor(None)
     assert f"error: {VARIABLE}: unknown kernel feature(s) fast" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the warp-specialized backward
+
+@pytest.fixture
+def dkdv_launches(monkeypatch):
+    """warp_specialize of each dK/dV launch, in order."""
+    from ulysses_kernels.triton import flash_bwd
+
+    seen = []
+    real = flash_bwd.launch_dkdv
+
+    def spy(*args, **kwargs):
+        seen.append(bool(kwargs.get("warp_specialize")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(flash_bwd, "launch_dkdv", spy)
+    return seen
+
+
+def check_backward(q, k, v, do, sinks=None, **options):
+    """flash_attention's gradients (autograd; sinks learnable) against the brute force."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    sink_leaf = sinks.clone().requires_grad_() if sinks is not None else None
+    window = options.pop("window", (None, None))
+    uk_triton.flash_attention(*leaves, sinks=sink_leaf, window=window, **options).backward(do)
+    options.pop("deterministic", None)
+    want = brute_force_attention(q, k, v, do, sinks=sinks, window_size=window_size(window), **options)
+    got = [t.grad for t in leaves] + ([sink_leaf.grad] if sinks is not None else [])
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want[1:]):
+        assert rel_err(g, w) < TOL, f"{name} error {rel_err(g, w):.2e}"
+
+
+@pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,Dv,options", [
+    (2, 70, 70, 4, 2, 32, 32, dict(causal=False)),   # Sq % 4 != 0: LSE rows copied to a stride of 72
+    (2, 64, 64, 4, 2, 32, 32, dict(causal=True)),    # Sq % 4 == 0: read in place
+    (1, 50, 83, 2, 1, 48, 48, dict(causal=True)),    # Sq < Sk, padded head dim, MQA
+    (1, 83, 50, 4, 2, 16, 16, dict(causal=True)),    # Sq > Sk: rows that see nothing
+    (2, 48, 64, 4, 2, 32, 16, dict(causal=False, window=(9, 3), softcap=4.0)),  # variants, Dv != D
+], ids=lambda x: str(x).replace(" ", ""))
+def test_warp_specialized_backward(B, Sq, Sk, Hq, Hkv, D, Dv, options, monkeypatch, dkdv_launches):
+    """bwd_warp_specialize: the one-loop dK/dV kernel with descriptor loads, then the dQ
+    kernel, whatever `deterministic` says; gradients (sinks' too) against float64."""
+    shapes = [(B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, Dv), (B, Sq, Hq, Dv)]
+    q, k, v, do = (randn(*s, seed=i + Sq + Dv) for i, s in enumerate(shapes))
+    sinks = randn(Hq, seed=22) if options.get("softcap") else None
+    monkeypatch.setenv(VARIABLE, "bwd_warp_specialize")
+    for deterministic in (False, True):
+        check_backward(q, k, v, do, sinks=sinks, deterministic=deterministic, **options)
+        assert dkdv_launches[-1] is True
+
+
+@pytest.mark.parametrize("B,S,P,kept", [(2, 64, 2, True), (2, 47, 3, False)], ids=["affine", "per-token"])
+def test_warp_specialized_backward_on_the_buffer(B, S, P, kept, monkeypatch, dkdv_launches):
+    """The all-to-all buffer views: the affine layout reads q/dO through [H, B*S, D]
+    descriptors; the per-token layout keeps the atomic backward."""
+    Hq, Hkv, D = 4, 2, 32
+    q, k, v, do = (randn(B, S, h, D, seed=i + 30) for i, h in enumerate((Hq, Hkv, Hkv, Hq)))
+    out, lse = uk_triton.flash_attention_forward(q, k, v, causal=True, softmax_scale=None)
+    want = brute_force_attention(q, k, v, do, causal=True)
+    qk = to_a2a_buffer(torch.cat([q, k], dim=2), P)
+    buffers = dict(seq_splits=P, batch=B)
+    monkeypatch.setenv(VARIABLE, "bwd_warp_specialize")
+    out_b, lse_b = uk_triton.flash_attention_forward(qk[:, :Hq], qk[:, Hq:], to_a2a_buffer(v, P), causal=True,
+                                                     softmax_scale=None, **buffers)
+    grads = uk_triton.flash_attention_backward(to_a2a_buffer(do, P), qk[:, :Hq], qk[:, Hq:], to_a2a_buffer(v, P),
+                                               out_b, lse_b, causal=True, softmax_scale=None, **buffers)
+    assert dkdv_launches[-1] is kept
+    for name, g, w in zip(("dq", "dk", "dv"), grads, want[1:4]):
+        assert rel_err(from_a2a_buffer(g, B, P), w) < TOL, name
+
+
+def test_warp_specialized_backward_rules(monkeypatch, dkdv_launches):
+    """Packed documents keep the atomic backward (their loads cannot enter the
+    warp-specialized loop); unrequested, nothing changes."""
+    cu = torch.tensor([0, 13, 14, 40], dtype=torch.int32)
+    q, k, v, do = (randn(1, 40, h, 16, seed=i + 40) for i, h in enumerate((2, 1, 1, 2)))
+    monkeypatch.setenv(VARIABLE, "bwd_warp_specialize")
+    check_backward(q, k, v, do, causal=True, cu_seqlens=cu)
+    assert dkdv_launches[-1] is False
+    monkeypatch.setenv(VARIABLE, "hopper")
+    check_backward(q, k, v, do, causal=True)
+    assert dkdv_launches[-1] is False

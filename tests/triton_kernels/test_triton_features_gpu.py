@@ -2,8 +2,8 @@
 bench/gpu_check.sh's second-call step `hopper_tests`), against the float64 brute force of
 tests/helpers.py computed on the CPU and against the measured kernels of the same run:
 TMA descriptor loads, the scale in one FFMA, lazy rescaling, the warp-specialized forward
-(4-warp tiles, producer/consumer partitions) and the dQ reduce-add through a descriptor,
-which the interpreter cannot run; bf16 and fp16, D = 64/128/256, causal and not, GQA,
+and dK/dV kernels (4-warp tiles, producer/consumer partitions) and the dQ reduce-add
+through a descriptor, which the interpreter cannot run; bf16 and fp16, D = 64/128/256, causal and not, GQA,
 uneven lengths, the all-to-all buffer's affine layout and the attention variants.
 
 A feature list must keep every feature it names for these calls (the spies below), and its
@@ -31,6 +31,9 @@ FEATURE_LISTS = {
     "desc,warp_specialize": {"KV_DESC", "WARP_SPECIALIZE"},
     "dq_reduce": {"DQ_REDUCE"},
     "hopper": {"KV_DESC", "FMA_SCALE", "WARP_SPECIALIZE", "DQ_REDUCE"},
+    "bwd_warp_specialize": {"BWD_WARP_SPECIALIZE"},
+    "desc,fma_scale,warp_specialize,bwd_warp_specialize": {"KV_DESC", "FMA_SCALE", "WARP_SPECIALIZE",
+                                                           "BWD_WARP_SPECIALIZE"},
 }
 # (name, B, S, Hq, Hkv, D, options)
 CASES = [
@@ -43,8 +46,9 @@ CASES = [
 
 @pytest.fixture
 def switches(monkeypatch):
-    """The switches each forward and dK/dV launch turned on, accumulated over the test."""
-    from ulysses_kernels.triton import flash_bwd_dkdv, flash_fwd
+    """The switches each forward and dK/dV launch turned on, accumulated over the test
+    (BWD_WARP_SPECIALIZE: the backward took the warp-specialized dK/dV kernel)."""
+    from ulysses_kernels.triton import flash_bwd, flash_bwd_dkdv, flash_fwd
 
     seen = set()
     for module, name in ((flash_fwd, "forward_switches"), (flash_bwd_dkdv, "backward_switches")):
@@ -56,6 +60,15 @@ def switches(monkeypatch):
             return on
 
         monkeypatch.setattr(module, name, spy)
+    real_ws = flash_bwd.bwd_warp_specialize
+
+    def spy_ws(*args, **kwargs):
+        on = real_ws(*args, **kwargs)
+        if on:
+            seen.add("BWD_WARP_SPECIALIZE")
+        return on
+
+    monkeypatch.setattr(flash_bwd, "bwd_warp_specialize", spy_ws)
     return seen
 
 
