@@ -51,7 +51,7 @@ def parse_args():
     p.add_argument("--sweep", action="store_true",
                    help="after the shapes (budget allowing): time every candidate tile config of the features "
                         "(the forward's with desc,fma_scale and with warp_specialize; the atomic backward's with "
-                        "dq_reduce; the warp-specialized dK/dV kernel's, the dQ kernel at its default) at D = 128 "
+                        "dq_reduce; the warp-specialized dK/dV and dQ kernels', each with the other at its default) at D = 128 "
                         "and 64, S = 16k, to pick their defaults from")
     p.add_argument("--dry-run", action="store_true", help="check imports and arguments only")
     p.add_argument("--smoke", action="store_true",
@@ -156,7 +156,13 @@ def sweep_configs(args, torch, triton, device, dtype, t_start, write):
     """[{kernel, features, config, causal, D, tflops | error}]: each candidate config of the
     features' kernels, forced through the launchers' override (forward alone; the backward
     alone, from the forward's out and LSE)."""
-    from ulysses_kernels.triton import flash_attention_backward, flash_attention_forward, flash_bwd_dkdv, flash_fwd
+    from ulysses_kernels.triton import (
+        flash_attention_backward,
+        flash_attention_forward,
+        flash_bwd_dkdv,
+        flash_bwd_dq,
+        flash_fwd,
+    )
 
     entries = []
     S = 64 if args.smoke else 16384
@@ -174,7 +180,8 @@ def sweep_configs(args, torch, triton, device, dtype, t_start, write):
                      ("bwd_atomic", flash_bwd_dkdv._launch_atomic, "dq_reduce",
                       flash_bwd_dkdv._ATOMIC_CONFIGS[block_d]),
                      ("bwd_dkdv_ws", flash_bwd_dkdv._launch, "bwd_warp_specialize",
-                      flash_bwd_dkdv._DKDV_WS_CONFIGS[block_d])]
+                      flash_bwd_dkdv._DKDV_WS_CONFIGS[block_d]),
+                     ("bwd_dq_ws", flash_bwd_dq._launch, "bwd_warp_specialize", flash_bwd_dq._DQ_WS_CONFIGS[block_d])]
             for kernel, launch, spec, configs in plans:
                 for config in configs[:1] if args.smoke else configs:
                     entry = dict(kernel=kernel, features=spec, config=list(config), causal=causal, D=D, S=S)

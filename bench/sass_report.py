@@ -162,8 +162,14 @@ ROWS.append(("bwd_dkdv+ws", "flash_bwd_dkdv", "_flash_bwd_dkdv_kernel", {
     "softcap": dict(VARLEN=False, SPLIT=0, SOFTCAP=True, **_WS),
     "dv=d/2": lambda head_dim: dict(LAYOUTS["dv=d/2"](head_dim), **_WS)},
     launcher_default, {"DQ_ATOMIC": False, "KV_ATOMIC": False}))
+ROWS.append(("bwd_dq+ws", "flash_bwd_dq", "_flash_bwd_dq_kernel", {
+    "plain": dict(VARLEN=False, SPLIT=0, **_WS), "buffer": dict(VARLEN=False, SPLIT=1, **_WS),
+    "noncausal": dict(VARLEN=False, SPLIT=0, CAUSAL=False, **_WS),
+    "window": dict(VARLEN=False, SPLIT=0, CAUSAL=False, WINDOW=True, **_WS),
+    "softcap": dict(VARLEN=False, SPLIT=0, SOFTCAP=True, **_WS)}, launcher_default))
 # Rows of candidates, not defaults: check_limits holds them to building, not to their spills.
-CANDIDATES = {"fwd_hopper", "bwd_atomic+dq_reduce", "bwd_atomic@64x64", "bwd_atomic@64x128", "bwd_dkdv+ws"}
+CANDIDATES = {"fwd_hopper", "bwd_atomic+dq_reduce", "bwd_atomic@64x64", "bwd_atomic@64x128", "bwd_dkdv+ws",
+              "bwd_dq+ws"}
 LIMIT_PAIRS = [("buffer", "plain")]
 # Signature: pointers are the all-uppercase runtime arguments (LSE, DELTA, SINK and *_ACC
 # fp32; DOCS, CU, COUNTS int32; the rest the data type), except these uppercase integer

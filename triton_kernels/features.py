@@ -36,13 +36,13 @@ The backward's (``flash_bwd_dkdv._flash_bwd_dkdv_kernel``, atomic mode):
 * ``dq_reduce`` (``DQ_REDUCE``): each dQ tile is added to the fp32 accumulator by one TMA
   reduce-add from shared memory instead of BLOCK_M x D atomics issued by the compute warps.
   GPU only: Triton's interpreter has no descriptor reduce, so there it is dropped.
-* ``bwd_warp_specialize`` (the dK/dV kernel's ``WARP_SPECIALIZE``): the backward runs as
-  the warp-specialized dK/dV kernel (4 warps, 64-row query tiles: every wgmma N >= 64;
-  descriptor loads only, one masked loop) and the separate dQ kernel: the deterministic
-  two-kernel backward, 7 GEMMs, whatever ``deterministic`` says. Triton 3.8 does not
-  warp-specialize the loop when it also adds dQ (atomics or the reduce-add), hence the
-  separate dQ pass. Strided and affine layouts, no packed documents, 16-bit on a GPU
-  (:func:`bwd_warp_specialize`); the interpreter runs its single loop.
+* ``bwd_warp_specialize`` (``WARP_SPECIALIZE`` of the dK/dV and dQ kernels): the backward
+  runs as the warp-specialized dK/dV kernel (4 warps, 64-row query tiles: every wgmma
+  N >= 64; descriptor loads only, one masked loop) and the warp-specialized dQ kernel: the
+  deterministic two-kernel backward, 7 GEMMs, whatever ``deterministic`` says. Triton
+  does not warp-specialize a dK/dV loop that also adds dQ (atomics or the reduce-add),
+  hence the separate dQ pass. Strided and affine layouts, no packed documents, 16-bit on
+  a GPU (:func:`bwd_warp_specialize`); the interpreter runs their single loops.
 
 A feature that does not apply to a call is dropped for that call, silently: the kernel
 then runs as without it (:func:`forward_switches`, :func:`backward_switches`).

@@ -80,8 +80,9 @@ def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_o
         launch_dkdv(q, k, v, do, dk, dv, rows["lse"], rows["delta"], docs, cu_seqlens,
                     strides=base + (strides_of(dk), strides_of(dv)), warp_specialize=ws,
                     lse_row_stride=rows["lse_row_stride"], **shape, **common, **variant)
-        launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens,
-                  strides=base + (strides_of(dq),), **shape, **common, **variant)
+        launch_dq(q, k, v, do, dq, rows["lse"], rows["delta"], docs, cu_seqlens,
+                  strides=base + (strides_of(dq),), warp_specialize=ws, lse_row_stride=rows["lse_row_stride"],
+                  **shape, **common, **variant)
         return
     # fp32 accumulators [B, H, S, block_d] by position (compile-time strides in the
     # kernel, see flash_bwd_dkdv); one elementwise pass puts them into q's/k's layout.

@@ -22,11 +22,13 @@ from ._common import (
     dot_precision,
     in_band,
     interpreting,
+    kv_descriptor,
     maybe_fp32,
     query_tile_band_range,
     query_tile_key_range,
     seq_bucket,
     seq_offsets,
+    tile_row,
     variant_args,
 )
 from ._common import block_d as padded_head_dim
@@ -35,7 +37,7 @@ LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+def _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
               b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
               window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
@@ -43,31 +45,36 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
               SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-              FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+              FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     local_n = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         if COUNT:  # tests: one more block visited by this program
             tl.atomic_add(COUNTS + count_slot, 1)
         offs_n = start_n + local_n
         n_ok = offs_n < Sk
-        k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-        v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
-        k_ptrs = K + (k_head + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d)
-        v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
-        if MASKED:
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        else:  # whole key blocks: mask padded dims only
-            if HEAD_DIM == BLOCK_D:
-                k = tl.load(k_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            if HEAD_DIM_V == BLOCK_DV:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        if WARP_SPECIALIZE:  # descriptor loads: zeros past Sk and past the head dims
+            k_row = tile_row(start_n, b, Sk, B, P, SPLIT)
+            k = k_desc.load([k_row, 0])
+            v = v_desc.load([k_row, 0])
+        else:
+            k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
+            v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+            k_ptrs = K + (k_head + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d)
+            v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
+            if MASKED:
+                k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
+            else:  # whole key blocks: mask padded dims only
+                if HEAD_DIM == BLOCK_D:
+                    k = tl.load(k_ptrs)
+                else:
+                    k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+                if HEAD_DIM_V == BLOCK_DV:
+                    v = tl.load(v_ptrs)
+                else:
+                    v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         k = maybe_fp32(k, FP32_DOT)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if SOFTCAP:
@@ -93,7 +100,8 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
     return dq
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP", "window_left", "window_right",
+                               "s_lse"])
 def _flash_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, DOCS, CU, COUNTS,
     sq_b, sq_s, sq_h, sq_d,
@@ -102,11 +110,13 @@ def _flash_bwd_dq_kernel(
     sdo_b, sdo_s, sdo_h, sdo_d,
     sdq_b, sdq_s, sdq_h, sdq_d,
     Sq, Sk, B, P, sm_scale, qk_scale, softcap_in, softcap_out, window_left, window_right, TUNE_KEY, HQ, GROUP,
+    s_lse,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, COUNT: tl.constexpr = False,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     num_m = tl.cdiv(Sq, BLOCK_M)
     pid_m = num_m - 1 - tl.program_id(0)
@@ -126,60 +136,98 @@ def _flash_bwd_dq_kernel(
     tile_mask = m_ok[:, None] & d_ok[None, :]
     count_slot = pid_bh * num_m + pid_m
 
-    q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
-    do_base, do_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
-    q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d), mask=tile_mask,
-                other=0.0)
-    do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_dv[None, :] * sdo_d),
-                 mask=m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
-    q = maybe_fp32(q, FP32_DOT)
-    do = maybe_fp32(do, FP32_DOT)
-    lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=m_ok, other=float("inf"))
-    # Rows that saw no key (lse = -inf) must get P = 0: use +inf there.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-    delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=m_ok, other=0.0)
-
     k_head = hk * sk_h
     v_head = hk * sv_h
+    if WARP_SPECIALIZE:
+        # Triton's warp-specialized loop (features.py): descriptor loads only, before it and
+        # in it; 2-D views of this (batch, head)'s rows as in the forward, and 1-D views of
+        # its LSE and delta row (rows s_lse apart: lse_rows in flash_bwd.py; 2-D views with a
+        # [1, BLOCK_M] tile fail Triton's pass here). Rows past Sq read zeros.
+        if SPLIT == 1:
+            rows_q, rows_k, q_off, do_off, k_off, v_off = B * Sq, B * Sk, 0, 0, 0, 0
+        else:
+            rows_q, rows_k = Sq, Sk
+            q_off, do_off, k_off, v_off = b * sq_b, b * sdo_b, b * sk_b, b * sv_b
+        q_row = tile_row(m0, b, Sq, B, P, SPLIT)
+        q = kv_descriptor(Q + (q_off + h * sq_h), rows_q, sq_s, HEAD_DIM, BLOCK_M, BLOCK_D).load([q_row, 0])
+        do = kv_descriptor(DO + (do_off + h * sdo_h), rows_q, sdo_s, HEAD_DIM_V, BLOCK_M, BLOCK_DV).load([q_row, 0])
+        lse_desc = tl.make_tensor_descriptor(LSE + pid_bh * s_lse, shape=[Sq], strides=[1], block_shape=[BLOCK_M])
+        delta_desc = tl.make_tensor_descriptor(DELTA + pid_bh * s_lse, shape=[Sq], strides=[1], block_shape=[BLOCK_M])
+        lse = lse_desc.load([m0])
+        delta = delta_desc.load([m0])
+        k_desc = kv_descriptor(K + (k_off + k_head), rows_k, sk_s, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_desc = kv_descriptor(V + (v_off + v_head), rows_k, sv_s, HEAD_DIM_V, BLOCK_N, BLOCK_DV)
+    else:
+        q_base, q_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
+        do_base, do_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+        q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d), mask=tile_mask,
+                    other=0.0)
+        do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_dv[None, :] * sdo_d),
+                     mask=m_ok[:, None] & (offs_dv < HEAD_DIM_V)[None, :], other=0.0)
+        k_desc = K  # unused
+        v_desc = V
+    q = maybe_fp32(q, FP32_DOT)
+    do = maybe_fp32(do, FP32_DOT)
+    if not WARP_SPECIALIZE:
+        lse = tl.load(LSE + pid_bh * Sq + offs_m, mask=m_ok, other=float("inf"))
+    # Rows that saw no key (lse = -inf) must get P = 0: use +inf there.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+    if not WARP_SPECIALIZE:
+        delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=m_ok, other=0.0)
+
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if WINDOW:
+    if WARP_SPECIALIZE:  # one masked loop: the warp-specialized loop must be the only one
+        if WINDOW:
+            doc_q, lo, _a, _b, hi = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                          window_left, window_right, DOCS, CU,
+                                                          VARLEN, SPLIT, BLOCK_N)
+        else:
+            doc_q, lo, hi, _u = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
+                                                     DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
+                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
+                       b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
+                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
+                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
+    elif WINDOW:
         doc_q, start, a, b_end, end = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                             window_left, window_right, DOCS, CU,
                                                             VARLEN, SPLIT, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
                        sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                        b, Sk, B, P, start, a, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
                        window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                        True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
         if a < b_end:  # its loads are unmasked: not even a pipelined first load when empty
-            dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+            dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
                            sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                            b, Sk, B, P, a, b_end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
                            window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                            False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                           HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                           HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
                        sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                        b, Sk, B, P, b_end, end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
                        window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                        True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
     else:
         doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                            DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
                        sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                        b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
                        window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                        False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_head, v_head,
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
+        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
                        sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                        b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
                        window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
                        True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION)
+                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
     dq = dq * sm_scale
     dq_base, dq_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdq_b, sdq_s, SPLIT)
     tl.store(DQ + (h * sdq_h + dq_base) + (dq_rows[:, None] + offs_d[None, :] * sdq_d),
@@ -205,15 +253,26 @@ _DQ_FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 
                     256: (64, 16, 4, 1)}
 
 
-_launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS, fp32_configs=_DQ_FP32_CONFIGS)
+# WARP_SPECIALIZE (features.py "bwd_warp_specialize"): 4-warp programs split into producer
+# and consumer partitions, as the forward's.
+_DQ_WS_CONFIGS = {
+    16: [(128, 64, 4, 2)],
+    32: [(128, 64, 4, 2)],
+    64: [(128, 64, 4, 2), (128, 128, 4, 2)],
+    128: [(128, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2)],
+    256: [(64, 64, 4, 2)],
+}
+
+_launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS, fp32_configs=_DQ_FP32_CONFIGS,
+                        feature_configs={"WARP_SPECIALIZE": _DQ_WS_CONFIGS})
 
 
 def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q, seqlen_k,
               num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale, split, seq_splits,
-              head_dim_v=None, band=None, softcap=0.0, counter=None):
+              head_dim_v=None, band=None, softcap=0.0, counter=None, warp_specialize=False, lse_row_stride=None):
     """strides: (q, k, v, do, dq) stride 4-tuples; head_dim_v: v's (default head_dim);
-    band, softcap, counter: see flash_fwd.launch_fwd. Returns the config it ran (None
-    when autotuned)."""
+    band, softcap, counter: see flash_fwd.launch_fwd; warp_specialize, lse_row_stride: see
+    flash_bwd_dkdv.launch_dkdv. Returns the config it ran (None when autotuned)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     bd, bdv = block_d, padded_head_dim(head_dim_v)
     fp32_dot = interpreting()
@@ -224,11 +283,12 @@ def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, 
             counts if counts is not None else lse,
             *strides[0], *strides[1], *strides[2], *strides[3], *strides[4],
             seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E, *variant,
-            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
+            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads,
+            lse_row_stride or seqlen_q)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(bd, bdv)),
-                **variant_meta, COUNT=counts is not None)
+                **variant_meta, COUNT=counts is not None, WARP_SPECIALIZE=bool(warp_specialize))
 
     def grid(bm, bn):
         return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)

@@ -64,8 +64,8 @@ HOPPER_FEATURES = Variable("ULYSSES_KERNELS_HOPPER_FEATURES", "text", "(none: th
                            "through TMA tensor descriptors), fma_scale (the softmax scale in one FFMA), "
                            "lazy_rescale (rescale only when a row maximum grows by more than 2**8), "
                            "warp_specialize (Triton's warp-specialized loop); backward: dq_reduce (dQ added by TMA "
-                           "reduce-adds), bwd_warp_specialize (a warp-specialized dK/dV kernel with 64-row tiles, "
-                           "then the dQ kernel); hopper: desc, fma_scale, warp_specialize and dq_reduce. Candidates until "
+                           "reduce-adds), bwd_warp_specialize (warp-specialized dK/dV kernel with 64-row tiles, "
+                           "then a warp-specialized dQ kernel); hopper: desc, fma_scale, warp_specialize and dq_reduce. Candidates until "
                            "measured on a GPU: none is on by default (docs/architecture.md, \"Hopper kernel "
                            "features\").")
 # -- the fused path

@@ -90,8 +90,8 @@ def test_bench_hopper_smoke(tmp_path):
     sweep = data["meta"]["sweep"]
     assert {(e["kernel"], e["features"]) for e in sweep} == {
         ("fwd", "desc,fma_scale"), ("fwd", "desc,fma_scale,warp_specialize"), ("bwd_atomic", "dq_reduce"),
-        ("bwd_dkdv_ws", "bwd_warp_specialize")}
-    assert len(sweep) == 8 and all("tflops" in e for e in sweep), sweep
+        ("bwd_dkdv_ws", "bwd_warp_specialize"), ("bwd_dq_ws", "bwd_warp_specialize")}
+    assert len(sweep) == 10 and all("tflops" in e for e in sweep), sweep
     assert "Config sweep" in table
 
 

@@ -252,7 +252,7 @@ def test_hopper_feature_builds(report_rows):
     arithmetic from 22 to 3 instructions) and free registers; the FFMA scale shortens the
     loop; warp specialization splits the program (4 warps, register reallocation), and
     spill-free; the dQ reduce-add shortens the atomic backward's loop without spills; the
-    warp-specialized dK/dV kernel runs 64-row tiles."""
+    warp-specialized dK/dV kernel runs 64-row tiles, its dQ kernel builds without spills."""
     by = {(r["name"], r["layout"]): r for r in report_rows}
     loop = {key: sass_report.main_loop(r) for key, r in by.items()}
     measured, desc = loop[("fwd", "plain")], loop[("fwd_hopper", "plain+desc")]
@@ -279,3 +279,6 @@ def test_hopper_feature_builds(report_rows):
     assert per_row < sass_report.main_loop(measured)["instrs"] / measured["block_m"]
     for layout in ("plain", "buffer", "window", "softcap", "dv=d/2"):
         assert by[("bwd_dkdv+ws", layout)]["total"]["setmaxreg"] > 0, layout
+    for layout in ("plain", "buffer", "noncausal", "window", "softcap"):  # and its dQ kernel
+        dq_ws = by[("bwd_dq+ws", layout)]
+        assert dq_ws["total"]["setmaxreg"] > 0 and not sass_report.spills(dq_ws), layout
