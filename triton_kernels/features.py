@@ -52,6 +52,7 @@ import torch
 import triton
 
 from ..env import HOPPER_FEATURES, interpreting, text
+from ._common import block_d
 
 FORWARD = ("desc", "fma_scale", "lazy_rescale", "warp_specialize")
 BACKWARD = ("dq_reduce", "bwd_warp_specialize")
@@ -134,10 +135,13 @@ def forward_switches(features, *, q, k, v, sq_strides, sk_strides, sv_strides, s
 
 
 def bwd_warp_specialize(features, *, tensors, strides, split, batch, seqlen_q, seqlen_k, varlen) -> bool:
-    """Whether a backward runs the warp-specialized dK/dV kernel: requested, strided or
-    affine layout, no packed documents, 16-bit inputs on a GPU (any in the interpreter),
-    and q, k, v and dO (``tensors``, their ``strides``) through TMA descriptors."""
+    """Whether a backward runs the warp-specialized dK/dV and dQ kernels: requested, strided
+    or affine layout, no packed documents, 16-bit inputs on a GPU (any in the interpreter),
+    padded head dims up to 128 (at 256 the 4-warp tiles spill over a kilobyte), and q, k, v
+    and dO (``tensors``, their ``strides``) through TMA descriptors."""
     if "bwd_warp_specialize" not in parse(features) or varlen or split not in (0, 1):
+        return False
+    if max(block_d(tensors[0].shape[-1]), block_d(tensors[2].shape[-1])) > 128:
         return False
     q = tensors[0]
     if q.device.type == "cuda" and q.dtype == torch.float32:

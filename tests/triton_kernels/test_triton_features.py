@@ -306,7 +306,14 @@ def test_warp_specialized_backward_on_the_buffer(B, S, P, kept, monkeypatch, dkd
 
 def test_warp_specialized_backward_rules(monkeypatch, dkdv_launches):
     """Packed documents keep the atomic backward (their loads cannot enter the
-    warp-specialized loop); unrequested, nothing changes."""
+    warp-specialized loop), and so does a head dim of 256 (its tiles spill); unrequested,
+    nothing changes."""
+    big = [randn(1, 8, 1, 256, seed=50)] * 4
+    assert not features.bwd_warp_specialize("bwd_warp_specialize", tensors=big, strides=[big[0].stride()] * 4,
+                                            split=0, batch=1, seqlen_q=8, seqlen_k=8, varlen=False)
+    small = [randn(1, 8, 1, 128, seed=51)] * 4
+    assert features.bwd_warp_specialize("bwd_warp_specialize", tensors=small, strides=[small[0].stride()] * 4,
+                                        split=0, batch=1, seqlen_q=8, seqlen_k=8, varlen=False)
     cu = torch.tensor([0, 13, 14, 40], dtype=torch.int32)
     q, k, v, do = (randn(1, 40, h, 16, seed=i + 40) for i, h in enumerate((2, 1, 1, 2)))
     monkeypatch.setenv(VARIABLE, "bwd_warp_specialize")

@@ -102,7 +102,10 @@ def test_features_on_the_gpu_match_float64(case, feature_list, dtype, monkeypatc
     measured = run(q, k, v, do, sinks, "", monkeypatch, **options)
     assert not switches, f"the measured kernels ran with {switches}"
     got = run(q, k, v, do, sinks, feature_list, monkeypatch, **options)
-    assert FEATURE_LISTS[feature_list] <= switches, f"{feature_list}: only {sorted(switches)} ran"
+    expected = FEATURE_LISTS[feature_list]
+    if D > 128:  # the backward features' rule: not at D = 256 (their tiles spill there)
+        expected = expected - {"DQ_REDUCE", "BWD_WARP_SPECIALIZE"}
+    assert expected <= switches, f"{feature_list}: only {sorted(switches)} ran"
     for name, g, m, w in zip(("out", "dq", "dk", "dv", "dsinks"), got, measured, want):
         assert not torch.isnan(g).any(), name
         err, base = rel_err(g.float().cpu(), w), rel_err(m.float().cpu(), w)
