@@ -289,6 +289,22 @@ def query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left,
 
 
 @triton.jit
+def query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right, DOCS, CU,
+                           CAUSAL: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
+    """(doc_q, lo, hi): every key a query tile visits, for the warp-specialized kernels'
+    single masked loop (forward and dQ): query_tile_band_range's [start, end) under a
+    band, else query_tile_key_range's [lo, hi)."""
+    if WINDOW:
+        doc_q, lo, _a, _b, hi = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left,
+                                                      window_right, DOCS, CU, VARLEN, SPLIT, BLOCK_N)
+    else:
+        doc_q, lo, hi, _u = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off, DOCS, CU, CAUSAL,
+                                                 VARLEN, BLOCK_N)
+    return doc_q, lo, hi
+
+
+@triton.jit
 def capped_tanh(qk, softcap_in):
     """``t = tanh(scale * qk / softcap)`` of raw dot products (SOFTCAP), the score being
     ``softcap * t``; ``softcap_in = 2 * log2(e) * scale / softcap``. Built from exp2 (no

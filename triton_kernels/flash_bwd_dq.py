@@ -26,6 +26,7 @@ from ._common import (
     maybe_fp32,
     query_tile_band_range,
     query_tile_key_range,
+    query_tile_visit_range,
     seq_bucket,
     seq_offsets,
     tile_row,
@@ -177,13 +178,8 @@ def _flash_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if WARP_SPECIALIZE:  # one masked loop: the warp-specialized loop must be the only one
-        if WINDOW:
-            doc_q, lo, _a, _b, hi = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
-                                                          window_left, window_right, DOCS, CU,
-                                                          VARLEN, SPLIT, BLOCK_N)
-        else:
-            doc_q, lo, hi, _u = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
-                                                     DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
+        doc_q, lo, hi = query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right,
+                                               DOCS, CU, CAUSAL, VARLEN, WINDOW, SPLIT, BLOCK_N)
         dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
                        sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                        b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,

@@ -35,6 +35,7 @@ from ._common import (
     maybe_fp32,
     query_tile_band_range,
     query_tile_key_range,
+    query_tile_visit_range,
     seq_bucket,
     seq_offsets,
     tile_row,
@@ -225,13 +226,8 @@ def _flash_fwd_kernel(
     if WARP_SPECIALIZE:
         # One masked loop over every key the tile visits: the warp-specialized loop must be
         # the kernel's only loop (a second one fails Triton 3.8's pass).
-        if WINDOW:
-            doc_q, lo, _a, _b, hi = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
-                                                          window_left, window_right, DOCS, CU,
-                                                          VARLEN, SPLIT, BLOCK_N)
-        else:
-            doc_q, lo, hi, _u = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
-                                                     DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
+        doc_q, lo, hi = query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right,
+                                               DOCS, CU, CAUSAL, VARLEN, WINDOW, SPLIT, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
                                    sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
                                    b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS,
