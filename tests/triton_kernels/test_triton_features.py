@@ -32,6 +32,11 @@ FEATURE_SETS = {
     "desc,fma_scale,lazy_rescale": dict(ALL_OFF, KV_DESC=True, FMA_SCALE=True, LAZY_RESCALE=True),
     "hopper": dict(ALL_OFF, KV_DESC=True, FMA_SCALE=True, WARP_SPECIALIZE=True),
 }
+# The fast tier runs the two lists that hold every forward feature; the slow tier (CI runs
+# both) adds their subsets.
+SLOW = pytest.mark.slow
+FEATURE_PARAMS = [pytest.param(name, marks=SLOW) if name in ("desc", "desc,fma_scale") else name
+                  for name in FEATURE_SETS]
 
 
 @pytest.fixture
@@ -76,7 +81,7 @@ def window_size(window):
     return tuple(-1 if side is None else side for side in window)
 
 
-@pytest.mark.parametrize("feature_list", list(FEATURE_SETS))
+@pytest.mark.parametrize("feature_list", FEATURE_PARAMS)
 @pytest.mark.parametrize("B,Sq,Sk,Hq,Hkv,D,causal", [
     (2, 70, 70, 4, 2, 32, False),   # batch 2, GQA, a partial last key block
     (2, 70, 70, 4, 2, 32, True),
@@ -90,7 +95,7 @@ def test_features_match_the_reference(B, Sq, Sk, Hq, Hkv, D, causal, feature_lis
     check_forward(out, lse, q, k, v, causal=causal)
 
 
-@pytest.mark.parametrize("feature_list", list(FEATURE_SETS))
+@pytest.mark.parametrize("feature_list", FEATURE_PARAMS)
 def test_features_with_the_attention_variants(feature_list, monkeypatch, launched):
     """A two-sided window (Sq < Sk: shifted), sinks and Dv != D; then softcap (fma_scale
     dropped)."""
@@ -116,7 +121,7 @@ def test_features_with_documents(feature_list, monkeypatch, launched):
     check_forward(out, lse, q, k, v, causal=True, cu_seqlens=cu, window_size=(6, -1))
 
 
-@pytest.mark.parametrize("B,S,P,split,kept", [(2, 64, 2, 1, True), (2, 47, 3, 2, False)],
+@pytest.mark.parametrize("B,S,P,split,kept", [(2, 64, 2, 1, True), pytest.param(2, 47, 3, 2, False, marks=SLOW)],
                          ids=["affine", "per-token"])
 def test_features_on_the_all_to_all_buffer(B, S, P, split, kept, monkeypatch, launched):
     """3-D buffer views (q|k heads of one buffer): the affine layout (SPLIT 1) reads through
@@ -135,7 +140,7 @@ def test_features_on_the_all_to_all_buffer(B, S, P, split, kept, monkeypatch, la
             check_forward(from_a2a_buffer(out, B, P), lse, q, k, v, causal=causal)
 
 
-@pytest.mark.parametrize("feature_list", ["desc,fma_scale,lazy_rescale", "desc,fma_scale"])
+@pytest.mark.parametrize("feature_list", ["desc,fma_scale,lazy_rescale", pytest.param("desc,fma_scale", marks=SLOW)])
 @pytest.mark.parametrize("growth", [0.05, 0.3, 0.5, 6.0, 400.0], ids=lambda g: f"growth{g}")
 def test_rescaling_as_the_maxima_grow(growth, feature_list, monkeypatch):
     """Scores that rise along the keys by `growth` (natural-log units) per key, about 23x
@@ -272,16 +277,16 @@ def check_backward(q, k, v, do, sinks=None, **options):
     (1, 83, 50, 4, 2, 16, 16, dict(causal=True)),    # Sq > Sk: rows that see nothing
     (2, 48, 64, 4, 2, 32, 16, dict(causal=False, window=(9, 3), softcap=4.0)),  # variants, Dv != D
 ], ids=lambda x: str(x).replace(" ", ""))
-def test_warp_specialized_backward(B, Sq, Sk, Hq, Hkv, D, Dv, options, monkeypatch, dkdv_launches):
+@pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=SLOW)], ids=["atomic", "deterministic"])
+def test_warp_specialized_backward(B, Sq, Sk, Hq, Hkv, D, Dv, options, deterministic, monkeypatch, dkdv_launches):
     """bwd_warp_specialize: the one-loop dK/dV kernel with descriptor loads, then the dQ
     kernel, whatever `deterministic` says; gradients (sinks' too) against float64."""
     shapes = [(B, Sq, Hq, D), (B, Sk, Hkv, D), (B, Sk, Hkv, Dv), (B, Sq, Hq, Dv)]
     q, k, v, do = (randn(*s, seed=i + Sq + Dv) for i, s in enumerate(shapes))
     sinks = randn(Hq, seed=22) if options.get("softcap") else None
     monkeypatch.setenv(VARIABLE, "bwd_warp_specialize")
-    for deterministic in (False, True):
-        check_backward(q, k, v, do, sinks=sinks, deterministic=deterministic, **options)
-        assert dkdv_launches[-1] is True
+    check_backward(q, k, v, do, sinks=sinks, deterministic=deterministic, **options)
+    assert dkdv_launches[-1] is True
 
 
 @pytest.mark.parametrize("B,S,P,kept", [(2, 64, 2, True), (2, 47, 3, False)], ids=["affine", "per-token"])
