@@ -80,7 +80,7 @@ def test_bench_hopper_smoke(tmp_path):
     _run("bench_hopper.py", tmp_path, "--sweep")
     data = json.loads((tmp_path / "hopper_results.json").read_text())
     rows = data["results"]
-    assert {r["impl"] for r in rows} == {"triton[]", "triton[desc]", "triton[desc,fma_scale]",
+    assert {r["impl"] for r in rows} == {"triton[]", "triton[desc,fma_scale]", "triton[desc,fma_scale,lazy_rescale]",
                                          "triton[desc,fma_scale,warp_specialize,bwd_warp_specialize]"}
     assert len(rows) == 16 and all("error" not in r for r in rows), [r for r in rows if "error" in r]
     assert data["meta"]["complete"]
