@@ -103,12 +103,12 @@ def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_o
 
 
 def lse_rows(lse, delta):
-    """lse and delta ``[B, H, Sq]`` as the warp-specialized dK/dV kernel reads them: rows of
-    a stride that is a multiple of 4 (16-byte TMA strides), copied only when Sq is not;
-    the kernel's descriptors stop at Sq, so the padding is never read."""
+    """lse and delta ``[B, H, Sq]`` as the warp-specialized kernels read them: 16-byte
+    aligned rows of a stride that is a multiple of 4 (TMA's rules), copied only when they
+    are not; the kernels' descriptors stop at Sq, so the padding is never read."""
     sq = lse.shape[-1]
     stride = -(-sq // 4) * 4
-    if stride == sq and lse.is_contiguous():
+    if stride == sq and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (lse, delta)):
         return dict(lse=lse, delta=delta, lse_row_stride=sq)
     padded = [torch.empty((*t.shape[:-1], stride), dtype=t.dtype, device=t.device) for t in (lse, delta)]
     for dst, src in zip(padded, (lse, delta)):
