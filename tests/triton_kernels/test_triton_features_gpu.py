@@ -137,3 +137,42 @@ def test_features_on_the_affine_buffer_layout(feature_list, monkeypatch, switche
     err = rel_err(from_a2a_buffer(out.float().cpu(), B, P), want)
     print(f"{feature_list} affine buffer: out {err:.2e}")
     assert err < TOL[torch.bfloat16]
+
+
+_MEMCHECK_SCRIPT = """
+import os
+import torch
+from ulysses_kernels import triton as kernels
+torch.manual_seed(0)
+for features in ("hopper", "desc,fma_scale,lazy_rescale,bwd_warp_specialize"):
+    os.environ["ULYSSES_KERNELS_HOPPER_FEATURES"] = features
+    for causal, (hq, hkv), s in ((False, (4, 2), 777), (True, (4, 1), 300)):
+        q = torch.randn(2, s, hq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(2, s, hkv, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(2, s, hkv, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = kernels.flash_attention(q, k, v, causal=causal)
+        out.backward(torch.randn(2, s, hq, 128, device="cuda", dtype=torch.bfloat16))
+torch.cuda.synchronize()
+print("memcheck script done")
+"""
+
+
+def test_features_under_memcheck():
+    """Every feature (the two lists hold them all) under compute-sanitizer's memcheck, with
+    uneven lengths (partial tiles, LSE rows copied to a 16-byte stride): device-side
+    descriptors, TMA loads past the bounds and the reduce-add touch no memory outside the
+    tensors. The caching allocator is off, so every tensor ends where its allocation does."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    run_env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", ULYSSES_KERNELS_TRITON_AUTOTUNE="0",
+                   TRITON_INTERPRET="0")
+    proc = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit", "5",
+                           sys.executable, "-c", _MEMCHECK_SCRIPT], capture_output=True, text=True,
+                          timeout=55, env=run_env)
+    assert proc.returncode == 0 and "memcheck script done" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
