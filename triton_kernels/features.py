@@ -69,9 +69,10 @@ _TMA_MAX_ROWS = 2**31 - 1
 
 def parse(spec) -> frozenset:
     """The features named by ``spec``: a comma-separated string ("" for none, "hopper" for
-    desc, fma_scale, warp_specialize and dq_reduce) or an iterable of names. Raises ValueError naming
-    unknown features, and for lazy_rescale with warp_specialize (Triton 3.8 does not
-    warp-specialize a loop holding lazy_rescale's branch: the 4-warp tile then spills)."""
+    desc, fma_scale, warp_specialize and dq_reduce) or an iterable of names. Raises
+    ValueError naming unknown features, and for lazy_rescale with warp_specialize (Triton
+    does not warp-specialize a loop holding lazy_rescale's branch: the 4-warp tile then
+    spills)."""
     if spec is None:
         return frozenset()
     names = [n.strip().lower() for n in spec.split(",")] if isinstance(spec, str) else [str(n) for n in spec]
@@ -96,10 +97,10 @@ def requested() -> frozenset:
 
 
 def descriptor_ok(tensor, strides, rows: int, width: int, split: int, batch: int) -> bool:
-    """Whether ``tensor`` (a K or V operand: (batch, seq, head, dim) element ``strides``)
-    can be read through the 2-D tensor descriptors of ``KV_DESC``: SPLIT 0 or 1, unit dim
-    stride, 16-byte aligned base and batch/seq/head strides (every program's view starts
-    at ``base + b*stride_b + h*stride_h``), a row at least 16 bytes wide, and int32 rows."""
+    """Whether ``tensor`` (an operand with (batch, seq, head, dim) element ``strides``) can
+    be read through the kernels' tensor descriptors: SPLIT 0 or 1, unit dim stride, 16-byte
+    aligned base and batch/seq/head strides (every program's view starts at
+    ``base + b*stride_b + h*stride_h``), a row at least 16 bytes wide, and int32 rows."""
     if split not in (0, 1):
         return False
     stride_b, stride_s, stride_h, stride_d = strides
@@ -120,7 +121,7 @@ def forward_switches(features, *, q, k, v, sq_strides, sk_strides, sv_strides, s
     rows_q, rows_k = (batch * seqlen_q, batch * seqlen_k) if split == 1 else (seqlen_q, seqlen_k)
     if not (descriptor_ok(k, sk_strides, rows_k, head_dim, split, batch)
             and descriptor_ok(v, sv_strides, rows_k, head_dim_v, split, batch)):
-        on.clear()  # every other feature was built and measured on descriptor loads
+        on.clear()  # every other feature was sized with descriptor loads (module docstring)
     # The warp-specialized loop reads q, k and v through descriptors, and nothing else
     # (VARLEN's document loads fail Triton's pass).
     if varlen or not descriptor_ok(q, sq_strides, rows_q, head_dim, split, batch):
