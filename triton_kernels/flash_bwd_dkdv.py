@@ -406,8 +406,9 @@ _DKDV_FP32_CONFIGS = {16: (16, 64, 4, 2), 32: (16, 64, 4, 2), 64: (16, 64, 4, 2)
 
 
 # WARP_SPECIALIZE (features.py, dK/dV only): 4-warp programs that Triton splits into
-# producer and consumer partitions; 64-row query tiles (every wgmma N >= 64) build without
-# spills there at D = 64 and 128 (bench/sass_report.py, Triton 3.6 and 3.8).
+# producer and consumer partitions; 64-row query tiles (every wgmma N >= 64) build there
+# without spills at D = 64 and for non-causal D = 128, with 16 B causal (bench/sass_report.py,
+# Triton 3.8; 32 B under 3.6).
 _DKDV_WS_CONFIGS = {
     16: [(64, 128, 4, 2)],
     32: [(64, 128, 4, 2)],

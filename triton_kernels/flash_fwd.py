@@ -190,7 +190,7 @@ def _flash_fwd_kernel(
 
     if WARP_SPECIALIZE:
         # Triton's warp-specialized loop needs q from a descriptor too (a pointer load
-        # before it fails its pass, Triton 3.8).
+        # before it fails its pass, Triton 3.6 to 3.9).
         if SPLIT == 1:
             q_desc = kv_descriptor(Q + h * sq_h, B * Sq, sq_s, HEAD_DIM, BLOCK_M, BLOCK_D)
         else:
@@ -225,7 +225,7 @@ def _flash_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if WARP_SPECIALIZE:
         # One masked loop over every key the tile visits: the warp-specialized loop must be
-        # the kernel's only loop (a second one fails Triton 3.8's pass).
+        # the kernel's only loop (a second one fails Triton's pass).
         doc_q, lo, hi = query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right,
                                                DOCS, CU, CAUSAL, VARLEN, WINDOW, SPLIT, BLOCK_N)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
@@ -324,7 +324,7 @@ _FWD_FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2),
 
 
 # WARP_SPECIALIZE (features.py): Triton splits a 4-warp program into producer and consumer
-# partitions (8 warps build no warp-specialized code, Triton 3.8); candidates per head dim.
+# partitions (8 warps build no warp-specialized code, Triton 3.6 to 3.9); candidates per head dim.
 _FWD_WS_CONFIGS = {
     16: [(128, 64, 4, 2)],
     32: [(128, 64, 4, 2)],
