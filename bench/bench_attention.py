@@ -29,6 +29,8 @@ import sys
 import time
 import zlib
 
+from _attention_bench import refuse, timer
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,21 +77,10 @@ def main():
     except ImportError:
         print("bench_attention: torch is not installed", file=sys.stderr)
         return 2
-    interpret = env.interpreting()
+    if refuse("bench_attention", args.smoke):
+        return 2
     if args.smoke:
-        if not interpret:
-            print("bench_attention: --smoke runs the kernels in the interpreter: set TRITON_INTERPRET=1",
-                  file=sys.stderr)
-            return 2
         args.no_sdpa, args.seqlens, args.head_dims, args.tokens = True, "32", "128", 32
-    elif not torch.cuda.is_available():
-        print("bench_attention: no CUDA GPU available; this benchmark needs one (nothing to do).",
-              file=sys.stderr)
-        return 2
-    elif interpret:
-        print("bench_attention: TRITON_INTERPRET=1 is set; unset it to benchmark real kernels.",
-              file=sys.stderr)
-        return 2
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     import torch.nn.functional as F
     import triton
@@ -141,12 +132,7 @@ def main():
         with open(os.path.join(args.out, "attention_results.md"), "w") as f:
             f.write(_table_md(rows, meta, sweep))
 
-    def timed(fn):
-        if args.smoke:
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    timed = timer(args.smoke, warmup, rep)
 
     # Budget: predict a configuration's wall time from the last one, scaled by FLOPs
     # (compilation of a new kernel variant adds a fixed ~10 s guess).

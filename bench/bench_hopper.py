@@ -31,6 +31,8 @@ import os
 import sys
 import time
 
+from _attention_bench import flash_attn_func, refuse, timer
+
 # ';'-separated feature lists ("after"); "" (the measured kernels, "before") always runs.
 # (hopper = desc,fma_scale,warp_specialize + dq_reduce: next to the third, it isolates dq_reduce.)
 DEFAULT_FEATURES = ("desc,fma_scale;desc,fma_scale,lazy_rescale;desc,fma_scale,warp_specialize;hopper;"
@@ -75,14 +77,6 @@ def hopper_features(spec):
             os.environ[VARIABLE] = old
 
 
-def _flash_attn():
-    try:
-        from flash_attn import flash_attn_func
-    except Exception:  # noqa: BLE001 - not installed, or built for another torch
-        return None
-    return flash_attn_func
-
-
 def _shapes(args):
     """(D, S, causal) in priority order: D = 128 first, then S >= 16k ascending, then the
     shorter ones; non-causal before causal."""
@@ -108,22 +102,15 @@ def main():
     import torch
     import triton
 
+    if refuse("bench_hopper", args.smoke):
+        return 2
     if args.smoke:
-        if not env.interpreting():
-            print("bench_hopper: --smoke runs the kernels in the interpreter: set TRITON_INTERPRET=1",
-                  file=sys.stderr)
-            return 2
         args.seqlens, args.head_dims, args.tokens = "64", "32", 64
         lists = lists[:2] + [lists[-1]]
-    elif not torch.cuda.is_available():
-        print("bench_hopper: no CUDA GPU available; this benchmark needs one.", file=sys.stderr)
-        return 2
-    elif env.interpreting():
-        print("bench_hopper: TRITON_INTERPRET=1 is set; unset it to benchmark real kernels.", file=sys.stderr)
-        return 2
     os.makedirs(args.out, exist_ok=True)
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
-    flash = None if args.smoke else _flash_attn()
+    flash = None if args.smoke else flash_attn_func()
+    timed = timer(args.smoke, warmup=10, rep=40)
     meta = dict(gpu="smoke (CPU, Triton interpreter)" if args.smoke else torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, flash_attn=flash is not None,
                 dtype=str(dtype).replace("torch.", ""), tokens=args.tokens, features=lists,
@@ -143,17 +130,17 @@ def main():
             meta["complete"] = False
             meta.setdefault("skipped", []).append(dict(D=D, S=S, causal=causal))
             continue
-        rows += time_shape(args, torch, triton, flash, device, dtype, lists, D=D, S=S, causal=causal)
+        rows += time_shape(args, torch, timed, flash, device, dtype, lists, D=D, S=S, causal=causal)
         write()
     if args.sweep:
-        meta["sweep"] = sweep_configs(args, torch, triton, device, dtype, t_start, write)
+        meta["sweep"] = sweep_configs(args, torch, timed, device, dtype, t_start, write)
     meta["seconds"] = round(time.time() - t_start, 1)
     write()
     print(table(rows, meta))
     return 0
 
 
-def sweep_configs(args, torch, triton, device, dtype, t_start, write):
+def sweep_configs(args, torch, timed, device, dtype, t_start, write):
     """[{kernel, features, config, causal, D, tflops | error}]: each candidate config of the
     features' kernels, forced through the launchers' override (forward alone; the backward
     alone, from the forward's out and LSE)."""
@@ -193,11 +180,11 @@ def sweep_configs(args, torch, triton, device, dtype, t_start, write):
                     try:
                         with hopper_features(spec):
                             if kernel == "fwd":
-                                ms = _time(args, triton, lambda: flash_attention_forward(
+                                ms = timed(lambda: flash_attention_forward(
                                     q, k, v, causal=causal, softmax_scale=None))
                                 entry["tflops"] = flops_fwd / (ms * 1e-3) / 1e12
                             else:
-                                ms = _time(args, triton, lambda: flash_attention_backward(
+                                ms = timed(lambda: flash_attention_backward(
                                     do, q, k, v, out, lse, causal=causal, softmax_scale=None, deterministic=False))
                                 entry["tflops"] = 2.5 * flops_fwd / (ms * 1e-3) / 1e12
                         entry["ms"] = ms
@@ -215,17 +202,7 @@ def sweep_configs(args, torch, triton, device, dtype, t_start, write):
     return entries
 
 
-def _time(args, triton, fn):
-    """ms of fn: do_bench's median on a GPU, one call after a warm-up in smoke mode."""
-    fn()
-    if args.smoke:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
-
-
-def time_shape(args, torch, triton, flash, device, dtype, lists, *, D, S, causal):
+def time_shape(args, torch, timed, flash, device, dtype, lists, *, D, S, causal):
     """One row per (mode, implementation) of one shape: ms, TFLOP/s (or the error)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -265,7 +242,7 @@ def time_shape(args, torch, triton, flash, device, dtype, lists, *, D, S, causal
             row = dict(D=D, S=S, B=B, H=H, causal=causal, mode=mode, impl=name)
             try:
                 with hopper_features(spec):
-                    ms = _time(args, triton, step)
+                    ms = timed(step)
                 row.update(ms=ms, tflops=flops_fwd * (3.5 if mode == "fwd_bwd" else 1.0) / (ms * 1e-3) / 1e12)
             except Exception as exc:  # noqa: BLE001 - a feature that fails to build is a result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

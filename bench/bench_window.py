@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+from _attention_bench import flash_attn_func, refuse, timer
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,14 +48,6 @@ def visible_pairs(S: int, W: int) -> int:
     return full * (full + 1) // 2 + (S - full) * W
 
 
-def _flash_attn():
-    try:
-        from flash_attn import flash_attn_func
-    except Exception:  # noqa: BLE001 - not installed, or built for another torch
-        return None
-    return flash_attn_func
-
-
 def main():
     args = parse_args()
     from ulysses_kernels import env
@@ -67,27 +61,16 @@ def main():
     import torch
     import triton
 
-    if args.smoke:
-        if not env.interpreting():
-            print("bench_window: --smoke runs the kernels in the interpreter: set TRITON_INTERPRET=1",
-                  file=sys.stderr)
-            return 2
-        args.seqlens, args.window, args.heads, args.head_dim = "96", 16, 1, 16
-    elif not torch.cuda.is_available():
-        print("bench_window: no CUDA GPU available; this benchmark needs one.", file=sys.stderr)
+    if refuse("bench_window", args.smoke):
         return 2
+    if args.smoke:
+        args.seqlens, args.window, args.heads, args.head_dim = "96", 16, 1, 16
     from ulysses_kernels.triton import flash_attention
 
     os.makedirs(args.out, exist_ok=True)
-    flash = None if args.smoke else _flash_attn()
+    flash = None if args.smoke else flash_attn_func()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
-
-    def timed(fn):
-        if args.smoke:
-            t0 = time.perf_counter()
-            fn()
-            return (time.perf_counter() - t0) * 1e3
-        return triton.testing.do_bench(fn, warmup=5, rep=30, return_mode="median")
+    timed = timer(args.smoke, warmup=5, rep=30)
 
     W, H, D = args.window, args.heads, args.head_dim
     window = (W - 1, None)  # the kernels' band: the last W keys, the query included

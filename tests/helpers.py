@@ -247,3 +247,26 @@ def needs_interpreter():
     if module is None or not hasattr(module, "flash_attention_forward"):
         pytest.skip(f"Triton kernels unavailable: {reason}")
     return module
+
+
+def run_under_memcheck(script: str, timeout: float = 55.0) -> None:
+    """Run the Python `script` under compute-sanitizer's memcheck (skips without it) with
+    the caching allocator off, so every tensor ends where its allocation does, and the
+    default Triton configs; fails on any memcheck error or when the script does not print
+    "memcheck script done"."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    run_env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", ULYSSES_KERNELS_TRITON_AUTOTUNE="0",
+                   TRITON_INTERPRET="0")
+    proc = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit", "5",
+                           sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
+                          env=run_env)
+    assert proc.returncode == 0 and "memcheck script done" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]

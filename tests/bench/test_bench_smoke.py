@@ -28,6 +28,18 @@ def _needs_triton():
         pytest.skip(f"Triton kernels unavailable: {reason}")
 
 
+def load_bench(name):
+    """bench/<name>.py as a module (bench/ on sys.path for its shared helpers)."""
+    import importlib.util
+
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run(script, out, *extra):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
     env.pop("OUT", None)
@@ -110,8 +122,6 @@ def test_bench_hybrid_model(tmp_path):
 def test_bench_window_smoke(tmp_path):
     """bench_window.py end to end in the interpreter; its count of visible pairs equals a
     brute-force count of the causal window mask."""
-    import importlib.util
-
     import torch
 
     _needs_triton()
@@ -120,9 +130,50 @@ def test_bench_window_smoke(tmp_path):
     assert {r["impl"] for r in data["results"]} == {"triton_window", "triton_full"}
     assert {r["mode"] for r in data["results"]} == {"fwd", "fwd_bwd"}
     assert "| 96 | 16 | fwd |" in (tmp_path / "window_results.md").read_text()
-    spec = importlib.util.spec_from_file_location("bench_window", BENCH / "bench_window.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_bench("bench_window")
     for S, W in ((96, 16), (10, 16), (4096, 256)):
         i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
         assert module.visible_pairs(S, W) == int(((j <= i) & (j > i - W)).sum())
+
+
+def test_bench_hopper_targets_and_table():
+    """The targets rule on synthetic rows: the best feature list's ratio to cuDNN per target
+    shape (D = 128, S >= 16k only), against 1.0 for the forward and 0.9 for fwd+bwd; the
+    table shows each list's speed-up over the measured kernels and its ratio to cuDNN."""
+    module = load_bench("bench_hopper")
+
+    def row(S, mode, impl, tflops, D=128):
+        return dict(D=D, S=S, B=1, H=16, causal=False, mode=mode, impl=impl, tflops=tflops)
+
+    rows = [row(16384, "fwd", "triton[]", 500.0), row(16384, "fwd", "triton[desc,fma_scale]", 620.0),
+            row(16384, "fwd", "sdpa_cudnn", 600.0),
+            row(16384, "fwd_bwd", "triton[]", 300.0), row(16384, "fwd_bwd", "triton[hopper]", 500.0),
+            row(16384, "fwd_bwd", "sdpa_cudnn", 600.0),
+            row(4096, "fwd", "triton[]", 100.0), row(4096, "fwd", "sdpa_cudnn", 400.0),  # not a target shape
+            row(16384, "fwd", "triton[]", 50.0, D=64), row(16384, "fwd", "sdpa_cudnn", 400.0, D=64)]
+    targets = {t["mode"]: t for t in module.targets(rows)}
+    assert set(targets) == {"fwd", "fwd_bwd"}
+    fwd, both = targets["fwd"], targets["fwd_bwd"]
+    assert fwd["best"] == "triton[desc,fma_scale]" and abs(fwd["ratio"] - 620 / 600) < 1e-12 and fwd["met"]
+    assert abs(fwd["before"] - 500 / 600) < 1e-12
+    assert both["best"] == "triton[hopper]" and abs(both["ratio"] - 500 / 600) < 1e-12 and not both["met"]
+    meta = dict(gpu="test", torch="t", triton="t", dtype="bfloat16", autotune="0", targets=module.targets(rows))
+    table = module.table(rows, meta)
+    assert "620.0 (1.24x, 1.03 cuDNN)" in table and "| 16384 | False | fwd_bwd | triton[hopper] | 0.83 | 0.50 | False |" in table
+
+
+def test_attention_benchmarks_refuse_where_they_cannot_run(monkeypatch):
+    """The shared rule of bench_attention/window/hopper: --smoke needs the interpreter; a
+    real run needs a GPU and the interpreter off."""
+    import torch
+
+    helper = load_bench("_attention_bench")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "set TRITON_INTERPRET=1" in helper.run_problem("b", smoke=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "no CUDA GPU" in helper.run_problem("b", smoke=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert helper.run_problem("b", smoke=False) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert helper.run_problem("b", smoke=True) is None
+    assert "unset it" in helper.run_problem("b", smoke=False)

@@ -190,6 +190,13 @@ def test_check_limits_on_rows():
     assert len(violations) == 2
     assert violations[0].startswith("dq buffer: spills")
     assert "fwd: buffer loop 620 instrs = 1.44x plain@buffer (430)" in violations[1]  # the same-tile reference
+    # A candidate's spills are listed apart, not violations; a candidate that fails to build is one.
+    candidate = row("fwd_hopper", "plain+desc", 380, stack=16)
+    broken = dict(name="bwd_dq+ws", layout="plain", dtype="bf16", error="RuntimeError: PassManager::run failed")
+    assert sass_report.check_limits([rows[0], candidate]) == []
+    assert sass_report.candidate_spills([candidate]) == ["fwd_hopper plain+desc: spills (stack 16 B, 0 STL/LDL)"]
+    assert sass_report.check_limits([broken]) == ["bwd_dq+ws plain: build failed: RuntimeError: PassManager::run failed"]
+    assert sass_report.candidate_spills([broken]) == []
 
 
 @pytest.fixture(scope="module")

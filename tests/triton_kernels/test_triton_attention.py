@@ -5,11 +5,9 @@ kernel modules are imported: conftest.py sets it without CUDA). GPU cases (real 
 bf16) are marked `gpu`.
 """
 
-import os
-
 import pytest
 import torch
-from helpers import from_a2a_buffer, make_qkv, param_id, reference_with_lse, rel_err
+from helpers import from_a2a_buffer, make_qkv, param_id, reference_with_lse, rel_err, run_under_memcheck
 
 from ulysses_kernels import env
 from ulysses_kernels.reference import reference_attention
@@ -465,19 +463,7 @@ def test_gpu_memcheck():
     pipeliner's early loads included (the first GPU run: the dK/dV kernel's empty
     non-causal phase divided by zero into an illegal address). compute-sanitizer with
     the caching allocator off, so every tensor ends where its allocation does."""
-    import shutil
-    import subprocess
-    import sys
-
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer is None:
-        pytest.skip("compute-sanitizer is not on PATH")
-    run_env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", ULYSSES_KERNELS_TRITON_AUTOTUNE="0",
-                   TRITON_INTERPRET="0")
-    proc = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit", "5",
-                           sys.executable, "-c", _MEMCHECK_SCRIPT], capture_output=True, text=True,
-                          timeout=55, env=run_env)
-    assert proc.returncode == 0 and "memcheck script done" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    run_under_memcheck(_MEMCHECK_SCRIPT)
 
 
 @gpu

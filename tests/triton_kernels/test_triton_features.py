@@ -327,3 +327,47 @@ def test_warp_specialized_backward_rules(monkeypatch, dkdv_launches):
     monkeypatch.setenv(VARIABLE, "hopper")
     check_backward(q, k, v, do, causal=True)
     assert dkdv_launches[-1] is False
+
+
+def test_feature_configs_of_the_launchers():
+    """A launch with WARP_SPECIALIZE takes its 4-warp candidates, by default and under
+    autotuning's pruning; without it, the measured defaults, unchanged."""
+    from ulysses_kernels.triton import flash_bwd_dkdv, flash_bwd_dq
+
+    for launch, table in ((flash_fwd._launch, flash_fwd._FWD_WS_CONFIGS),
+                          (flash_bwd_dkdv._launch, flash_bwd_dkdv._DKDV_WS_CONFIGS),
+                          (flash_bwd_dq._launch, flash_bwd_dq._DQ_WS_CONFIGS)):
+        for block_d in (64, 128):
+            assert launch.default(block_d, False, {"WARP_SPECIALIZE": True}) == table[block_d][0]
+            assert launch.default(block_d, False, {"WARP_SPECIALIZE": False}) == launch.default(block_d)
+            assert launch.default(block_d) == launch.configs[block_d][0]
+        configs = launch._all_configs()  # what autotuning is given: every table's candidates
+        kept = launch._prune(configs, {}, BLOCK_D=128, BLOCK_DV=128, WARP_SPECIALIZE=True, VARLEN=False, SPLIT=0)
+        assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept} == set(table[128])
+        plain = launch._prune(configs, {}, BLOCK_D=128, BLOCK_DV=128, WARP_SPECIALIZE=False, VARLEN=False, SPLIT=0)
+        assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in plain} == \
+            set(launch.configs[128])
+
+
+def test_scratch_allocator_is_set_once_and_a_callers_is_kept():
+    """Device-side descriptors need Triton's launch allocator: set when none is, never
+    over one the caller set (no GPU needed: setting is bookkeeping)."""
+    from triton.runtime import _allocation
+
+    saved = _allocation._allocator.get()
+    try:
+        _allocation._allocator.set(_allocation.NullAllocator())
+        features.ensure_allocator(torch.device("cpu"))  # the interpreter needs none
+        assert isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+        features.ensure_allocator(torch.device("cuda"))
+        ours = _allocation._allocator.get()
+        assert isinstance(ours, features._ScratchAllocator)
+
+        def mine(size, alignment, stream):
+            return None
+
+        _allocation._allocator.set(mine)
+        features.ensure_allocator(torch.device("cuda"))
+        assert _allocation._allocator.get() is mine
+    finally:
+        _allocation._allocator.set(saved)

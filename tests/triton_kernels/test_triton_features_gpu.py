@@ -13,7 +13,7 @@ the same inputs.
 
 import pytest
 import torch
-from helpers import brute_force_attention, from_a2a_buffer, param_id, randn, rel_err, to_a2a_buffer
+from helpers import brute_force_attention, from_a2a_buffer, param_id, randn, rel_err, run_under_memcheck, to_a2a_buffer
 
 from ulysses_kernels import env
 
@@ -161,18 +161,5 @@ def test_features_under_memcheck():
     """Every feature (the two lists hold them all) under compute-sanitizer's memcheck, with
     uneven lengths (partial tiles, LSE rows copied to a 16-byte stride): device-side
     descriptors, TMA loads past the bounds and the reduce-add touch no memory outside the
-    tensors. The caching allocator is off, so every tensor ends where its allocation does."""
-    import os
-    import shutil
-    import subprocess
-    import sys
-
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer is None:
-        pytest.skip("compute-sanitizer is not on PATH")
-    run_env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", ULYSSES_KERNELS_TRITON_AUTOTUNE="0",
-                   TRITON_INTERPRET="0")
-    proc = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "9", "--print-limit", "5",
-                           sys.executable, "-c", _MEMCHECK_SCRIPT], capture_output=True, text=True,
-                          timeout=55, env=run_env)
-    assert proc.returncode == 0 and "memcheck script done" in proc.stdout, (proc.stdout + proc.stderr)[-3000:]
+    tensors (helpers.run_under_memcheck)."""
+    run_under_memcheck(_MEMCHECK_SCRIPT)
