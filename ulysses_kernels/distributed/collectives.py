@@ -56,6 +56,15 @@ def any_rank(flag: bool, group) -> bool:
     return bool(t.item())
 
 
+def max_over_ranks(value: int, group) -> int:
+    """The largest of every rank's int `value` over `group` (one tiny all-reduce)."""
+    if _world(group) == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def first_message(message: Optional[str], group) -> Optional[Tuple[int, str]]:
     """(rank, message) of the lowest rank that has a message, the same on every rank, or
     None (every rank passes its own message or None)."""

@@ -10,7 +10,7 @@ group a different one)::
     from ulysses_kernels import hf as ukhf
 
     groups = uk.init_sequence_parallel(sp_size)
-    ukhf.register(groups.sp_group)                      # attn_implementation="ulysses"
+    ukhf.register(groups.sp_group)                      # attn_implementation="ulysses"; the default context
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ulysses")
     ukhf.patch_model(model)                              # optional: tiled MLP + tiled loss
     model = ukhf.apply_fsdp(model, groups)               # or apply_ddp, or neither
@@ -23,8 +23,16 @@ Design notes
 ------------
 * **Attention.** `register()` adds `ulysses_attention_forward` to transformers'
   `AttentionInterface` under the name ``"ulysses"``. Every attention layer then calls
-  `ulysses_kernels.ulysses_attention` on the SP group set by `set_sequence_parallel_group`
-  (or `register(group)`). Causal unless the layer says otherwise (`module.is_causal`).
+  `ulysses_kernels.ulysses_attention` on the groups of its model's context. Causal unless
+  the layer says otherwise (`module.is_causal`).
+* **Contexts** (`context.py`). Each model's groups, ring, backend and decoding cache live
+  in its `SequenceParallelContext`, set on every submodule (`attach_context`), so two
+  models on two SP groups live in one process. `register(groups)` sets the default
+  context, which models without one of their own follow.
+* **The guard** (`guard.py`). What the package cannot make exactly sequence-parallel (a
+  token mixer that is not attention, attention written by hand, positions numbered from
+  the local slice, a mask overlay) raises `NotSequenceParallelError` on every rank, the
+  first time the package meets the model and at the latest during its first forward.
 * **Masks.** `register()` also adds a mask function to `AttentionMaskInterface` under the
   same name, so transformers builds *no* mask tensor for this implementation: for an
   unpadded batch the mask function returns `None` (attention is causal and the document
@@ -33,10 +41,12 @@ Design notes
   all-reduce per forward, so all of them raise together instead of some hanging) raises
   `ValueError`; so do custom 4-D masks, dropout > 0 and KV caches outside `generate` /
   `prefill` (generation.py: sequence-parallel prefill and generation from a head-sharded
-  cache). Nothing is silently dropped.
+  cache). A mask the model overlays on the causal one is refused (the guard). Nothing is
+  silently dropped.
 * **Attention variants.** Each layer's sliding window, logit softcap and sinks
   (`attention.layer_variants`) and a value head dim of its own (MLA) go to the attention
-  as they would on one device (Mistral, Qwen2, Gemma 2/3, GPT-OSS, DeepSeek-V3).
+  as they would on one device (Mistral, Qwen2, Gemma 2/3, GPT-OSS, DeepSeek-V3); Llama 4's
+  chunked layers and the temperature of its NoPE layers too (`chunked.py`).
 * **Padded batches** go through `shard_batch(..., attention_mask=mask)`, which unpads
   them before the model: the valid tokens of every row, one after the other, in one
   packed row, each row a document with positions from 0, no target at a row's end; the
@@ -69,7 +79,8 @@ Design notes
   `patch_model(..., offload_checkpoints=True)` keeps the checkpointed layers' saved inputs
   in pinned host memory until the backward (`offload.py`).
 
-Files: `attention.py` (registration, masks, the attention function), `generation.py`
+Files: `attention.py` (registration, masks, the attention function), `context.py` (the
+context per model), `guard.py` (what is refused), `chunked.py` (Llama 4), `generation.py`
 (`generate`, `prefill`, `decoding`), `cache.py` (the head-sharded KV cache), `trainer.py`
 (`SequenceParallelTrainerMixin` for transformers' Trainer and TRL's SFTTrainer), `batch.py`
 (`shard_batch`, unpadding, `repad`), `loss.py`, `parallel.py` (gradient reduction, DDP,
@@ -94,7 +105,9 @@ from .batch import (
     repad,
     shard_batch,
 )
+from .context import SequenceParallelContext, attach_context, context_of
 from .generation import decoding, generate, make_cache, prefill
+from .guard import NotSequenceParallelError
 from .loss import causal_lm_loss, global_mean_from_sum, loss_for_world_average, sequence_parallel_loss
 from .offload import CheckpointOffload, HostBufferPool
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
@@ -103,7 +116,8 @@ from .tiling import tiled_cross_entropy_sum, tiled_mlp
 from .trainer import SequenceParallelTrainerMixin
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "set_sequence_parallel_group", "get_sequence_parallel_group",
+    "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "SequenceParallelContext", "attach_context", "context_of",
+    "NotSequenceParallelError", "set_sequence_parallel_group", "get_sequence_parallel_group",
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
     "SequenceParallelBatch", "shard_batch", "PaddingInfo", "repad", "gather_tokens", "count_targets",
     "SequenceParallelTrainerMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",

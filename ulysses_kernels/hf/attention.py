@@ -3,6 +3,7 @@ function, packed-document boundaries from position ids, and the attention functi
 calls `ulysses_kernels.ulysses_attention` on the sequence-parallel group (see the package
 doc of `ulysses_kernels.hf` for the design notes)."""
 
+import sys
 import warnings
 from typing import Optional
 
@@ -11,13 +12,30 @@ import torch.distributed as dist
 from torch import nn
 
 from ..api import gather_sequence, ulysses_attention
-from ..distributed.collectives import any_rank, gather_ints
-from ..distributed.groups import collective_device, resolve_group
+from ..distributed.collectives import first_message, gather_ints, max_over_ranks
+from ..distributed.groups import collective_device
 from ..layout import split_lengths
-from ..ring.layout import sp_lengths
-from .batch import cu_seqlens_from_position_ids, split_groups
-
-ATTN_IMPLEMENTATION = "ulysses"
+from ..ring.layout import local_ranges, sp_lengths
+from .batch import cu_seqlens_from_position_ids
+from .chunked import chunked_cu_seqlens, layer_chunk_size, positions_in_documents, retune_queries, tunes_temperature
+from .context import (
+    ATTN_IMPLEMENTATION,
+    FORWARD_INPUTS,
+    SequenceParallelContext,
+    context_for_config,
+    context_of,
+    default_context,
+    model_context,
+    require_default_context,
+    set_default_context,
+)
+from .guard import (
+    NotSequenceParallelError,
+    config_problem,
+    mask_request_problem,
+    refusal,
+    refuse_in_own_attention_tables,
+)
 
 
 def _require_transformers():
@@ -29,56 +47,36 @@ def _require_transformers():
     return transformers
 
 
-# ----------------------------------------------------------------------------- state
-
-class _State:
-    group = None          # the SP process group (None: default group / single process);
-                          # with a ring, this rank's Ulysses group
-    ring_group = None     # the ring group of the Ulysses x Ring hybrid (None: pure Ulysses)
-    group_set = False     # set_sequence_parallel_group was called
-    backend: Optional[str] = None
-    warned_local_positions = False
-    inference_cache = None   # the HeadShardedCache of a prefill/decode in progress (generation.decoding)
-
-
-_STATE = _State()
-
+# ------------------------------------------------------------------ the default context
 
 def set_sequence_parallel_group(group, *, ring_group=None, backend: Optional[str] = None) -> None:
-    """Set the SP process group (and optionally the `ulysses_attention` backend) that the
-    ``"ulysses"`` attention implementation uses. `group=None` means the default group.
+    """Set the default context (context.py): the SP process group (and optionally the
+    `ulysses_attention` backend) of models without a context of their own. `group=None`
+    means the default group.
 
     Ulysses x Ring: pass the Ulysses group and `ring_group`, or simply the `ParallelGroups`
     returned by `init_sequence_parallel(sp, ring_size=R)`."""
-    _STATE.group, _STATE.ring_group = split_groups(group, ring_group)
-    _STATE.group_set = True
-    _STATE.backend = backend
+    set_default_context(SequenceParallelContext(group, ring_group=ring_group, backend=backend))
 
 
 def get_sequence_parallel_group():
-    """The SP group set by `set_sequence_parallel_group` / `register` (None = default)."""
-    return _STATE.group
+    """The SP group of the default context (None: the default group, or none set)."""
+    context = default_context()
+    return context.group if context is not None else None
 
 
 def get_attention_backend() -> Optional[str]:
-    """The backend set by `set_sequence_parallel_group` / `register` (None: automatic)."""
-    return _STATE.backend
-
-
-def _sp_group():
-    """(group, world, rank) for the attention; refuses to guess in a multi-rank world."""
-    if not _STATE.group_set and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1:
-        raise ValueError("ulysses attention: no sequence-parallel group set; call "
-                         "ulysses_kernels.hf.register(sp_group) or set_sequence_parallel_group(sp_group) "
-                         "(pass None explicitly to use the whole world)")
-    return resolve_group(_STATE.group)
+    """The backend of the default context (None: automatic)."""
+    context = default_context()
+    return context.backend if context is not None else None
 
 
 def register(group=None, *, ring_group=None, backend: Optional[str] = None, name: str = ATTN_IMPLEMENTATION) -> str:
     """Register the ``"ulysses"`` attention (and its mask function) with transformers and
-    set the SP group. Returns the implementation name to pass as `attn_implementation`
-    (to `from_pretrained`/`from_config`, or `model.set_attn_implementation(name)`).
+    set the default context: the groups of every model without a context of its own
+    (`attach_context` gives a model its own). Returns the implementation name to pass as
+    `attn_implementation` (to `from_pretrained`/`from_config`, or
+    `model.set_attn_implementation(name)`).
 
     Idempotent; call it on every rank before building the model.
     """
@@ -92,44 +90,98 @@ def register(group=None, *, ring_group=None, backend: Optional[str] = None, name
         AttentionMaskInterface = None
     if AttentionMaskInterface is not None:
         AttentionMaskInterface.register(name, ulysses_mask_function)
+    refuse_in_own_attention_tables(name)
     set_sequence_parallel_group(group, ring_group=ring_group, backend=backend)
     return name
 
 
 # ----------------------------------------------------------------------------- masks
 
-def _padding_problem(attention_mask) -> Optional[str]:
+# What a mask request can ask for that the attention cannot honour: one code per problem,
+# so that the ranks agree on the largest code and raise the same error (the message of a
+# code never depends on this rank's inputs).
+_MASK_PROBLEMS = {
+    1: (ValueError, "a padding attention_mask (with zeros) is not supported"),
+    2: (ValueError, "a custom (not 2-D) or non-tensor attention mask is not supported"),
+    3: (NotSequenceParallelError, None),   # the model's own request: mask_request_problem's text
+}
+_MASK_REQUEST_ADVICE = ("Run it without sequence parallelism, or without the inputs that ask for that mask (for "
+                        "Gemma 3, text without token_type_ids marking image tokens).")
+_SHARD_BATCH_ADVICE = ("Sequence-parallel training expects unpadded (optionally packed) batches: pass the padding "
+                       "mask to shard_batch(..., attention_mask=mask), which unpads the batch, and call the model "
+                       "with batch.model_inputs() (no attention_mask).")
+
+
+def _padding_code(attention_mask) -> int:
     if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        return f"a {type(attention_mask).__name__} attention mask is not supported"
-    if attention_mask.dim() != 2:
-        return f"a custom {attention_mask.dim()}-D attention mask is not supported"
-    if not bool(attention_mask.bool().all()):
-        return "a padding attention_mask (with zeros) is not supported"
-    return None
+        return 0
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        return 2
+    return 1 if not bool(attention_mask.bool().all()) else 0
 
 
-def ulysses_mask_function(*args, attention_mask=None, **kwargs):
+def _calling_model(config) -> Optional[nn.Module]:
+    """The outermost module whose forward is running with this config: transformers hands
+    the mask function the config, not the model, and the model is needed to check it once
+    (a model met first by its forward, not by an entry point)."""
+    frame, found = sys._getframe(2), None
+    for _ in range(48):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and getattr(owner, "config", None) is config:
+            found = owner
+        frame = frame.f_back
+    return found
+
+
+def mask_context(config) -> SequenceParallelContext:
+    """The context of the model whose forward asks for a mask; a model met here for the
+    first time gets the default context and is checked (guard.py)."""
+    context = context_for_config(config)
+    if context is not None:
+        return context
+    model = _calling_model(config)
+    if model is not None:
+        return model_context(model)
+    if config is not None:
+        problem = config_problem(config)
+        if problem:
+            raise refusal(None, f"model_type {getattr(config, 'model_type', '?')!r}: {problem}")
+    return require_default_context()
+
+
+def ulysses_mask_function(*args, attention_mask=None, config=None, **kwargs):
     """Mask function registered in `AttentionMaskInterface` for ``"ulysses"``.
 
-    Builds nothing (returns None): the attention is causal by flag and packed documents
-    come from the position ids. A 2-D padding mask with zeros raises on every rank of the
-    SP group (the ranks agree via one small all-reduce per call, so nobody hangs).
+    Builds nothing (returns None): the attention is causal by flag, windows and chunks
+    come from each layer, packed documents from the position ids. A 2-D padding mask
+    with zeros, a custom mask, and a mask the model overlays on the causal one (guard.py,
+    `mask_request_problem`) raise on every rank of the SP group (the ranks agree on the
+    problem through one small all-reduce per call, so nobody hangs). The model whose
+    forward this is gets checked the first time (`mask_context`).
     """
-    problem = _padding_problem(attention_mask)
-    group, _, _ = _sp_group()
-    found = any_rank(problem is not None, group)
-    if _STATE.ring_group is not None:  # a ring group meets every Ulysses group: the OR over the grid
-        found = any_rank(found, resolve_group(_STATE.ring_group)[0])
-    if found:
-        problem = problem or "another rank of the sequence-parallel group got an unsupported attention_mask"
-    if problem:
-        raise ValueError(f"ulysses attention: {problem}. Sequence-parallel training expects "
-                         "unpadded (optionally packed) batches: pass the padding mask to "
-                         "shard_batch(..., attention_mask=mask), which unpads the batch, and call the model "
-                         "with batch.model_inputs() (no attention_mask).")
+    context = mask_context(config)
+    request = mask_request_problem(kwargs)
+    code = 3 if request else _padding_code(attention_mask)
+    group, _, _ = context.ulysses()
+    code = max_over_ranks(code, group)
+    if context.ring_group is not None:  # a ring group meets every Ulysses group: the max over the grid
+        code = max_over_ranks(code, context.ring()[0])
+    if code:
+        error, text = _MASK_PROBLEMS[code]
+        if error is NotSequenceParallelError:
+            raise refusal(None, _first_request(request, context), _MASK_REQUEST_ADVICE)
+        raise ValueError(f"ulysses attention: {text}. {_SHARD_BATCH_ADVICE}")
     return None
+
+
+def _first_request(request, context) -> str:
+    """The lowest rank's mask request problem, the same text on every rank (error path only)."""
+    found = first_message(request, context.ulysses()[0])
+    if context.ring_group is not None:
+        found = first_message(found[1] if found else None, context.ring()[0])
+    return found[1] if found else "a mask request the attention cannot honour"
 
 
 # ------------------------------------------------------------------ packed documents
@@ -160,8 +212,8 @@ def _lengths_only(local_len, group, ring_group=None):
     return lens
 
 
-def _warn_local_positions(pos, lens):
-    if _STATE.warned_local_positions or len(lens) <= 1:
+def _warn_local_positions(context, pos, lens):
+    if context.warned_local_positions or len(lens) <= 1:
         return
     starts, s = [], 0
     for n in lens:
@@ -170,7 +222,7 @@ def _warn_local_positions(pos, lens):
     row = pos[0]
     if all(n > 0 for n in lens) and all(int(row[st]) == 0 for st in starts) and \
             bool(((row[1:] - row[:-1]) != 1).sum() == len(lens) - 1):
-        _STATE.warned_local_positions = True
+        context.warned_local_positions = True
         warnings.warn("ulysses attention: every rank's position_ids start at 0 exactly at the shard "
                       "boundaries; if the model was called without global position_ids, RoPE and the "
                       "document boundaries are wrong. Use ulysses_kernels.hf.shard_batch (it passes "
@@ -205,57 +257,100 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                               value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                               dropout: float = 0.0, scaling: Optional[float] = None,
                               is_causal: Optional[bool] = None, **kwargs):
-    """transformers attention function (``AttentionInterface``) running Ulysses attention.
+    """transformers attention function (``AttentionInterface``) running Ulysses attention
+    on the groups of the module's context (context.py; the default one of `register` for
+    a model without its own).
 
     query `[B, Hq, S_local, D]`, key `[B, Hkv, S_local, D]`, value `[B, Hkv, S_local, Dv]`
     (transformers' layout) -> (`[B, S_local, Hq, Dv]`, None), like `sdpa_attention_forward`;
-    sliding windows, softcap and sinks from the layer's arguments (`layer_variants`).
+    sliding windows, softcap and sinks from the layer's arguments (`layer_variants`),
+    Llama 4's chunks and temperature tuning from the module (chunked.py).
     """
+    context = context_of(module) or require_default_context()
+    context.attention_calls += 1
     where = f"ulysses attention ({type(module).__name__})"
     if attention_mask is not None:
-        raise ValueError(f"{where}: got an attention mask of shape {tuple(attention_mask.shape)}; "
-                         "custom/padding masks cannot be honoured. Pass unpadded (packed) batches and "
-                         "let position_ids mark documents (see ulysses_kernels.hf.shard_batch).")
+        raise refusal(None, f"{where} got a {attention_mask.dim()}-D attention mask that the model built itself; "
+                            "it cannot be honoured over sequence shards",
+                      "Pass unpadded (packed) batches and let position_ids mark documents "
+                      "(ulysses_kernels.hf.shard_batch), or use a model that builds its masks through "
+                      "transformers' mask interface.")
     if dropout and dropout > 0.0:
         raise ValueError(f"{where}: attention dropout {dropout} is not supported (set "
                          "config.attention_dropout = 0.0)")
     for kw, what in _UNSUPPORTED_KW.items():
         if kwargs.get(kw) is not None:
-            raise ValueError(f"{where}: {what} ({kw}) is not supported")
+            raise refusal(None, f"{where}: {what} ({kw}) is added to the scores by the model itself")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     variants = layer_variants(module, kwargs, bool(causal))
-    if _STATE.inference_cache is not None:   # hf.prefill / hf.generate: a chunk over the KV cache
-        return _STATE.inference_cache.attention(query, key, value, scaling, causal, **variants), None
+    chunk = layer_chunk_size(module)
+    if context.inference_cache is not None:   # hf.prefill / hf.generate: a chunk over the KV cache
+        return context.inference_cache.attention(query, key, value, scaling, causal, module=module,
+                                                 attention_chunk=chunk, **variants), None
     if query.shape[2] != key.shape[2]:
-        raise ValueError(f"{where}: query length {query.shape[2]} != key length {key.shape[2]} "
-                         "(a KV cache / generation?): train with use_cache=False, generate with "
+        raise ValueError(f"{where}: query length {query.shape[2]} != key length {key.shape[2]}; a KV cache "
+                         "outside generation, or attention over keys the queries are not (compressed or "
+                         "cross-attention): train with use_cache=False, generate with "
                          "ulysses_kernels.hf.generate / prefill")
-    group, world, _ = _sp_group()
-
-    seq_lens = kwargs.get("ulysses_seq_lens")
-    cu_seqlens = kwargs.get("ulysses_cu_seqlens")
-    if seq_lens is not None:
-        lens = [int(n) for n in seq_lens]
-        trusted = True
-    else:
-        trusted = False
-        pos = kwargs.get("position_ids")
-        if pos is not None and isinstance(pos, torch.Tensor):
-            full, lens = _global_positions(pos, group, world, _STATE.ring_group)
-            if _STATE.ring_group is None:  # the heuristic knows the contiguous layout only
-                _warn_local_positions(full, lens)
-            if cu_seqlens is None:
-                cu_seqlens = cu_seqlens_from_position_ids(full)
-        else:
-            lens = _lengths_only(query.shape[2], group, _STATE.ring_group)
+    group, world, rank = context.ulysses()
+    lens, documents, trusted = _lengths_and_documents(context, query, kwargs)
+    cu_seqlens = documents if chunk is None else _chunk_documents(context, documents, sum(lens), chunk, query, where)
     if cu_seqlens is not None and query.shape[0] != 1:
         raise ValueError(f"{where}: packed documents need batch size 1, got {query.shape[0]}")
+    if tunes_temperature(module):   # HF scaled by arange(S_local): rescale by the tokens' true positions
+        true = positions_in_documents(_token_ranges(context, lens), documents, query.device)
+        query = retune_queries(module, query, torch.arange(query.shape[2], device=query.device), true)
 
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
     out = ulysses_attention(q, k, v, group=group, causal=bool(causal), softmax_scale=scaling,
                             seq_lens=lens if trusted else None, cu_seqlens=cu_seqlens,
-                            backend=_STATE.backend, ring_group=_STATE.ring_group, **variants)
+                            backend=context.backend, ring_group=context.ring_group, **variants)
     return out, None
 
+
+def _lengths_and_documents(context, query, kwargs):
+    """(every SP rank's length, global cu_seqlens or None, trusted?) of this forward: from
+    shard_batch's keys when given (to the attention, or to the model: context.py keeps the
+    model's inputs), else derived from the position ids, else the lengths only (one
+    document per row)."""
+    group, world, _ = context.ulysses()
+    inputs = dict(context.forward_inputs)
+    inputs.update({key: kwargs[key] for key in FORWARD_INPUTS if kwargs.get(key) is not None})
+    seq_lens = inputs.get("ulysses_seq_lens")
+    cu_seqlens = inputs.get("ulysses_cu_seqlens")
+    if seq_lens is not None:
+        return [int(n) for n in seq_lens], cu_seqlens, True
+    pos = inputs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.shape[-1] == query.shape[2]:
+        full, lens = _global_positions(pos, group, world, context.ring_group)
+        if context.ring_group is None:  # the heuristic knows the contiguous layout only
+            _warn_local_positions(context, full, lens)
+        if cu_seqlens is None:
+            cu_seqlens = cu_seqlens_from_position_ids(full)
+        return lens, cu_seqlens, False
+    return _lengths_only(query.shape[2], group, context.ring_group), cu_seqlens, False
+
+
+def _chunk_documents(context, cu_seqlens, total, chunk, query, where):
+    """The chunks of a chunked layer as documents (chunked.py), derived once per forward."""
+    key = ("chunks", chunk, total)
+    memo = context.forward_memo.get(key)
+    if memo is not None and memo[0] is cu_seqlens:
+        return memo[1]
+    chunks = chunked_cu_seqlens(cu_seqlens, total, chunk, query.device)
+    if chunks is not None and query.shape[0] != 1:
+        raise ValueError(f"{where}: chunked attention (attention_chunk_size {chunk}) over rows of {total} tokens "
+                         f"needs batch size 1, got {query.shape[0]}: pack the rows into one (shard_batch with an "
+                         "attention_mask unpads them into one packed row) or use rows of at most "
+                         f"{chunk} tokens")
+    context.forward_memo[key] = (cu_seqlens, chunks)
+    return chunks
+
+
+def _token_ranges(context, lens):
+    """The global (start, length) ranges of the sequence this rank holds."""
+    _, world, rank = context.ulysses()
+    _, ring_world, ring_rank = context.ring()
+    return local_ranges(sum(lens), ring_world, world, ring_rank, rank)

@@ -24,6 +24,7 @@ first use.
 from typing import List, Optional, Tuple
 
 import torch
+from torch import nn
 from transformers import DynamicCache
 
 from ..api import path_for
@@ -32,6 +33,8 @@ from ..distributed.groups import resolve_group
 from ..layout import head_plan_error, place_heads
 from ..ring.merge import accumulate_dtype, merge_partials, merge_sinks
 from ..variants import make_variant
+from .chunked import retune_queries, tunes_temperature
+from .context import SequenceParallelContext, model_context
 
 
 def head_counts(model) -> Tuple[int, int]:
@@ -39,6 +42,15 @@ def head_counts(model) -> Tuple[int, int]:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     hq = int(config.num_attention_heads)
     return hq, int(getattr(config, "num_key_value_heads", None) or hq)
+
+
+def _context_for(model, ulysses_group, ring_group, backend):
+    """Where `decoding()` points the attention: the model's context (attached the first
+    time, as its first forward would), or, for a stand-in that is not a module, one on the
+    given groups."""
+    if isinstance(model, nn.Module):
+        return model_context(model)
+    return SequenceParallelContext(ulysses_group, ring_group=ring_group, backend=backend)
 
 
 class HeadShardedCache(DynamicCache):
@@ -50,8 +62,9 @@ class HeadShardedCache(DynamicCache):
     backend: the execution path to run on (None: automatic, distributed/dispatch.py).
     """
 
-    def __init__(self, model, ulysses_group=None, ring_group=None, *, backend: Optional[str] = None):
+    def __init__(self, model, ulysses_group=None, ring_group=None, *, backend: Optional[str] = None, context=None):
         super().__init__()
+        self.context = context if context is not None else _context_for(model, ulysses_group, ring_group, backend)
         self.ulysses = resolve_group(ulysses_group)
         self.ring = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
         self.num_q_heads, self.num_kv_heads = head_counts(model)
@@ -68,6 +81,8 @@ class HeadShardedCache(DynamicCache):
         self._layer: Optional[int] = None    # the layer whose `update` ran last: its `attention` comes next
         self._chunk = None                   # that layer's chunk K/V (this rank's heads, as cached)
         self._holds_keys = True              # whether this rank attends to keys of that layer at all
+        self._forward_tokens = 0             # tokens of the forward in progress (all ranks' shards)
+        self._updated = set()                # layers whose `update` ran in that forward
 
     @property
     def _holds_chunk(self) -> bool:
@@ -75,7 +90,15 @@ class HeadShardedCache(DynamicCache):
 
     # -- bookkeeping
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return sum(self.held)
+        """Tokens layer `layer_idx` has seen, as transformers' own cache counts them: a
+        layer whose `update` has not run yet in the forward in progress has not seen its
+        tokens (Llama 4's temperature tuning reads this before the update)."""
+        return sum(self.held) - (0 if layer_idx in self._updated else self._forward_tokens)
+
+    @property
+    def forward_start(self) -> int:
+        """The global position of the first token of the forward in progress."""
+        return sum(self.held) - self._forward_tokens
 
     def bytes_per_layer(self) -> List[int]:
         """Bytes of K/V this rank holds, per layer."""
@@ -119,6 +142,8 @@ class HeadShardedCache(DynamicCache):
             total = sum(self.chunk_lens) if self._sharded else key_states.shape[2]
             self._holder = min(range(len(self.held)), key=lambda i: self.held[i])
             self.held[self._holder] += total
+            self._forward_tokens, self._updated = total, set()
+        self._updated.add(layer_idx)
         k, v = self._own_chunk(key_states, value_states, layer_idx)
         self._layer, self._chunk = layer_idx, (k, v)
         if self._holds_chunk:
@@ -159,23 +184,30 @@ class HeadShardedCache(DynamicCache):
         return None
 
     # -- the second half: the chunk's queries
-    def attention(self, query, key, value, scaling, causal, *, window_size=(-1, -1), softcap=0.0, sinks=None):
+    def attention(self, query, key, value, scaling, causal, *, module=None, attention_chunk=None,
+                  window_size=(-1, -1),
+                  softcap=0.0, sinks=None):
         """query `[B, Hq, T_local, D]`, key/value `[B, Hk, S, D]` / `[B, Hk, S, Dv]` from `update`
         (or expanded from it by the layer) -> `[B, T_local, Hq, Dv]`. window_size / softcap:
         the layer's variants (docs/api.md, "Attention variants"); sinks: its `[Hq]` logits
-        over the global heads."""
-        layer, chunk = self._layer, self._chunk
+        over the global heads; attention_chunk: the attention_chunk_size of a chunked layer (Llama 4,
+        hf/chunked.py); module: the attention module (Llama 4's temperature tuning)."""
+        layer, chunk_kv = self._layer, self._chunk
         if layer is None:
             raise ValueError("HeadShardedCache: an attention call without its layer's cache update (layers that "
                              "share another layer's KV cache are not supported)")
         self._layer = self._chunk = None
         variant = make_variant(window_size, softcap, causal=bool(causal))
-        expanded = key.shape[1] != chunk[0].shape[1] or key.shape[3] != chunk[0].shape[3]
+        if module is not None and tunes_temperature(module):
+            query = self._retune(module, query)
+        keep = self._chunk_keep(attention_chunk) if attention_chunk is not None else None
+        expanded = key.shape[1] != chunk_kv[0].shape[1] or key.shape[3] != chunk_kv[0].shape[3]
         q, path = self._own_queries(query, key, value)
         k, v = (x.transpose(1, 2) for x in self._own_keys(key, value, expanded))
         own_sinks = sinks[self._own(self.q_place)] if sinks is not None else None
-        if variant.windowed:
-            out = self._window_attention(path, q, k, v, causal, scaling, variant, own_sinks, layer, chunk)
+        if variant.windowed or keep is not None:
+            keep = variant.window[0] if keep is None else keep
+            out = self._window_attention(path, q, k, v, causal, scaling, variant, own_sinks, layer, chunk_kv, keep)
         elif self.ring[1] == 1:
             out, _ = path.attention(q, k, v, causal=causal, softmax_scale=scaling, variant=variant, sinks=own_sinks)
         else:   # keys held elsewhere all precede the chunk: no mask there
@@ -211,14 +243,16 @@ class HeadShardedCache(DynamicCache):
         return torch.cat(all_gather_tensor(out.contiguous(), self.ulysses[0]), dim=2)
 
     # -- sliding windows
-    def _window_attention(self, path, q, k, v, causal, scale, variant, sinks, layer, chunk):
+    def _window_attention(self, path, q, k, v, causal, scale, variant, sinks, layer, chunk, keep):
         """A sliding-window layer lives whole on every ring rank: each appends every chunk
         (the window bounds it: W - 1 tokens per ring rank), so whichever takes the next
         chunk holds the window before it. Its keys are the newest, contiguous, so the
         kernels' bottom-right band is the window at the global positions. The ring rank
         holding the chunk attends and broadcasts the output over the ring (the others
         received their keys from `update` without the chunk, and an MLA layer has already
-        expanded them); then every ring rank trims the layer."""
+        expanded them); then every ring rank trims the layer to its last `keep` tokens.
+        A chunked layer (Llama 4) is one too: its keys are the current chunk's, and it keeps
+        the tokens of the chunk the next query is in (`_chunk_keep`)."""
         if self._holds_chunk:
             out, _ = path.attention(q, k, v, causal=causal, softmax_scale=scale, variant=variant, sinks=sinks)
         else:
@@ -227,8 +261,27 @@ class HeadShardedCache(DynamicCache):
             out = q.new_empty(B, T, H, v.shape[3])
         if self.ring[1] > 1:
             out = broadcast_tensor(out, self._holder, self.ring[0])
-        self._trim(layer, variant.window[0])
+        self._trim(layer, keep)
         return out
+
+    def _chunk_keep(self, attention_chunk: int) -> int:
+        """A chunked layer's tokens to keep after this forward: those of the chunk the next
+        token is in. The forward must not cross a multiple of `chunk` (prefill cuts its
+        forwards there; decoding runs one token at a time)."""
+        start, end = self.forward_start, sum(self.held)
+        if end > start and start // attention_chunk != (end - 1) // attention_chunk:
+            raise ValueError(f"HeadShardedCache: a forward of tokens {start}..{end - 1} crosses a multiple of the "
+                             f"attention_chunk_size {attention_chunk}; feed chunked-attention models forwards that "
+                             "stay inside one chunk (ulysses_kernels.hf.prefill cuts them so)")
+        return end % attention_chunk
+
+    def _retune(self, module, query):
+        """Llama 4's query temperature at the tokens' global positions (hf/chunked.py):
+        transformers counted from the forward's start on every rank of a sharded chunk."""
+        start, T = self.forward_start, query.shape[2]
+        offset = sum(self.chunk_lens[:self.ulysses[2]]) if self._sharded else 0
+        assumed = torch.arange(start, start + T, device=query.device)
+        return retune_queries(module, query, assumed, assumed + offset)
 
     def _trim(self, layer_idx, left: Optional[int]):
         """Keep the last `left` tokens of a layer whose band reaches `left` keys back: the

@@ -65,9 +65,8 @@ import torch.distributed as dist
 
 from ..distributed.collectives import all_gather_tensor, broadcast_tensor
 from ..layout import split_lengths
-from .attention import _STATE as _ATTN_STATE
-from .attention import _require_transformers, _sp_group
-from .batch import split_groups
+from .attention import _require_transformers
+from .context import sequence_parallel_model
 
 _UNSUPPORTED_GENERATION = {
     "num_beams": (1, "beam search"),
@@ -78,41 +77,34 @@ _UNSUPPORTED_GENERATION = {
 }
 
 
-def _resolve_groups(group):
-    """(Ulysses group, ring group or None): from `group` (a process group or the groups of
-    `init_sequence_parallel`), else from the groups `register` set."""
-    if group is None:
-        _sp_group()  # refuses an unset group in a multi-rank world
-        return _ATTN_STATE.group, _ATTN_STATE.ring_group
-    return split_groups(group)
-
-
 def make_cache(model, group=None, *, backend: Optional[str] = None):
-    """A `HeadShardedCache` (cache.py) for `model` on this rank (groups as in `generate`;
-    backend: None for the one `register` set). It is a transformers `DynamicCache`;
-    `prefill` fills it, `decoding(cache)` reads it."""
+    """A `HeadShardedCache` (cache.py) for `model` on this rank: on the model's context
+    (context.py; the first time, one on `group`, or `register`'s), the backend of that
+    context unless `backend` is given. It is a transformers `DynamicCache`; `prefill`
+    fills it, `decoding(cache)` reads it."""
     _require_transformers()
     from .cache import HeadShardedCache
 
-    ulysses_group, ring_group = _resolve_groups(group)
-    return HeadShardedCache(model, ulysses_group, ring_group,
-                            backend=backend if backend is not None else _ATTN_STATE.backend)
+    context = sequence_parallel_model(model, group)
+    return HeadShardedCache(model, context.group, context.ring_group, context=context,
+                            backend=backend if backend is not None else context.backend)
 
 
 @contextlib.contextmanager
 def decoding(cache):
-    """Within this context every call of the ``"ulysses"`` attention is a chunk over
-    `cache` (see the module doc): `model(next_ids, cache=cache)` works in custom loops.
-    `generate` and `prefill` enter it themselves."""
+    """Within this context every call of the ``"ulysses"`` attention of the cache's model
+    is a chunk over `cache` (see the module doc): `model(next_ids, cache=cache)` works in
+    custom loops. `generate` and `prefill` enter it themselves."""
     from .cache import HeadShardedCache
 
     if not isinstance(cache, HeadShardedCache):
         raise TypeError(f"decoding() needs the HeadShardedCache of prefill/make_cache, got {type(cache).__name__}")
-    previous, _ATTN_STATE.inference_cache = _ATTN_STATE.inference_cache, cache
+    context = cache.context
+    previous, context.inference_cache = context.inference_cache, cache
     try:
         yield cache
     finally:
-        _ATTN_STATE.inference_cache = previous
+        context.inference_cache = previous
 
 
 # ----------------------------------------------------------------------- public API
@@ -198,9 +190,33 @@ def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_siz
     if chunk_size < 1:
         raise ValueError(f"prefill: chunk_size must be positive, got {chunk_size}")
     start, logits = cache.get_seq_length(), None
-    for c0 in range(0, S, chunk_size):
-        logits = _run_chunk(model, cache, input_ids[:, c0:c0 + chunk_size], start + c0)
+    for c0, c1 in forward_spans(S, chunk_size, start, attention_chunk_size(model)):
+        logits = _run_chunk(model, cache, input_ids[:, c0:c1], start + c0)
     return logits, cache
+
+
+def attention_chunk_size(model) -> Optional[int]:
+    """The attention_chunk_size of a model with chunked-attention layers (Llama 4), else None."""
+    from .guard import text_configs
+
+    config = getattr(model, "config", None)
+    for sub in text_configs(config) if config is not None else []:
+        kinds = getattr(sub, "layer_types", None) or []
+        if "chunked_attention" in kinds and getattr(sub, "attention_chunk_size", None):
+            return int(sub.attention_chunk_size)
+    return None
+
+
+def forward_spans(S: int, chunk_size: int, start: int, attention_chunk: Optional[int]):
+    """The prompt's forwards `(c0, c1)`: `chunk_size` tokens each, also cut where the
+    global position `start + c` is a multiple of `attention_chunk` (a chunked layer's
+    forward stays inside one of its chunks, cache.py)."""
+    cuts = set(range(0, S, chunk_size))
+    if attention_chunk:
+        first = -start % attention_chunk
+        cuts.update(range(first, S, attention_chunk))
+    cuts = sorted(c for c in cuts if 0 <= c < S) + [S]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def _check_generation_kwargs(kwargs):

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..distributed.groups import ParallelGroups, collective_device, resolve_group
 from .batch import IGNORE_INDEX, SequenceParallelBatch, sp_group_of
+from .context import sequence_parallel_model
 from .patch import is_loss_patched
 
 
@@ -68,6 +69,7 @@ def causal_lm_loss(model: nn.Module, batch: SequenceParallelBatch, group=None, *
     its load-balancing loss over the whole SP group's tokens (`router_aux_loss`), as on
     one device.
     """
+    sequence_parallel_model(model, group)   # the first time: the model's context and its checks (guard.py)
     inputs = batch.model_inputs()
     count = (batch.labels != ignore_index).sum()
     if is_loss_patched(model):

@@ -9,6 +9,7 @@ from torch import nn
 from ..planner import loss_tile_tokens as default_loss_tile
 from ..planner import mlp_tile_tokens as default_mlp_tile
 from . import tiling
+from .context import context_of, default_context, model_context, uses_ulysses_attention
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .parallel import decoder_layers
 from .tiling import tiled_cross_entropy_sum
@@ -57,6 +58,8 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
     pass an instance to choose its options). Needs activation checkpointing enabled first;
     exact (the same bytes come back); on CPU tensors a no-op.
     """
+    if uses_ulysses_attention(model) and (context_of(model) is not None or default_context() is not None):
+        model_context(model)   # the model's context, checked (guard.py) before it is patched
     cfg = getattr(model, "config", None)
     hidden = getattr(cfg, "hidden_size", 1024) or 1024
     vocab = getattr(cfg, "vocab_size", 32000) or 32000

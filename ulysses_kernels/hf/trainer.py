@@ -56,6 +56,7 @@ from ..distributed.groups import ParallelGroups, collective_device
 from ..monitor import StepMonitor
 from .attention import register
 from .batch import IGNORE_INDEX, count_targets, shard_batch
+from .context import context_of, sequence_parallel_model
 from .patch import is_loss_patched
 
 TESTED_VERSIONS = {"transformers": "5.24", "accelerate": "1.15", "trl": "1.16"}
@@ -73,6 +74,7 @@ class SequenceParallelTrainerMixin:
         self.sp_groups = sp_groups
         register(sp_groups)   # the attention's groups (idempotent)
         super().__init__(*args, **kwargs)
+        sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
         # Hooks this relies on beyond Trainer's documented overrides: a clear error on a
         # transformers / accelerate without them (tested: TESTED_VERSIONS).
         missing = [what for what, ok in (
@@ -104,11 +106,11 @@ class SequenceParallelTrainerMixin:
         (which Trainer turns on in train()), the tiles of patch_model and the attention path."""
         from ..api import resolve_path
         from ..monitor import plan_defaults
-        from .attention import get_attention_backend
         from .patch import is_mlp_tiled
 
         model = self.accelerator.unwrap_model(self.model)
-        path = resolve_path(get_attention_backend(), self.args.device, distributed=True)
+        context = context_of(model)
+        path = resolve_path(context.backend if context is not None else None, self.args.device, distributed=True)
         return dict(plan_defaults(model), tiled_mlp=is_mlp_tiled(model), tiled_loss=is_loss_patched(model),
                     attention="reference" if path == "reference" else "flash")
 

@@ -1,0 +1,276 @@
+"""The sequence-parallel context of one model: the groups, ring and backend its
+``"ulysses"`` attention runs on, and what a forward in progress needs (the decoding cache,
+the count of attention calls).
+
+A context lives with its model: `attach_context` sets it on every submodule, so the
+attention function finds it on the `module` transformers passes it, and the mask
+function through the model's config. Two models on two SP groups therefore live in one
+process (a policy and a reference model, a draft and its target). `register(groups)`
+sets the *default* context: a model met without a context of its own gets a copy of it
+the first time the package meets the model (an entry point, or its first forward).
+"""
+
+import weakref
+from typing import Optional
+
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed.groups import ParallelGroups, resolve_group
+from .batch import split_groups
+from .guard import check_model, install_call_checks, refusal
+
+ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
+_ATTRIBUTE = "_ulysses_context"
+
+
+class SequenceParallelContext:
+    """What one model's ``"ulysses"`` attention runs on.
+
+    groups: a process group (pure Ulysses; None: the default group), or the
+    `ParallelGroups` of `init_sequence_parallel` (Ulysses x Ring too); ring_group: the ring
+    group beside a plain Ulysses group; backend: the execution path (None: automatic).
+    A context made by `following_default()` has no groups of its own: it reads those of
+    the default context (`register`) at every call, so registering other groups moves
+    the models that never got their own.
+    """
+
+    def __init__(self, groups=None, *, ring_group=None, backend: Optional[str] = None):
+        self._group, self._ring_group = split_groups(groups, ring_group)
+        self._sp_group = groups.sp_group if isinstance(groups, ParallelGroups) else None
+        self._backend = backend
+        self.follows_default = False
+        self.inference_cache = None        # the HeadShardedCache of a prefill / decode in progress
+        self.attention_calls = 0           # calls of the attention function so far (guard.py counts them)
+        self.warned_local_positions = False
+        self.forward_memo = {}             # what one forward derives once for all its layers
+        self.forward_inputs = {}           # this forward's FORWARD_INPUTS, whatever reaches the attention
+        self.pending_inputs = None         # an entry point's FORWARD_INPUTS for the next forward
+        self.depth = 0                     # nesting of the model's (and its base model's) forwards
+
+    @classmethod
+    def following_default(cls) -> "SequenceParallelContext":
+        """A model's context on whatever groups the default context has (see the class doc)."""
+        require_default_context()   # refuses a multi-rank world without register()
+        context = cls(None)
+        context.follows_default = True
+        return context
+
+    def _source(self):
+        if self.follows_default:
+            return require_default_context()
+        return self
+
+    @property
+    def group(self):
+        """The Ulysses group (None: the default group)."""
+        source = self._source()
+        return source._group
+
+    @property
+    def ring_group(self):
+        source = self._source()
+        return source._ring_group
+
+    @property
+    def sp_group(self):
+        source = self._source()
+        return source._sp_group
+
+    @property
+    def backend(self) -> Optional[str]:
+        source = self._source()
+        return source._backend
+
+    def ulysses(self):
+        """(group, world, rank) of the Ulysses group."""
+        return resolve_group(self.group)
+
+    def ring(self):
+        """(group, world, rank) of the ring group; (None, 1, 0) without a ring."""
+        return resolve_group(self.ring_group) if self.ring_group is not None else (None, 1, 0)
+
+    @property
+    def sp_size(self) -> int:
+        return self.ulysses()[1] * self.ring()[1]
+
+    def describe(self) -> str:
+        _, world, _ = self.ulysses()
+        _, ring, _ = self.ring()
+        return f"SP {world * ring}" + (f" (Ulysses {world} x ring {ring})" if ring > 1 else "")
+
+
+class _Default:
+    context: Optional[SequenceParallelContext] = None   # set by register()
+
+
+# What the attention function needs from a forward's inputs. transformers hands the
+# model's keyword arguments down to the attention function in most families, but some
+# decoder layers drop them (OPT's, BART's): the model's own forward hooks keep them on the
+# context for the attention function to read (`install_input_hooks`).
+FORWARD_INPUTS = ("ulysses_seq_lens", "ulysses_cu_seqlens", "position_ids")
+
+
+def _enter_forward(module, args, kwargs):
+    context = context_of(module)
+    if context is None:
+        return
+    if context.depth == 0:   # the outermost forward: a new forward's inputs
+        context.forward_inputs = dict(context.pending_inputs or {})
+        context.pending_inputs = None
+        context.forward_memo = {}
+    context.depth += 1
+    for key in FORWARD_INPUTS:
+        if kwargs.get(key) is not None:
+            context.forward_inputs[key] = kwargs[key]
+
+
+def _leave_forward(module, args, kwargs, output):
+    context = context_of(module)
+    if context is not None and context.depth > 0:
+        context.depth -= 1
+
+
+def install_input_hooks(model: nn.Module) -> None:
+    """Forward hooks on the model and its base models (every transformers PreTrainedModel
+    inside) that keep the forward's `FORWARD_INPUTS` on the context (once per module)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:   # a stand-in model: nothing to hook
+        return
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not getattr(module, "_ulysses_input_hooks", False):
+            module.register_forward_pre_hook(_enter_forward, with_kwargs=True)
+            module.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
+            object.__setattr__(module, "_ulysses_input_hooks", True)
+
+
+def set_default_context(context: Optional[SequenceParallelContext]) -> None:
+    _Default.context = context
+
+
+def default_context() -> Optional[SequenceParallelContext]:
+    """The context `register` set (None: none yet)."""
+    return _Default.context
+
+
+def require_default_context() -> SequenceParallelContext:
+    """The default context, or one on the default group in a single process; in a multi-rank
+    world without `register`, a ValueError (the package does not guess a group)."""
+    if _Default.context is not None:
+        return _Default.context
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("ulysses attention: no sequence-parallel group set; call "
+                         "ulysses_kernels.hf.register(groups) or attach_context(model, groups) "
+                         "(pass None explicitly to use the whole world)")
+    return SequenceParallelContext(None)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP / DeepSpeed wrapper."""
+    return getattr(model, "module", model)
+
+
+def context_of(module: nn.Module) -> Optional[SequenceParallelContext]:
+    """The context attached to `module` (any submodule of an attached model), or None."""
+    return getattr(unwrap(module), _ATTRIBUTE, None)
+
+
+# Configs the mask function sees -> the context of their model (transformers passes the
+# mask function the config, not the model). Weak: a model's config dies with it.
+_BY_CONFIG = {}
+
+
+def _remember_configs(model: nn.Module, context: SequenceParallelContext) -> None:
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            _BY_CONFIG[id(config)] = (weakref.ref(config), context)
+
+
+def context_for_config(config) -> Optional[SequenceParallelContext]:
+    entry = _BY_CONFIG.get(id(config))
+    if entry is None:
+        return None
+    ref, context = entry
+    if ref() is not config:   # the id of a config that is gone
+        del _BY_CONFIG[id(config)]
+        return None
+    return context
+
+
+def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: Optional[str] = None,
+                   context: Optional[SequenceParallelContext] = None) -> SequenceParallelContext:
+    """Give `model` a sequence-parallel context of its own: its ``"ulysses"`` attention,
+    mask, loss and generation then run on `groups` whatever `register` set (groups as
+    for `register`: a process group or `init_sequence_parallel`'s groups). Checks the
+    model first (`guard.check_model`: a model the package cannot make exactly
+    sequence-parallel raises the same ValueError on every rank). Returns the context."""
+    model = unwrap(model)
+    context = context if context is not None else SequenceParallelContext(groups, ring_group=ring_group,
+                                                                          backend=backend)
+    check_model(model)
+    for module in model.modules():
+        object.__setattr__(module, _ATTRIBUTE, context)   # a plain attribute: not a submodule
+    _remember_configs(model, context)
+    install_input_hooks(model)
+    install_call_checks(model, context)
+    return context
+
+
+def model_context(model: nn.Module, groups=None) -> SequenceParallelContext:
+    """The context of `model` for an entry point (`causal_lm_loss`, `patch_model`, the
+    Trainer mixin, `generate`): its own, or, the first time, one attached to it: on
+    `init_sequence_parallel`'s groups when given, else `register`'s (also when `groups`
+    is the SP group of the same size), else on `groups`. `groups` given to a model with a
+    context of another SP size: a ValueError."""
+    context = context_of(model)
+    if context is None:
+        return attach_context(model, context=_first_context(groups))
+    if groups is not None:
+        sp = sp_size_of(groups)
+        if sp != context.sp_size and context.follows_default:   # the default moved on: this call says where
+            return attach_context(model, context=_first_context(groups))
+        if sp != context.sp_size:
+            raise ValueError(f"ulysses_kernels.hf: the model runs on {context.describe()} (its context), but the "
+                             f"call passed groups of SP size {sp}; pass the model's own groups "
+                             "(ulysses_kernels.hf.context_of(model))")
+    return context
+
+
+def uses_ulysses_attention(model: nn.Module) -> bool:
+    """The model (or its language model) was built with ``attn_implementation="ulysses"``."""
+    for module in unwrap(model).modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
+            return True
+    return False
+
+
+def sequence_parallel_model(model: nn.Module, groups=None) -> SequenceParallelContext:
+    """`model_context` for an entry point that runs the model sequence-parallel (the loss,
+    the Trainer mixin, generation): a model whose attention is not ``"ulysses"`` would
+    attend within each rank's slice, so on more than one rank it is refused."""
+    context = model_context(model, groups)
+    if context.sp_size > 1 and not uses_ulysses_attention(model):
+        implementation = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
+        raise refusal(unwrap(model), f"its attention implementation is {implementation!r}, which would attend "
+                                     f"within each rank's slice of the sequence",
+                      'Load it with attn_implementation="ulysses" (after ulysses_kernels.hf.register(groups)), or '
+                      "call model.set_attn_implementation(\"ulysses\").")
+    return context
+
+
+def _first_context(groups) -> SequenceParallelContext:
+    if isinstance(groups, ParallelGroups):
+        return SequenceParallelContext(groups)
+    default = default_context()
+    if groups is None or (default is not None and default.sp_size == sp_size_of(groups)):
+        return SequenceParallelContext.following_default()
+    return SequenceParallelContext(groups)
+
+
+def sp_size_of(groups) -> int:
+    if isinstance(groups, ParallelGroups):
+        return groups.sp_size
+    return resolve_group(groups)[1]

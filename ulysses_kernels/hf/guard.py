@@ -1,0 +1,347 @@
+"""The guard: what the package cannot make exactly sequence-parallel raises the same
+`NotSequenceParallelError` on every rank, never a result computed on a local shard
+(docs/hf.md, "What the guard refuses").
+
+Under sequence parallelism every rank holds a slice of the sequence. The ``"ulysses"``
+attention is the one place where tokens meet across slices; anything else that mixes
+tokens (a state-space or recurrent layer, linear attention, a convolution along the
+sequence, attention that builds its own scores or masks) would see this rank's slice
+only and be silently wrong. The rules, generic rather than a list of model names:
+
+* **Layer kinds** (`config_problem`): per-layer type lists (`layer_types`,
+  `layers_block_type`, `block_types`) may name attention kinds the attention function
+  implements (`ATTENTION_LAYERS`) or per-token kinds (`TOKENWISE_LAYERS`), nothing else.
+  Config fields whose feature the attention function would drop: sparse-attention
+  indexers (``index_*``), bidirectional attention (``is_causal=False``), an
+  ``attention_chunk_size`` without chunked layers.
+* **Modules** (`module_problem`): inside the decoder layers, no convolution along the
+  sequence (kernel > 1), no recurrent module, no module whose class is a sequence mixer
+  of another kind (`MIXER_MARKERS`: Mamba, RWKV, LSTM, linear attention, DeltaNet, ...).
+* **Calls** (`install_call_checks`): during the model's first forward every decoder
+  layer of an attention kind must call the attention function; a layer that does not
+  (attention written by hand, another mixer) raises at its end, before the forward
+  returns. The calls are counted on the model's context.
+* **Masks** (`mask_request_problem`, from the mask function): a mask overlay the model
+  asks for (`or_mask_function` / `and_mask_function`), or a mask that opens later tokens
+  to earlier ones (Gemma 3's bidirectional image blocks from `token_type_ids`), found by
+  probing the mask function above its diagonal.
+
+The structural rules are deterministic (every rank holds the same model), so every rank
+raises the same error; the mask rule goes through the mask function's agreement.
+"""
+
+import inspect
+import re
+import sys
+from typing import List, Optional
+
+from torch import nn
+
+ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+TOKENWISE_LAYERS = frozenset({"mlp", "moe", "dense", "sparse"})
+LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layer_block_types")
+
+# CamelCase words of class names of token mixers that are not attention, matched as words
+# ("Ssm" is not a word of "GptOssMLP"). Plain "Conv" is not one: transformers' GPT-2
+# `Conv1D` is a linear layer; real convolutions are found as torch's Conv modules.
+MIXER_MARKERS = ("Mamba", "SSM", "Ssm", "Rwkv", "RWKV", "Lstm", "LSTM", "Recurrent", "Rglru", "RGLRU",
+                 "LinearAttention", "LinearAttn", "DeltaNet", "DeltaAttention", "ShortConv", "CausalConv", "Retention", "Hyena",
+                 "Lightning", "Indexer")
+_CAMEL_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z][a-z0-9]*|[a-z0-9]+")
+
+_WHAT_TO_DO = ("Train or run it without sequence parallelism (sp_size=1), or with a model whose token mixers are "
+               "all attention; docs/hf.md lists the families and why each is refused.")
+
+
+class NotSequenceParallelError(ValueError):
+    """The model (or a forward's mask or option) cannot be made exactly sequence-parallel
+    by ulysses_kernels; raised the same on every rank."""
+
+
+def refusal(model: Optional[nn.Module], what: str, todo: str = _WHAT_TO_DO) -> NotSequenceParallelError:
+    """The error naming the model's class and type, what cannot be made exact and what to do."""
+    if model is None:
+        return NotSequenceParallelError(f"ulysses_kernels.hf: {what}. {todo}")
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "?")
+    return NotSequenceParallelError(f"ulysses_kernels.hf: {type(model).__name__} (model_type {model_type!r}) cannot "
+                                    f"run sequence-parallel exactly: {what}. {todo}")
+
+
+# ----------------------------------------------------------------------------- configs
+
+def text_configs(config) -> List[object]:
+    """The config and its sub-configs that describe decoder layers (a VLM's text_config)."""
+    found = [config]
+    for key in ("text_config", "language_config", "llm_config", "decoder_config"):
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict") and sub is not config:
+            found.append(sub)
+    return found
+
+
+def _layer_kinds(config):
+    for field in LAYER_TYPE_FIELDS:
+        kinds = getattr(config, field, None)
+        if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+            yield field, list(kinds)
+
+
+def config_problem(config) -> Optional[str]:
+    """What the config asks for that the attention function cannot honour, or None."""
+    for sub in text_configs(config):
+        for field, kinds in _layer_kinds(sub):
+            other = sorted(set(kinds) - ATTENTION_LAYERS - TOKENWISE_LAYERS)
+            if other:
+                return (f"config.{field} has layers of kind {', '.join(repr(k) for k in other)}: a token mixer that "
+                        "is not attention would run on this rank's slice of the sequence only")
+        indexer = sorted(k for k, v in vars(sub).items() if (k.startswith("index_") or k.startswith("indexer_"))
+                         and v not in (None, False, 0, [], ()))
+        if indexer:
+            return (f"a sparse-attention indexer (config.{indexer[0]}) picks keys for each query from scores and a "
+                    "mask over the whole sequence, which this rank does not hold")
+        if getattr(sub, "is_causal", True) is False:
+            return "config.is_causal=False asks for bidirectional attention, which the causal LM loss does not define"
+        chunk = getattr(sub, "attention_chunk_size", None)
+        kinds = dict(_layer_kinds(sub)).get("layer_types", [])
+        if chunk and "chunked_attention" not in kinds:
+            return ("config.attention_chunk_size is set but no layer is of kind 'chunked_attention', so which "
+                    "layers are chunked is not known")
+    return None
+
+
+# ----------------------------------------------------------------------------- modules
+
+def decoder_layers(model: nn.Module) -> List[nn.Module]:
+    """The decoder layers: the shallowest `ModuleList` of the model (the layer stack; a
+    mixture of experts' list sits inside a layer, a vision tower's deeper in its encoder),
+    the longest of those at that depth."""
+    lists = [(name.count("."), -len(m), m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    return list(min(lists, key=lambda entry: entry[:2])[2])
+
+
+def _sequence_conv(module: nn.Module) -> bool:
+    if isinstance(module, nn.Conv1d):
+        return module.kernel_size[0] > 1
+    if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+        return any(k > 1 for k in module.kernel_size)
+    return False
+
+
+def _names_a_mixer(class_name: str) -> bool:
+    """A marker is a run of whole CamelCase words of the class name."""
+    words = _CAMEL_WORD.findall(class_name)
+    joined = ["".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, min(len(words), i + 3) + 1)]
+    return any(marker in joined for marker in MIXER_MARKERS)
+
+
+def module_problem(model: nn.Module) -> Optional[str]:
+    """The first module inside the decoder layers that mixes tokens without attention, or None."""
+    layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            what = None
+            cls = type(module).__name__
+            if _sequence_conv(module):
+                what = f"a convolution along the sequence ({cls}, kernel {tuple(module.kernel_size)})"
+            elif isinstance(module, nn.RNNBase):
+                what = f"a recurrent module ({cls})"
+            elif _names_a_mixer(cls):
+                what = f"a token mixer that is not attention ({cls})"
+            if what:
+                where = f"decoder layer {index}" + (f", {name}" if name else "")
+                return f"{where} holds {what}, which would run on this rank's slice of the sequence only"
+    return None
+
+
+def interface_problem(model: nn.Module) -> Optional[str]:
+    """A decoder layer defined in a transformers modeling file that does not even import
+    the attention interface cannot call the registered function: its attention is
+    written by hand (found before the forward, which such models often break on the
+    mask they do not get)."""
+    for layer in decoder_layers(model):
+        namespace = sys.modules.get(type(layer).__module__)
+        if type(layer).__module__.startswith("transformers.models.") and namespace is not None \
+                and not hasattr(namespace, "ALL_ATTENTION_FUNCTIONS"):
+            return (f"its attention ({type(layer).__name__}) is written by hand, not through transformers' "
+                    "attention interface, so each rank would attend within its own slice")
+    return None
+
+
+def _takes(module: nn.Module, name: str) -> bool:
+    try:
+        return name in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return True
+
+
+def position_problem(model: nn.Module) -> Optional[str]:
+    """Positions the model numbers itself from local indices: the innermost transformers
+    model holding the input embedding takes no `position_ids` (it counts `arange` over
+    this rank's slice, as BART's decoder does), or its position embedding counts from a
+    padding index (RoBERTa's `padding_idx + 1 + ...`, which `shard_batch`'s global
+    positions do not follow)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if embedding is None:
+        return None
+    holder = None
+    for module in model.modules():   # outer to inner: the last transformers model holding it
+        if hasattr(module, "base_model_prefix") and hasattr(module, "config") \
+                and any(m is embedding for m in module.modules()):
+            holder = module
+    if holder is not None and not _takes(holder, "position_ids"):
+        return (f"{type(holder).__name__}.forward takes no position_ids: it numbers each rank's tokens from 0 "
+                "(local positions)")
+    for name, module in model.named_modules():
+        if "position" in name.rsplit(".", 1)[-1] and isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            return (f"{name} numbers positions from its padding index ({module.padding_idx} + 1, RoBERTa's "
+                    "convention), not from the global positions shard_batch passes")
+    return None
+
+
+def check_model(model: nn.Module) -> None:
+    """Raise `NotSequenceParallelError` when the model's structure cannot be made exactly
+    sequence-parallel (config, interface, position and module rules); the calls are
+    checked at its first forward."""
+    config = getattr(model, "config", None)
+    problem = ((config_problem(config) if config is not None else None) or interface_problem(model)
+               or position_problem(model) or module_problem(model))
+    if problem:
+        raise refusal(model, problem)
+
+
+# ------------------------------------------------------------------------------- calls
+
+def attention_layer_flags(model: nn.Module, layers: List[nn.Module]) -> List[bool]:
+    """Which decoder layers must call the attention function: all, but those that the
+    config's `layer_types` (when it has one entry per layer) says are per-token."""
+    config = getattr(model, "config", None)
+    for sub in text_configs(config) if config is not None else []:
+        kinds = dict(_layer_kinds(sub)).get("layer_types")
+        if kinds is not None and len(kinds) == len(layers):
+            return [kind not in TOKENWISE_LAYERS for kind in kinds]
+    return [True] * len(layers)
+
+
+def install_call_checks(model: nn.Module, context) -> None:
+    """Hooks on the decoder layers for the model's first forward: a layer that must attend
+    and made no call of the attention function raises at its end; the last layer removes
+    the hooks."""
+    layers = decoder_layers(model)
+    if not layers:
+        return
+    flags = attention_layer_flags(model, layers)
+    handles = []
+    started = {}
+
+    def remove():
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+
+    def before(index):
+        def hook(module, args):
+            started[index] = context.attention_calls
+        return hook
+
+    def after(index, must_attend):
+        def hook(module, args, output):
+            if must_attend and context.attention_calls == started.get(index, context.attention_calls):
+                remove()
+                raise refusal(model, f"decoder layer {index} ({type(module).__name__}) ran without calling the "
+                                     "attention function: its attention does not go through transformers' "
+                                     "attention interface, or its token mixer is not attention, and it would "
+                                     "attend within this rank's slice only")
+            if index == len(layers) - 1:
+                remove()
+        return hook
+
+    for index, (layer, must_attend) in enumerate(zip(layers, flags)):
+        handles.append(layer.register_forward_pre_hook(before(index)))
+        handles.append(layer.register_forward_hook(after(index, must_attend)))
+
+
+# ------------------------------------------------------------------------------- masks
+
+def mask_request_problem(mask_kwargs: dict) -> Optional[str]:
+    """What a mask request (the keyword arguments transformers passes the mask function)
+    asks for beyond a causal mask, a sliding window, Llama 4's chunks or packed documents,
+    or None."""
+    # A bidirectional request (create_bidirectional_mask) needs nothing: without padding it
+    # is no mask, and the attention follows the module's is_causal (config_problem refuses
+    # config.is_causal=False, which asks causal-by-module layers for a bidirectional mask).
+    if "allow_is_bidirectional_skip" in mask_kwargs:
+        return None
+    if mask_kwargs.get("use_vmap"):
+        return ("the model overlays its own mask function on the causal mask (or_mask_function / "
+                "and_mask_function)")
+    if mask_kwargs.get("allow_is_causal_skip", True) is False and _sees_later_tokens(mask_kwargs):
+        return ("the model's mask lets tokens attend to later tokens (a bidirectional block, for instance Gemma 3's "
+                "image tokens from token_type_ids), which causal attention over sequence shards does not honour")
+    return None
+
+
+def _sees_later_tokens(mask_kwargs: dict) -> bool:
+    """Probe the mask function on the diagonal above the causal one (query i, key i + 1)
+    of every row: a causal mask (with windows, chunks, documents) is False there; an
+    overlay that opens blocks both ways is True somewhere. O(S) index evaluations."""
+    import torch
+
+    mask_function = mask_kwargs.get("mask_function")
+    q_length, kv_length = mask_kwargs.get("q_length"), mask_kwargs.get("kv_length")
+    if mask_function is None or not q_length or not kv_length:
+        return False
+    q_offset, kv_offset = int(mask_kwargs.get("q_offset", 0) or 0), int(mask_kwargs.get("kv_offset", 0) or 0)
+    batch = int(mask_kwargs.get("batch_size", 1) or 1)
+    device = mask_kwargs.get("device")
+    q = torch.arange(q_offset, q_offset + q_length, device=device)
+    q = q[q + 1 < kv_offset + kv_length]
+    if q.numel() == 0:
+        return False
+    rows = torch.arange(batch, device=device).repeat_interleave(q.numel())
+    q = q.repeat(batch)
+    try:
+        opened = mask_function(rows, torch.zeros_like(q), q, q + 1)
+    except Exception:  # noqa: BLE001 - a mask function that cannot be probed is not known to be causal
+        return True
+    return bool(torch.as_tensor(opened).any())
+
+
+# ---------------------------------------------------------------- own attention tables
+
+# transformers modeling files of causal LM families that pick their attention class from a
+# table of their own, keyed by attn_implementation (a KeyError at load time for any other
+# name). tests/hf/test_hf_guard.py checks that this covers the installed transformers.
+OWN_ATTENTION_TABLES = {"falcon": "FALCON_ATTENTION_CLASSES", "git": "GIT_SELF_ATTENTION_CLASSES",
+                        "gpt_neo": "GPT_NEO_ATTENTION_CLASSES"}
+
+
+def refuse_in_own_attention_tables(name: str) -> None:
+    """Give those tables an entry `name` whose construction raises our refusal, so that
+    loading such a model with attn_implementation=name says why at once."""
+    import importlib
+
+    for family, table in OWN_ATTENTION_TABLES.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        except ImportError:   # another transformers: nothing to do for it
+            continue
+        classes = getattr(module, table, None)
+        if isinstance(classes, dict) and name not in classes:
+            classes[name] = _refusing_attention(family, table)
+
+
+def _refusing_attention(family: str, table: str):
+    what = (f"model_type {family!r} picks its attention class from a table of its own ({table}); its attention is "
+            "written by hand, not through transformers' attention interface, so each rank would attend within its "
+            "own slice")
+
+    class RefusedAttention(nn.Module):
+        def __init__(self, *args, **kwargs):
+            raise refusal(None, what)
+
+    return RefusedAttention
