@@ -1,0 +1,158 @@
+"""The families sweep (tests/hf/test_hf_sweep.py): every causal LM family transformers
+ships, built tiny (tiny_models.py), one training step at SP 2 through the documented calls
+against the same weights on one process, in float64.
+
+Two cases per family: one document of uneven length (23 tokens: shards of 12 and 11) and
+two packed documents (9 + 14 tokens). Every rank returns, per family, what happened:
+
+* ``("unbuilt", why)``: no tiny CPU build (the same on every rank: the build is local);
+* ``("refused", message)``: `ulysses_kernels.hf` raised its `NotSequenceParallelError`;
+* ``("raised", message)``: anything else raised (an incidental error: a finding);
+* ``("ran", {case: (loss, {name: grad})})``: the step ran; the gradients are summed over
+  the SP group (`allreduce_gradients`).
+
+The single-device references (`reference_step`: eager attention with a float64 softmax,
+each packed document on its own) are computed by the ranks too, each rank taking every
+other family that ran, so both cores work.
+"""
+
+import os
+import time
+import traceback
+import warnings
+
+import torch
+
+VOCAB = 96
+S = 23
+DOCUMENTS = {"one uneven document": None, "two packed documents": [9, 14]}
+
+
+def batch_ids(seed: int = 5) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (1, S), generator=g)
+
+
+def positions(documents):
+    if documents is None:
+        return torch.arange(S).unsqueeze(0)
+    return torch.cat([torch.arange(n) for n in documents]).unsqueeze(0)
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def reference_step(model, documents):
+    """One step on one process: (mean loss over every target, {name: grad}); each document
+    on its own, the last token of a document predicting the next one's first (shard_batch's
+    rule), the loss weighted by the targets of the whole batch."""
+    ids = batch_ids()
+    bounds = [0] + [int(b) for b in torch.tensor(documents).cumsum(0)] if documents else [0, S]
+    loss = 0.0
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        labels = torch.full((1, stop - start), -100)
+        labels[:, :-1] = ids[:, start + 1:stop]
+        if stop < S:
+            labels[:, -1] = ids[:, stop]
+        logits = model(input_ids=ids[:, start:stop], use_cache=False).logits
+        loss = loss + torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
+                                                        labels.reshape(-1), ignore_index=-100,
+                                                        reduction="sum") / (S - 1)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def sp_step(model, documents, groups):
+    from ulysses_kernels import hf as ukhf
+
+    batch = ukhf.shard_batch(batch_ids(), groups, position_ids=positions(documents))
+    loss = ukhf.causal_lm_loss(model, batch, groups)
+    loss.backward()
+    ukhf.allreduce_gradients(model, groups)
+    return loss.detach(), _grads(model)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def run_family(model_type, groups, progress):
+    """What one family does on this rank (see the module doc)."""
+    from tiny_models import CannotBuildTiny, build_tiny_model
+
+    from ulysses_kernels.hf import NotSequenceParallelError
+
+    try:
+        model = build_tiny_model(model_type, "ulysses")
+    except CannotBuildTiny as error:
+        return ("unbuilt", str(error))
+    except NotSequenceParallelError as error:   # refused at load time (an attention table of its own)
+        return ("refused", str(error))
+    except Exception as error:  # noqa: BLE001 - the family's own construction failed
+        return ("unbuilt", f"construction: {_first_line(error)}")
+    results = {}
+    for case, documents in DOCUMENTS.items():
+        progress(f"{model_type} / {case}")
+        model.zero_grad(set_to_none=True)
+        try:
+            results[case] = sp_step(model, documents, groups)
+        except NotSequenceParallelError as error:
+            return ("refused", str(error))
+        except Exception as error:  # noqa: BLE001 - a finding, reported by the test
+            return ("raised", _first_line(error) + " @ " + _where(error))
+    return ("ran", results)
+
+
+def _where(error):
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+
+
+def references(model_type, mine: bool):
+    """Single-device references of both cases, or None when another rank computes them."""
+    from families import register_exact_eager
+    from tiny_models import build_tiny_model
+
+    if not mine:
+        return None
+    name = register_exact_eager()
+    model = build_tiny_model(model_type, name)
+    out = {}
+    for case, documents in DOCUMENTS.items():
+        model.zero_grad(set_to_none=True)
+        try:
+            out[case] = reference_step(model, documents)
+        except Exception as error:  # noqa: BLE001 - the family's own single-device forward failed
+            return ("unbuilt", f"single-device forward: {_first_line(error)}")
+    return ("ran", out)
+
+
+def sweep_worker(rank, world, model_types, progress_dir):
+    """Every family on this rank: {model_type: (outcome, reference or None)}."""
+    import transformers
+
+    import ulysses_kernels as uk
+    from ulysses_kernels import hf as ukhf
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    torch.set_default_dtype(torch.float32)
+    log = open(os.path.join(progress_dir, f"rank{rank}.log"), "a", buffering=1)
+
+    def progress(what):
+        log.write(f"{time.monotonic():.2f} {what}\n")
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    out, ran = {}, 0
+    for model_type in model_types:
+        outcome = run_family(model_type, groups, progress)
+        reference = None
+        if outcome[0] == "ran":
+            reference = references(model_type, mine=ran % world == rank)
+            ran += 1
+        out[model_type] = (outcome, reference)
+    progress("done")
+    return out
