@@ -1,0 +1,136 @@
+"""The sequence-parallel context per model (ulysses_kernels/hf/context.py): a model's
+attention, mask, loss and generation run on the groups of its own context; `register`'s
+default context serves the models without one.
+
+Four ranks (slow): a Llama on SP 4 (the default context) and a Qwen3 on SP 2 x DP 2 (its
+own, `attach_context`) live in one process; their forwards and backwards interleave, each
+trains one step equal to its single-device run, each generates what `model.generate`
+gives on one device, and both decode at once (two decoding contexts open together, as a
+draft model beside its target). One process (fast tier): how contexts attach and follow.
+"""
+
+import pytest
+import torch
+from families import make_family_model
+from helpers import SLOW_SPAWN_TIMEOUT, rel_err
+from sweep import DOCUMENTS, batch_ids, reference_step
+from sweep import positions as sweep_positions
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install 'ulysses-kernels[hf]')")
+
+import ulysses_kernels as uk  # noqa: E402
+from ulysses_kernels import hf as ukhf  # noqa: E402
+from ulysses_kernels.hf.context import context_of, default_context, sequence_parallel_model  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+PROMPT, NEW = 11, 5
+
+
+def _ids(n, seed):
+    return torch.randint(3, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def two_models(rank, world):
+    sp4 = uk.init_sequence_parallel(4)
+    sp2 = uk.init_sequence_parallel(2)
+    ukhf.register(sp4)                                   # the default: the Llama follows it
+    llama = make_family_model("llama", "ulysses")
+    qwen = make_family_model("qwen2_sliding", "ulysses", seed=1)
+    ukhf.attach_context(qwen, sp2)                       # its own: SP 2 x DP 2
+    ids, positions = batch_ids(), sweep_positions(DOCUMENTS["two packed documents"])
+    batch4 = ukhf.shard_batch(ids, sp4, position_ids=positions)
+    batch2 = ukhf.shard_batch(ids, sp2, position_ids=positions)   # both DP groups: the same batch
+    out4 = llama(**batch4.model_inputs())                # forwards and backwards interleaved
+    out2 = qwen(**batch2.model_inputs())
+    loss4 = ukhf.sequence_parallel_loss(out4.logits, batch4.labels, sp4)
+    loss2 = ukhf.sequence_parallel_loss(out2.logits, batch2.labels, sp2)
+    loss2.backward()
+    loss4.backward()
+    ukhf.allreduce_gradients(llama, sp4)
+    ukhf.allreduce_gradients(qwen, sp2)
+    res = dict(llama=(loss4.detach(), _grads(llama)), qwen=(loss2.detach(), _grads(qwen)),
+               sizes=(context_of(llama).sp_size, context_of(qwen).sp_size))
+    llama.eval()
+    qwen.eval()
+    with torch.no_grad():
+        res["llama tokens"] = ukhf.generate(llama, _ids(PROMPT, 7), max_new_tokens=NEW, do_sample=False)
+        res["qwen tokens"] = ukhf.generate(qwen, _ids(PROMPT, 7), max_new_tokens=NEW, do_sample=False)
+        logits4, cache4 = ukhf.prefill(llama, _ids(PROMPT, 7))
+        logits2, cache2 = ukhf.prefill(qwen, _ids(PROMPT, 7))
+        with ukhf.decoding(cache4), ukhf.decoding(cache2):   # both at once: each model reads its own
+            for _ in range(3):
+                logits4 = llama(input_ids=logits4.argmax(-1, keepdim=True), cache=cache4, use_cache=True).logits[:, -1]
+                logits2 = qwen(input_ids=logits2.argmax(-1, keepdim=True), cache=cache2, use_cache=True).logits[:, -1]
+        res["decoded"] = (logits4, logits2)
+    return res
+
+
+def _reference(family, seed):
+    model = make_family_model(family, "eager64", seed=seed)
+    step = reference_step(model, DOCUMENTS["two packed documents"])
+    model.eval()
+    with torch.no_grad():
+        tokens = model.generate(_ids(PROMPT, 7), max_new_tokens=NEW, do_sample=False)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=_ids(PROMPT, 7), cache=cache, use_cache=True).logits[:, -1]
+        for _ in range(3):
+            logits = model(input_ids=logits.argmax(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1]
+    return step, tokens, logits
+
+
+@pytest.mark.slow
+def test_two_models_on_two_groups_train_and_generate_like_one_device():
+    per_rank = spawn(two_models, 4, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for name, family, seed, index in (("llama", "llama", 0, 0), ("qwen", "qwen2_sliding", 1, 1)):
+        (want_loss, want_grads), want_tokens, want_logits = _reference(family, seed)
+        for rank, res in enumerate(per_rank):
+            assert res["sizes"] == (4, 2)
+            loss, grads = res[name]
+            assert rel_err(loss, want_loss) < 1e-9, (name, rank)
+            assert set(grads) == set(want_grads)
+            for param, g in want_grads.items():
+                assert rel_err(grads[param], g) < 1e-9, (name, rank, param)
+            assert torch.equal(res[f"{name} tokens"], want_tokens), (name, rank)
+            assert rel_err(res["decoded"][index], want_logits) < 1e-9, (name, rank)
+
+
+# ------------------------------------------------------------------------ one process
+
+def test_a_context_lives_on_every_module_and_follows_register():
+    ukhf.register(None)
+    model = make_family_model("llama", "ulysses")
+    assert context_of(model) is None
+    context = sequence_parallel_model(model)   # what the entry points call first
+    assert context.follows_default and all(context_of(m) is context for m in model.modules())
+    first = default_context()
+    ukhf.register(None, backend="reference")             # a new default: followed
+    assert context_of(model).backend == "reference" and default_context() is not first
+    own = make_family_model("llama", "ulysses")
+    mine = ukhf.attach_context(own, None, backend="triton")
+    ukhf.register(None)
+    assert context_of(own) is mine and mine.backend == "triton" and not mine.follows_default
+
+
+def test_a_cache_points_decoding_at_its_models_context():
+    ukhf.register(None)
+    model = make_family_model("llama", "ulysses").eval()
+    cache = ukhf.make_cache(model)
+    assert cache.context is context_of(model)
+    with ukhf.decoding(cache):
+        assert context_of(model).inference_cache is cache
+    assert context_of(model).inference_cache is None
+
+
+def test_attach_context_checks_the_model():
+    from tiny_models import build_tiny_model
+
+    with pytest.raises(ukhf.NotSequenceParallelError, match="linear_attention"):
+        ukhf.attach_context(build_tiny_model("qwen3_next", "ulysses"), None)

@@ -1,0 +1,244 @@
+"""The guard (ulysses_kernels/hf/guard.py): what the package cannot make exactly
+sequence-parallel raises `NotSequenceParallelError`, at the first place the package
+meets the model (an entry point, or the model's first forward), the same on every rank.
+
+One process (fast tier): each rule on real tiny transformers models (tiny_models.py) and
+on stand-ins; bloom and GPT-NeoX-Japanese, which build their own attention (and would run
+non-causal with the package's mask function), refused on one process too; a Llama whose
+layer stops calling the attention function refused at that layer's end; Gemma 3 with
+`token_type_ids` (bidirectional image blocks) refused. Two ranks (slow): the same errors
+on both, through `causal_lm_loss`, `generate` and a plain forward, and nothing hangs.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SPAWN_TIMEOUT
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install 'ulysses-kernels[hf]')")
+
+from tiny_models import build_tiny_model, tiny_config  # noqa: E402
+from torch import nn  # noqa: E402
+
+from ulysses_kernels import hf as ukhf  # noqa: E402
+from ulysses_kernels.hf import guard  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+
+def _ids(S=23, seed=0):
+    return torch.randint(3, 90, (1, S), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def registered():
+    """register() on one process (no process group: SP 1)."""
+    ukhf.register(None)
+    yield
+
+
+# ----------------------------------------------------------------------------- configs
+
+def test_layer_kinds_other_than_attention_are_refused():
+    assert guard.config_problem(tiny_config("llama")) is None
+    assert guard.config_problem(tiny_config("llama4_text")) is None   # chunked layers: implemented
+    assert "linear_attention" in guard.config_problem(tiny_config("qwen3_next"))
+    assert "'conv'" in guard.config_problem(tiny_config("lfm2"))
+    assert "'hybrid'" in guard.config_problem(tiny_config("falcon_h1"))
+    assert "indexed_attention" in guard.config_problem(tiny_config("deepseek_v32"))
+    assert guard.config_problem(tiny_config("dory")) is None   # 'mlp' layers are per token
+
+
+def test_config_fields_the_attention_would_drop_are_refused():
+    config = tiny_config("llama")
+    config.is_causal = False
+    assert "bidirectional" in guard.config_problem(config)
+    config = tiny_config("llama")
+    config.attention_chunk_size = 8   # chunks, but no layer says it is chunked
+    assert "attention_chunk_size" in guard.config_problem(config)
+    config = tiny_config("llama")
+    config.index_topk = 16
+    assert "indexer" in guard.config_problem(config)
+
+
+# ----------------------------------------------------------------------------- modules
+
+def test_mixer_names_are_matched_as_whole_words():
+    for name in ("MambaMixer", "Qwen3NextGatedDeltaNet", "xLSTMBlock", "Lfm2ShortConv", "RecurrentGemmaRglru",
+                 "MiniMaxLightningAttention", "DeepseekV32Indexer", "KimiDeltaAttention"):
+        assert guard._names_a_mixer(name), name
+    for name in ("GptOssMLP", "SeedOssMLP", "LlamaAttention", "Conv1D", "Gemma3DecoderLayer"):
+        assert not guard._names_a_mixer(name), name
+
+
+class _Layer(nn.Module):
+    def __init__(self, extra):
+        super().__init__()
+        self.attn = nn.Linear(8, 8)
+        self.extra = extra
+
+
+class _Stack(nn.Module):
+    def __init__(self, extra):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(nn.Identity()), _Layer(extra)])
+
+
+def test_sequence_mixing_modules_inside_the_layers_are_refused():
+    assert guard.module_problem(_Stack(nn.Linear(8, 8))) is None
+    assert guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=1))) is None   # per token
+    assert "convolution along the sequence" in guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=4)))
+    assert "decoder layer 1, extra" in guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=4, groups=8)))
+    assert "recurrent module (GRU)" in guard.module_problem(_Stack(nn.GRU(8, 8)))
+
+
+def test_a_short_convolution_inside_the_attention_is_found():
+    """Inkling convolves its keys and values along the sequence (a depthwise conv in the
+    k / v path): the module rule finds it even where the layer kinds would not tell."""
+    from tiny_models import causal_lm_class
+
+    model = causal_lm_class("inkling_text")._from_config(tiny_config("inkling_text"))
+    assert "self_attn.k_sconv.conv1d holds a convolution along the sequence" in guard.module_problem(model)
+
+
+def test_models_that_number_positions_themselves_are_refused():
+    assert guard.position_problem(build_tiny_model("llama", "eager")) is None
+    assert "takes no position_ids" in guard.position_problem(build_tiny_model("bart", "eager"))
+    assert "padding index" in guard.position_problem(build_tiny_model("roberta", "eager"))
+
+
+def test_hand_written_attention_is_refused_before_its_forward():
+    assert guard.interface_problem(build_tiny_model("llama", "eager")) is None
+    assert "written by hand" in guard.interface_problem(build_tiny_model("bloom", "eager"))
+
+
+# ------------------------------------------------------------------- first forward, SP 1
+
+@pytest.mark.parametrize("family", ["bloom", "gpt_neox_japanese"])
+def test_families_that_ignore_the_attention_function_are_refused_on_one_process(registered, family):
+    """With the package's mask function they would attend non-causally even on one device."""
+    model = build_tiny_model(family, "ulysses")
+    with pytest.raises(ukhf.NotSequenceParallelError, match="written by hand"):
+        model(input_ids=_ids(), use_cache=False)
+
+
+def test_a_layer_that_stops_calling_the_attention_function_is_refused(registered):
+    """The call check (guard.install_call_checks): layer 1's attention replaced by one that
+    computes its own output raises at that layer's end, naming it, during the first
+    forward; the unchanged model runs."""
+    model = build_tiny_model("llama", "ulysses")
+    model(input_ids=_ids(), use_cache=False)
+    broken = build_tiny_model("llama", "ulysses")
+
+    class OwnAttention(nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states.cumsum(dim=1), None   # mixes tokens without the attention function
+
+    broken.model.layers[1].self_attn = OwnAttention()
+    with pytest.raises(ukhf.NotSequenceParallelError, match="decoder layer 1 .*LlamaDecoderLayer.* without calling"):
+        broken(input_ids=_ids(), use_cache=False)
+
+
+def test_gemma3_image_blocks_are_refused(registered):
+    """token_type_ids open image tokens both ways (transformers' blockwise overlay): refused;
+    the same model on text alone runs."""
+    model = build_tiny_model("gemma3", "ulysses")
+    model(input_ids=_ids(), use_cache=False)
+    token_types = torch.zeros(1, 23, dtype=torch.long)
+    token_types[:, 5:9] = 1
+    with pytest.raises(ukhf.NotSequenceParallelError, match="attend to later tokens"):
+        model(input_ids=_ids(), token_type_ids=token_types, use_cache=False)
+
+
+def test_a_mask_overlay_is_refused():
+    assert "overlays its own mask function" in guard.mask_request_problem(dict(use_vmap=True))
+    assert guard.mask_request_problem(dict(allow_is_bidirectional_skip=True, use_vmap=False)) is None
+    causal = dict(allow_is_causal_skip=False, batch_size=1, q_length=6, kv_length=6,
+                  mask_function=lambda b, h, q, kv: kv <= q)
+    assert guard.mask_request_problem(causal) is None
+    opened = dict(causal, mask_function=lambda b, h, q, kv: (kv <= q) | ((q == 2) & (kv == 3)))
+    assert "later tokens" in guard.mask_request_problem(opened)
+
+
+def test_a_model_whose_attention_is_not_ulysses_is_refused_on_more_ranks_only():
+    """causal_lm_loss of a model loaded with attn_implementation="sdpa" is fine on one
+    process (SP 1) and is refused on more (slow test below)."""
+    from ulysses_kernels.hf.context import uses_ulysses_attention
+
+    assert not uses_ulysses_attention(build_tiny_model("llama", "sdpa"))
+    assert uses_ulysses_attention(build_tiny_model("llama", "ulysses"))
+
+
+# ------------------------------------------------------------------- attention tables
+
+def test_every_causal_lm_family_with_its_own_attention_table_is_known():
+    """OWN_ATTENTION_TABLES covers every causal LM family whose modeling file keeps an
+    attention-class table keyed by attn_implementation (a KeyError at load otherwise)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    root = Path(transformers.__file__).parent / "models"
+    found = {}
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        folder = model_type.replace("-", "_")
+        for path in (root / folder).glob("modeling_*.py"):
+            for table in re.findall(r"^(\w+_ATTENTION_CLASSES)\s*=\s*\{", path.read_text(), flags=re.M):
+                found[folder] = table
+    assert found == guard.OWN_ATTENTION_TABLES
+
+
+@pytest.mark.parametrize("family", sorted(guard.OWN_ATTENTION_TABLES))
+def test_families_with_their_own_attention_table_are_refused_at_load(registered, family):
+    with pytest.raises(ukhf.NotSequenceParallelError, match="table of its own"):
+        build_tiny_model(family, "ulysses")
+
+
+# ------------------------------------------------------------------- two ranks
+
+def _refusals(rank, world):
+    """Each refusal on this rank: {case: message or None}."""
+    import ulysses_kernels as uk
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    out = {}
+
+    def attempt(case, call):
+        try:
+            call()
+            out[case] = None
+        except ukhf.NotSequenceParallelError as error:
+            out[case] = str(error)
+
+    batch = ukhf.shard_batch(_ids(), groups)
+    attempt("qwen3_next loss", lambda: ukhf.causal_lm_loss(build_tiny_model("qwen3_next", "ulysses"), batch, groups))
+    attempt("bloom forward", lambda: build_tiny_model("bloom", "ulysses")(**batch.model_inputs()))
+    attempt("lfm2 generate", lambda: ukhf.generate(build_tiny_model("lfm2", "ulysses").eval(), _ids(9), groups,
+                                                   max_new_tokens=2, do_sample=False))
+    attempt("sdpa loss", lambda: ukhf.causal_lm_loss(build_tiny_model("llama", "sdpa"), batch, groups))
+    token_types = torch.zeros(1, 23, dtype=torch.long)
+    token_types[:, 2:5] = 1   # image tokens on rank 0's shard only
+    gemma = build_tiny_model("gemma3", "ulysses")
+    attempt("gemma3 image blocks", lambda: gemma(**batch.model_inputs(), token_type_ids=batch.shard_tokens(token_types)))
+    ok = build_tiny_model("llama", "ulysses")
+    out["llama after"] = float(ukhf.causal_lm_loss(ok, batch, groups))   # the group stays usable
+    return out
+
+
+@pytest.mark.slow
+def test_refusals_are_the_same_on_every_rank():
+    per_rank = spawn(_refusals, 2, timeout=SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    cases = [c for c in per_rank[0] if c != "llama after"]
+    for case in cases:
+        messages = [r[case] for r in per_rank]
+        assert messages[0] is not None, case
+        assert messages[0] == messages[1], (case, messages)
+    assert "linear_attention" in per_rank[0]["qwen3_next loss"]
+    assert "written by hand" in per_rank[0]["bloom forward"]
+    assert "'conv'" in per_rank[0]["lfm2 generate"]
+    assert "'sdpa'" in per_rank[0]["sdpa loss"]
+    assert "later tokens" in per_rank[0]["gemma3 image blocks"]
+    assert per_rank[0]["llama after"] == per_rank[1]["llama after"]
