@@ -134,3 +134,40 @@ def test_attach_context_checks_the_model():
 
     with pytest.raises(ukhf.NotSequenceParallelError, match="linear_attention"):
         ukhf.attach_context(build_tiny_model("qwen3_next", "ulysses"), None)
+
+
+def _dropping_keyword_arguments(model):
+    """Decoder layers that pass neither position_ids nor shard_batch's keys down to their
+    attention (as some families' layers do not), the rotary tables already computed."""
+    for layer in model.model.layers:
+        original = layer.forward
+
+        def forward(*args, _original=original, **kwargs):
+            for key in ("position_ids", "ulysses_seq_lens", "ulysses_cu_seqlens"):
+                kwargs.pop(key, None)
+            return _original(*args, **kwargs)
+
+        layer.forward = forward
+    return model
+
+
+def test_documents_reach_an_attention_whose_layer_drops_them():
+    """Two packed documents at SP 1 through layers that drop the forward's keyword
+    arguments: the context keeps the model's own inputs (context.py), so the documents
+    stay apart, as each document on its own gives; recomputing such a layer in the backward
+    (activation checkpointing) is refused, since the kept inputs are the last forward's."""
+    ukhf.register(None)
+    documents = DOCUMENTS["two packed documents"]
+    want_loss, want_grads = reference_step(make_family_model("llama", "eager64"), documents)
+    model = _dropping_keyword_arguments(make_family_model("llama", "ulysses"))
+    batch = ukhf.shard_batch(batch_ids(), None, position_ids=sweep_positions(documents))
+    loss = ukhf.causal_lm_loss(model, batch)
+    loss.backward()
+    assert rel_err(loss.detach(), want_loss) < 1e-12
+    for name, g in want_grads.items():
+        assert rel_err(dict(model.named_parameters())[name].grad, g) < 1e-9, name
+    checkpointed = _dropping_keyword_arguments(make_family_model("llama", "ulysses"))
+    checkpointed.gradient_checkpointing_enable()
+    loss = ukhf.causal_lm_loss(checkpointed, batch)
+    with pytest.raises(ukhf.NotSequenceParallelError, match="recomputed in the backward"):
+        loss.backward()

@@ -316,14 +316,17 @@ def _lengths_and_documents(context, query, kwargs):
     model's inputs), else derived from the position ids, else the lengths only (one
     document per row)."""
     group, world, _ = context.ulysses()
-    inputs = dict(context.forward_inputs)
-    inputs.update({key: kwargs[key] for key in FORWARD_INPUTS if kwargs.get(key) is not None})
+    given = {key: kwargs[key] for key in FORWARD_INPUTS if kwargs.get(key) is not None}
+    inputs = dict(context.forward_inputs, **given)
     seq_lens = inputs.get("ulysses_seq_lens")
     cu_seqlens = inputs.get("ulysses_cu_seqlens")
     if seq_lens is not None:
+        _not_recomputed_from_kept(given, ("ulysses_seq_lens", "ulysses_cu_seqlens") if cu_seqlens is not None
+                                  else ("ulysses_seq_lens",))
         return [int(n) for n in seq_lens], cu_seqlens, True
     pos = inputs.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.shape[-1] == query.shape[2]:
+        _not_recomputed_from_kept(given, ("position_ids",))
         full, lens = _global_positions(pos, group, world, context.ring_group)
         if context.ring_group is None:  # the heuristic knows the contiguous layout only
             _warn_local_positions(context, full, lens)
@@ -331,6 +334,18 @@ def _lengths_and_documents(context, query, kwargs):
             cu_seqlens = cu_seqlens_from_position_ids(full)
         return lens, cu_seqlens, False
     return _lengths_only(query.shape[2], group, context.ring_group), cu_seqlens, False
+
+
+def _not_recomputed_from_kept(given, used) -> None:
+    """Inputs the attention takes from the model's forward (kept on the context, not passed
+    down by the decoder layer) belong to the model's last forward: inside the backward, a
+    recomputed layer (activation checkpointing) may be another forward's, so refuse."""
+    kept = [key for key in used if key not in given]
+    if kept and torch._C._current_graph_task_id() != -1:
+        raise refusal(None, f"a decoder layer that does not pass {', '.join(kept)} down to its attention is "
+                            "recomputed in the backward (activation checkpointing), where the documents of the "
+                            "forward it recomputes are not known",
+                      "Turn activation checkpointing off for this model, or pass the keyword arguments down.")
 
 
 def _chunk_documents(context, cu_seqlens, total, chunk, query, where):

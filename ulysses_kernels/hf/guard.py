@@ -113,14 +113,16 @@ def config_problem(config) -> Optional[str]:
 # ----------------------------------------------------------------------------- modules
 
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
-    """The decoder layers: the shallowest `ModuleList` of the model (the layer stack; a
-    mixture of experts' list sits inside a layer, a vision tower's deeper in its encoder),
-    the longest of those at that depth."""
-    lists = [(name.count("."), -len(m), m) for name, m in model.named_modules()
+    """The decoder layers: a `ModuleList` of the model, preferring one as long as the
+    (text) config's layer count, then the shallowest (a mixture of experts' list sits
+    inside a layer, a vision tower's in its own encoder), then the longest."""
+    config = getattr(model, "config", None)
+    counts = {getattr(sub, "num_hidden_layers", None) for sub in text_configs(config)} if config is not None else set()
+    lists = [(len(m) not in counts, name.count("."), -len(m), m) for name, m in model.named_modules()
              if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not lists:
         return []
-    return list(min(lists, key=lambda entry: entry[:2])[2])
+    return list(min(lists, key=lambda entry: entry[:3])[3])
 
 
 def _sequence_conv(module: nn.Module) -> bool:
