@@ -2,6 +2,8 @@
 planner's expectation) against what the step did; the Trainer side is in
 tests/hf/test_hf_deepspeed.py (test_monitor_logs_every_step)."""
 
+import mmap
+
 import pytest
 import torch
 from helpers import SPAWN_TIMEOUT
@@ -15,16 +17,21 @@ LLAMA_LIKE = dict(model_type="llama", hidden_size=256, num_hidden_layers=4, num_
                   num_key_value_heads=2, intermediate_size=688, vocab_size=1000, tie_word_embeddings=False)
 
 
-def _touch(mib: int) -> torch.Tensor:
-    """mib MiB of resident memory (written, so the pages exist)."""
-    return torch.ones(mib * MIB // 4, dtype=torch.float32)
+def _touch(mib: int):
+    """mib MiB of new resident memory: an anonymous mapping of its own, written so that the
+    pages exist (a tensor could land in heap pages an earlier test left resident, and then
+    the resident set would not grow)."""
+    buffer = mmap.mmap(-1, mib * MIB)
+    torch.frombuffer(buffer, dtype=torch.float32).fill_(1.0)
+    return buffer
 
 
 def _step(monitor, allocate_mib, tokens=100, seq_len=None):
     monitor.begin()
     held = _touch(allocate_mib) if allocate_mib else None
     record = monitor.end(tokens, seq_len=seq_len)
-    del held
+    if held is not None:
+        held.close()
     return record
 
 

@@ -8,12 +8,10 @@ two packed documents (9 + 14 tokens). Every rank returns, per family, what happe
 * ``("unbuilt", why)``: no tiny CPU build (the same on every rank: the build is local);
 * ``("refused", message)``: `ulysses_kernels.hf` raised its `NotSequenceParallelError`;
 * ``("raised", message)``: anything else raised (an incidental error: a finding);
-* ``("ran", {case: (loss, {name: grad})})``: the step ran; the gradients are summed over
-  the SP group (`allreduce_gradients`).
-
-The single-device references (`reference_step`: eager attention with a float64 softmax,
-each packed document on its own) are computed by the ranks too, each rank taking every
-other family that ran, so both cores work.
+* ``("ran", error, where)``: the step ran on every rank; its largest relative error (the
+  loss and every parameter gradient, summed over the SP group by `allreduce_gradients`)
+  against the single-device reference (`reference_step`: eager attention with a float64
+  softmax, each packed document on its own), which one rank computes and broadcasts.
 """
 
 import os
@@ -110,13 +108,11 @@ def _where(error):
     return f"{os.path.basename(frame.filename)}:{frame.lineno}"
 
 
-def references(model_type, mine: bool):
-    """Single-device references of both cases, or None when another rank computes them."""
+def references(model_type, mine: bool = True):
+    """Single-device references of both cases ("ran", {case: step}), or ("unbuilt", why)."""
     from families import register_exact_eager
     from tiny_models import build_tiny_model
 
-    if not mine:
-        return None
     name = register_exact_eager()
     model = build_tiny_model(model_type, name)
     out = {}
@@ -129,8 +125,44 @@ def references(model_type, mine: bool):
     return ("ran", out)
 
 
+def largest_error(got, want):
+    """(the largest relative error over the loss and every parameter gradient, where). A
+    gradient that is zero in exact arithmetic (a key bias: softmax ignores a shift shared
+    by every key) is rounding noise on both sides: its error is measured against a floor
+    of 1e-6 of the model's largest gradient."""
+    loss, grads = got
+    want_loss, want_grads = want
+    errors = {"loss": float((loss.double() - want_loss.double()).abs() / want_loss.double().abs())}
+    missing = sorted(set(want_grads) - set(grads))
+    if missing:
+        errors[f"no gradient for {missing[0]}"] = float("inf")
+    floor = 1e-6 * max([float(g.double().norm()) for g in want_grads.values()] + [1e-30])
+    for name, g in want_grads.items():
+        if name in grads:
+            diff = float((grads[name].double() - g.double()).norm())
+            errors[name] = diff / max(float(g.double().norm()), floor)
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
+def compare(outcome, reference):
+    """This rank's ("ran", {case: step}) against the reference -> ("ran", error, where), or
+    ("unbuilt", why) when the single-device forward itself fails."""
+    if reference[0] == "unbuilt":
+        return reference
+    worst, where = 0.0, ""
+    for case in DOCUMENTS:
+        err, name = largest_error(outcome[1][case], reference[1][case])
+        if err > worst:
+            worst, where = err, f"{case}, {name}"
+    return ("ran", worst, where)
+
+
 def sweep_worker(rank, world, model_types, progress_dir):
-    """Every family on this rank: {model_type: (outcome, reference or None)}."""
+    """Every family on this rank: {model_type: outcome}, small: a step that ran is compared
+    here, against the reference one rank computes and broadcasts (every other family on
+    each rank, so both cores work)."""
+    import torch.distributed as dist
     import transformers
 
     import ulysses_kernels as uk
@@ -149,10 +181,15 @@ def sweep_worker(rank, world, model_types, progress_dir):
     out, ran = {}, 0
     for model_type in model_types:
         outcome = run_family(model_type, groups, progress)
-        reference = None
-        if outcome[0] == "ran":
-            reference = references(model_type, mine=ran % world == rank)
+        kinds = [None] * world
+        dist.all_gather_object(kinds, outcome[0])   # every rank ran it: compare; else report as is
+        if all(kind == "ran" for kind in kinds):
+            owner = ran % world
             ran += 1
-        out[model_type] = (outcome, reference)
+            progress(f"{model_type} / reference")
+            shared = [references(model_type, mine=True) if rank == owner else None]
+            dist.broadcast_object_list(shared, src=owner)
+            outcome = compare(outcome, shared[0])
+        out[model_type] = outcome
     progress("done")
     return out

@@ -21,8 +21,8 @@ import torch
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install 'ulysses-kernels[hf]')")
 
-from helpers import ROOT, rel_err  # noqa: E402
-from sweep import DOCUMENTS, sweep_worker  # noqa: E402
+from helpers import ROOT  # noqa: E402
+from sweep import sweep_worker  # noqa: E402
 
 from ulysses_kernels.launch import spawn  # noqa: E402
 
@@ -31,7 +31,7 @@ OUTCOMES = Path(__file__).with_name("sweep_outcomes.json")
 # dtype (RMSNorm, routers): measured up to ~1e-7 there. A shard-local token mixer is off
 # by 1e-5 .. 1 (the issue's sweep: loss 1e-5 to 4e-2, gradients 20% to 100%).
 TOLERANCE = 1e-6
-# Measured on 2 cores: the sweep's two ranks run every family in about 100 s.
+# Measured on 2 cores: the two ranks run every family in about 60 s.
 SWEEP_TIMEOUT = 420
 
 
@@ -41,29 +41,9 @@ def sweep_families():
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _largest_error(got, want):
-    """The largest relative error over the loss and every parameter gradient. A gradient
-    that is zero in exact arithmetic (a key bias: softmax ignores a shift shared by every
-    key) is rounding noise on both sides: its error is measured against a floor of 1e-6 of
-    the model's largest gradient."""
-    loss, grads = got
-    want_loss, want_grads = want
-    errors = {"loss": rel_err(loss, want_loss)}
-    missing = sorted(set(want_grads) - set(grads))
-    if missing:
-        errors[f"no gradient for {missing[0]}"] = float("inf")
-    floor = 1e-6 * max([float(g.double().norm()) for g in want_grads.values()] + [1e-30])
-    for name, g in want_grads.items():
-        if name in grads:
-            diff = float((grads[name].double() - g.double()).norm())
-            errors[name] = diff / max(float(g.double().norm()), floor)
-    worst = max(errors, key=errors.get)
-    return errors[worst], worst
-
-
 def classify(model_type, per_rank):
-    """(outcome, detail) of one family from every rank's (outcome, reference)."""
-    outcomes = [results[model_type][0] for results in per_rank]
+    """(outcome, detail) of one family from every rank's outcome (sweep.py)."""
+    outcomes = [results[model_type] for results in per_rank]
     kinds = {o[0] for o in outcomes}
     if len(kinds) > 1:
         return "some ranks only", "; ".join(f"rank {r}: {o[0]} {str(o[1])[:200]}" for r, o in enumerate(outcomes))
@@ -73,21 +53,10 @@ def classify(model_type, per_rank):
         if kind == "refused" and len(messages) > 1:
             return "some ranks only", " | ".join(sorted(messages))
         return kind, outcomes[0][1]
-    references = [results[model_type][1] for results in per_rank if results[model_type][1] is not None]
-    if not references:
-        return "raised", "no rank computed the single-device reference"
-    reference = references[0]
-    if reference[0] == "unbuilt":
-        return "unbuilt", reference[1]
-    worst, where = 0.0, ""
-    for case in DOCUMENTS:
-        for rank, outcome in enumerate(outcomes):
-            err, name = _largest_error(outcome[1][case], reference[1][case])
-            if err > worst:
-                worst, where = err, f"{case}, rank {rank}, {name}"
+    rank, (_, worst, where) = max(enumerate(outcomes), key=lambda entry: entry[1][1])
     if worst < TOLERANCE:
         return "exact", f"largest error {worst:.1e}"
-    return "wrong", f"{worst:.1e} at {where}"
+    return "wrong", f"{worst:.1e} at {where}, rank {rank}"
 
 
 def run_sweep(model_types, progress_dir):
