@@ -106,3 +106,17 @@ def make_family_model(name: str, attn_implementation: str, *, seed: int = 0, dty
     model = AutoModelForCausalLM.from_config(family_config(name, **overrides), attn_implementation=attn_implementation,
                                              experts_implementation="eager")
     return model.to(dtype).train()
+
+
+def over_grids(world: int, grids: dict, cases):
+    """`cases(groups, ulysses)` on every (Ulysses degree, ring degree) grid `grids[world]`
+    lists, in one process group, each after `register(groups)`: {(ulysses, ring): result}."""
+    import ulysses_kernels as uk
+    from ulysses_kernels import hf as ukhf
+
+    results = {}
+    for ulysses, ring in grids[world]:
+        groups = uk.init_sequence_parallel(world, ring_size=ring)
+        ukhf.register(groups)
+        results[ulysses, ring] = cases(groups, ulysses)
+    return results

@@ -21,10 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from families import VOCAB, WINDOW, make_family_model
+from families import VOCAB, WINDOW, make_family_model, over_grids
 from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns, rel_err
 
-import ulysses_kernels as uk
 from ulysses_kernels import hf as ukhf
 from ulysses_kernels.reference.attention import reference_attention
 
@@ -89,12 +88,7 @@ def family_cases(rank, ulysses):
 
 def run_grids(rank, world):
     """Every grid of GRIDS[world] in one process group: {(ulysses, ring): family_cases}."""
-    results = {}
-    for ulysses, ring in GRIDS[world]:
-        groups = uk.init_sequence_parallel(world, ring_size=ring)
-        ukhf.register(groups)
-        results[ulysses, ring] = family_cases(rank, ulysses)
-    return results
+    return over_grids(world, GRIDS, lambda groups, ulysses: family_cases(rank, ulysses))
 
 
 _run = SpawnedRuns(lambda world: (run_grids, ()), timeout=SLOW_SPAWN_TIMEOUT)

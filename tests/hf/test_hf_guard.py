@@ -152,6 +152,16 @@ def test_gemma3_image_blocks_are_refused(registered):
         model(input_ids=_ids(), token_type_ids=token_types, use_cache=False)
 
 
+def test_a_mask_request_from_an_unknown_model_is_checked_by_its_config(registered):
+    """The mask function called outside any model's forward (no model to find) still refuses
+    a config it cannot honour, and lets a plain one through."""
+    from ulysses_kernels.hf.attention import ulysses_mask_function
+
+    with pytest.raises(ukhf.NotSequenceParallelError, match="model_type 'qwen3_next'.*linear_attention"):
+        ulysses_mask_function(config=tiny_config("qwen3_next"))
+    assert ulysses_mask_function(config=tiny_config("llama")) is None
+
+
 def test_a_mask_overlay_is_refused():
     assert "overlays its own mask function" in guard.mask_request_problem(dict(use_vmap=True))
     assert guard.mask_request_problem(dict(allow_is_bidirectional_skip=True, use_vmap=False)) is None

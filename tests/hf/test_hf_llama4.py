@@ -19,15 +19,15 @@ from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns, rel_err
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install 'ulysses-kernels[hf]')")
 
-from families import register_exact_eager  # noqa: E402
+from families import over_grids, register_exact_eager  # noqa: E402
 from sweep import DOCUMENTS, reference_step, sp_step  # noqa: E402
+from test_hf_generation_families import decode_greedily  # noqa: E402
 
-import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
 from ulysses_kernels.hf.chunked import chunk_bounds, retune_queries, temperature  # noqa: E402
 
 CHUNK, FLOOR = 5, 4
-PROMPT, NEW_TOKENS = 13, 6
+PROMPT, NEW_TOKENS, DECODE_STEPS = 13, 6, 4
 PREFILL_CHUNKS = (None, 4, 7)
 GRIDS = {2: [(2, 1)], 3: [(3, 1)], 4: [(2, 2)]}   # world -> (Ulysses, ring)
 
@@ -55,38 +55,32 @@ def prompt():
     return torch.randint(3, 96, (1, PROMPT), generator=torch.Generator().manual_seed(3))
 
 
-def decode(model, logits, cache, steps=4):
-    for _ in range(steps):
-        logits = model(input_ids=logits.argmax(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1]
-    return logits
+def llama4_cases(groups, ulysses):
+    """One grid's training steps, the two-row refusal, generation and decoding."""
+    res = {}
+    model = llama4("ulysses", ulysses).train()
+    for case, documents in DOCUMENTS.items():
+        model.zero_grad(set_to_none=True)
+        res[case] = sp_step(model, documents, groups)
+    two_rows = ukhf.shard_batch(torch.randint(0, 96, (2, 23)), groups)
+    try:
+        ukhf.causal_lm_loss(model, two_rows, groups)
+        res["two rows"] = None
+    except ValueError as error:
+        res["two rows"] = str(error)
+    model.eval()
+    with torch.no_grad():
+        res["greedy"] = [ukhf.generate(model, prompt(), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       prefill_chunk_size=c) for c in PREFILL_CHUNKS]
+        logits, cache = ukhf.prefill(model, prompt(), chunk_size=7)   # the last forward sharded
+        res["prefill"] = logits
+        with ukhf.decoding(cache):
+            res["decoded"] = decode_greedily(model, logits, cache, DECODE_STEPS)
+    return res
 
 
 def run_grid(rank, world):
-    out = {}
-    for ulysses, ring in GRIDS[world]:
-        groups = uk.init_sequence_parallel(world, ring_size=ring)
-        ukhf.register(groups)
-        res = {}
-        model = llama4("ulysses", ulysses).train()
-        for case, documents in DOCUMENTS.items():
-            model.zero_grad(set_to_none=True)
-            res[case] = sp_step(model, documents, groups)
-        two_rows = ukhf.shard_batch(torch.randint(0, 96, (2, 23)), groups)
-        try:
-            ukhf.causal_lm_loss(model, two_rows, groups)
-            res["two rows"] = None
-        except ValueError as error:
-            res["two rows"] = str(error)
-        model.eval()
-        with torch.no_grad():
-            res["greedy"] = [ukhf.generate(model, prompt(), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                           prefill_chunk_size=c) for c in PREFILL_CHUNKS]
-            logits, cache = ukhf.prefill(model, prompt(), chunk_size=7)   # the last forward sharded
-            res["prefill"] = logits
-            with ukhf.decoding(cache):
-                res["decoded"] = decode(model, logits, cache)
-        out[ulysses, ring] = res
-    return out
+    return over_grids(world, GRIDS, llama4_cases)
 
 
 _run = SpawnedRuns(lambda world: (run_grid, ()), timeout=SLOW_SPAWN_TIMEOUT)
@@ -106,7 +100,7 @@ def reference(ulysses):
         cache = DynamicCache(config=model.config)
         logits = model(input_ids=prompt(), cache=cache, use_cache=True).logits[:, -1]
         out["prefill"] = logits
-        out["decoded"] = decode(model, logits, cache)
+        out["decoded"] = decode_greedily(model, logits, cache, DECODE_STEPS)
     return out
 
 

@@ -150,9 +150,12 @@ def select_layers(fields: dict, layers: int) -> Tuple[List[int], dict]:
     if not (lists or index_lists or dicts):
         return list(range(min(layers, 2))), {}
 
+    def entry(d, i):   # a per-layer dict keyed by int or by zero-padded digits
+        return d.get(i, d.get(_layer_key(i, len(str(next(iter(d)))))))
+
     def kind(i):
         return (tuple(str(v[i]) for v in lists.values()) + tuple(i in v for v in index_lists.values())
-                + tuple(str(d.get(i, d.get(_layer_key(i, len(next(iter(d)))))) ) for d in dicts.values()))
+                + tuple(str(entry(d, i)) for d in dicts.values()))
 
     keep, seen = [], set()
     for i in range(layers):

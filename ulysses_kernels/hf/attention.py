@@ -292,7 +292,6 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                          "outside generation, or attention over keys the queries are not (compressed or "
                          "cross-attention): train with use_cache=False, generate with "
                          "ulysses_kernels.hf.generate / prefill")
-    group, world, rank = context.ulysses()
     lens, documents, trusted = _lengths_and_documents(context, query, kwargs)
     cu_seqlens = documents if chunk is None else _chunk_documents(context, documents, sum(lens), chunk, query, where)
     if cu_seqlens is not None and query.shape[0] != 1:
@@ -304,7 +303,7 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
-    out = ulysses_attention(q, k, v, group=group, causal=bool(causal), softmax_scale=scaling,
+    out = ulysses_attention(q, k, v, group=context.ulysses()[0], causal=bool(causal), softmax_scale=scaling,
                             seq_lens=lens if trusted else None, cu_seqlens=cu_seqlens,
                             backend=context.backend, ring_group=context.ring_group, **variants)
     return out, None

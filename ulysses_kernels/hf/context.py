@@ -6,8 +6,9 @@ A context lives with its model: `attach_context` sets it on every submodule, so 
 attention function finds it on the `module` transformers passes it, and the mask
 function through the model's config. Two models on two SP groups therefore live in one
 process (a policy and a reference model, a draft and its target). `register(groups)`
-sets the *default* context: a model met without a context of its own gets a copy of it
-the first time the package meets the model (an entry point, or its first forward).
+sets the *default* context: a model met without a context of its own gets one that
+follows it, the first time the package meets the model (an entry point, or its first
+forward).
 """
 
 import weakref
@@ -37,7 +38,6 @@ class SequenceParallelContext:
 
     def __init__(self, groups=None, *, ring_group=None, backend: Optional[str] = None):
         self._group, self._ring_group = split_groups(groups, ring_group)
-        self._sp_group = groups.sp_group if isinstance(groups, ParallelGroups) else None
         self._backend = backend
         self.follows_default = False
         self.inference_cache = None        # the HeadShardedCache of a prefill / decode in progress
@@ -45,8 +45,8 @@ class SequenceParallelContext:
         self.warned_local_positions = False
         self.forward_memo = {}             # what one forward derives once for all its layers
         self.forward_inputs = {}           # this forward's FORWARD_INPUTS, whatever reaches the attention
-        self.pending_inputs = None         # an entry point's FORWARD_INPUTS for the next forward
         self.depth = 0                     # nesting of the model's (and its base model's) forwards
+        self.implementation_checked = False   # sequence_parallel_model found the "ulysses" attention
 
     @classmethod
     def following_default(cls) -> "SequenceParallelContext":
@@ -64,23 +64,16 @@ class SequenceParallelContext:
     @property
     def group(self):
         """The Ulysses group (None: the default group)."""
-        source = self._source()
-        return source._group
+        return self._source()._group
 
     @property
     def ring_group(self):
-        source = self._source()
-        return source._ring_group
-
-    @property
-    def sp_group(self):
-        source = self._source()
-        return source._sp_group
+        """The ring group (None: pure Ulysses)."""
+        return self._source()._ring_group
 
     @property
     def backend(self) -> Optional[str]:
-        source = self._source()
-        return source._backend
+        return self._source()._backend
 
     def ulysses(self):
         """(group, world, rank) of the Ulysses group."""
@@ -105,9 +98,10 @@ class _Default:
 
 
 # What the attention function needs from a forward's inputs. transformers hands the
-# model's keyword arguments down to the attention function in most families, but some
-# decoder layers drop them (OPT's, BART's): the model's own forward hooks keep them on the
-# context for the attention function to read (`install_input_hooks`).
+# model's keyword arguments down to the attention function (every family of 5.24 that the
+# guard lets through does), but a decoder layer may drop them: the model's own forward
+# hooks keep them on the context for the attention function to read
+# (`install_input_hooks`).
 FORWARD_INPUTS = ("ulysses_seq_lens", "ulysses_cu_seqlens", "position_ids")
 
 
@@ -116,8 +110,7 @@ def _enter_forward(module, args, kwargs):
     if context is None:
         return
     if context.depth == 0:   # the outermost forward: a new forward's inputs
-        context.forward_inputs = dict(context.pending_inputs or {})
-        context.pending_inputs = None
+        context.forward_inputs = {}
         context.forward_memo = {}
     context.depth += 1
     for key in FORWARD_INPUTS:
@@ -252,12 +245,15 @@ def sequence_parallel_model(model: nn.Module, groups=None) -> SequenceParallelCo
     the Trainer mixin, generation): a model whose attention is not ``"ulysses"`` would
     attend within each rank's slice, so on more than one rank it is refused."""
     context = model_context(model, groups)
-    if context.sp_size > 1 and not uses_ulysses_attention(model):
+    if context.implementation_checked or context.sp_size == 1:
+        return context
+    if not uses_ulysses_attention(model):
         implementation = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
         raise refusal(unwrap(model), f"its attention implementation is {implementation!r}, which would attend "
                                      f"within each rank's slice of the sequence",
                       'Load it with attn_implementation="ulysses" (after ulysses_kernels.hf.register(groups)), or '
                       "call model.set_attn_implementation(\"ulysses\").")
+    context.implementation_checked = True
     return context
 
 

@@ -234,10 +234,13 @@ def install_call_checks(model: nn.Module, context) -> None:
     and made no call of the attention function raises at its end; the last layer removes
     the hooks."""
     layers = decoder_layers(model)
+    for handle in getattr(model, "_ulysses_call_checks", []):   # a context attached again: its checks only
+        handle.remove()
     if not layers:
         return
     flags = attention_layer_flags(model, layers)
     handles = []
+    object.__setattr__(model, "_ulysses_call_checks", handles)
     started = {}
 
     def remove():
