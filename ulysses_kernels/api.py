@@ -8,18 +8,20 @@ never validate or dispatch; this module never computes.
   are its two halves, which `UlyssesSelfAttention` (modules.py) and the HF integration use.
 - `flash_attention`: single-device attention with the same semantics.
 - `seq_to_heads`, `heads_to_seq`, `qkv_seq_to_heads`: the exchanges on their own.
+- `ulysses_head_parallel`: a per-head token mixer (linear attention, a state-space layer)
+  over the whole sequence of this rank's heads, the exchange around it.
 - `shard_sequence`, `gather_sequence`: differentiable sharding along the sequence.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import fused, reference, triton_path
-from .distributed.collectives import gather_ints
+from .distributed.collectives import gather_ints, gather_objects
 from .distributed.dispatch import BACKENDS, Path, resolve_backend
 from .distributed.groups import resolve_group
 from .distributed.validate import (
@@ -33,7 +35,7 @@ from .distributed.validate import (
 )
 from .exchange.heads import HeadsToSeq, SeqToHeads
 from .exchange.sequence import GatherSequence, ShardSequence
-from .layout import head_plan_error, split_heads_error, split_lengths
+from .layout import LocalHeads, head_plan_error, place_heads, split_heads_error, split_lengths
 from .ring.schedule import RingSpec, ulysses_ring_attention
 from .ring.shard import RingShard, gather_ring
 from .ring.validate import exchange_and_check_ring, trusted_ring_lengths
@@ -296,6 +298,112 @@ def qkv_seq_to_heads(q, k, v, group=None, *, seq_lens: Optional[Sequence[int]] =
         if err:
             raise ValueError(f"qkv_seq_to_heads: {err}")
     return SeqToHeads.apply(group, rank, lens, q, k, v)
+
+
+# ------------------------------------------------------------- head-parallel token mixers
+
+def ulysses_head_parallel(fn: Callable, tensors: Mapping[str, torch.Tensor], group=None, *,
+                          seq_lens: Optional[Sequence[int]] = None, ring_group=None):
+    """Run a per-head token mixer over the whole sequence (docs/api.md, "Head-parallel
+    token mixers"): the attention's rule, for any layer whose heads mix tokens
+    independently (a linear-attention or state-space layer).
+
+    `tensors`: named sequence shards `[B, S_local, H_t, D_t]` (head dims may differ; every
+    rank passes the same names). They go to the head layout in one exchange, `[B, S,
+    Hl_t, D_t]` over the whole sequence: a tensor's heads are split over the P ranks when
+    `H_t % P == 0`, else replicated (`P % H_t == 0`; each head to the `P / H_t` consecutive
+    ranks, gradients summed back), as for attention's key/value heads. Then
+    `fn(local, heads)` runs on this rank's heads: `local` the dict of head shards, `heads`
+    a `layout.LocalHeads` (`heads.heads(name)` the global heads of each tensor,
+    `heads.output_heads(H)` those this rank must return). `fn` returns a tensor `[B, S,
+    H_out / P, D]` (its output heads are split: `H_out % P == 0`), or a dict or tuple of
+    them; each comes back as `[B, S_local, H_out, D]`. Differentiable.
+
+    By default one small collective checks that every rank passes the same names, batch,
+    head counts, head dims, dtype and device (a ValueError on every rank otherwise);
+    passing `seq_lens` (every rank's local length) skips it. `fn` must not raise on some
+    ranks only (its peers would wait in the return exchange). With a ring of more than
+    one rank (`ring_group`), a ValueError: the recurrence of these layers does not run
+    across ring chunks.
+    """
+    group, world, rank = resolve_group(group)
+    _, ring_world, _ = _resolve_ring("ulysses_head_parallel", group, ring_group)
+    if ring_world > 1:
+        raise ValueError("ulysses_head_parallel: a ring_group of more than one rank is not supported: a head-parallel "
+                         "token mixer needs the whole sequence of its heads on one rank; use Ulysses only "
+                         "(ring_size=1) with sp_size dividing (or divided by) the head counts")
+    names = list(tensors)
+    values = [tensors[name] for name in names]
+    lens = _head_parallel_lengths(group, world, rank, names, values, seq_lens)
+    placements = {name: place_heads(t.shape[2], world) for name, t in zip(names, values)}
+    local = dict(zip(names, SeqToHeads.apply(group, rank, lens, *values)))
+    out = fn(local, LocalHeads(rank, world, tuple(lens), placements))
+    back = lambda x: HeadsToSeq.apply(group, rank, lens, x)  # noqa: E731
+    if isinstance(out, torch.Tensor):
+        return back(out)
+    if isinstance(out, Mapping):
+        return {name: back(x) for name, x in out.items()}
+    return tuple(back(x) for x in out)
+
+
+def _head_parallel_lengths(group, world: int, rank: int, names, values, seq_lens) -> List[int]:
+    """Every rank's local length; the checked exchange (`gather_objects`) unless `seq_lens`."""
+    if seq_lens is not None:
+        lens = [int(n) for n in seq_lens]
+        err = None if len(lens) == world and lens[rank] == values[0].shape[1] and min(lens) >= 0 else \
+            f"seq_lens {lens} must have one entry per rank ({world}) with this rank's length {values[0].shape[1]}"
+        err = err or _head_parallel_problem([_head_parallel_row(names, values)], world)
+        if err:
+            raise ValueError(f"ulysses_head_parallel: {err}")
+        return lens
+    rows = gather_objects(_head_parallel_row(names, values), group)
+    err = _head_parallel_problem(rows, world)
+    if err:
+        raise ValueError(f"ulysses_head_parallel: {err}")
+    return [row["length"] for row in rows]
+
+
+def _head_parallel_row(names, values) -> dict:
+    """What the ranks must agree on, described without raising (a bad input is reported to
+    every rank by the check, not raised on this one)."""
+    row = {"names": list(names), "length": -1, "tensors": [], "error": None}
+    for name, t in zip(names, values):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            row["error"] = (f"{name} must be a 4-D tensor [batch, seq_local, heads, head_dim], got "
+                            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            return row
+        row["tensors"].append((t.shape[0], t.shape[2], t.shape[3], str(t.dtype), t.device.type))
+        if row["length"] not in (-1, t.shape[1]):
+            row["error"] = f"{name} has {t.shape[1]} positions but {names[0]} has {row['length']}"
+        row["length"] = t.shape[1]
+    return row
+
+
+def _head_parallel_problem(rows, world: int) -> Optional[str]:
+    if not rows[0]["names"]:
+        return "no tensors to exchange"
+    for r, row in enumerate(rows):
+        if row["error"]:
+            return f"rank {r}: {row['error']}"
+        if row["names"] != rows[0]["names"]:
+            return f"the ranks pass different tensors: rank 0 {rows[0]['names']}, rank {r} {row['names']}"
+    first = rows[0]
+    for i, name in enumerate(first["names"]):
+        batch, heads, head_dim, dtype, device = first["tensors"][i]
+        if first["tensors"][0][3:] != (dtype, device):
+            return f"{name} is {dtype} on {device} but {first['names'][0]} is {first['tensors'][0][3]} on " \
+                   f"{first['tensors'][0][4]}"
+        if batch != first["tensors"][0][0]:
+            return f"{name} has batch size {batch} but {first['names'][0]} has {first['tensors'][0][0]}"
+        for r, row in enumerate(rows[1:], start=1):
+            if row["tensors"][i] != first["tensors"][i]:
+                return (f"rank {r} and rank 0 disagree on {name}: (batch, heads, head dim, dtype, device) "
+                        f"{row['tensors'][i]} vs {first['tensors'][i]}")
+        try:
+            place_heads(heads, world)
+        except ValueError as exc:
+            return f"{name}: {exc}"
+    return None
 
 
 # ---------------------------------------------------------- sharding along the sequence

@@ -20,7 +20,7 @@ leaves a Ulysses degree these head counts fit (its sequence layout is ring/layou
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 
 def split_lengths(total: int, parts: int) -> List[int]:
@@ -68,6 +68,33 @@ def place_heads(heads: int, world: int) -> HeadPlacement:
         return HeadPlacement(heads, world, 1, world // heads)
     raise ValueError(f"{heads} heads can be neither split over nor replicated to {world} ranks "
                      f"(need heads % P == 0 or P % heads == 0)")
+
+
+@dataclass(frozen=True)
+class LocalHeads:
+    """What one rank holds inside a head-parallel call (`ulysses_head_parallel`): the whole
+    sequence (every rank's length in `seq_lens`) of some heads of each named tensor, by the
+    placement rule above (split, or replicated when a tensor has fewer heads than ranks)."""
+
+    rank: int
+    world: int
+    seq_lens: Tuple[int, ...]
+    placements: Dict[str, HeadPlacement]
+
+    def heads(self, name: str) -> range:
+        """The global heads of tensor `name` this rank holds, in local order."""
+        placement = self.placements[name]
+        start = placement.source_head(self.rank)
+        return range(start, start + placement.local)
+
+    def output_heads(self, total: int) -> range:
+        """The global heads of an output with `total` heads this rank computes: outputs are
+        split (`total % world == 0`), rank r holding `[r * total/P, (r+1) * total/P)`."""
+        err = split_heads_error(total, self.world)
+        if err:
+            raise ValueError(f"ulysses_head_parallel: output {err}")
+        local = total // self.world
+        return range(self.rank * local, (self.rank + 1) * local)
 
 
 def split_heads_error(heads: int, world: int) -> Optional[str]:

@@ -65,6 +65,15 @@ def max_over_ranks(value: int, group) -> int:
     return int(t.item())
 
 
+def gather_objects(value, group) -> list:
+    """Every rank's picklable `value`, in rank order (one object all-gather)."""
+    if _world(group) == 1:
+        return [value]
+    values = [None] * _world(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
 def first_message(message: Optional[str], group) -> Optional[Tuple[int, str]]:
     """(rank, message) of the lowest rank that has a message, the same on every rank, or
     None (every rank passes its own message or None)."""

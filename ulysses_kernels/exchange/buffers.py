@@ -17,7 +17,7 @@ Layout conventions:
 
 """
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -65,9 +65,15 @@ def exchange_heads_to_seq(x: torch.Tensor, seq_lens: List[int], rank: int, group
 # --------------------------------------------------------------------- packing helpers
 
 def pack_for_heads(tensors: Sequence[torch.Tensor], placements: Sequence[HeadPlacement], world: int) -> torch.Tensor:
-    """Write tensors `[B, S_local, H_t, D]` into one send buffer `[P, B, S_local, Hc, D]`:
-    destination j receives the heads `placements[t]` gives it, in tensor order."""
-    B, S_local, _, D = tensors[0].shape
+    """Write tensors `[B, S_local, H_t, D_t]` into one send buffer: destination j receives
+    the heads `placements[t]` gives it, in tensor order. With one head dim D the buffer is
+    `[P, B, S_local, Hc, D]`; with several (a token mixer's x, B, C and dt) each head is
+    flattened into the channels, `[P, B, S_local, W, 1]` with `W = sum(local_t * D_t)`."""
+    B, S_local = tensors[0].shape[:2]
+    dims = [t.shape[3] for t in tensors]
+    if len(set(dims)) > 1:
+        return _pack_flat(tensors, placements, world).unsqueeze(-1)
+    D = dims[0]
     channels = sum(p.local for p in placements)
     send = tensors[0].new_empty(world, B, S_local, channels, D)
     for j in range(world):
@@ -79,14 +85,54 @@ def pack_for_heads(tensors: Sequence[torch.Tensor], placements: Sequence[HeadPla
     return send
 
 
-def unpack_from_heads(recv: torch.Tensor, placements: Sequence[HeadPlacement]) -> List[torch.Tensor]:
-    """Inverse of `pack_for_heads` for gradients: `[P, B, S_local, Hc, D]` -> tensors
-    `[B, S_local, H_t, D]`, summing the replicas of replicated heads."""
-    P, B, S_local, _, D = recv.shape
-    out, c = [], 0
-    for p in placements:
-        part = recv[:, :, :, c:c + p.local]  # [P, B, S, local, D]
-        c += p.local
+def _pack_flat(tensors, placements, world) -> torch.Tensor:
+    B, S_local = tensors[0].shape[:2]
+    width = sum(p.local * t.shape[3] for t, p in zip(tensors, placements))
+    send = tensors[0].new_empty(world, B, S_local, width)
+    for j in range(world):
+        c = 0
+        for t, p in zip(tensors, placements):
+            start, w = p.source_head(j), p.local * t.shape[3]
+            send[j, :, :, c:c + w] = t[:, :, start:start + p.local].reshape(B, S_local, w)
+            c += w
+    return send
+
+
+def split_head_channels(full: torch.Tensor, placements: Sequence[HeadPlacement],
+                        head_dims: Sequence[int]) -> List[torch.Tensor]:
+    """Views `[..., local_t, D_t]` of each tensor's channels in a buffer `[..., Hc, D]` (one
+    head dim) or `[..., W, 1]` (flattened heads, several head dims)."""
+    outs, c = [], 0
+    flat = len(set(head_dims)) > 1
+    for p, d in zip(placements, head_dims):
+        if flat:
+            part = full[..., c:c + p.local * d, 0]
+            outs.append(part.view(*part.shape[:-1], p.local, d))
+            c += p.local * d
+        else:
+            outs.append(full[..., c:c + p.local, :])
+            c += p.local
+    return outs
+
+
+def join_head_channels(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Inverse of `split_head_channels` for tensors `[B, S, local_t, D_t]`: one `[B, S, Hc, D]`
+    (one head dim) or `[B, S, W, 1]` (several)."""
+    if len({t.shape[3] for t in tensors}) > 1:
+        return torch.cat([t.reshape(*t.shape[:2], -1) for t in tensors], dim=2).unsqueeze(-1)
+    return torch.cat(list(tensors), dim=2) if len(tensors) > 1 else tensors[0]
+
+
+def unpack_from_heads(recv: torch.Tensor, placements: Sequence[HeadPlacement],
+                      head_dims: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+    """Inverse of `pack_for_heads` for gradients: `[P, B, S_local, Hc, D]` (or `[P, B,
+    S_local, W, 1]` with `head_dims`) -> tensors `[B, S_local, H_t, D_t]`, summing the
+    replicas of replicated heads."""
+    P, B, S_local = recv.shape[:3]
+    head_dims = list(head_dims) if head_dims is not None else [recv.shape[4]] * len(placements)
+    out = []
+    for p, part in zip(placements, split_head_channels(recv, placements, head_dims)):  # [P, B, S, local, D]
+        D = part.shape[-1]
         if p.replicas > 1:  # ranks [g * replicas, (g + 1) * replicas) hold the same heads: sum them
             part = part.reshape(P // p.replicas, p.replicas, B, S_local, p.local, D).sum(dim=1)
         out.append(part.permute(1, 2, 0, 3, 4).reshape(B, S_local, p.heads, D).contiguous())

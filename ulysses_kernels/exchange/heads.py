@@ -13,9 +13,11 @@ import torch
 from .buffers import (
     exchange_heads_to_seq,
     exchange_seq_to_heads,
+    join_head_channels,
     pack_for_heads,
     placements_for,
     recv_blocks_to_bshd,
+    split_head_channels,
     unpack_from_heads,
 )
 
@@ -53,33 +55,29 @@ def heads_to_seq(x: torch.Tensor, *, group, rank: int, seq_lens) -> torch.Tensor
 
 
 class SeqToHeads(torch.autograd.Function):
-    """Tensors `[B, S_local, H_t, D]` -> `[B, S, Hl_t, D]` in one exchange."""
+    """Tensors `[B, S_local, H_t, D_t]` -> `[B, S, Hl_t, D_t]` in one exchange (head dims may
+    differ between tensors: `buffers.pack_for_heads` then flattens each head)."""
 
     @staticmethod
     def forward(ctx, group, rank, seq_lens, *tensors):
         world = len(seq_lens)
         num_heads = [t.shape[2] for t in tensors]
         placements = placements_for(num_heads, world)
-        B, _, _, D = tensors[0].shape
+        B = tensors[0].shape[0]
         send = pack_for_heads(tensors, placements, world)
         recv = exchange_seq_to_heads(send, seq_lens, rank, group)
-        channels = send.shape[3]
-        full = recv_blocks_to_bshd(recv, seq_lens, B, channels, D)
+        full = recv_blocks_to_bshd(recv, seq_lens, B, send.shape[3], send.shape[4])
         ctx.group, ctx.rank, ctx.seq_lens, ctx.placements = group, rank, seq_lens, placements
-        outs, c = [], 0
-        for p in placements:
-            outs.append(full[:, :, c:c + p.local])
-            c += p.local
-        return tuple(outs)
+        ctx.head_dims = [t.shape[3] for t in tensors]
+        return tuple(split_head_channels(full, placements, ctx.head_dims))
 
     @staticmethod
     def backward(ctx, *grads):
-        B, S, _, D = next(g for g in grads if g is not None).shape
-        grads = [g if g is not None else torch.zeros(B, S, p.local, D, dtype=_dtype_of(grads), device=_device_of(grads))
-                 for g, p in zip(grads, ctx.placements)]
-        packed = torch.cat(grads, dim=2) if len(grads) > 1 else grads[0]
-        recv = exchange_heads_to_seq(packed, ctx.seq_lens, ctx.rank, ctx.group)
-        return (None, None, None) + tuple(unpack_from_heads(recv, ctx.placements))
+        B, S = next(g for g in grads if g is not None).shape[:2]
+        grads = [g if g is not None else torch.zeros(B, S, p.local, d, dtype=_dtype_of(grads), device=_device_of(grads))
+                 for g, p, d in zip(grads, ctx.placements, ctx.head_dims)]
+        recv = exchange_heads_to_seq(join_head_channels(grads).contiguous(), ctx.seq_lens, ctx.rank, ctx.group)
+        return (None, None, None) + tuple(unpack_from_heads(recv, ctx.placements, ctx.head_dims))
 
 
 class HeadsToSeq(torch.autograd.Function):
