@@ -133,7 +133,7 @@ def test_attach_context_checks_the_model():
     from tiny_models import build_tiny_model
 
     with pytest.raises(ukhf.NotSequenceParallelError, match="linear_attention"):
-        ukhf.attach_context(build_tiny_model("qwen3_next", "ulysses"), None)
+        ukhf.attach_context(build_tiny_model("olmo_hybrid", "ulysses"), None)
 
 
 def _dropping_keyword_arguments(model):

@@ -267,8 +267,9 @@ def tiny_config(model_type: str):
     return config_class(**fields)
 
 
-def build_tiny_model(model_type: str, attn_implementation: str, *, seed: int = 0):
-    """The family's tiny model, float64, train mode, weights from `seed`."""
+def build_tiny_model(model_type: str, attn_implementation: str, *, seed: int = 0, overrides: Optional[dict] = None):
+    """The family's tiny model, float64, train mode, weights from `seed`; `overrides`: config
+    fields set after the tiny rule (head counts for a test's SP size)."""
     if model_type in NOT_TOKEN_ROWS:
         raise CannotBuildTiny(NOT_TOKEN_ROWS[model_type])
     model_class = causal_lm_class(model_type)
@@ -276,6 +277,8 @@ def build_tiny_model(model_type: str, attn_implementation: str, *, seed: int = 0
         warnings.simplefilter("ignore")
         try:
             config = tiny_config(model_type)
+            for key, value in (overrides or {}).items():
+                setattr(config, key, value)
         except Exception as error:
             raise CannotBuildTiny(f"config: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         torch.manual_seed(seed)

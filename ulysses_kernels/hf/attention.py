@@ -292,7 +292,7 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                          "outside generation, or attention over keys the queries are not (compressed or "
                          "cross-attention): train with use_cache=False, generate with "
                          "ulysses_kernels.hf.generate / prefill")
-    lens, documents, trusted = _lengths_and_documents(context, query, kwargs)
+    lens, documents, trusted = lengths_and_documents(context, query.shape[2], kwargs)
     cu_seqlens = documents if chunk is None else _chunk_documents(context, documents, sum(lens), chunk, query, where)
     if cu_seqlens is not None and query.shape[0] != 1:
         raise ValueError(f"{where}: packed documents need batch size 1, got {query.shape[0]}")
@@ -309,8 +309,9 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     return out, None
 
 
-def _lengths_and_documents(context, query, kwargs):
-    """(every SP rank's length, global cu_seqlens or None, trusted?) of this forward: from
+def lengths_and_documents(context, local_len: int, kwargs):
+    """(every SP rank's length, global cu_seqlens or None, trusted?) of this forward (this
+    rank holding `local_len` tokens): from
     shard_batch's keys when given (to the attention, or to the model: context.py keeps the
     model's inputs), else derived from the position ids, else the lengths only (one
     document per row)."""
@@ -324,7 +325,7 @@ def _lengths_and_documents(context, query, kwargs):
                                   else ("ulysses_seq_lens",))
         return [int(n) for n in seq_lens], cu_seqlens, True
     pos = inputs.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.shape[-1] == query.shape[2]:
+    if isinstance(pos, torch.Tensor) and pos.shape[-1] == local_len:
         _not_recomputed_from_kept(given, ("position_ids",))
         full, lens = _global_positions(pos, group, world, context.ring_group)
         if context.ring_group is None:  # the heuristic knows the contiguous layout only
@@ -332,7 +333,17 @@ def _lengths_and_documents(context, query, kwargs):
         if cu_seqlens is None:
             cu_seqlens = cu_seqlens_from_position_ids(full)
         return lens, cu_seqlens, False
-    return _lengths_only(query.shape[2], group, context.ring_group), cu_seqlens, False
+    return _lengths_only(local_len, group, context.ring_group), cu_seqlens, False
+
+
+def token_mixer_call(module: nn.Module, local_len: int, kwargs: dict):
+    """(context, every SP rank's length, global cu_seqlens or None) for one forward of a
+    token mixer the package adapts (mixers.py), counted as a call of the package's token
+    mixers (the guard's call check). Lengths and documents come as for the attention."""
+    context = context_of(module) or require_default_context()
+    context.attention_calls += 1
+    lens, cu_seqlens, _ = lengths_and_documents(context, local_len, kwargs)
+    return context, lens, cu_seqlens
 
 
 def _not_recomputed_from_kept(given, used) -> None:

@@ -37,6 +37,8 @@ from typing import List, Optional
 
 from torch import nn
 
+from .mixers import adapted_kind
+
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe", "dense", "sparse"})
 LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layer_block_types")
@@ -87,11 +89,12 @@ def _layer_kinds(config):
             yield field, list(kinds)
 
 
-def config_problem(config) -> Optional[str]:
-    """What the config asks for that the attention function cannot honour, or None."""
+def config_problem(config, adapted_kinds=frozenset()) -> Optional[str]:
+    """What the config asks for that the attention function (and the token-mixer adapters
+    of `adapted_kinds`' layers, mixers.py) cannot honour, or None."""
     for sub in text_configs(config):
         for field, kinds in _layer_kinds(sub):
-            other = sorted(set(kinds) - ATTENTION_LAYERS - TOKENWISE_LAYERS)
+            other = sorted(set(kinds) - ATTENTION_LAYERS - TOKENWISE_LAYERS - set(adapted_kinds))
             if other:
                 return (f"config.{field} has layers of kind {', '.join(repr(k) for k in other)}: a token mixer that "
                         "is not attention would run on this rank's slice of the sequence only")
@@ -144,7 +147,10 @@ def module_problem(model: nn.Module) -> Optional[str]:
     """The first module inside the decoder layers that mixes tokens without attention, or None."""
     layers = decoder_layers(model)
     for index, layer in enumerate(layers):
+        adapted = [name for name, module in layer.named_modules() if adapted_kind(module)]
         for name, module in layer.named_modules():
+            if any(name == a or name.startswith(a + ".") for a in adapted):   # made sequence-parallel (mixers.py)
+                continue
             what = None
             cls = type(module).__name__
             if _sequence_conv(module):
@@ -205,13 +211,32 @@ def position_problem(model: nn.Module) -> Optional[str]:
     return None
 
 
+def adapted_layer_kinds(model: nn.Module) -> frozenset:
+    """The layer kinds (config `layer_types`, one per decoder layer) whose every layer holds
+    a token mixer made sequence-parallel by an adapter (mixers.py); what else such a layer
+    holds is still checked by `module_problem`."""
+    layers = decoder_layers(model)
+    config = getattr(model, "config", None)
+    adapted = [any(adapted_kind(m) for m in layer.modules()) for layer in layers]
+    kinds = set()
+    for sub in text_configs(config) if config is not None else []:
+        for _, per_layer in _layer_kinds(sub):
+            if len(per_layer) != len(layers):
+                continue
+            for kind in set(per_layer):
+                if all(adapted[i] for i, k in enumerate(per_layer) if k == kind):
+                    kinds.add(kind)
+    return frozenset(kinds)
+
+
 def check_model(model: nn.Module) -> None:
     """Raise `NotSequenceParallelError` when the model's structure cannot be made exactly
     sequence-parallel (config, interface, position and module rules); the calls are
-    checked at its first forward."""
+    checked at its first forward. The token mixers the package adapts (mixers.py,
+    `install_adapters`, which runs first) and their layer kinds pass."""
     config = getattr(model, "config", None)
-    problem = ((config_problem(config) if config is not None else None) or interface_problem(model)
-               or position_problem(model) or module_problem(model))
+    problem = ((config_problem(config, adapted_layer_kinds(model)) if config is not None else None)
+               or interface_problem(model) or position_problem(model) or module_problem(model))
     if problem:
         raise refusal(model, problem)
 

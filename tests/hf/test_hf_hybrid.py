@@ -1,0 +1,126 @@
+"""Hybrid linear-attention models under sequence parallelism (ulysses_kernels/hf/mixers.py,
+gated_deltanet.py): Qwen3-Next (MoE, eager experts) and Qwen3.5 (dense and MoE) through the
+documented calls only (`register`, `attn_implementation="ulysses"`, `shard_batch`,
+`causal_lm_loss`, `allreduce_gradients`), one training step at SP 2, SP 3 (uneven shards:
+23 = 8 + 8 + 7; one key head replicated to the three ranks) and SP 4 (two key heads on four
+ranks), on one document and on two packed documents (9 + 14), against one process running
+each document on its own in float64 (transformers' own layers; its torch fallbacks would
+let packed documents leak state into each other, so the reference runs them apart).
+
+transformers' gated delta rule computes in float32 whatever the weights' dtype, so ~1e-7
+is the floor of these comparisons (TOLERANCE); a layer run on the local shard only is off
+by 1e-2 and more. Also: the layer alone on one process with packed documents equals the
+documents apart exactly, where transformers' layer does not; a ring is refused on every
+rank.
+"""
+
+import pytest
+import torch
+from helpers import SLOW_SPAWN_TIMEOUT
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install 'ulysses-kernels[hf]')")
+
+from sweep import DOCUMENTS, largest_error, reference_step, sp_step  # noqa: E402
+from tiny_models import build_tiny_model  # noqa: E402
+
+import ulysses_kernels as uk  # noqa: E402
+from ulysses_kernels import hf as ukhf  # noqa: E402
+from ulysses_kernels.hf.mixers import adapted_kind, install_adapters  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+TOLERANCE = 1e-6
+FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# Head counts per SP size: linear-attention key/value heads, attention query/KV heads.
+HEADS = {
+    2: dict(linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2),
+    3: dict(linear_num_key_heads=1, linear_num_value_heads=6, num_attention_heads=6, num_key_value_heads=3),
+    4: dict(linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def hybrid_model(family, attn, world):
+    return build_tiny_model(family, attn, overrides=HEADS[world])
+
+
+def _training_worker(rank, world, families):
+    from families import register_exact_eager
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    out = {}
+    for family in families:
+        reference = hybrid_model(family, register_exact_eager(), world)
+        model = hybrid_model(family, "ulysses", world)
+        for case, documents in DOCUMENTS.items():
+            reference.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            want = reference_step(reference, documents)
+            got = sp_step(model, documents, groups)
+            out[(family, case)] = largest_error(got, want)
+        out[(family, "adapted")] = sum(1 for m in model.modules() if adapted_kind(m) == "gated_deltanet")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_training_step_equals_one_process_per_document(world):
+    per_rank = spawn(_training_worker, world, args=(FAMILIES,), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, out in enumerate(per_rank):
+        for family in FAMILIES:
+            assert out[(family, "adapted")] >= 1, family
+            for case in DOCUMENTS:
+                error, where = out[(family, case)]
+                assert error < TOLERANCE, (world, rank, family, case, error, where)
+
+
+def _ring_worker(rank, world):
+    groups = uk.init_sequence_parallel(world, ring_size=2)
+    ukhf.register(groups)
+    model = hybrid_model("qwen3_next", "ulysses", 2)
+    batch = ukhf.shard_batch(torch.randint(0, 96, (1, 23), generator=torch.Generator().manual_seed(0)), groups)
+    try:
+        ukhf.causal_lm_loss(model, batch, groups)
+    except ukhf.NotSequenceParallelError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+def test_a_ring_is_refused_on_every_rank():
+    messages = spawn(_ring_worker, 4, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    assert len(set(messages)) == 1 and messages[0] is not None, messages
+    assert "ring" in messages[0] and "Qwen3NextGatedDeltaNet" in messages[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_layer_keeps_packed_documents_apart_on_one_process(family):
+    """One process: the adapted layer over a packed row equals the layer over each document
+    on its own (transformers' layer does not: its convolution and state cross the
+    boundary)."""
+    model = hybrid_model(family, "sdpa", 2)
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    x = torch.randn(1, 23, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    apart = torch.cat([layer(x[:, :9]), layer(x[:, 9:])], dim=1)
+    leaked = layer(x)
+    install_adapters(layer)
+    packed = layer(x, ulysses_seq_lens=[23], ulysses_cu_seqlens=torch.tensor([0, 9, 23], dtype=torch.int32))
+    whole = layer(x, ulysses_seq_lens=[23])
+    assert (packed - apart).norm() / apart.norm() < 1e-12
+    assert (whole - leaked).norm() / leaked.norm() < 1e-12
+    assert (leaked - apart).norm() / apart.norm() > 1e-2   # what the packed row would be without the documents
+
+
+def test_a_value_head_count_without_placement_is_refused():
+    from ulysses_kernels.hf.gated_deltanet import placement_problem
+
+    layer = next(m for m in hybrid_model("qwen3_next", "sdpa", 3).modules()
+                 if type(m).__name__ == "Qwen3NextGatedDeltaNet")
+    assert placement_problem(layer, 3) is None and placement_problem(layer, 6) is None
+    assert "value heads (6)" in placement_problem(layer, 4)
+    layer = next(m for m in hybrid_model("qwen3_next", "sdpa", 2).modules()
+                 if type(m).__name__ == "Qwen3NextGatedDeltaNet")
+    assert placement_problem(layer, 4) is None      # 2 key heads replicated, 4 value heads split
+    assert "key heads (2)" in placement_problem(layer, 3) or "value heads (4)" in placement_problem(layer, 3)

@@ -1,0 +1,129 @@
+"""The Gated DeltaNet layers of Qwen3-Next and Qwen3.5 (dense and MoE), sequence-parallel by
+heads (docs/hf.md, "Hybrid models"; the shared rule: mixers.py).
+
+One layer, as transformers 5.24 computes it on one device: projections give q, k (key
+heads), v, z (value heads), b and a (one value per value head); q|k|v go through a
+depthwise causal convolution and SiLU; the gated delta rule runs per value head (its key
+head shared by `Hv / Hk` value heads, q and k L2-normalised inside), with decay
+`g = -exp(A_log) * softplus(a + dt_bias)` and `beta = sigmoid(b)`; a gated RMSNorm per
+value head (gate z) and the output projection.
+
+Sequence-parallel: the projections run on the local shard; q, k, v (before the
+convolution), b and a go to the head layout in one exchange (key heads split, or
+replicated when fewer than the ranks); the convolution (its weights sliced to this rank's
+channels inside the forward, so gradients reach the full parameters), the decay and the
+rule run over the whole sequence of the local heads, restarting at every document
+boundary; the output comes back and the norm and output projection run on the local
+shard with the local z. The rule itself is the one the layer's modeling module uses
+(transformers' torch implementation on CPU, or the kernel it loaded), called once per
+document.
+"""
+
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..api import ulysses_head_parallel
+from ..layout import place_heads
+from .attention import token_mixer_call
+from .guard import refusal
+from .mixers import adapter, causal_conv1d, document_starts, over_documents
+
+GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+
+
+def placement_problem(module, world: int) -> Optional[str]:
+    """Why this layer's heads have no placement over `world` ranks (None: they have)."""
+    if module.num_v_heads % world:
+        return (f"its linear-attention value heads ({module.num_v_heads}) are not divisible by the sequence-parallel "
+                f"size ({world})")
+    try:
+        place_heads(module.num_k_heads, world)
+    except ValueError:
+        return (f"its linear-attention key heads ({module.num_k_heads}) can be neither split over nor replicated to "
+                f"{world} ranks")
+    return None
+
+
+def _projections(module, hidden_states):
+    """q, k `[B, S, Hk, Dk]`, v, z `[B, S, Hv, Dv]`, b, a `[B, S, Hv]` of the local shard."""
+    B, S, _ = hidden_states.shape
+    if hasattr(module, "in_proj_qkvz"):   # Qwen3-Next: interleaved per key-head group
+        return module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
+    q, k, v = torch.split(module.in_proj_qkv(hidden_states), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    return (q.reshape(B, S, -1, module.head_k_dim), k.reshape(B, S, -1, module.head_k_dim),
+            v.reshape(B, S, -1, module.head_v_dim), module.in_proj_z(hidden_states).reshape(B, S, -1, module.head_v_dim),
+            module.in_proj_b(hidden_states), module.in_proj_a(hidden_states))
+
+
+def _local_conv(module, key_heads: range, value_heads: range):
+    """The convolution's weight `[C_local, K]` and bias for this rank's q|k|v channels (the
+    layer's channels are q (key heads x Dk), k (same), v (value heads x Dv))."""
+    dk, dv, key_dim = module.head_k_dim, module.head_v_dim, module.key_dim
+    spans = [(key_heads.start * dk, key_heads.stop * dk), (key_dim + key_heads.start * dk, key_dim + key_heads.stop * dk),
+             (2 * key_dim + value_heads.start * dv, 2 * key_dim + value_heads.stop * dv)]
+    weight = module.conv1d.weight[:, 0, :]
+    local_weight = torch.cat([weight[a:b] for a, b in spans])
+    bias = module.conv1d.bias
+    local_bias = None if bias is None else torch.cat([bias[a:b] for a, b in spans])
+    return local_weight, local_bias
+
+
+def _delta_rule(module):
+    """The chunked gated delta rule the layer's modeling module calls."""
+    return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
+
+
+def _heads_forward(module, cu_seqlens):
+    """The per-head part of the layer over the whole sequence of this rank's heads."""
+    rule = _delta_rule(module)
+
+    def run(local, heads):
+        key_heads, value_heads = heads.heads("q"), heads.heads("v")
+        q, k, v = local["q"], local["k"], local["v"]
+        B, S = q.shape[:2]
+        weight, bias = _local_conv(module, key_heads, value_heads)
+        mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
+        mixed = causal_conv1d(mixed, weight, bias, document_starts(cu_seqlens, S, q.device), module.activation)
+        q, k, v = torch.split(mixed, [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]], dim=-1)
+        q, k, v = q.reshape(B, S, -1, module.head_k_dim), k.reshape(B, S, -1, module.head_k_dim), \
+            v.reshape(B, S, -1, module.head_v_dim)
+        index = slice(value_heads.start, value_heads.stop)
+        beta = local["b"][..., 0].sigmoid()
+        # as the layer computes it: in float32 (A might be -inf in fp16)
+        g = -module.A_log[index].float().exp() * F.softplus(local["a"][..., 0].float() + module.dt_bias[index])
+
+        def one_document(q, k, v, g, beta):
+            out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                          use_qk_l2norm_in_kernel=True)
+            return out
+        return over_documents(one_document, [q, k, v, g, beta], cu_seqlens)
+    return run
+
+
+@adapter("gated_deltanet", *GATED_DELTANET_CLASSES, problem=lambda module, world: placement_problem(module, world))
+def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """The layer's forward, sequence-parallel by heads (the module doc)."""
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
+    group, world, _ = context.ulysses()
+    if cache is not None:
+        if context.sp_size == 1:
+            return self._ulysses_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        raise refusal(None, f"{type(self).__name__} got a cache: generation of models with linear-attention layers "
+                            "is not sequence-parallel yet",
+                      "Generate without sequence parallelism (sp_size=1); training and prefill-free evaluation "
+                      "run sequence-parallel.")
+    problem = placement_problem(self, world) or ("a ring of sequence chunks: the recurrence would restart on every "
+                                                 "ring rank's chunk" if context.ring()[1] > 1 else None)
+    if problem:
+        raise refusal(None, f"{type(self).__name__}: {problem}")
+    hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+    q, k, v, z, b, a = _projections(self, hidden_states)
+    B, S_local = hidden_states.shape[:2]
+    core = ulysses_head_parallel(_heads_forward(self, cu_seqlens),
+                                 {"q": q, "k": k, "v": v, "b": b.unsqueeze(-1), "a": a.unsqueeze(-1)}, group,
+                                 seq_lens=lens)
+    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+    return self.out_proj(core.reshape(B, S_local, -1))

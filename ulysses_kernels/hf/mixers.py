@@ -1,0 +1,139 @@
+"""Token mixers that are not attention, made sequence-parallel by heads (docs/hf.md,
+"Hybrid models"): the adapters of the linear-attention and state-space layers the guard
+recognises, and what they share.
+
+The rule is attention's (`ulysses_kernels.ulysses_head_parallel`): each of these layers
+mixes tokens within a head only (a gated delta rule or a selective scan per head, a
+depthwise convolution per channel), so the per-head inputs go from the sequence layout to
+the head layout in one exchange, the layer runs over the whole sequence of this rank's
+heads, and the output comes back. What mixes heads but not tokens (the projections, a
+gated RMSNorm over a token's heads) stays on the local shard.
+
+Packed documents: the convolution and the recurrence restart at every document boundary
+of the global sequence (`document_starts`, `causal_conv1d`, `over_documents`), so a packed
+row equals its documents run one by one, on one rank as on many.
+
+An adapter replaces the forward of one module instance (`install_adapters`, called when
+the package meets a model: `attach_context`); the module is marked `_ulysses_mixer` and
+the guard lets it (and its layer kind) through. Each adapted forward starts with
+`attention.token_mixer_call`, which counts it as a call of the package's token mixers
+(`context.attention_calls`, as the attention function does) and gives it the forward's
+lengths and documents.
+"""
+
+import types
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MIXER_ATTRIBUTE = "_ulysses_mixer"
+
+# class name -> (kind, forward): filled by the adapter modules (gated_deltanet.py,
+# mamba2.py) through `adapter` when the hf package imports them.
+ADAPTERS: Dict[str, tuple] = {}
+
+
+def adapter(kind: str, *class_names: str, problem: Optional[Callable] = None) -> Callable:
+    """Register `forward(module, hidden_states, ...)` as the sequence-parallel forward of
+    modules of these transformers classes; `problem(module, world)` says why a module's
+    heads have no placement over `world` Ulysses ranks (None: they have)."""
+    def register(forward):
+        for name in class_names:
+            ADAPTERS[name] = (kind, forward, problem)
+        return forward
+    return register
+
+
+def adapted_kind(module: nn.Module) -> Optional[str]:
+    """The adapter kind of an adapted module (None: not adapted)."""
+    return getattr(module, MIXER_ATTRIBUTE, None)
+
+
+def adaptable(module: nn.Module) -> bool:
+    return type(module).__name__ in ADAPTERS
+
+
+def install_adapters(model: nn.Module) -> List[nn.Module]:
+    """Give every module of a registered class its sequence-parallel forward (once per
+    module; the original forward is kept as `_ulysses_original_forward`)."""
+    adapted = []
+    for module in model.modules():
+        entry = ADAPTERS.get(type(module).__name__)
+        if entry is None:
+            continue
+        kind, forward, _ = entry
+        if adapted_kind(module) is None:
+            object.__setattr__(module, "_ulysses_original_forward", module.forward)
+            module.forward = types.MethodType(forward, module)
+            object.__setattr__(module, MIXER_ATTRIBUTE, kind)
+        adapted.append(module)
+    return adapted
+
+
+def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
+    """Why an adapted mixer of `model` cannot run on `world` Ulysses ranks and a ring of
+    `ring` (None: every one can). Deterministic: the same answer on every rank."""
+    for name, module in model.named_modules():
+        kind = adapted_kind(module)
+        if kind is None:
+            continue
+        if ring > 1:
+            return (f"{name} ({type(module).__name__}) is a recurrent token mixer, which does not run across the "
+                    f"chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
+        problem = ADAPTERS[type(module).__name__][2]
+        found = problem(module, world) if problem is not None else None
+        if found:
+            return f"{name} ({type(module).__name__}): {found}"
+    return None
+
+
+# ------------------------------------------------------------------ the forward's documents
+
+def document_starts(cu_seqlens, length: int, device) -> Optional[torch.Tensor]:
+    """`[S]`: the global index where each position's document starts (None: one document)."""
+    if cu_seqlens is None:
+        return None
+    bounds = torch.as_tensor(cu_seqlens, device=device).reshape(-1).to(torch.int64)
+    if bounds.numel() <= 2:
+        return None
+    positions = torch.arange(length, device=device)
+    return bounds[torch.searchsorted(bounds, positions, right=True) - 1]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  starts: Optional[torch.Tensor], activation: Optional[str]) -> torch.Tensor:
+    """Depthwise causal convolution of `x` `[B, S, C]` with `weight` `[C, K]`, zero history
+    before each document (`starts` from `document_starts`; None: one document per row),
+    then the activation ("silu" or None)."""
+    B, S, C = x.shape
+    K = weight.shape[-1]
+    if starts is None:
+        out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=K - 1,
+                       groups=C)[:, :, :S].transpose(1, 2)
+    else:
+        # window tap i of position t reads position t - K + 1 + i: only inside t's document
+        windows = F.pad(x.to(weight.dtype), (0, 0, K - 1, 0)).unfold(1, K, 1)           # [B, S, C, K]
+        taps = torch.arange(S, device=x.device)[:, None] - (K - 1) + torch.arange(K, device=x.device)
+        inside = (taps >= starts[:, None]).to(weight.dtype)                               # [S, K]
+        out = (windows * (weight[None] * inside[:, None, :])).sum(-1)
+        if bias is not None:
+            out = out + bias
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"ulysses_kernels.hf: convolution activation {activation!r} is not supported")
+    return out.to(x.dtype)
+
+
+def over_documents(fn: Callable, tensors: List[torch.Tensor], cu_seqlens) -> torch.Tensor:
+    """`fn(*tensors)` on each document of a packed row (B == 1, dim 1 the sequence), the
+    outputs concatenated along the sequence; on the whole row without documents."""
+    if cu_seqlens is None:
+        return fn(*tensors)
+    bounds = [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
+    if len(bounds) <= 2:
+        return fn(*tensors)
+    parts = [fn(*(t[:, start:stop] for t in tensors)) for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start]
+    return torch.cat(parts, dim=1)
