@@ -1,14 +1,16 @@
-"""Hybrid linear-attention models under sequence parallelism (ulysses_kernels/hf/mixers.py,
-gated_deltanet.py): Qwen3-Next (MoE, eager experts) and Qwen3.5 (dense and MoE) through the
+"""Hybrid models under sequence parallelism (ulysses_kernels/hf/mixers.py, gated_deltanet.py,
+mamba2.py): Qwen3-Next (MoE, eager experts), Qwen3.5 (dense and MoE), Bamba, Nemotron-H,
+Falcon-H1 and GraniteMoeHybrid through the
 documented calls only (`register`, `attn_implementation="ulysses"`, `shard_batch`,
 `causal_lm_loss`, `allreduce_gradients`), one training step at SP 2, SP 3 (uneven shards:
 23 = 8 + 8 + 7; one key head replicated to the three ranks) and SP 4 (two key heads on four
-ranks), on one document and on two packed documents (9 + 14), against one process running
+ranks; Mamba2: two groups on four ranks), on one document and on two packed documents
+(9 + 14), against one process running
 each document on its own in float64 (transformers' own layers; its torch fallbacks would
 let packed documents leak state into each other, so the reference runs them apart).
 
-transformers' gated delta rule computes in float32 whatever the weights' dtype, so ~1e-7
-is the floor of these comparisons (TOLERANCE); a layer run on the local shard only is off
+transformers' gated delta rule and Mamba2 scan compute in float32 whatever the weights'
+dtype, so ~1e-7 is the floor of these comparisons (TOLERANCE); a layer run on the local shard only is off
 by 1e-2 and more. Also: the layer alone on one process with packed documents equals the
 documents apart exactly, where transformers' layer does not; a ring is refused on every
 rank.
@@ -30,17 +32,29 @@ from ulysses_kernels.hf.mixers import adapted_kind, install_adapters  # noqa: E4
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 TOLERANCE = 1e-6
-FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-# Head counts per SP size: linear-attention key/value heads, attention query/KV heads.
-HEADS = {
-    2: dict(linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2),
-    3: dict(linear_num_key_heads=1, linear_num_value_heads=6, num_attention_heads=6, num_key_value_heads=3),
-    4: dict(linear_num_key_heads=2, linear_num_value_heads=4, num_attention_heads=4, num_key_value_heads=2),
-}
+FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid")
+# Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
+# heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
+# key heads / groups than ranks (replicated).
+_ATTENTION = {2: dict(num_attention_heads=4, num_key_value_heads=2), 3: dict(num_attention_heads=6, num_key_value_heads=3),
+              4: dict(num_attention_heads=4, num_key_value_heads=2)}
+_DELTANET = {2: dict(linear_num_key_heads=2, linear_num_value_heads=4), 3: dict(linear_num_key_heads=1, linear_num_value_heads=6),
+             4: dict(linear_num_key_heads=2, linear_num_value_heads=4)}
+_MAMBA2 = {2: (8, 2), 3: (12, 3), 4: (8, 2)}   # (heads, groups)
+
+
+def _mamba2_fields(family, world):
+    heads, groups = _MAMBA2[world]
+    if family == "nemotron_h":
+        return dict(mamba_num_heads=heads, n_groups=groups)
+    width = dict(mamba_d_ssm=heads * 16) if family == "falcon_h1" else dict(mamba_expand=heads * 16 // 64)
+    return dict(mamba_n_heads=heads, mamba_n_groups=groups, **width)
 
 
 def hybrid_model(family, attn, world):
-    return build_tiny_model(family, attn, overrides=HEADS[world])
+    fields = dict(_ATTENTION[world], head_dim=16)
+    fields.update(_DELTANET[world] if family.startswith("qwen3") else _mamba2_fields(family, world))
+    return build_tiny_model(family, attn, overrides=fields)
 
 
 def _training_worker(rank, world, families):
@@ -58,7 +72,7 @@ def _training_worker(rank, world, families):
             want = reference_step(reference, documents)
             got = sp_step(model, documents, groups)
             out[(family, case)] = largest_error(got, want)
-        out[(family, "adapted")] = sum(1 for m in model.modules() if adapted_kind(m) == "gated_deltanet")
+        out[(family, "adapted")] = sum(1 for m in model.modules() if adapted_kind(m) is not None)
     return out
 
 
@@ -95,7 +109,7 @@ def test_a_ring_is_refused_on_every_rank():
     assert "ring" in messages[0] and "Qwen3NextGatedDeltaNet" in messages[0]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("qwen3")])   # Mamba2: test_hf_mamba2.py
 def test_the_layer_keeps_packed_documents_apart_on_one_process(family):
     """One process: the adapted layer over a packed row equals the layer over each document
     on its own (transformers' layer does not: its convolution and state cross the

@@ -87,7 +87,7 @@ context per model), `guard.py` (what is refused), `chunked.py` (Llama 4), `gener
 FSDP2), `tiling.py` (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
 """
 
-from . import gated_deltanet  # noqa: F401, I001 - registers its adapters (mixers.py)
+from . import gated_deltanet, mamba2  # noqa: F401, I001 - register their adapters (mixers.py)
 from .attention import (
     ATTN_IMPLEMENTATION,
     get_sequence_parallel_group,

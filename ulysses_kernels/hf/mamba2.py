@@ -1,0 +1,354 @@
+"""The Mamba2 mixers of Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid and Zamba2,
+sequence-parallel by heads (docs/hf.md, "Hybrid models"; the shared rule: mixers.py).
+
+One layer, as transformers 5.24 computes it on one device (its torch path): `in_proj`
+gives the gate z, x (heads x head_dim), B and C (groups x state size) and dt (one value
+per head); x|B|C go through a depthwise causal convolution and the activation; the
+selective scan runs per head, head h reading group `h // (heads / groups)`:
+
+    dt_t = clamp(softplus(dt_t + dt_bias), time_step_limit),   A = -exp(A_log)
+    state_t = exp(dt_t A) state_{t-1} + dt_t x_t B_t^T,        y_t = state_t C_t + D x_t
+
+then a gated RMSNorm over the token's heads (per group of heads) and `out_proj`.
+Falcon-H1 also scales the layer's input by `ssm_in_multiplier` and the projection by its
+`mup_vector`, and may gate without a norm (`mamba_rms_norm=False`). The five forwards are
+otherwise the same code (the same chunked scan, convolution and casts).
+
+Sequence-parallel: the projection runs on the local shard; x, B, C (before the
+convolution) and dt go to the head layout in one exchange (heads split over the ranks,
+or replicated when fewer than the ranks; groups likewise); the convolution (its weights
+sliced to this rank's channels inside the forward, so gradients reach the full
+parameters), dt, and the scan run over the whole sequence of the local heads, restarting
+at every document boundary; the output comes back and the gated norm and `out_proj` run
+on the local shard with the local gate, where every token again has all its heads.
+
+Precision as transformers': the scan in float32 for half and single precision inputs (it
+upcasts x, B, C, dt and A), in float64 for float64 ones (where transformers' upcast is a
+downcast); dt's softplus in dt's own dtype; the norm is the module's own.
+
+The scan (`ssd_scan`) is the chunked state-space-dual form of transformers' torch path,
+written here with an initial state in and the final state out, once per document
+(`scan_documents`).
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.accelerate import force_accelerate_hooks
+
+from ..api import ulysses_head_parallel
+from ..layout import place_heads
+from .attention import token_mixer_call
+from .guard import refusal
+from .mixers import adapter, causal_conv1d, document_starts
+
+MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
+FALCON_H1_CLASSES = ("FalconH1Mixer",)
+
+_PLACEMENT_ADVICE = ("Use a sequence-parallel size its heads and groups fit (each count divisible by it, or dividing "
+                     "it), or run without sequence parallelism (sp_size=1).")
+_GENERATION_ADVICE = ("Train and evaluate with use_cache=False (shard_batch's model_inputs() passes it); generate "
+                      "without sequence parallelism (sp_size=1).")
+
+
+# ------------------------------------------------------------------------------ the scan
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """`[..., T]` -> `[..., T, T]`: entry (i, j) is `a[j+1] + ... + a[i]` for j <= i (the
+    log decay from position j to i), -inf above the diagonal. Summed by a masked cumsum,
+    not as a difference of two cumsums, so no cancellation over long chunks."""
+    T = a.shape[-1]
+    a = a[..., None].expand(*a.shape, T)                                   # [..., i, j] = a[i]
+    below = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device), diagonal=-1)
+    sums = torch.cumsum(a.masked_fill(~below, 0), dim=-2)
+    keep = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device))
+    return sums.masked_fill(~keep, float("-inf"))
+
+
+def _chunks(t: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """`[b, L, ...]` -> `[b, c, chunk_size, ...]`, zero-padded at the end (a padded position
+    has dt = 0: it neither decays nor feeds the state)."""
+    pad = (-t.shape[1]) % chunk_size
+    if pad:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+    return t.reshape(t.shape[0], -1, chunk_size, *t.shape[2:])
+
+
+def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+             chunk_size: int, initial_state: Optional[torch.Tensor] = None):
+    """The selective scan of one sequence per row, in chunks (the state-space dual form):
+
+        state_t = exp(dt_t A) state_{t-1} + dt_t x_t B_t^T,   y_t = state_t C_t
+
+    x `[b, L, h, p]`, dt `[b, L, h]` (the step after softplus and clamp), A `[h]`, B, C
+    `[b, L, h, n]` (each head's own), initial_state `[b, h, p, n]` (None: zeros). Returns
+    y `[b, L, h, p]` (without the D skip) and the final state `[b, h, p, n]`, in the inputs'
+    dtype. Within a chunk the output is a masked quadratic form; across chunks the state
+    is passed on, so the cost is linear in L."""
+    b, L, h, p = x.shape
+    xdt = _chunks(x * dt[..., None], chunk_size)                           # [b, c, T, h, p]
+    Bc, Cc = _chunks(B, chunk_size), _chunks(C, chunk_size)                # [b, c, T, h, n]
+    log_decay = _chunks(dt * A, chunk_size).permute(0, 3, 1, 2)            # [b, h, c, T]
+    cumulative = torch.cumsum(log_decay, dim=-1)
+
+    # 1. within each chunk: y_i += sum_{j <= i} (C_i . B_j) exp(a_{j+1} + ... + a_i) dt_j x_j
+    scores = torch.einsum("bcihn,bcjhn->bhcij", Cc, Bc) * torch.exp(segment_sum(log_decay))
+    y = torch.einsum("bhcij,bcjhp->bcihp", scores, xdt)
+
+    # 2. what each chunk adds to the state at its end
+    to_end = torch.exp(cumulative[..., -1:] - cumulative)                  # [b, h, c, T]
+    added = torch.einsum("bcjhn,bhcj,bcjhp->bchpn", Bc, to_end, xdt)
+
+    # 3. the state entering each chunk: the initial state and every earlier chunk's
+    #    addition, decayed over the chunks in between
+    start = torch.zeros_like(added[:, 0]) if initial_state is None else initial_state.to(added.dtype)
+    states = torch.cat([start[:, None], added], dim=1)                     # [b, c+1, h, p, n]
+    across = torch.exp(segment_sum(F.pad(cumulative[..., -1], (1, 0))))   # [b, h, c+1, c+1]
+    states = torch.einsum("bhzc,bchpn->bzhpn", across, states)
+    entering, final = states[:, :-1], states[:, -1]
+
+    # 4. each position reads the entering state, decayed to it
+    y = y + torch.einsum("bcihn,bchpn,bhci->bcihp", Cc, entering, torch.exp(cumulative))
+    return y.reshape(b, -1, h, p)[:, :L], final
+
+
+def document_bounds(cu_seqlens, length: int) -> Optional[List[int]]:
+    """The global document boundaries `[0, ..., length]` of a packed row (None: one
+    document per row); ValueError when they do not cover the sequence."""
+    if cu_seqlens is None:
+        return None
+    bounds = [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length or any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"ulysses_kernels.hf: document boundaries {bounds} must rise from 0 to the sequence length "
+                         f"{length}")
+    return bounds if len(bounds) > 2 else None
+
+
+def scan_documents(x, dt, A, B, C, chunk_size: int, bounds: Optional[List[int]] = None,
+                   initial_states: Optional[torch.Tensor] = None):
+    """`ssd_scan` restarting at every document of a packed row (batch 1; `bounds` from
+    `document_bounds`), each document from its own initial state (`initial_states`
+    `[documents, h, p, n]`, None: zeros). Returns y `[1, L, h, p]` and the final state of
+    every document `[documents, h, p, n]`; without `bounds`, `ssd_scan` of every row."""
+    if bounds is None:
+        return ssd_scan(x, dt, A, B, C, chunk_size, initial_states)
+    outputs, finals = [], []
+    for index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        initial = None if initial_states is None else initial_states[index:index + 1]
+        if stop == start:   # an empty document: its state is where it started
+            finals.append(initial if initial is not None else x.new_zeros(1, x.shape[2], x.shape[3], B.shape[3]))
+            continue
+        y, final = ssd_scan(x[:, start:stop], dt[:, start:stop], A, B[:, start:stop], C[:, start:stop], chunk_size,
+                            initial)
+        outputs.append(y)
+        finals.append(final)
+    return torch.cat(outputs, dim=1), torch.cat(finals, dim=0)
+
+
+# ------------------------------------------------------------------- the layer's checks
+
+def placement_problem(module, world: int) -> Optional[str]:
+    """Why this layer's heads and groups have no placement over `world` ranks (None: they
+    have). A replicated head (fewer heads than ranks) is computed whole by each of its
+    ranks, which return equal slices of its head_dim, so head_dim must divide evenly."""
+    for count, what in ((module.num_heads, "heads"), (module.n_groups, "groups (n_groups)")):
+        try:
+            place_heads(count, world)
+        except ValueError:
+            return (f"its {count} Mamba2 {what} can be neither split over nor replicated to {world} ranks (need "
+                    f"{what.split()[0]} % {world} == 0 or {world} % {what.split()[0]} == 0)")
+    replicas = place_heads(module.num_heads, world).replicas
+    if module.head_dim % replicas:
+        return (f"its {module.num_heads} Mamba2 heads are replicated to {replicas} ranks each, whose outputs are equal "
+                f"slices of the head dim {module.head_dim}, which {replicas} does not divide")
+    return None
+
+
+def adapter_problem(module, world: int) -> Optional[str]:
+    """Why the adapter cannot run this layer exactly on `world` Ulysses ranks (None: it
+    can); the same answer on every rank (the layer's configuration and the group size)."""
+    return _layer_problem(module) or placement_problem(module, world)
+
+
+def _layer_problem(module) -> Optional[str]:
+    """What of the layer's own configuration the adapter does not reproduce (None: all)."""
+    if module.activation not in ("silu", "swish"):
+        return f"its convolution activation {module.activation!r} (the adapter applies SiLU)"
+    if module.intermediate_size != module.num_heads * module.head_dim or module.num_heads % module.n_groups:
+        return (f"its intermediate size {module.intermediate_size} is not heads x head_dim ({module.num_heads} x "
+                f"{module.head_dim}) or its heads are not a multiple of its {module.n_groups} groups")
+    return None
+
+
+def _check_call(module, context, world: int, hidden_states, attention_mask, cu_seqlens, lens) -> Optional[List[int]]:
+    """Refuse what the adapter cannot compute exactly; the document bounds otherwise. Every
+    condition but the mask is the same on every rank (config, group sizes, the global
+    documents); a padding mask is refused on every rank before the layers by the model's
+    mask function (attention.py), so a mask reaching a mixer with zeros is a direct call's."""
+    name = type(module).__name__
+    problem = _layer_problem(module)
+    if problem:
+        raise refusal(None, f"{name}: {problem}")
+    problem = placement_problem(module, world)
+    if problem:
+        raise refusal(None, f"{name}: {problem}", _PLACEMENT_ADVICE)
+    if context.ring()[1] > 1:
+        raise refusal(None, f"{name}: a ring of sequence chunks: the scan would restart on every ring rank's chunk",
+                      "Use Ulysses only (ring_size=1) with an SP size its heads and groups fit.")
+    if attention_mask is not None and bool((attention_mask == 0).any()):
+        raise ValueError(f"ulysses_kernels.hf: {name} got an attention_mask with zeros (padding); pass unpadded "
+                         "(optionally packed) batches: ulysses_kernels.hf.shard_batch unpads them")
+    bounds = document_bounds(cu_seqlens, sum(lens))
+    if bounds is not None and hidden_states.shape[0] != 1:
+        raise ValueError(f"ulysses_kernels.hf: {name}: packed documents need batch size 1, got "
+                         f"{hidden_states.shape[0]}")
+    return bounds
+
+
+# ------------------------------------------------------------ the parts of the forward
+
+def _split_projection(module, projected: torch.Tensor):
+    """gate `[b, s, heads * head_dim]`, x `[b, s, heads, head_dim]`, B, C `[b, s, groups,
+    state]` and dt `[b, s, heads, 1]` of the projection, in transformers' order
+    (z | x | B | C | dt)."""
+    b, s, _ = projected.shape
+    inner, group_state = module.intermediate_size, module.n_groups * module.ssm_state_size
+    gate, x, B, C, dt = projected.split([inner, inner, group_state, group_state, module.num_heads], dim=-1)
+    return (gate, x.reshape(b, s, module.num_heads, module.head_dim),
+            B.reshape(b, s, module.n_groups, module.ssm_state_size),
+            C.reshape(b, s, module.n_groups, module.ssm_state_size), dt.reshape(b, s, module.num_heads, 1))
+
+
+def _local_conv(module, heads: range, groups: range):
+    """The convolution's weight `[C_local, K]` and bias for this rank's channels: the
+    layer's channels are x (heads x head_dim), then B and C (groups x state each).
+    Sliced here, in the forward, so the gradient reaches the full parameters."""
+    inner, state, group_state = module.intermediate_size, module.ssm_state_size, module.n_groups * module.ssm_state_size
+    spans = [(heads.start * module.head_dim, heads.stop * module.head_dim),
+             (inner + groups.start * state, inner + groups.stop * state),
+             (inner + group_state + groups.start * state, inner + group_state + groups.stop * state)]
+    weight = module.conv1d.weight[:, 0, :]
+    bias = module.conv1d.bias
+    local_bias = None if bias is None else torch.cat([bias[a:b] for a, b in spans])
+    return torch.cat([weight[a:b] for a, b in spans]), local_bias
+
+
+def _convolve(module, x, B, C, heads: range, groups: range, starts):
+    """x, B, C after the depthwise causal convolution and the activation, over the whole
+    sequence of the local heads and groups (zero history at every document start)."""
+    b, S = x.shape[:2]
+    weight, bias = _local_conv(module, heads, groups)
+    mixed = torch.cat([x.reshape(b, S, -1), B.reshape(b, S, -1), C.reshape(b, S, -1)], dim=-1)
+    mixed = causal_conv1d(mixed, weight, bias, starts, module.activation)
+    x, B, C = mixed.split([x.shape[2] * x.shape[3], B.shape[2] * B.shape[3], C.shape[2] * C.shape[3]], dim=-1)
+    return x.reshape(b, S, -1, module.head_dim), B.reshape(b, S, -1, module.ssm_state_size), \
+        C.reshape(b, S, -1, module.ssm_state_size)
+
+
+def _step(module, dt: torch.Tensor, heads: range) -> torch.Tensor:
+    """dt `[b, S, h_local]` -> the discretisation step, as transformers: softplus of dt plus
+    its bias in dt's dtype, clamped to `time_step_limit` (Nemotron-H and Zamba2: from
+    `time_step_min`, no upper limit)."""
+    low, high = module.time_step_limit
+    dt = F.softplus(dt + module.dt_bias[heads.start:heads.stop].to(dt.dtype))
+    return torch.clamp(dt, min=low, max=high)
+
+
+def _scan_local_heads(module, x, B, C, dt, heads: range, groups: range, bounds):
+    """y `[b, S, h_local, head_dim]` of the local heads, in the compute dtype (at least
+    float32, as transformers' upcast): the scan of every document plus the D skip."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    local = slice(heads.start, heads.stop)
+    per_group = module.num_heads // module.n_groups
+    group_of_head = torch.tensor([h // per_group - groups.start for h in heads], device=x.device)
+    x = x.to(compute)
+    A = -torch.exp(module.A_log[local].to(compute))
+    y, _ = scan_documents(x, dt.to(compute), A, B.to(compute).index_select(2, group_of_head),
+                          C.to(compute).index_select(2, group_of_head), module.chunk_size, bounds)
+    return y + module.D[local].to(compute)[:, None] * x
+
+
+def _output_slice(y: torch.Tensor, heads) -> torch.Tensor:
+    """This rank's 1/P of the output channels `[b, S, 1, heads * head_dim / P]`: its heads
+    (split), or its slice of the head it shares with its replicas (replicated heads: each
+    replica computes the whole head, rank r returns slice `r % replicas` of it), so the
+    return exchange puts the slices of all ranks in channel order."""
+    b, S = y.shape[:2]
+    y = y.reshape(b, S, -1)
+    replicas = heads.placements["x"].replicas
+    if replicas > 1:
+        width = y.shape[-1] // replicas
+        piece = heads.rank % replicas
+        y = y[..., piece * width:(piece + 1) * width]
+    return y.unsqueeze(2)
+
+
+def _heads_forward(module, bounds) -> Callable:
+    """The per-head part of the layer over the whole sequence of this rank's heads."""
+    def run(local, heads):
+        head_range, group_range = heads.heads("x"), heads.heads("B")
+        x = local["x"]
+        starts = document_starts(bounds, x.shape[1], x.device)
+        x, B, C = _convolve(module, x, local["B"], local["C"], head_range, group_range, starts)
+        dt = _step(module, local["dt"][..., 0], head_range)
+        y = _scan_local_heads(module, x, B, C, dt, head_range, group_range, bounds)
+        return _output_slice(y, heads)
+    return run
+
+
+def _forward_with_cache(module, context, hidden_states, cache, attention_mask, cu_seqlens, lens, kwargs):
+    """A forward that fills the layer's cache (transformers' models make one unless called
+    with use_cache=False): transformers' own forward on one rank, where nothing is sharded;
+    refused on more (the states of the local heads would have to be gathered) and for
+    packed documents (the cache holds one state per row, not per document)."""
+    name = type(module).__name__
+    if context.sp_size > 1:
+        raise refusal(None, f"{name} got a cache: generation of models with Mamba2 layers is not sequence-parallel "
+                            "yet", _GENERATION_ADVICE)
+    if document_bounds(cu_seqlens, sum(lens)) is not None:
+        raise ValueError(f"ulysses_kernels.hf: {name} got a cache and packed documents: its cache holds one state "
+                         "per row, not per document; call the model with use_cache=False")
+    return module._ulysses_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+
+
+def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwargs, project: Callable,
+                               gated_norm: Callable):
+    """The layer's forward, sequence-parallel by heads (the module doc); `project` maps the
+    local hidden states to the projection, `gated_norm(y, gate)` the scan's output to
+    `out_proj`'s input."""
+    cache = cache if cache is not None else kwargs.pop("cache_params", None)
+    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
+    group, world, _ = context.ulysses()
+    if cache is not None:
+        return _forward_with_cache(module, context, hidden_states, cache, attention_mask, cu_seqlens, lens, kwargs)
+    bounds = _check_call(module, context, world, hidden_states, attention_mask, cu_seqlens, lens)
+    b, s_local, _ = hidden_states.shape
+    gate, x, B, C, dt = _split_projection(module, project(hidden_states))
+    y = ulysses_head_parallel(_heads_forward(module, bounds), {"x": x, "B": B, "C": C, "dt": dt}, group,
+                              seq_lens=lens)
+    y = gated_norm(y.reshape(b, s_local, module.intermediate_size), gate)
+    return module.out_proj(y.to(hidden_states.dtype))
+
+
+# ---------------------------------------------------------------------------- adapters
+
+@adapter("mamba2", *MAMBA2_CLASSES, problem=adapter_problem)
+@force_accelerate_hooks("conv1d")
+def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """Bamba, Nemotron-H, GraniteMoeHybrid and Zamba2: the same forward in transformers."""
+    return _sequence_parallel_forward(self, hidden_states, cache, attention_mask, kwargs, self.in_proj, self.norm)
+
+
+@adapter("mamba2", *FALCON_H1_CLASSES, problem=adapter_problem)
+@force_accelerate_hooks("conv1d")
+def falcon_h1_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """Falcon-H1: the input scaled by `ssm_in_multiplier`, the projection by the `mup_vector`
+    (one multiplier per section z, x, B, C, dt), and the gate applied by the norm
+    (`mamba_rms_norm`) or as `y * silu(z)` without one."""
+    def project(h):
+        return self.in_proj(h * self.ssm_in_multiplier) * self.mup_vector
+
+    def gated_norm(y, gate):
+        return self.norm(y, gate) if self.mamba_rms_norm else y * F.silu(gate)
+    return _sequence_parallel_forward(self, hidden_states, cache, attention_mask, kwargs, project, gated_norm)
