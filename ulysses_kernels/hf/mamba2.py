@@ -35,7 +35,6 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.nn.functional as F
-from transformers.integrations.accelerate import force_accelerate_hooks
 
 from ..api import ulysses_head_parallel
 from ..layout import place_heads
@@ -45,6 +44,12 @@ from .mixers import adapter, causal_conv1d, document_starts
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
 FALCON_H1_CLASSES = ("FalconH1Mixer",)
+
+try:   # transformers is optional: the package imports without it (the adapters then never run)
+    from transformers.integrations.accelerate import force_accelerate_hooks
+except ImportError:   # pragma: no cover - exercised only without transformers
+    def force_accelerate_hooks(*_names):
+        return lambda forward: forward
 
 _PLACEMENT_ADVICE = ("Use a sequence-parallel size its heads and groups fit (each count divisible by it, or dividing "
                      "it), or run without sequence parallelism (sp_size=1).")
