@@ -18,7 +18,7 @@ rank.
 
 import pytest
 import torch
-from helpers import SLOW_SPAWN_TIMEOUT
+from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install 'ulysses-kernels[hf]')")
@@ -51,8 +51,8 @@ def _mamba2_fields(family, world):
     return dict(mamba_n_heads=heads, mamba_n_groups=groups, **width)
 
 
-def hybrid_model(family, attn, world):
-    fields = dict(_ATTENTION[world], head_dim=16)
+def hybrid_model(family, attn, world, **extra):
+    fields = dict(_ATTENTION[world], head_dim=16, **extra)
     fields.update(_DELTANET[world] if family.startswith("qwen3") else _mamba2_fields(family, world))
     return build_tiny_model(family, attn, overrides=fields)
 
@@ -87,6 +87,52 @@ def test_training_step_equals_one_process_per_document(world):
             for case in DOCUMENTS:
                 error, where = out[(family, case)]
                 assert error < TOLERANCE, (world, rank, family, case, error, where)
+
+
+# Generation: transformers' own generate needs an attention layer in the model (its mask
+# creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
+GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1")
+PROMPT, NEW_TOKENS = 13, 6
+
+
+def generation_model(family, attn, world):
+    extra = dict(attn_layer_indices=[1]) if family == "bamba" else {}
+    return hybrid_model(family, attn, world, **extra).eval()
+
+
+def _generation_worker(rank, world, families):
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for family in families:
+        reference, model = generation_model(family, "sdpa", world), generation_model(family, "ulysses", world)
+        with torch.no_grad():
+            want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            want_logits = reference(ids, use_cache=False).logits[:, -1]
+        whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
+        chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
+        logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
+        out[family] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
+                           new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits),
+                           state_bytes=cache.mixer_bytes())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_generation_equals_one_process(world):
+    """Greedy `ukhf.generate` (the prompt prefilled whole, and in chunks of 4 that carry the
+    conv and recurrent states) gives `model.generate`'s tokens on every rank, batch 2;
+    prefill logits in chunks of 5 against one process."""
+    per_rank = spawn(_generation_worker, world, args=(GENERATION_FAMILIES,), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, out in enumerate(per_rank):
+        for family in GENERATION_FAMILIES:
+            r = out[family]
+            assert r["whole"] and r["chunked"], (world, rank, family, r)
+            assert r["logits"] < TOLERANCE, (world, rank, family, r)
+            assert r["state_bytes"] > 0
 
 
 def _ring_worker(rank, world):

@@ -82,7 +82,9 @@ class HeadShardedCache(DynamicCache):
         self._chunk = None                   # that layer's chunk K/V (this rank's heads, as cached)
         self._holds_keys = True              # whether this rank attends to keys of that layer at all
         self._forward_tokens = 0             # tokens of the forward in progress (all ranks' shards)
-        self._updated = set()                # layers whose `update` ran in that forward
+        self._updated = set()                # layers whose `update` (or mixer state) ran in that forward
+        self._entered = set()                # (layer, "attention" | "mixer") uses in that forward
+        self.mixer_states = {}               # layer -> this rank's heads' conv history and recurrent state
 
     @property
     def _holds_chunk(self) -> bool:
@@ -138,12 +140,7 @@ class HeadShardedCache(DynamicCache):
         """K/V of the chunk `[B, H, T_local, D]` / `[B, H, T_local, Dv]` (H: the KV heads, or
         one latent head) -> this rank's held K/V `[B, H_own, S_held, D]` (with the chunk
         on the ring rank that holds it)."""
-        if layer_idx == 0:   # a new chunk: the ring rank holding the fewest tokens takes it
-            total = sum(self.chunk_lens) if self._sharded else key_states.shape[2]
-            self._holder = min(range(len(self.held)), key=lambda i: self.held[i])
-            self.held[self._holder] += total
-            self._forward_tokens, self._updated = total, set()
-        self._updated.add(layer_idx)
+        self._enter_layer(layer_idx, key_states.shape[2], "attention")
         k, v = self._own_chunk(key_states, value_states, layer_idx)
         self._layer, self._chunk = layer_idx, (k, v)
         if self._holds_chunk:
@@ -154,6 +151,32 @@ class HeadShardedCache(DynamicCache):
         # No keys yet: the chunk's own K/V stand in, because models reshape what the cache
         # returns and an empty tensor breaks some (MLA's expansion); the attention knows.
         return held if held is not None else (k, v)
+
+    def _enter_layer(self, layer_idx: int, local_len: int, kind: str) -> None:
+        """Count layer `layer_idx`'s `kind` of cache use ("attention" or "mixer": Falcon-H1's
+        layers have both) into the forward in progress. The first use of a forward (no use
+        yet, or one this forward already made) starts a new chunk: the ring rank holding
+        the fewest tokens takes it."""
+        if not self._entered or (layer_idx, kind) in self._entered:
+            total = sum(self.chunk_lens) if self._sharded else local_len
+            self._holder = min(range(len(self.held)), key=lambda i: self.held[i])
+            self.held[self._holder] += total
+            self._forward_tokens, self._updated, self._entered = total, set(), set()
+        self._entered.add((layer_idx, kind))
+        self._updated.add(layer_idx)
+
+    # -- the states of the adapted token mixers (hf/mixers.py)
+    def mixer_state(self, layer_idx: int, local_len: int) -> dict:
+        """The conv history and recurrent state of this rank's heads of token-mixer layer
+        `layer_idx` (a dict the layer reads and replaces; empty before its first chunk),
+        the layer counted into the forward in progress."""
+        self._enter_layer(layer_idx, local_len, "mixer")
+        return self.mixer_states.setdefault(layer_idx, {})
+
+    def mixer_bytes(self) -> int:
+        """Bytes of token-mixer state this rank holds."""
+        return sum(t.numel() * t.element_size() for state in self.mixer_states.values() for t in state.values()
+                   if isinstance(t, torch.Tensor))
 
     def _own_chunk(self, key_states, value_states, layer_idx):
         """This rank's heads of the chunk's cached tensors, over the whole chunk: exchanged

@@ -29,7 +29,7 @@ from ..api import ulysses_head_parallel
 from ..layout import place_heads
 from .attention import token_mixer_call
 from .guard import refusal
-from .mixers import adapter, causal_conv1d, document_starts, over_documents
+from .mixers import adapter, causal_conv1d, chunk_head_parallel, conv_history, document_starts, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
@@ -76,8 +76,10 @@ def _delta_rule(module):
     return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
 
 
-def _heads_forward(module, cu_seqlens):
-    """The per-head part of the layer over the whole sequence of this rank's heads."""
+def _heads_forward(module, cu_seqlens, state=None):
+    """The per-head part of the layer over the whole sequence of this rank's heads; with
+    `state` (generation: a chunk after the previous ones, one document per row), the conv
+    history and recurrent state of the local heads are read from it and replaced."""
     rule = _delta_rule(module)
 
     def run(local, heads):
@@ -86,7 +88,12 @@ def _heads_forward(module, cu_seqlens):
         B, S = q.shape[:2]
         weight, bias = _local_conv(module, key_heads, value_heads)
         mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
-        mixed = causal_conv1d(mixed, weight, bias, document_starts(cu_seqlens, S, q.device), module.activation)
+        if state is not None:
+            history = state.get("conv")
+            state["conv"] = conv_history(history, mixed, weight.shape[-1])
+            mixed = causal_conv1d(mixed, weight, bias, None, module.activation, history=history)
+        else:
+            mixed = causal_conv1d(mixed, weight, bias, document_starts(cu_seqlens, S, q.device), module.activation)
         q, k, v = torch.split(mixed, [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]], dim=-1)
         q, k, v = q.reshape(B, S, -1, module.head_k_dim), k.reshape(B, S, -1, module.head_k_dim), \
             v.reshape(B, S, -1, module.head_v_dim)
@@ -94,6 +101,11 @@ def _heads_forward(module, cu_seqlens):
         beta = local["b"][..., 0].sigmoid()
         # as the layer computes it: in float32 (A might be -inf in fp16)
         g = -module.A_log[index].float().exp() * F.softplus(local["a"][..., 0].float() + module.dt_bias[index])
+
+        if state is not None:
+            out, state["recurrent"] = rule(q, k, v, g=g, beta=beta, initial_state=state.get("recurrent"),
+                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
+            return out
 
         def one_document(q, k, v, g, beta):
             out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
@@ -103,18 +115,37 @@ def _heads_forward(module, cu_seqlens):
     return run
 
 
+def _generation_forward(module, hidden_states, cache):
+    """A forward inside `generate` / `prefill` (hf/cache.py's chunks): the layer continues
+    from the states of this rank's heads, kept on the cache."""
+    context = cache.context
+    context.attention_calls += 1
+    problem = placement_problem(module, cache.ulysses[1])
+    if problem:
+        raise refusal(None, f"{type(module).__name__}: {problem}")
+    B, T = hidden_states.shape[:2]
+    state = cache.mixer_state(module.layer_idx, T)
+    q, k, v, z, b, a = _projections(module, hidden_states)
+    core = chunk_head_parallel(_heads_forward(module, None, state),
+                               {"q": q, "k": k, "v": v, "b": b.unsqueeze(-1), "a": a.unsqueeze(-1)}, cache)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(B, T, -1))
+
+
 @adapter("gated_deltanet", *GATED_DELTANET_CLASSES, problem=lambda module, world: placement_problem(module, world))
 def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """The layer's forward, sequence-parallel by heads (the module doc)."""
+    if hasattr(cache, "mixer_state"):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
+        return _generation_forward(self, hidden_states, cache)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     if cache is not None:
         if context.sp_size == 1:
             return self._ulysses_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        raise refusal(None, f"{type(self).__name__} got a cache: generation of models with linear-attention layers "
-                            "is not sequence-parallel yet",
-                      "Generate without sequence parallelism (sp_size=1); training and prefill-free evaluation "
-                      "run sequence-parallel.")
+        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
+                            "conv and recurrent states are sharded by heads there only",
+                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
+                      "use_cache=False.")
     problem = placement_problem(self, world) or ("a ring of sequence chunks: the recurrence would restart on every "
                                                  "ring rank's chunk" if context.ring()[1] > 1 else None)
     if problem:

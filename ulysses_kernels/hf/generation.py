@@ -66,9 +66,7 @@ import torch.distributed as dist
 from ..distributed.collectives import all_gather_tensor, broadcast_tensor
 from ..layout import split_lengths
 from .attention import _require_transformers
-from .context import sequence_parallel_model, unwrap
-from .guard import refusal
-from .mixers import adapted_kind
+from .context import sequence_parallel_model
 
 _UNSUPPORTED_GENERATION = {
     "num_beams": (1, "beam search"),
@@ -88,24 +86,8 @@ def make_cache(model, group=None, *, backend: Optional[str] = None):
     from .cache import HeadShardedCache
 
     context = sequence_parallel_model(model, group)
-    refuse_recurrent_generation(model, context)
     return HeadShardedCache(model, context.group, context.ring_group, context=context,
                             backend=backend if backend is not None else context.backend)
-
-
-def refuse_recurrent_generation(model, context) -> None:
-    """Generation keeps a KV cache sharded by heads; the conv and recurrent states of the
-    token mixers the package adapts (mixers.py) have no sharded cache yet, so a model with
-    them generates on one process only (the same refusal on every rank)."""
-    if context.sp_size == 1:
-        return
-    mixers = sorted({type(m).__name__ for m in unwrap(model).modules() if adapted_kind(m)})
-    if mixers:
-        raise refusal(unwrap(model), f"its token mixers {', '.join(mixers)} keep conv and recurrent states that "
-                                     "sequence-parallel generation does not shard yet (training is "
-                                     "sequence-parallel)",
-                      "Generate on one process (sp_size=1), or with model.generate on every rank without "
-                      "sequence parallelism.")
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ from ..api import ulysses_head_parallel
 from ..layout import place_heads
 from .attention import token_mixer_call
 from .guard import refusal
-from .mixers import adapter, causal_conv1d, document_starts
+from .mixers import adapter, causal_conv1d, chunk_head_parallel, conv_history, document_starts
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
 FALCON_H1_CLASSES = ("FalconH1Mixer",)
@@ -54,7 +54,7 @@ except ImportError:   # pragma: no cover - exercised only without transformers
 _PLACEMENT_ADVICE = ("Use a sequence-parallel size its heads and groups fit (each count divisible by it, or dividing "
                      "it), or run without sequence parallelism (sp_size=1).")
 _GENERATION_ADVICE = ("Train and evaluate with use_cache=False (shard_batch's model_inputs() passes it); generate "
-                      "without sequence parallelism (sp_size=1).")
+                      "with ulysses_kernels.hf.generate (or prefill and decoding).")
 
 
 # ------------------------------------------------------------------------------ the scan
@@ -239,13 +239,19 @@ def _local_conv(module, heads: range, groups: range):
     return torch.cat([weight[a:b] for a, b in spans]), local_bias
 
 
-def _convolve(module, x, B, C, heads: range, groups: range, starts):
+def _convolve(module, x, B, C, heads: range, groups: range, starts, state: Optional[dict] = None):
     """x, B, C after the depthwise causal convolution and the activation, over the whole
-    sequence of the local heads and groups (zero history at every document start)."""
+    sequence of the local heads and groups (zero history at every document start; with
+    generation's `state`, after its conv history, which is then replaced)."""
     b, S = x.shape[:2]
     weight, bias = _local_conv(module, heads, groups)
     mixed = torch.cat([x.reshape(b, S, -1), B.reshape(b, S, -1), C.reshape(b, S, -1)], dim=-1)
-    mixed = causal_conv1d(mixed, weight, bias, starts, module.activation)
+    if state is not None:
+        history = state.get("conv")
+        state["conv"] = conv_history(history, mixed, weight.shape[-1])
+        mixed = causal_conv1d(mixed, weight, bias, None, module.activation, history=history)
+    else:
+        mixed = causal_conv1d(mixed, weight, bias, starts, module.activation)
     x, B, C = mixed.split([x.shape[2] * x.shape[3], B.shape[2] * B.shape[3], C.shape[2] * C.shape[3]], dim=-1)
     return x.reshape(b, S, -1, module.head_dim), B.reshape(b, S, -1, module.ssm_state_size), \
         C.reshape(b, S, -1, module.ssm_state_size)
@@ -260,17 +266,21 @@ def _step(module, dt: torch.Tensor, heads: range) -> torch.Tensor:
     return torch.clamp(dt, min=low, max=high)
 
 
-def _scan_local_heads(module, x, B, C, dt, heads: range, groups: range, bounds):
+def _scan_local_heads(module, x, B, C, dt, heads: range, groups: range, bounds, state: Optional[dict] = None):
     """y `[b, S, h_local, head_dim]` of the local heads, in the compute dtype (at least
-    float32, as transformers' upcast): the scan of every document plus the D skip."""
+    float32, as transformers' upcast): the scan of every document plus the D skip; with
+    generation's `state`, from its recurrent state, which is then replaced."""
     compute = torch.promote_types(x.dtype, torch.float32)
     local = slice(heads.start, heads.stop)
     per_group = module.num_heads // module.n_groups
     group_of_head = torch.tensor([h // per_group - groups.start for h in heads], device=x.device)
     x = x.to(compute)
     A = -torch.exp(module.A_log[local].to(compute))
-    y, _ = scan_documents(x, dt.to(compute), A, B.to(compute).index_select(2, group_of_head),
-                          C.to(compute).index_select(2, group_of_head), module.chunk_size, bounds)
+    initial = state.get("recurrent") if state is not None else None
+    y, final = scan_documents(x, dt.to(compute), A, B.to(compute).index_select(2, group_of_head),
+                              C.to(compute).index_select(2, group_of_head), module.chunk_size, bounds, initial)
+    if state is not None:
+        state["recurrent"] = final
     return y + module.D[local].to(compute)[:, None] * x
 
 
@@ -289,15 +299,17 @@ def _output_slice(y: torch.Tensor, heads) -> torch.Tensor:
     return y.unsqueeze(2)
 
 
-def _heads_forward(module, bounds) -> Callable:
-    """The per-head part of the layer over the whole sequence of this rank's heads."""
+def _heads_forward(module, bounds, state: Optional[dict] = None) -> Callable:
+    """The per-head part of the layer over the whole sequence of this rank's heads (with
+    generation's `state`: continuing from the local heads' conv history and recurrent
+    state)."""
     def run(local, heads):
         head_range, group_range = heads.heads("x"), heads.heads("B")
         x = local["x"]
         starts = document_starts(bounds, x.shape[1], x.device)
-        x, B, C = _convolve(module, x, local["B"], local["C"], head_range, group_range, starts)
+        x, B, C = _convolve(module, x, local["B"], local["C"], head_range, group_range, starts, state)
         dt = _step(module, local["dt"][..., 0], head_range)
-        y = _scan_local_heads(module, x, B, C, dt, head_range, group_range, bounds)
+        y = _scan_local_heads(module, x, B, C, dt, head_range, group_range, bounds, state)
         return _output_slice(y, heads)
     return run
 
@@ -309,8 +321,8 @@ def _forward_with_cache(module, context, hidden_states, cache, attention_mask, c
     packed documents (the cache holds one state per row, not per document)."""
     name = type(module).__name__
     if context.sp_size > 1:
-        raise refusal(None, f"{name} got a cache: generation of models with Mamba2 layers is not sequence-parallel "
-                            "yet", _GENERATION_ADVICE)
+        raise refusal(None, f"{name} got a cache outside ulysses_kernels.hf.generate / prefill: its conv and "
+                            "recurrent states are sharded by heads there only", _GENERATION_ADVICE)
     if document_bounds(cu_seqlens, sum(lens)) is not None:
         raise ValueError(f"ulysses_kernels.hf: {name} got a cache and packed documents: its cache holds one state "
                          "per row, not per document; call the model with use_cache=False")
@@ -323,6 +335,8 @@ def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwa
     local hidden states to the projection, `gated_norm(y, gate)` the scan's output to
     `out_proj`'s input."""
     cache = cache if cache is not None else kwargs.pop("cache_params", None)
+    if hasattr(cache, "mixer_state"):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
+        return _generation_forward(module, hidden_states, cache, project, gated_norm)
     context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     if cache is not None:
@@ -333,6 +347,21 @@ def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwa
     y = ulysses_head_parallel(_heads_forward(module, bounds), {"x": x, "B": B, "C": C, "dt": dt}, group,
                               seq_lens=lens)
     y = gated_norm(y.reshape(b, s_local, module.intermediate_size), gate)
+    return module.out_proj(y.to(hidden_states.dtype))
+
+
+def _generation_forward(module, hidden_states, cache, project: Callable, gated_norm: Callable):
+    """A forward inside `generate` / `prefill` (hf/cache.py's chunks): the layer continues
+    from the states of this rank's heads, kept on the cache."""
+    cache.context.attention_calls += 1
+    problem = _layer_problem(module) or placement_problem(module, cache.ulysses[1])
+    if problem:
+        raise refusal(None, f"{type(module).__name__}: {problem}", _PLACEMENT_ADVICE)
+    b, T, _ = hidden_states.shape
+    state = cache.mixer_state(module.layer_idx, T)
+    gate, x, B, C, dt = _split_projection(module, project(hidden_states))
+    y = chunk_head_parallel(_heads_forward(module, None, state), {"x": x, "B": B, "C": C, "dt": dt}, cache)
+    y = gated_norm(y.reshape(b, T, module.intermediate_size), gate)
     return module.out_proj(y.to(hidden_states.dtype))
 
 

@@ -28,6 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..api import ulysses_head_parallel
+from ..distributed.collectives import all_gather_tensor
+from ..layout import LocalHeads, place_heads
+
 MIXER_ATTRIBUTE = "_ulysses_mixer"
 
 # class name -> (kind, forward): filled by the adapter modules (gated_deltanet.py,
@@ -103,12 +107,16 @@ def document_starts(cu_seqlens, length: int, device) -> Optional[torch.Tensor]:
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  starts: Optional[torch.Tensor], activation: Optional[str]) -> torch.Tensor:
+                  starts: Optional[torch.Tensor], activation: Optional[str],
+                  history: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Depthwise causal convolution of `x` `[B, S, C]` with `weight` `[C, K]`, zero history
-    before each document (`starts` from `document_starts`; None: one document per row),
-    then the activation ("silu" or None)."""
+    before each document (`starts` from `document_starts`; None: one document per row), or
+    the inputs `history` `[B, K - 1, C]` before the row (generation's conv state, one
+    document per row), then the activation ("silu" or None)."""
     B, S, C = x.shape
     K = weight.shape[-1]
+    if history is not None:
+        return causal_conv1d(torch.cat([history.to(x.dtype), x], dim=1), weight, bias, None, activation)[:, -S:]
     if starts is None:
         out = F.conv1d(x.transpose(1, 2).to(weight.dtype), weight.unsqueeze(1), bias, padding=K - 1,
                        groups=C)[:, :, :S].transpose(1, 2)
@@ -125,6 +133,30 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     elif activation is not None:
         raise ValueError(f"ulysses_kernels.hf: convolution activation {activation!r} is not supported")
     return out.to(x.dtype)
+
+
+def conv_history(previous: Optional[torch.Tensor], x: torch.Tensor, kernel: int) -> torch.Tensor:
+    """The last `kernel - 1` inputs `[B, K - 1, C]` of the convolution after `x` `[B, S, C]`
+    (zeros before the first token): what the next chunk's convolution reads first."""
+    B, _, C = x.shape
+    if previous is None:
+        previous = x.new_zeros(B, kernel - 1, C)
+    return torch.cat([previous.to(x.dtype), x], dim=1)[:, -(kernel - 1):].detach().clone()
+
+
+def chunk_head_parallel(fn: Callable, tensors: Dict[str, torch.Tensor], cache) -> torch.Tensor:
+    """The head-parallel call of a token mixer inside a generation forward (hf/cache.py's
+    chunks): a sharded chunk (the prefill: sequence shards of the chunk) goes through
+    `ulysses_head_parallel` with the chunk's lengths; a replicated chunk (decode: every rank
+    holds the same tokens) takes this rank's heads of each tensor, runs `fn` on them and
+    all-gathers the output heads, so every rank continues with the same hidden state."""
+    group, world, rank = cache.ulysses
+    if cache.chunk_lens is not None:
+        return ulysses_head_parallel(fn, tensors, group, seq_lens=cache.chunk_lens)
+    length = next(iter(tensors.values())).shape[1]
+    heads = LocalHeads(rank, world, (length,), {name: place_heads(t.shape[2], world) for name, t in tensors.items()})
+    local = {name: t[:, :, heads.heads(name).start:heads.heads(name).stop] for name, t in tensors.items()}
+    return torch.cat(all_gather_tensor(fn(local, heads).contiguous(), group), dim=2)
 
 
 def over_documents(fn: Callable, tensors: List[torch.Tensor], cu_seqlens) -> torch.Tensor:
