@@ -144,3 +144,24 @@ def test_flash_backward_counts_the_fp32_dq_accumulator(monkeypatch):
     mlp = min(S // 8, planner.mlp_tile_tokens(shape.hidden)) * o.dtype_bytes * planner.TRANSIENT_MLP \
         * shape.intermediate
     assert with_acc - without == 2 * GIB - mlp
+
+
+def test_hybrid_configs_count_their_token_mixers():
+    """A hybrid config (transformers' Qwen3-Next and Bamba defaults, as config.json holds
+    them): its linear-attention / Mamba2 layers keep no KV cache but a conv window and a
+    recurrent state of this rank's heads, whatever the prompt's length; the exact bytes
+    against the cache's are in tests/hf/test_hf_hybrid.py."""
+    transformers = pytest.importorskip("transformers")
+    from ulysses_kernels.planner import prefill_terms, shape_from_dict
+
+    qwen = shape_from_dict(transformers.Qwen3NextConfig().to_dict())
+    assert qwen.mixer.kind == "gated_deltanet" and qwen.mixer.layers == 36 and qwen.attention_layer_count == 12
+    bamba = shape_from_dict(transformers.BambaConfig(attn_layer_indices=[3, 7]).to_dict())
+    assert bamba.mixer.kind == "mamba2" and bamba.mixer.layers == bamba.layers - 2 and bamba.attention_layer_count == 2
+    for shape in (qwen, bamba):
+        short = prefill_terms(shape, 1 << 14, 8)
+        long = prefill_terms(shape, 1 << 17, 8)
+        states = "token-mixer states (this rank's heads)"
+        assert short[states] == long[states] > 0
+        assert long["KV cache (this rank's heads)"] == 8 * short["KV cache (this rank's heads)"]
+        assert shape.mixer.state_bytes(8) < shape.mixer.state_bytes(2)   # heads split over more ranks

@@ -23,6 +23,51 @@ SAVED_HIDDEN, SAVED_QKV, SAVED_OUT, SAVED_MLP, TRANSIENT_MLP = 4, 3, 2, 4, 3
 
 
 @dataclass(frozen=True)
+class MixerShape:
+    """The linear-attention (Gated DeltaNet) or state-space (Mamba2) layers of a hybrid model
+    (docs/hf.md, "Hybrid models"), sequence-parallel by heads. heads: value heads (GDN) or
+    heads (Mamba2); groups: key heads (GDN) or groups of B and C (Mamba2); key_dim: the key
+    head dim (GDN) or the state size (Mamba2); value_dim: the value head dim (GDN) or the
+    head dim (Mamba2)."""
+
+    kind: str          # "gated_deltanet" or "mamba2"
+    layers: int
+    heads: int
+    groups: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """q|k|v (GDN) or x|B|C (Mamba2): the depthwise convolution's channels."""
+        return 2 * self.groups * self.key_dim + self.heads * self.value_dim
+
+    def params(self, hidden: int) -> int:
+        """One layer's token mixer (projections, convolution, per-head parameters, norm)."""
+        inner = self.heads * self.value_dim
+        conv = self.conv_channels * self.conv_kernel
+        if self.kind == "gated_deltanet":   # in_proj q|k|v|z and b|a, A_log, dt_bias, a per-head norm
+            return hidden * (self.conv_channels + inner + 2 * self.heads) + conv + 2 * self.heads + self.value_dim \
+                + inner * hidden
+        return hidden * (self.conv_channels + inner + self.heads) + conv + self.conv_channels + 3 * self.heads \
+            + inner + inner * hidden   # in_proj z|x|B|C|dt, conv bias, A_log, D, dt_bias, the norm
+
+    def state_bytes(self, sp: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
+        """One layer's generation state on one of `sp` Ulysses ranks (hf/cache.py's
+        `mixer_states`): the last `conv_kernel - 1` inputs of this rank's channels (in the
+        compute dtype) and the recurrent state of its heads (float32 at least: transformers'
+        gated delta rule computes in float32, the package's Mamba2 scan in float32 or wider).
+        Heads and groups fewer than the ranks are replicated, one to each rank."""
+        heads = max(1, self.heads // sp)
+        groups = max(1, self.groups // sp)
+        channels = 2 * groups * self.key_dim + heads * self.value_dim
+        state_bytes = 4 if self.kind == "gated_deltanet" else max(4, dtype_bytes)
+        return batch * ((self.conv_kernel - 1) * channels * dtype_bytes
+                        + heads * self.key_dim * self.value_dim * state_bytes)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     hidden: int
     layers: int
@@ -33,18 +78,32 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    mixer: Optional[MixerShape] = None          # a hybrid's linear-attention or state-space layers
+    attention_layers: Optional[int] = None      # layers with attention (None: every layer)
 
     @property
-    def layer_params(self) -> int:
+    def attention_layer_count(self) -> int:
+        return self.layers if self.attention_layers is None else self.attention_layers
+
+    @property
+    def attention_params(self) -> int:
         h, d = self.hidden, self.head_dim
         attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
         bias = (self.heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
-        return attn + bias + 3 * h * self.intermediate + 2 * h
+        return attn + bias
+
+    @property
+    def layer_params(self) -> int:
+        """An attention layer's parameters (its MLP and norms included)."""
+        return self.attention_params + 3 * self.hidden * self.intermediate + 2 * self.hidden
 
     @property
     def params(self) -> int:
         embed = self.vocab * self.hidden
-        return embed * (1 if self.tied_embeddings else 2) + self.layers * self.layer_params + self.hidden
+        mlp_and_norms = 3 * self.hidden * self.intermediate + 2 * self.hidden
+        mixers = self.mixer.layers * self.mixer.params(self.hidden) if self.mixer is not None else 0
+        return (embed * (1 if self.tied_embeddings else 2) + self.layers * mlp_and_norms
+                + self.attention_layer_count * self.attention_params + mixers + self.hidden)
 
 
 # Published configurations (the models' config.json on the Hugging Face hub).
@@ -66,15 +125,61 @@ def shape_from_config(path: str) -> ModelShape:
         return shape_from_dict(json.load(f))
 
 
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid")
+MIXER_KINDS = ("linear_attention", "mamba", "hybrid")   # "hybrid": attention beside a Mamba2 mixer (Falcon-H1)
+
+
 def shape_from_dict(cfg: dict) -> ModelShape:
-    """A ModelShape from a Hugging Face config as a dict (`config.to_dict()`, config.json)."""
+    """A ModelShape from a Hugging Face config as a dict (`config.to_dict()`, config.json);
+    a hybrid's per-layer kinds (`layer_types` / `layers_block_type`) give its attention and
+    token-mixer layers (`mixer_from_dict`)."""
     heads = cfg["num_attention_heads"]
-    return ModelShape(hidden=cfg["hidden_size"], layers=cfg["num_hidden_layers"], heads=heads,
+    kinds = layer_kinds(cfg)
+    mixer = mixer_from_dict(cfg, kinds) if kinds else None
+    return ModelShape(hidden=cfg["hidden_size"], layers=cfg.get("num_hidden_layers") or len(kinds), heads=heads,
                       kv_heads=cfg.get("num_key_value_heads", heads),
                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                       intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                       tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                      qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
+                      qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+                      mixer=mixer, attention_layers=sum(k in ATTENTION_KINDS for k in kinds) if mixer else None)
+
+
+def layer_kinds(cfg: dict) -> list:
+    """Every layer's kind: the config's own list (`layer_types`, `layers_block_type`), or, for
+    the families that derive it, attention at `attn_layer_indices` and Mamba2 elsewhere
+    (Bamba, GraniteMoeHybrid), attention beside Mamba2 in every layer (Falcon-H1); [] for
+    a model whose layers are all attention."""
+    kinds = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if kinds:
+        return list(kinds)
+    layers = cfg.get("num_hidden_layers") or 0
+    if cfg.get("model_type") == "falcon_h1":
+        return ["hybrid"] * layers
+    if cfg.get("mamba_n_heads") and "attn_layer_indices" in cfg:
+        attention = set(cfg.get("attn_layer_indices") or [])
+        return ["full_attention" if i in attention else "mamba" for i in range(layers)]
+    return []
+
+
+def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
+    """The token-mixer layers of a hybrid config (Gated DeltaNet's `linear_*` fields, or
+    Mamba2's `mamba_*` fields under their families' names), None without any."""
+    layers = sum(k in MIXER_KINDS for k in kinds)
+    if not layers:
+        return None
+    if "linear_num_value_heads" in cfg:
+        return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
+                          cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])
+    heads = cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads")
+    head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim")
+    groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or 1
+    state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size")
+    kernel = cfg.get("mamba_d_conv") or cfg.get("conv_kernel")
+    if not (heads and head_dim and state and kernel):
+        raise ValueError("plan: a hybrid config whose token-mixer layers are neither Gated DeltaNet (linear_*) nor "
+                         "Mamba2 (mamba_*) fields")
+    return MixerShape("mamba2", layers, heads, groups, state, head_dim, kernel)
 
 
 def mlp_tile_tokens(hidden: int) -> int:
@@ -273,7 +378,9 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
     every layer, and the largest phase of one layer (attention: the sequence shard's
     q/k/v and output, their head-sharded copies over the whole sequence and the cache's
     own K/V exchange; MLP: gate, up and their product, over the local tokens or one
-    `mlp_tile` of them with `patch_model`'s tiled MLP). `chunk`: tokens per forward of a
+    `mlp_tile` of them with `patch_model`'s tiled MLP); a hybrid's token-mixer layers keep
+    no KV cache but their conv window and recurrent state, of this rank's heads, whatever
+    the prompt's length (`MixerShape.state_bytes`). `chunk`: tokens per forward of a
     chunked prefill (the activations are the chunk's; the cache still holds every token).
     A model, not a measurement."""
     active = min(seq_len, chunk or seq_len)
@@ -287,9 +394,12 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
                  + total * (2 * q_local + 2 * kv_local) * d * b           # the same, head-sharded
                  + total * 2 * kv_local * d * b)                          # the cache's K/V exchange
     mlp = 3 * min(local, mlp_tile or local) * shape.intermediate * b
+    mixer = shape.mixer
+    states = mixer.layers * mixer.state_bytes(sp, batch=batch, dtype_bytes=b) if mixer is not None else 0
     return {
         "weights (replicated)": shape.params * b,
-        "KV cache (this rank's heads)": shape.layers * 2 * kv_local * d * seq_len * batch * b,
+        "KV cache (this rank's heads)": shape.attention_layer_count * 2 * kv_local * d * seq_len * batch * b,
+        "token-mixer states (this rank's heads)": states,
         "hidden states": hidden,
         "one layer (peak phase)": max(attention, mlp),
         "last-position logits": batch * shape.vocab * 4,

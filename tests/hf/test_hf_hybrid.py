@@ -30,6 +30,7 @@ import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
 from ulysses_kernels.hf.mixers import adapted_kind, install_adapters  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
+from ulysses_kernels.planner import shape_from_dict  # noqa: E402
 
 TOLERANCE = 1e-6
 FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid")
@@ -113,9 +114,11 @@ def _generation_worker(rank, world, families):
         whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
         chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
         logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
+        mixers = shape_from_dict(model.config.to_dict()).mixer   # the planner's account of the states
         out[family] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
                            new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits),
-                           state_bytes=cache.mixer_bytes())
+                           state_bytes=cache.mixer_bytes(),
+                           planned_bytes=mixers.layers * mixers.state_bytes(world, batch=ids.shape[0], dtype_bytes=8))
     return out
 
 
@@ -124,7 +127,8 @@ def _generation_worker(rank, world, families):
 def test_generation_equals_one_process(world):
     """Greedy `ukhf.generate` (the prompt prefilled whole, and in chunks of 4 that carry the
     conv and recurrent states) gives `model.generate`'s tokens on every rank, batch 2;
-    prefill logits in chunks of 5 against one process."""
+    prefill logits in chunks of 5 against one process; the states each rank holds are what
+    the planner counts (`MixerShape.state_bytes`)."""
     per_rank = spawn(_generation_worker, world, args=(GENERATION_FAMILIES,), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
     for rank, out in enumerate(per_rank):
@@ -132,7 +136,7 @@ def test_generation_equals_one_process(world):
             r = out[family]
             assert r["whole"] and r["chunked"], (world, rank, family, r)
             assert r["logits"] < TOLERANCE, (world, rank, family, r)
-            assert r["state_bytes"] > 0
+            assert r["state_bytes"] == r["planned_bytes"] > 0, (world, rank, family, r)
 
 
 def _ring_worker(rank, world):
