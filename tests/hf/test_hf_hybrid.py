@@ -58,6 +58,9 @@ def hybrid_model(family, attn, world, **extra):
     return build_tiny_model(family, attn, overrides=fields)
 
 
+PATCHED = ("qwen3_next", "bamba")
+
+
 def _training_worker(rank, world, families):
     from families import register_exact_eager
 
@@ -74,6 +77,13 @@ def _training_worker(rank, world, families):
             got = sp_step(model, documents, groups)
             out[(family, case)] = largest_error(got, want)
         out[(family, "adapted")] = sum(1 for m in model.modules() if adapted_kind(m) is not None)
+        if family in PATCHED and world == 2:   # patch_model (tiled MLP and loss) and checkpointing on top
+            patched = ukhf.patch_model(hybrid_model(family, "ulysses", world), mlp_tile_tokens=5, loss_tile_tokens=5)
+            patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+            reference.zero_grad(set_to_none=True)
+            want = reference_step(reference, DOCUMENTS["two packed documents"])
+            got = sp_step(patched, DOCUMENTS["two packed documents"], groups)
+            out[(family, "patched")] = largest_error(got, want)
     return out
 
 
@@ -85,7 +95,7 @@ def test_training_step_equals_one_process_per_document(world):
     for rank, out in enumerate(per_rank):
         for family in FAMILIES:
             assert out[(family, "adapted")] >= 1, family
-            for case in DOCUMENTS:
+            for case in list(DOCUMENTS) + (["patched"] if family in PATCHED and world == 2 else []):
                 error, where = out[(family, case)]
                 assert error < TOLERANCE, (world, rank, family, case, error, where)
 
