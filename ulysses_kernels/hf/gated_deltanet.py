@@ -29,6 +29,7 @@ from ..api import ulysses_head_parallel
 from ..layout import place_heads
 from .attention import token_mixer_call
 from .guard import refusal
+from .mixer_ring import portion_pieces, ring_conv, ring_portion, ring_recurrence
 from .mixers import adapter, causal_conv1d, chunk_head_parallel, conv_history, document_starts, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
@@ -76,10 +77,45 @@ def _delta_rule(module):
     return sys.modules[type(module).__module__].torch_chunk_gated_delta_rule
 
 
-def _heads_forward(module, cu_seqlens, state=None):
+class DeltaRuleChunks:
+    """The gated delta rule as `mixer_ring.ring_recurrence` takes it: linear in its state
+    `[B, Hv, Dk, Dv]` (float32, as transformers computes it), which leaves a chunk as
+    `M S + F` with `M = prod_t (I - beta_t k_t k_t^T) exp(g_t)`: the rule itself, run on
+    zero values from the identity, gives M."""
+
+    def __init__(self, rule):
+        self.rule = rule
+
+    def run(self, inputs, initial):
+        q, k, v, g, beta = inputs
+        return self.rule(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True,
+                         use_qk_l2norm_in_kernel=True)
+
+    def transition(self, inputs):
+        q, k, v, g, beta = inputs
+        _, M = self.rule(q, k, v.new_zeros(*v.shape[:3], q.shape[3]), g=g, beta=beta,
+                         initial_state=self.identity(inputs), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return M
+
+    def identity(self, inputs):
+        q, v = inputs[0], inputs[2]
+        eye = torch.eye(q.shape[3], dtype=torch.float32, device=q.device)
+        return eye.expand(v.shape[0], v.shape[2], q.shape[3], q.shape[3]).clone()
+
+    def zero_state(self, inputs):
+        q, v = inputs[0], inputs[2]
+        return torch.zeros(v.shape[0], v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32, device=q.device)
+
+    def carry(self, M, state):
+        return M @ state
+
+
+def _heads_forward(module, cu_seqlens, state=None, portion=None):
     """The per-head part of the layer over the whole sequence of this rank's heads; with
     `state` (generation: a chunk after the previous ones, one document per row), the conv
-    history and recurrent state of the local heads are read from it and replaced."""
+    history and recurrent state of the local heads are read from it and replaced; with a
+    ring `portion` (mixer_ring.py), over this ring rank's two chunks, the convolution and
+    the state passed from the chunks before them."""
     rule = _delta_rule(module)
 
     def run(local, heads):
@@ -92,6 +128,8 @@ def _heads_forward(module, cu_seqlens, state=None):
             history = state.get("conv")
             state["conv"] = conv_history(history, mixed, weight.shape[-1])
             mixed = causal_conv1d(mixed, weight, bias, None, module.activation, history=history)
+        elif portion is not None:
+            mixed = ring_conv(mixed, weight, bias, module.activation, portion, cu_seqlens)
         else:
             mixed = causal_conv1d(mixed, weight, bias, document_starts(cu_seqlens, S, q.device), module.activation)
         q, k, v = torch.split(mixed, [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]], dim=-1)
@@ -106,6 +144,9 @@ def _heads_forward(module, cu_seqlens, state=None):
             out, state["recurrent"] = rule(q, k, v, g=g, beta=beta, initial_state=state.get("recurrent"),
                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
             return out
+        if portion is not None:
+            return ring_recurrence(DeltaRuleChunks(rule), portion_pieces(portion, [q, k, v, g, beta]), portion,
+                                   cu_seqlens)
 
         def one_document(q, k, v, g, beta):
             out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
@@ -146,15 +187,18 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attent
                             "conv and recurrent states are sharded by heads there only",
                       "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
                       "use_cache=False.")
-    problem = placement_problem(self, world) or ("a ring of sequence chunks: the recurrence would restart on every "
-                                                 "ring rank's chunk" if context.ring()[1] > 1 else None)
+    problem = placement_problem(self, world)
     if problem:
         raise refusal(None, f"{type(self).__name__}: {problem}")
     hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
     q, k, v, z, b, a = _projections(self, hidden_states)
     B, S_local = hidden_states.shape[:2]
-    core = ulysses_head_parallel(_heads_forward(self, cu_seqlens),
+    portion, lens = ring_portion(context, lens)
+    core = ulysses_head_parallel(_heads_forward(self, cu_seqlens, portion=portion),
                                  {"q": q, "k": k, "v": v, "b": b.unsqueeze(-1), "a": a.unsqueeze(-1)}, group,
                                  seq_lens=lens)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(B, S_local, -1))
+
+
+gated_deltanet_forward.runs_on_a_ring = True   # mixer_ring.py passes its state across the ring's chunks

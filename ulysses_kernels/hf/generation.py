@@ -66,7 +66,9 @@ import torch.distributed as dist
 from ..distributed.collectives import all_gather_tensor, broadcast_tensor
 from ..layout import split_lengths
 from .attention import _require_transformers
-from .context import sequence_parallel_model
+from .context import sequence_parallel_model, unwrap
+from .guard import refusal
+from .mixers import adapted_kind
 
 _UNSUPPORTED_GENERATION = {
     "num_beams": (1, "beam search"),
@@ -86,6 +88,10 @@ def make_cache(model, group=None, *, backend: Optional[str] = None):
     from .cache import HeadShardedCache
 
     context = sequence_parallel_model(model, group)
+    if context.ring()[1] > 1 and any(adapted_kind(m) for m in unwrap(model).modules()):
+        raise refusal(unwrap(model), "its token mixers' conv and recurrent states are kept by heads within a Ulysses "
+                                     "group; generation on a ring is not supported for them",
+                      "Generate with Ulysses only (ring_size=1); training runs on a ring.")
     return HeadShardedCache(model, context.group, context.ring_group, context=context,
                             backend=backend if backend is not None else context.backend)
 

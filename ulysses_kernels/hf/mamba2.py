@@ -40,6 +40,7 @@ from ..api import ulysses_head_parallel
 from ..layout import place_heads
 from .attention import token_mixer_call
 from .guard import refusal
+from .mixer_ring import portion_pieces, ring_conv, ring_portion, ring_recurrence
 from .mixers import adapter, causal_conv1d, chunk_head_parallel, conv_history, document_starts
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
@@ -198,9 +199,6 @@ def _check_call(module, context, world: int, hidden_states, attention_mask, cu_s
     problem = placement_problem(module, world)
     if problem:
         raise refusal(None, f"{name}: {problem}", _PLACEMENT_ADVICE)
-    if context.ring()[1] > 1:
-        raise refusal(None, f"{name}: a ring of sequence chunks: the scan would restart on every ring rank's chunk",
-                      "Use Ulysses only (ring_size=1) with an SP size its heads and groups fit.")
     if attention_mask is not None and bool((attention_mask == 0).any()):
         raise ValueError(f"ulysses_kernels.hf: {name} got an attention_mask with zeros (padding); pass unpadded "
                          "(optionally packed) batches: ulysses_kernels.hf.shard_batch unpads them")
@@ -239,10 +237,12 @@ def _local_conv(module, heads: range, groups: range):
     return torch.cat([weight[a:b] for a, b in spans]), local_bias
 
 
-def _convolve(module, x, B, C, heads: range, groups: range, starts, state: Optional[dict] = None):
+def _convolve(module, x, B, C, heads: range, groups: range, starts, state: Optional[dict] = None, portion=None,
+              bounds=None):
     """x, B, C after the depthwise causal convolution and the activation, over the whole
     sequence of the local heads and groups (zero history at every document start; with
-    generation's `state`, after its conv history, which is then replaced)."""
+    generation's `state`, after its conv history, which is then replaced; with a ring
+    `portion`, over its two chunks after the inputs before them, mixer_ring.py)."""
     b, S = x.shape[:2]
     weight, bias = _local_conv(module, heads, groups)
     mixed = torch.cat([x.reshape(b, S, -1), B.reshape(b, S, -1), C.reshape(b, S, -1)], dim=-1)
@@ -250,6 +250,8 @@ def _convolve(module, x, B, C, heads: range, groups: range, starts, state: Optio
         history = state.get("conv")
         state["conv"] = conv_history(history, mixed, weight.shape[-1])
         mixed = causal_conv1d(mixed, weight, bias, None, module.activation, history=history)
+    elif portion is not None:
+        mixed = ring_conv(mixed, weight, bias, module.activation, portion, bounds)
     else:
         mixed = causal_conv1d(mixed, weight, bias, starts, module.activation)
     x, B, C = mixed.split([x.shape[2] * x.shape[3], B.shape[2] * B.shape[3], C.shape[2] * C.shape[3]], dim=-1)
@@ -266,16 +268,50 @@ def _step(module, dt: torch.Tensor, heads: range) -> torch.Tensor:
     return torch.clamp(dt, min=low, max=high)
 
 
-def _scan_local_heads(module, x, B, C, dt, heads: range, groups: range, bounds, state: Optional[dict] = None):
+class ScanChunks:
+    """The selective scan as `mixer_ring.ring_recurrence` takes it: linear in its state
+    `[b, h, p, n]`, which leaves a chunk as `exp(sum_t dt_t A) S + F` (a decay per head)."""
+
+    def __init__(self, A: torch.Tensor, D: torch.Tensor, chunk_size: int):
+        self.A, self.D, self.chunk_size = A, D, chunk_size
+
+    def run(self, inputs, initial):
+        x, dt, B, C = inputs
+        y, final = ssd_scan(x, dt, self.A, B, C, self.chunk_size, initial)
+        return y + self.D[:, None] * x, final
+
+    def transition(self, inputs):
+        dt = inputs[1]
+        return torch.exp((dt * self.A).sum(dim=1))   # [b, h]
+
+    def identity(self, inputs):
+        dt = inputs[1]
+        return torch.ones(dt.shape[0], dt.shape[2], dtype=dt.dtype, device=dt.device)
+
+    def zero_state(self, inputs):
+        x, B = inputs[0], inputs[2]
+        return x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[3])
+
+    def carry(self, M, state):
+        return M[..., None, None] * state
+
+
+def _scan_local_heads(module, x, B, C, dt, heads: range, groups: range, bounds, state: Optional[dict] = None,
+                      portion=None):
     """y `[b, S, h_local, head_dim]` of the local heads, in the compute dtype (at least
     float32, as transformers' upcast): the scan of every document plus the D skip; with
-    generation's `state`, from its recurrent state, which is then replaced."""
+    generation's `state`, from its recurrent state, which is then replaced; with a ring
+    `portion`, the state passed across the ring's chunks (mixer_ring.py)."""
     compute = torch.promote_types(x.dtype, torch.float32)
     local = slice(heads.start, heads.stop)
     per_group = module.num_heads // module.n_groups
     group_of_head = torch.tensor([h // per_group - groups.start for h in heads], device=x.device)
     x = x.to(compute)
     A = -torch.exp(module.A_log[local].to(compute))
+    if portion is not None:
+        pieces = portion_pieces(portion, [x, dt.to(compute), B.to(compute).index_select(2, group_of_head),
+                                          C.to(compute).index_select(2, group_of_head)])
+        return ring_recurrence(ScanChunks(A, module.D[local].to(compute), module.chunk_size), pieces, portion, bounds)
     initial = state.get("recurrent") if state is not None else None
     y, final = scan_documents(x, dt.to(compute), A, B.to(compute).index_select(2, group_of_head),
                               C.to(compute).index_select(2, group_of_head), module.chunk_size, bounds, initial)
@@ -299,17 +335,19 @@ def _output_slice(y: torch.Tensor, heads) -> torch.Tensor:
     return y.unsqueeze(2)
 
 
-def _heads_forward(module, bounds, state: Optional[dict] = None) -> Callable:
+def _heads_forward(module, bounds, state: Optional[dict] = None, portion=None) -> Callable:
     """The per-head part of the layer over the whole sequence of this rank's heads (with
     generation's `state`: continuing from the local heads' conv history and recurrent
-    state)."""
+    state; with a ring `portion`: over its two chunks, mixer_ring.py)."""
     def run(local, heads):
         head_range, group_range = heads.heads("x"), heads.heads("B")
         x = local["x"]
         starts = document_starts(bounds, x.shape[1], x.device)
-        x, B, C = _convolve(module, x, local["B"], local["C"], head_range, group_range, starts, state)
+        if portion is not None:
+            starts = None
+        x, B, C = _convolve(module, x, local["B"], local["C"], head_range, group_range, starts, state, portion, bounds)
         dt = _step(module, local["dt"][..., 0], head_range)
-        y = _scan_local_heads(module, x, B, C, dt, head_range, group_range, bounds, state)
+        y = _scan_local_heads(module, x, B, C, dt, head_range, group_range, bounds, state, portion)
         return _output_slice(y, heads)
     return run
 
@@ -344,8 +382,9 @@ def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwa
     bounds = _check_call(module, context, world, hidden_states, attention_mask, cu_seqlens, lens)
     b, s_local, _ = hidden_states.shape
     gate, x, B, C, dt = _split_projection(module, project(hidden_states))
-    y = ulysses_head_parallel(_heads_forward(module, bounds), {"x": x, "B": B, "C": C, "dt": dt}, group,
-                              seq_lens=lens)
+    portion, lens = ring_portion(context, lens)
+    y = ulysses_head_parallel(_heads_forward(module, bounds, portion=portion), {"x": x, "B": B, "C": C, "dt": dt},
+                              group, seq_lens=lens)
     y = gated_norm(y.reshape(b, s_local, module.intermediate_size), gate)
     return module.out_proj(y.to(hidden_states.dtype))
 
@@ -386,3 +425,7 @@ def falcon_h1_forward(self, hidden_states: torch.Tensor, cache=None, attention_m
     def gated_norm(y, gate):
         return self.norm(y, gate) if self.mamba_rms_norm else y * F.silu(gate)
     return _sequence_parallel_forward(self, hidden_states, cache, attention_mask, kwargs, project, gated_norm)
+
+
+# mixer_ring.py passes their state across the ring's chunks
+mamba2_forward.runs_on_a_ring = falcon_h1_forward.runs_on_a_ring = True

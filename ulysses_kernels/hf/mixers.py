@@ -11,7 +11,10 @@ gated RMSNorm over a token's heads) stays on the local shard.
 
 Packed documents: the convolution and the recurrence restart at every document boundary
 of the global sequence (`document_starts`, `causal_conv1d`, `over_documents`), so a packed
-row equals its documents run one by one, on one rank as on many.
+row equals its documents run one by one, on one rank as on many. Under Ulysses x Ring the
+state and the convolution's inputs pass from chunk to chunk of the ring (mixer_ring.py);
+in generation each rank keeps its heads' states on the head-sharded cache
+(`chunk_head_parallel`, hf/cache.py).
 
 An adapter replaces the forward of one module instance (`install_adapters`, called when
 the package meets a model: `attach_context`); the module is marked `_ulysses_mixer` and
@@ -83,9 +86,9 @@ def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
         kind = adapted_kind(module)
         if kind is None:
             continue
-        if ring > 1:
-            return (f"{name} ({type(module).__name__}) is a recurrent token mixer, which does not run across the "
-                    f"chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
+        if ring > 1 and not getattr(ADAPTERS[type(module).__name__][1], "runs_on_a_ring", False):
+            return (f"{name} ({type(module).__name__}) is a recurrent token mixer whose adapter does not pass its "
+                    f"state across the chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
         problem = ADAPTERS[type(module).__name__][2]
         found = problem(module, world) if problem is not None else None
         if found:

@@ -1,0 +1,158 @@
+"""The adapted token mixers under Ulysses x Ring (docs/hf.md, "Hybrid models"): the
+recurrence and the convolution passed from chunk to chunk of the ring's zigzag layout.
+
+Under a ring, the Ulysses exchange gives each rank its heads over its ring rank's
+*portion*: chunk i and chunk 2R-1-i of the 2R chunks of the global sequence
+(ring/layout.py). A recurrence needs every earlier chunk, so:
+
+* **Convolution.** Each chunk needs the `kernel - 1` inputs before it. Every ring rank
+  shares the last `kernel - 1` inputs of its two chunks (one all-gather over the ring);
+  a chunk reads those of the chunks before it (`ring_conv`).
+* **Recurrence.** Every token mixer adapted here is linear in its state: over one chunk,
+  the state leaving it is `M S + F` (S the state entering, F the state leaving from zero,
+  M the chunk's transition: a `[Dk, Dk]` matrix per head for the gated delta rule, a
+  decay per head for Mamba2). Each rank computes M and F of its two chunks, one
+  all-gather over the ring shares them, every rank composes the states entering all 2R
+  chunks in order (the LASP-2 scheme), and each chunk runs again from its entering state
+  (`ring_recurrence`). The all-gathers are differentiable (their backward sums each
+  chunk's gradient over the ring), so gradients reach every chunk that fed a state.
+* **Documents.** A chunk holding a document start passes no state through it (M = 0);
+  its first segment starts from the entering state unless a document starts with the
+  chunk; the rest start from zero.
+
+The per-model parts (run a segment from a state, a chunk's transition, the identity and
+the zero state) come with an object of the `ChunkRecurrence` shape from each adapter.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from ..exchange.sequence import GatherSequence
+from ..ring.layout import lengths_error as zigzag_lengths_error
+from ..ring.layout import zigzag_segments
+from .mixers import causal_conv1d
+
+
+class RingPortion:
+    """This rank's two chunks of the zigzag layout over `world` ring ranks, and the
+    differentiable all-gather over the ring that puts every rank's pair in chunk order."""
+
+    def __init__(self, group, world: int, rank: int, total: int):
+        self.group, self.world, self.rank = group, world, rank
+        self.segments = zigzag_segments(total, world, rank)    # ((global start, length), ...)
+        self.chunks = (rank, 2 * world - 1 - rank)
+
+    def split(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """`[B, portion, ...]` -> this rank's two chunks."""
+        return torch.split(x, [n for _, n in self.segments], dim=1)
+
+    def gather(self, pair: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Every ring rank's two tensors (same shapes everywhere) in global chunk order."""
+        stacked = torch.stack(list(pair))
+        every = GatherSequence.apply(self.group, self.world, self.rank, 0, [2] * self.world, stacked)
+        order = []
+        for chunk in range(2 * self.world):
+            holder = min(chunk, 2 * self.world - 1 - chunk)
+            order.append(every[2 * holder + (0 if chunk == holder else 1)])
+        return order
+
+
+def ring_portion(context, lens: Sequence[int]):
+    """(the RingPortion of this rank, its Ulysses group's lengths) under a ring; (None,
+    `lens`) without one. `lens`: every SP rank's length, ring rank major."""
+    ring_group, ring_world, ring_rank = context.ring()
+    if ring_world == 1:
+        return None, lens
+    ulysses = context.ulysses()[1]
+    err = zigzag_lengths_error(lens, ulysses) if len(lens) == ring_world * ulysses else \
+        f"{len(lens)} lengths for {ring_world} ring x {ulysses} Ulysses ranks (every SP rank's, in the zigzag layout)"
+    if err:   # the lengths are every rank's (shard_batch's, or gathered): the same error everywhere
+        raise ValueError(f"ulysses_kernels.hf: a token mixer on a ring got the sequence lengths {list(lens)}: {err}")
+    mine = list(lens[ring_rank * ulysses:(ring_rank + 1) * ulysses])
+    return RingPortion(ring_group, ring_world, ring_rank, sum(lens)), mine
+
+
+def _document_bounds(cu_seqlens) -> Optional[List[int]]:
+    if cu_seqlens is None:
+        return None
+    return [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
+
+
+def _starts_at(bounds, positions: torch.Tensor) -> torch.Tensor:
+    """The global start of the document each global position is in (positions < 0: 0)."""
+    edges = torch.tensor(bounds, device=positions.device)
+    return edges[torch.searchsorted(edges, positions.clamp(min=0), right=True) - 1]
+
+
+def _front(x: torch.Tensor, width: int) -> torch.Tensor:
+    """The last `width` positions of `x` `[B, n, C]`, zero-padded in front."""
+    tail = x[:, max(0, x.shape[1] - width):]
+    return F.pad(tail, (0, 0, width - tail.shape[1], 0))
+
+
+def ring_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation, portion: RingPortion,
+              cu_seqlens) -> torch.Tensor:
+    """The depthwise causal convolution (mixers.causal_conv1d) of a portion `[B, P, C]`, each
+    chunk after the inputs of the chunks before it, zero history before each document."""
+    K = weight.shape[-1]
+    chunks = portion.split(x)
+    tails = portion.gather([_front(c, K - 1) for c in chunks])
+    bounds = _document_bounds(cu_seqlens)
+    out = []
+    for chunk, index, (start, n) in zip(chunks, portion.chunks, portion.segments):
+        history = _front(torch.cat(tails[:index], dim=1), K - 1) if index else torch.zeros_like(tails[0])
+        extended = torch.cat([history, chunk], dim=1)
+        starts = None
+        if bounds is not None:
+            positions = torch.arange(start - (K - 1), start + n, device=x.device)
+            starts = _starts_at(bounds, positions) - (start - (K - 1))
+        out.append(causal_conv1d(extended, weight, bias, starts, activation)[:, K - 1:])
+    return torch.cat(out, dim=1)
+
+
+def _segment_edges(bounds, start: int, n: int) -> Tuple[List[int], bool]:
+    """(local edges [0, ..., n] of the documents inside a chunk at global `start`, whether a
+    document starts with the chunk)."""
+    if bounds is None:
+        return [0, n], start == 0
+    inside = sorted({b - start for b in bounds if start < b < start + n})
+    return [0] + inside + [n], start == 0 or start in bounds
+
+
+def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion: RingPortion, cu_seqlens) -> torch.Tensor:
+    """The recurrence over the whole sequence (the module doc): `pieces` holds, for each of
+    this rank's two chunks, the tensors `ops.run` takes (`[B, n, ...]`); returns the
+    outputs of the portion `[B, P, ...]`."""
+    bounds = _document_bounds(cu_seqlens)
+    finals, transitions, plans = [], [], []
+    for inputs, (start, n) in zip(pieces, portion.segments):
+        edges, fresh = _segment_edges(bounds, start, n)
+        plans.append((edges, fresh))
+        if n == 0:   # an empty chunk passes the state through
+            finals.append(ops.zero_state(inputs))
+            transitions.append(ops.identity(inputs))
+            continue
+        last = [t[:, edges[-2]:edges[-1]] for t in inputs]
+        finals.append(ops.run(last, None)[1])
+        carries = len(edges) == 2 and not fresh
+        transitions.append(ops.transition(inputs) if carries else torch.zeros_like(ops.identity(inputs)))
+    every_final, every_transition = portion.gather(finals), portion.gather(transitions)
+    state, entering = torch.zeros_like(every_final[0]), []
+    for transition, final in zip(every_transition, every_final):
+        entering.append(state)
+        state = ops.carry(transition, state) + final
+    out = []
+    for inputs, chunk, (edges, fresh), (_, n) in zip(pieces, portion.chunks, plans, portion.segments):
+        for a, b in zip(edges[:-1], edges[1:]):
+            if b > a:
+                initial = entering[chunk] if (a == 0 and not fresh) else None
+                out.append(ops.run([t[:, a:b] for t in inputs], initial)[0])
+    return torch.cat(out, dim=1)
+
+
+def portion_pieces(portion: RingPortion, tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """The tensors of a portion `[B, P, ...]` cut into this rank's two chunks."""
+    split = [portion.split(t) for t in tensors]
+    return [[s[i] for s in split] for i in range(2)]
