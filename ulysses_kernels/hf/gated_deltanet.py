@@ -173,7 +173,7 @@ def _generation_forward(module, hidden_states, cache):
     return module.out_proj(core.reshape(B, T, -1))
 
 
-@adapter("gated_deltanet", *GATED_DELTANET_CLASSES, problem=lambda module, world: placement_problem(module, world))
+@adapter("gated_deltanet", *GATED_DELTANET_CLASSES, problem=placement_problem)
 def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """The layer's forward, sequence-parallel by heads (the module doc)."""
     if hasattr(cache, "mixer_state"):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
@@ -181,8 +181,11 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attent
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     if cache is not None:
-        if context.sp_size == 1:
+        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
             return self._ulysses_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        if context.sp_size == 1:   # transformers' layer would carry its state across the documents
+            raise ValueError(f"ulysses_kernels.hf: {type(self).__name__} got a cache and packed documents: its cache "
+                             "holds one state per row, not per document; call the model with use_cache=False")
         raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
                             "conv and recurrent states are sharded by heads there only",
                       "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
