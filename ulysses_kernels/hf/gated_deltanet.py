@@ -29,8 +29,8 @@ from ..api import ulysses_head_parallel
 from ..layout import place_heads
 from .attention import token_mixer_call
 from .guard import refusal
-from .mixer_ring import portion_pieces, ring_conv, ring_portion, ring_recurrence
-from .mixers import adapter, causal_conv1d, chunk_head_parallel, conv_history, document_starts, over_documents
+from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
+from .mixers import adapter, chunk_head_parallel, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
@@ -124,14 +124,7 @@ def _heads_forward(module, cu_seqlens, state=None, portion=None):
         B, S = q.shape[:2]
         weight, bias = _local_conv(module, key_heads, value_heads)
         mixed = torch.cat([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], dim=-1)
-        if state is not None:
-            history = state.get("conv")
-            state["conv"] = conv_history(history, mixed, weight.shape[-1])
-            mixed = causal_conv1d(mixed, weight, bias, None, module.activation, history=history)
-        elif portion is not None:
-            mixed = ring_conv(mixed, weight, bias, module.activation, portion, cu_seqlens)
-        else:
-            mixed = causal_conv1d(mixed, weight, bias, document_starts(cu_seqlens, S, q.device), module.activation)
+        mixed = mixer_conv(mixed, weight, bias, module.activation, cu_seqlens=cu_seqlens, state=state, portion=portion)
         q, k, v = torch.split(mixed, [q.shape[2] * q.shape[3], k.shape[2] * k.shape[3], v.shape[2] * v.shape[3]], dim=-1)
         q, k, v = q.reshape(B, S, -1, module.head_k_dim), k.reshape(B, S, -1, module.head_k_dim), \
             v.reshape(B, S, -1, module.head_v_dim)

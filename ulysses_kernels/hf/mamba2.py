@@ -40,8 +40,8 @@ from ..api import ulysses_head_parallel
 from ..layout import place_heads
 from .attention import token_mixer_call
 from .guard import refusal
-from .mixer_ring import portion_pieces, ring_conv, ring_portion, ring_recurrence
-from .mixers import adapter, causal_conv1d, chunk_head_parallel, conv_history, document_starts
+from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
+from .mixers import adapter, chunk_head_parallel
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
 FALCON_H1_CLASSES = ("FalconH1Mixer",)
@@ -237,8 +237,7 @@ def _local_conv(module, heads: range, groups: range):
     return torch.cat([weight[a:b] for a, b in spans]), local_bias
 
 
-def _convolve(module, x, B, C, heads: range, groups: range, starts, state: Optional[dict] = None, portion=None,
-              bounds=None):
+def _convolve(module, x, B, C, heads: range, groups: range, bounds, state: Optional[dict] = None, portion=None):
     """x, B, C after the depthwise causal convolution and the activation, over the whole
     sequence of the local heads and groups (zero history at every document start; with
     generation's `state`, after its conv history, which is then replaced; with a ring
@@ -246,14 +245,7 @@ def _convolve(module, x, B, C, heads: range, groups: range, starts, state: Optio
     b, S = x.shape[:2]
     weight, bias = _local_conv(module, heads, groups)
     mixed = torch.cat([x.reshape(b, S, -1), B.reshape(b, S, -1), C.reshape(b, S, -1)], dim=-1)
-    if state is not None:
-        history = state.get("conv")
-        state["conv"] = conv_history(history, mixed, weight.shape[-1])
-        mixed = causal_conv1d(mixed, weight, bias, None, module.activation, history=history)
-    elif portion is not None:
-        mixed = ring_conv(mixed, weight, bias, module.activation, portion, bounds)
-    else:
-        mixed = causal_conv1d(mixed, weight, bias, starts, module.activation)
+    mixed = mixer_conv(mixed, weight, bias, module.activation, cu_seqlens=bounds, state=state, portion=portion)
     x, B, C = mixed.split([x.shape[2] * x.shape[3], B.shape[2] * B.shape[3], C.shape[2] * C.shape[3]], dim=-1)
     return x.reshape(b, S, -1, module.head_dim), B.reshape(b, S, -1, module.ssm_state_size), \
         C.reshape(b, S, -1, module.ssm_state_size)
@@ -341,11 +333,7 @@ def _heads_forward(module, bounds, state: Optional[dict] = None, portion=None) -
     state; with a ring `portion`: over its two chunks, mixer_ring.py)."""
     def run(local, heads):
         head_range, group_range = heads.heads("x"), heads.heads("B")
-        x = local["x"]
-        starts = document_starts(bounds, x.shape[1], x.device)
-        if portion is not None:
-            starts = None
-        x, B, C = _convolve(module, x, local["B"], local["C"], head_range, group_range, starts, state, portion, bounds)
+        x, B, C = _convolve(module, local["x"], local["B"], local["C"], head_range, group_range, bounds, state, portion)
         dt = _step(module, local["dt"][..., 0], head_range)
         y = _scan_local_heads(module, x, B, C, dt, head_range, group_range, bounds, state, portion)
         return _output_slice(y, heads)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..exchange.sequence import GatherSequence
 from ..ring.layout import lengths_error as zigzag_lengths_error
 from ..ring.layout import zigzag_segments
-from .mixers import causal_conv1d
+from .mixers import causal_conv1d, conv_history, document_starts
 
 
 class RingPortion:
@@ -110,6 +110,20 @@ def ring_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation, portion: 
             starts = _starts_at(bounds, positions) - (start - (K - 1))
         out.append(causal_conv1d(extended, weight, bias, starts, activation)[:, K - 1:])
     return torch.cat(out, dim=1)
+
+
+def mixer_conv(mixed: torch.Tensor, weight: torch.Tensor, bias, activation, *, cu_seqlens,
+               state: Optional[dict] = None, portion: Optional[RingPortion] = None) -> torch.Tensor:
+    """The depthwise causal convolution of an adapted mixer's local channels `[B, S, C]` in
+    each of its settings: generation (after the conv history in `state`, which is then
+    replaced), a ring `portion` (`ring_conv`), or the whole sequence with documents."""
+    if state is not None:
+        history = state.get("conv")
+        state["conv"] = conv_history(history, mixed, weight.shape[-1])
+        return causal_conv1d(mixed, weight, bias, None, activation, history=history)
+    if portion is not None:
+        return ring_conv(mixed, weight, bias, activation, portion, cu_seqlens)
+    return causal_conv1d(mixed, weight, bias, document_starts(cu_seqlens, mixed.shape[1], mixed.device), activation)
 
 
 def _segment_edges(bounds, start: int, n: int) -> Tuple[List[int], bool]:
