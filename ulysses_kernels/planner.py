@@ -37,6 +37,8 @@ class MixerShape:
     key_dim: int
     value_dim: int
     conv_kernel: int
+    conv_bias: bool = True    # Mamba2's convolution bias (Gated DeltaNet has none)
+    norm: bool = True         # Mamba2's gated RMSNorm (Falcon-H1's `mamba_rms_norm` may drop it)
 
     @property
     def conv_channels(self) -> int:
@@ -50,8 +52,9 @@ class MixerShape:
         if self.kind == "gated_deltanet":   # in_proj q|k|v|z and b|a, A_log, dt_bias, a per-head norm
             return hidden * (self.conv_channels + inner + 2 * self.heads) + conv + 2 * self.heads + self.value_dim \
                 + inner * hidden
-        return hidden * (self.conv_channels + inner + self.heads) + conv + self.conv_channels + 3 * self.heads \
-            + inner + inner * hidden   # in_proj z|x|B|C|dt, conv bias, A_log, D, dt_bias, the norm
+        return (hidden * (self.conv_channels + inner + self.heads) + conv   # in_proj z|x|B|C|dt, the convolution
+                + self.conv_channels * self.conv_bias + 3 * self.heads        # its bias, A_log, D, dt_bias
+                + inner * self.norm + inner * hidden)                         # the gated norm, out_proj
 
     def state_bytes(self, sp: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
         """One layer's generation state on one of `sp` Ulysses ranks (hf/cache.py's
@@ -179,7 +182,9 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
     if not (heads and head_dim and state and kernel):
         raise ValueError("plan: a hybrid config whose token-mixer layers are neither Gated DeltaNet (linear_*) nor "
                          "Mamba2 (mamba_*) fields")
-    return MixerShape("mamba2", layers, heads, groups, state, head_dim, kernel)
+    conv_bias = cfg.get("mamba_conv_bias", cfg.get("use_conv_bias", True))
+    return MixerShape("mamba2", layers, heads, groups, state, head_dim, kernel, conv_bias=bool(conv_bias),
+                      norm=bool(cfg.get("mamba_rms_norm", True)))
 
 
 def mlp_tile_tokens(hidden: int) -> int:

@@ -62,6 +62,34 @@ def test_pack_and_unpack_match_direct_indexing(world, data, B, S, D):
         assert torch.equal(b, t * p.replicas)
 
 
+@SETTINGS
+@given(st.integers(1, 8), st.data(), st.integers(1, 2), st.integers(0, 3))
+def test_pack_and_unpack_of_several_head_dims_match_direct_indexing(world, data, B, S):
+    """Tensors of different head dims (a token mixer's x, B, C, dt): each destination's
+    heads flattened into its channels, tensor after tensor (`ulysses_head_parallel`)."""
+    choices = _placeable(world)
+    heads = data.draw(st.lists(st.sampled_from(choices), min_size=2, max_size=4))
+    dims = data.draw(st.lists(st.integers(1, 4), min_size=len(heads), max_size=len(heads)).filter(
+        lambda d: len(set(d)) > 1))
+    placements = placements_for(heads, world)
+    g = torch.Generator().manual_seed(sum(heads) * 31 + world + sum(dims))
+    tensors = [torch.randint(-50, 50, (B, S, h, d), generator=g).double() for h, d in zip(heads, dims)]
+    send = pack_for_heads(tensors, placements, world)
+    width = sum(p.local * d for p, d in zip(placements, dims))
+    assert send.shape == (world, B, S, width, 1)
+    expected = torch.empty(world, B, S, width, dtype=torch.float64)
+    c = 0
+    for t, p, d in zip(tensors, placements, dims):
+        for j in range(world):
+            for l in range(p.local):
+                expected[j, :, :, c + l * d:c + (l + 1) * d] = t[:, :, p.source_head(j, l)]
+        c += p.local * d
+    assert torch.equal(send[..., 0], expected)
+    back = unpack_from_heads(send, placements, dims)
+    for t, b, p in zip(tensors, back, placements):
+        assert torch.equal(b, t * p.replicas)
+
+
 # ------------------------------------------------------ run on every rank (spawned)
 
 def roundtrip_cases(rank, world, B, S, H, D):

@@ -52,6 +52,27 @@ def test_one_process_is_the_mixer():
     assert rel_err(dx, rx) < 1e-15 and rel_err(dg, rg) < 1e-15
 
 
+def test_several_outputs_come_back_as_they_were_returned():
+    """fn may return a dict or a tuple of outputs (each `[B, S, H_out / P, D]`)."""
+    x, g, _ = inputs(4, 2)
+    ref = mixer_reference(x, g)
+    as_dict = uk.ulysses_head_parallel(lambda local, held: {"y": local_mixer(local, held), "x": local["x"]},
+                                       {"x": x, "g": g})
+    assert set(as_dict) == {"y", "x"} and rel_err(as_dict["y"], ref) < 1e-15 and torch.equal(as_dict["x"], x)
+    y, same = uk.ulysses_head_parallel(lambda local, held: (local_mixer(local, held), local["x"]), {"x": x, "g": g})
+    assert rel_err(y, ref) < 1e-15 and torch.equal(same, x)
+
+
+def test_output_heads_must_split():
+    from ulysses_kernels.layout import LocalHeads, place_heads
+
+    held = LocalHeads(1, 2, (6, 5), {"x": place_heads(4, 2), "g": place_heads(1, 2)})
+    assert held.heads("x") == range(2, 4) and held.heads("g") == range(0, 1)
+    assert held.output_heads(6) == range(3, 6)
+    with pytest.raises(ValueError, match="heads \\(3\\) must be divisible"):
+        held.output_heads(3)
+
+
 def test_one_process_checks_its_inputs():
     x, g, _ = inputs(4, 2)
     with pytest.raises(ValueError, match="4-D"):

@@ -133,7 +133,14 @@ def test_attach_context_checks_the_model():
     from tiny_models import build_tiny_model
 
     with pytest.raises(ukhf.NotSequenceParallelError, match="linear_attention"):
-        ukhf.attach_context(build_tiny_model("olmo_hybrid", "ulysses"), None)
+        ukhf.attach_context(build_tiny_model("olmo_hybrid", "eager"), None)
+    # a model refused after its mixers were adapted (Zamba2: its decoder layers) runs as
+    # transformers wrote it: the original forwards are back
+    zamba = build_tiny_model("zamba2", "eager")
+    mixers = [m for m in zamba.modules() if type(m).__name__ == "Zamba2MambaMixer"]
+    with pytest.raises(ukhf.NotSequenceParallelError, match="Zamba2MambaDecoderLayer"):
+        ukhf.attach_context(zamba, None)
+    assert mixers and all("forward" not in vars(m) and not hasattr(m, "_ulysses_mixer") for m in mixers)
 
 
 def _dropping_keyword_arguments(model):

@@ -32,7 +32,7 @@ from tiny_models import build_tiny_model  # noqa: E402
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.mixers import adapted_kind, install_adapters  # noqa: E402
+from ulysses_kernels.hf.mixers import ADAPTERS, adapted_kind, install_adapters  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 from ulysses_kernels.planner import shape_from_dict  # noqa: E402
 
@@ -288,3 +288,153 @@ def test_trainer_mixin_sp2_dp2_matches_the_dp_only_run():
         assert error(losses, reference[0]) < TOL, (rank, losses, reference[0])
         worst = max((error(u, reference[1][n]), n) for n, u in updates.items())
         assert worst[0] < UPDATE_TOL, (rank, worst)
+
+
+# ------------------------------------------------------- the ring's chunks, one process
+
+@pytest.mark.parametrize("total,documents", [(1, None), (2, None), (23, None), (23, [0, 9, 23]), (23, [0, 12, 23]),
+                                             (23, [0, 3, 12, 14, 23])])
+def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
+    """mixer_ring.py on a ring of one rank (its two chunks; the second empty for one token):
+    the convolution, Mamba2's scan and the gated delta rule (float64) over the two chunks,
+    the state and the window passed from the first, equal them over the whole sequence,
+    documents restarting them (one inside a chunk, one at a chunk's start, several);
+    values and the gradients of every input."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    from ulysses_kernels.hf.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.mamba2 import ScanChunks, scan_documents
+    from ulysses_kernels.hf.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
+    from ulysses_kernels.hf.mixers import causal_conv1d, document_bounds, document_starts, over_documents
+
+    g = torch.Generator().manual_seed(total)
+    draw = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g)  # noqa: E731
+    portion = RingPortion(None, 1, 0, total)
+    cu = torch.tensor(documents) if documents else None
+
+    def check(ring_fn, whole_fn, tensors):
+        tensors = [t.requires_grad_() for t in tensors]
+        ring, whole = ring_fn(*tensors), whole_fn(*tensors)
+        weight = draw(*whole.shape)
+        assert rel_err(ring, whole) < 1e-13
+        for a, b in zip(torch.autograd.grad((ring * weight).sum(), tensors),
+                        torch.autograd.grad((whole * weight).sum(), tensors)):
+            assert rel_err(a, b) < 1e-12
+
+    conv_weight, conv_bias = draw(6, 4), draw(6)
+    check(lambda x: ring_conv(x, conv_weight, conv_bias, "silu", portion, cu),
+          lambda x: causal_conv1d(x, conv_weight, conv_bias, document_starts(cu, total, x.device), "silu"),
+          [draw(1, total, 6)])
+
+    A, D = -torch.rand(3, dtype=torch.float64, generator=g) - 0.1, draw(3)
+    scan = ScanChunks(A, D, 4)
+    check(lambda x, dt, B, C: ring_recurrence(scan, portion_pieces(portion, [x, dt, B, C]), portion, cu),
+          lambda x, dt, B, C: scan_documents(x, dt, A, B, C, 4, document_bounds(cu, total))[0] + D[:, None] * x,
+          [draw(1, total, 3, 5), torch.rand(1, total, 3, dtype=torch.float64, generator=g), draw(1, total, 3, 2),
+           draw(1, total, 3, 2)])
+
+    with float64_delta_rule():
+        rule = DeltaRuleChunks(qwen3_next.torch_chunk_gated_delta_rule)
+
+        def whole(q, k, v, decay, beta):
+            return over_documents(lambda *t: rule.run(t, None)[0], [q, k, v, decay, beta], cu)
+        check(lambda q, k, v, decay, beta: ring_recurrence(rule, portion_pieces(portion, [q, k, v, decay, beta]),
+                                                           portion, cu),
+              whole, [draw(1, total, 2, 4), draw(1, total, 2, 4), draw(1, total, 4, 3),
+                      -torch.rand(1, total, 4, dtype=torch.float64, generator=g),
+                      torch.rand(1, total, 4, dtype=torch.float64, generator=g)])
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_5_moe_text"])   # the planner has no MoE
+def test_the_planner_counts_the_mixers_parameters(family):
+    """`planner.MixerShape` from the model's config: its parameter count is the module's."""
+    for world in (2, 3):
+        model = hybrid_model(family, "sdpa", world)
+        mixers = [m for m in model.modules() if type(m).__name__ in ADAPTERS]
+        shape = shape_from_dict(model.config.to_dict()).mixer
+        assert shape.layers == len(mixers) > 0
+        for mixer in mixers:
+            assert sum(p.numel() for p in mixer.parameters()) == shape.params(model.config.hidden_size), family
+
+
+def _ring_chunks_worker(rank, world, cases):
+    """mixer_ring.py over a real ring: each rank runs its two zigzag chunks of the same
+    full inputs (the convolution, Mamba2's scan, the gated delta rule in float64); its
+    output is the whole-sequence result at its positions, and the input gradients summed
+    over the ring are the whole sequence's."""
+    import torch.distributed as dist
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
+
+    from ulysses_kernels.hf.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.mamba2 import ScanChunks, scan_documents
+    from ulysses_kernels.hf.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
+    from ulysses_kernels.hf.mixers import causal_conv1d, document_bounds, document_starts, over_documents
+    from ulysses_kernels.ring.layout import zigzag_segments
+
+    errors = []
+    for total, documents in cases:
+        g = torch.Generator().manual_seed(total)
+        draw = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g)  # noqa: E731
+        cu = torch.tensor(documents) if documents else None
+        portion = RingPortion(dist.group.WORLD, world, rank, total)
+        mine = torch.cat([torch.arange(start, start + n) for start, n in zigzag_segments(total, world, rank)])
+        # slow decays, so that a state passed where it must not be (or not passed) shows
+        A, D = -0.05 * torch.rand(3, dtype=torch.float64, generator=g), draw(3)
+        scan = ScanChunks(A, D, 4)
+        x, B, C, dt = draw(1, total, 3, 5), draw(1, total, 3, 2), draw(1, total, 3, 2), \
+            0.5 * torch.rand(1, total, 3, dtype=torch.float64, generator=g)
+        conv_weight, conv_bias, mixed = draw(6, 4), draw(6), draw(1, total, 6)
+        weight_scan, weight_conv = draw(1, total, 3, 5), draw(1, total, 6)
+        leaves = [t.requires_grad_() for t in (x, dt, B, C, mixed)]
+
+        want_scan = scan_documents(x, dt, A, B, C, 4, document_bounds(cu, total))[0] + D[:, None] * x
+        want_conv = causal_conv1d(mixed, conv_weight, conv_bias, document_starts(cu, total, x.device), "silu")
+        want = torch.autograd.grad((want_scan * weight_scan).sum(), leaves[:4]) + \
+            torch.autograd.grad((want_conv * weight_conv).sum(), leaves[4:])
+
+        # one backward each: two independent graphs' collectives could interleave in
+        # different orders on different ranks (in a layer the scan follows the convolution)
+        part = lambda t: t[:, mine]  # noqa: E731
+        got_scan = ring_recurrence(scan, portion_pieces(portion, [part(x), part(dt), part(B), part(C)]), portion, cu)
+        got = torch.autograd.grad((got_scan * part(weight_scan)).sum(), leaves[:4])
+        got_conv = ring_conv(part(mixed), conv_weight, conv_bias, "silu", portion, cu)
+        got = got + torch.autograd.grad((got_conv * part(weight_conv)).sum(), leaves[4:])
+        for grad in got:
+            dist.all_reduce(grad)
+        found = [rel_err(got_scan, part(want_scan)), rel_err(got_conv, part(want_conv))]
+        found += [rel_err(a, b) for a, b in zip(got, want)]
+
+        with float64_delta_rule():   # the gated delta rule, slow decays too
+            rule = DeltaRuleChunks(qwen3_next.torch_chunk_gated_delta_rule)
+            leaves = [draw(1, total, 2, 4), draw(1, total, 2, 4), draw(1, total, 4, 3),
+                      -0.1 * torch.rand(1, total, 4, dtype=torch.float64, generator=g),
+                      torch.rand(1, total, 4, dtype=torch.float64, generator=g)]
+            leaves = [t.requires_grad_() for t in leaves]
+            weight = draw(1, total, 4, 3)
+            whole = over_documents(lambda *t: rule.run(t, None)[0], leaves, cu)
+            want = torch.autograd.grad((whole * weight).sum(), leaves)
+            ring = ring_recurrence(rule, portion_pieces(portion, [part(t) for t in leaves]), portion, cu)
+            got = torch.autograd.grad((ring * part(weight)).sum(), leaves)
+            for grad in got:
+                dist.all_reduce(grad)
+        found += [rel_err(ring, part(whole))] + [rel_err(a, b) for a, b in zip(got, want)]
+        errors.append(max(found))
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_chunks_pass_the_state_between_ranks(world):
+    """Rings of 2 and 3 ranks (4 and 6 chunks; 23 tokens: chunks of 3 to 6, and 5 tokens:
+    chunks of 0 to 2, shorter than the window, some empty), with no documents, a document
+    starting inside a chunk, one at a chunk's start, and several. Two ranks here need no
+    gathered value themselves and must still join every collective of the backward
+    (mixer_ring.tie_to, RingPortion.gather's anchor): at ring 2 with documents at 10 and
+    14, rank 1 passes no state on; at ring 3 with 5 tokens, rank 0's chunks (one token
+    from the start, and an empty one) read no state. Each hung or crashed before the
+    ties."""
+    cases = [(23, None), (23, [0, 9, 23]), (23, [0, 12, 23]), (23, [0, 3, 10, 14, 23]), (5, None), (5, [0, 2, 5])]
+    per_rank = spawn(_ring_chunks_worker, world, args=(cases,), timeout=SLOW_SPAWN_TIMEOUT)
+    for rank, errors in enumerate(per_rank):
+        for case, error in zip(cases, errors):
+            assert error < 1e-12, (world, rank, case, error)

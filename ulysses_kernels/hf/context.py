@@ -20,7 +20,7 @@ from torch import nn
 from ..distributed.groups import ParallelGroups, resolve_group
 from .batch import split_groups
 from .guard import check_model, install_call_checks, refusal
-from .mixers import adapted_problem, install_adapters
+from .mixers import adapted_problem, install_adapters, uninstall_adapters
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
 _ATTRIBUTE = "_ulysses_context"
@@ -204,11 +204,15 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
     context = context if context is not None else SequenceParallelContext(groups, ring_group=ring_group,
                                                                           backend=backend)
     install_adapters(model)
-    check_model(model)
-    _, world, _ = context.ulysses()
-    problem = adapted_problem(model, world, context.ring()[1])
-    if problem:
-        raise refusal(model, problem)
+    try:
+        check_model(model)
+        _, world, _ = context.ulysses()
+        problem = adapted_problem(model, world, context.ring()[1])
+        if problem:
+            raise refusal(model, problem)
+    except Exception:   # refused: the model runs as transformers wrote it
+        uninstall_adapters(model)
+        raise
     for module in model.modules():
         object.__setattr__(module, _ATTRIBUTE, context)   # a plain attribute: not a submodule
     _remember_configs(model, context)

@@ -81,15 +81,19 @@ class DeltaRuleChunks:
     """The gated delta rule as `mixer_ring.ring_recurrence` takes it: linear in its state
     `[B, Hv, Dk, Dv]` (float32, as transformers computes it), which leaves a chunk as
     `M S + F` with `M = prod_t (I - beta_t k_t k_t^T) exp(g_t)`: the rule itself, run on
-    zero values from the identity, gives M."""
+    zero values from the identity, gives M. `ring_recurrence` runs a chunk before it asks
+    for a transition, an identity or a zero state, so these take the rule's state dtype."""
 
     def __init__(self, rule):
         self.rule = rule
+        self.state_dtype = torch.float32   # the rule's (transformers': float32), learnt from its first run
 
     def run(self, inputs, initial):
         q, k, v, g, beta = inputs
-        return self.rule(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True,
-                         use_qk_l2norm_in_kernel=True)
+        out, final = self.rule(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True)
+        self.state_dtype = final.dtype
+        return out, final
 
     def transition(self, inputs):
         q, k, v, g, beta = inputs
@@ -99,12 +103,12 @@ class DeltaRuleChunks:
 
     def identity(self, inputs):
         q, v = inputs[0], inputs[2]
-        eye = torch.eye(q.shape[3], dtype=torch.float32, device=q.device)
+        eye = torch.eye(q.shape[3], dtype=self.state_dtype, device=q.device)
         return eye.expand(v.shape[0], v.shape[2], q.shape[3], q.shape[3]).clone()
 
     def zero_state(self, inputs):
         q, v = inputs[0], inputs[2]
-        return torch.zeros(v.shape[0], v.shape[2], q.shape[3], v.shape[3], dtype=torch.float32, device=q.device)
+        return torch.zeros(v.shape[0], v.shape[2], q.shape[3], v.shape[3], dtype=self.state_dtype, device=q.device)
 
     def carry(self, M, state):
         return M @ state

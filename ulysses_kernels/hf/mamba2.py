@@ -41,7 +41,7 @@ from ..layout import place_heads
 from .attention import token_mixer_call
 from .guard import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import adapter, chunk_head_parallel
+from .mixers import adapter, chunk_head_parallel, document_bounds
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
 FALCON_H1_CLASSES = ("FalconH1Mixer",)
@@ -117,18 +117,6 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     # 4. each position reads the entering state, decayed to it
     y = y + torch.einsum("bcihn,bchpn,bhci->bcihp", Cc, entering, torch.exp(cumulative))
     return y.reshape(b, -1, h, p)[:, :L], final
-
-
-def document_bounds(cu_seqlens, length: int) -> Optional[List[int]]:
-    """The global document boundaries `[0, ..., length]` of a packed row (None: one
-    document per row); ValueError when they do not cover the sequence."""
-    if cu_seqlens is None:
-        return None
-    bounds = [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
-    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length or any(b > c for b, c in zip(bounds, bounds[1:])):
-        raise ValueError(f"ulysses_kernels.hf: document boundaries {bounds} must rise from 0 to the sequence length "
-                         f"{length}")
-    return bounds if len(bounds) > 2 else None
 
 
 def scan_documents(x, dt, A, B, C, chunk_size: int, bounds: Optional[List[int]] = None,

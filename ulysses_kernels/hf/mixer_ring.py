@@ -7,7 +7,8 @@ Under a ring, the Ulysses exchange gives each rank its heads over its ring rank'
 
 * **Convolution.** Each chunk needs the `kernel - 1` inputs before it. Every ring rank
   shares the last `kernel - 1` inputs of its two chunks (one all-gather over the ring);
-  a chunk reads those of the chunks before it (`ring_conv`).
+  a chunk reads those of the chunks before it (`ring_conv`), several of them when the
+  chunks are shorter than the window.
 * **Recurrence.** Every token mixer adapted here is linear in its state: over one chunk,
   the state leaving it is `M S + F` (S the state entering, F the state leaving from zero,
   M the chunk's transition: a `[Dk, Dk]` matrix per head for the gated delta rule, a
@@ -30,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from ..exchange.sequence import GatherSequence
+from ..layout import split_lengths
 from ..ring.layout import lengths_error as zigzag_lengths_error
 from ..ring.layout import zigzag_segments
-from .mixers import causal_conv1d, conv_history, document_starts
+from .mixers import causal_conv1d, conv_history, document_bounds, document_starts
 
 
 class RingPortion:
@@ -40,23 +42,39 @@ class RingPortion:
     differentiable all-gather over the ring that puts every rank's pair in chunk order."""
 
     def __init__(self, group, world: int, rank: int, total: int):
-        self.group, self.world, self.rank = group, world, rank
+        self.group, self.world, self.rank, self.total = group, world, rank, total
         self.segments = zigzag_segments(total, world, rank)    # ((global start, length), ...)
         self.chunks = (rank, 2 * world - 1 - rank)
+        self.chunk_lengths = split_lengths(total, 2 * world)   # every chunk's, in global order
 
     def split(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """`[B, portion, ...]` -> this rank's two chunks."""
         return torch.split(x, [n for _, n in self.segments], dim=1)
 
-    def gather(self, pair: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Every ring rank's two tensors (same shapes everywhere) in global chunk order."""
+    def gather(self, pair: Sequence[torch.Tensor], anchor: torch.Tensor) -> List[torch.Tensor]:
+        """Every ring rank's two tensors (same shapes everywhere) in global chunk order.
+
+        The backward of the all-gather is a collective too, so every rank must run it: a
+        pair that needs no gradient on this rank (zero transitions of chunks that hold a
+        document start, the states of empty chunks) is tied to `anchor` (this rank's
+        inputs, adding zero), or this rank would skip the collective its peers wait in.
+        The output side likewise: see `tie_to`."""
         stacked = torch.stack(list(pair))
+        if torch.is_grad_enabled() and anchor.requires_grad and not stacked.requires_grad:
+            stacked = stacked + 0 * anchor.sum()
         every = GatherSequence.apply(self.group, self.world, self.rank, 0, [2] * self.world, stacked)
         order = []
         for chunk in range(2 * self.world):
             holder = min(chunk, 2 * self.world - 1 - chunk)
             order.append(every[2 * holder + (0 if chunk == holder else 1)])
         return order
+
+
+def tie_to(out: torch.Tensor, gathered: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`out` plus zero times the gathered values: every rank's output then depends on every
+    all-gather, so every rank runs its backward collective, also a rank that reads none
+    of the gathered values (one whose chunks both start a document, or are empty)."""
+    return out + 0 * sum(g.sum() for g in gathered)
 
 
 def ring_portion(context, lens: Sequence[int]):
@@ -72,12 +90,6 @@ def ring_portion(context, lens: Sequence[int]):
         raise ValueError(f"ulysses_kernels.hf: a token mixer on a ring got the sequence lengths {list(lens)}: {err}")
     mine = list(lens[ring_rank * ulysses:(ring_rank + 1) * ulysses])
     return RingPortion(ring_group, ring_world, ring_rank, sum(lens)), mine
-
-
-def _document_bounds(cu_seqlens) -> Optional[List[int]]:
-    if cu_seqlens is None:
-        return None
-    return [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
 
 
 def _starts_at(bounds, positions: torch.Tensor) -> torch.Tensor:
@@ -98,18 +110,20 @@ def ring_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation, portion: 
     chunk after the inputs of the chunks before it, zero history before each document."""
     K = weight.shape[-1]
     chunks = portion.split(x)
-    tails = portion.gather([_front(c, K - 1) for c in chunks])
-    bounds = _document_bounds(cu_seqlens)
+    tails = portion.gather([_front(c, K - 1) for c in chunks], anchor=x)
+    # a chunk shorter than the window: only its last min(n, K - 1) entries are inputs
+    real = [tail[:, K - 1 - min(n, K - 1):] for tail, n in zip(tails, portion.chunk_lengths)]
+    bounds = document_bounds(cu_seqlens, portion.total)
     out = []
     for chunk, index, (start, n) in zip(chunks, portion.chunks, portion.segments):
-        history = _front(torch.cat(tails[:index], dim=1), K - 1) if index else torch.zeros_like(tails[0])
+        history = _front(torch.cat(real[:index], dim=1), K - 1) if index else torch.zeros_like(tails[0])
         extended = torch.cat([history, chunk], dim=1)
         starts = None
         if bounds is not None:
             positions = torch.arange(start - (K - 1), start + n, device=x.device)
             starts = _starts_at(bounds, positions) - (start - (K - 1))
         out.append(causal_conv1d(extended, weight, bias, starts, activation)[:, K - 1:])
-    return torch.cat(out, dim=1)
+    return tie_to(torch.cat(out, dim=1), tails)
 
 
 def mixer_conv(mixed: torch.Tensor, weight: torch.Tensor, bias, activation, *, cu_seqlens,
@@ -139,7 +153,7 @@ def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion: Ring
     """The recurrence over the whole sequence (the module doc): `pieces` holds, for each of
     this rank's two chunks, the tensors `ops.run` takes (`[B, n, ...]`); returns the
     outputs of the portion `[B, P, ...]`."""
-    bounds = _document_bounds(cu_seqlens)
+    bounds = document_bounds(cu_seqlens, portion.total)
     finals, transitions, plans = [], [], []
     for inputs, (start, n) in zip(pieces, portion.segments):
         edges, fresh = _segment_edges(bounds, start, n)
@@ -152,7 +166,8 @@ def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion: Ring
         finals.append(ops.run(last, None)[1])
         carries = len(edges) == 2 and not fresh
         transitions.append(ops.transition(inputs) if carries else torch.zeros_like(ops.identity(inputs)))
-    every_final, every_transition = portion.gather(finals), portion.gather(transitions)
+    anchor = pieces[0][0]
+    every_final, every_transition = portion.gather(finals, anchor), portion.gather(transitions, anchor)
     state, entering = torch.zeros_like(every_final[0]), []
     for transition, final in zip(every_transition, every_final):
         entering.append(state)
@@ -163,7 +178,7 @@ def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion: Ring
             if b > a:
                 initial = entering[chunk] if (a == 0 and not fresh) else None
                 out.append(ops.run([t[:, a:b] for t in inputs], initial)[0])
-    return torch.cat(out, dim=1)
+    return tie_to(torch.cat(out, dim=1), every_final + every_transition)
 
 
 def portion_pieces(portion: RingPortion, tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:

@@ -37,7 +37,7 @@ from ..layout import LocalHeads, place_heads
 
 MIXER_ATTRIBUTE = "_ulysses_mixer"
 
-# class name -> (kind, forward): filled by the adapter modules (gated_deltanet.py,
+# class name -> (kind, forward, problem): filled by the adapter modules (gated_deltanet.py,
 # mamba2.py) through `adapter` when the hf package imports them.
 ADAPTERS: Dict[str, tuple] = {}
 
@@ -58,10 +58,6 @@ def adapted_kind(module: nn.Module) -> Optional[str]:
     return getattr(module, MIXER_ATTRIBUTE, None)
 
 
-def adaptable(module: nn.Module) -> bool:
-    return type(module).__name__ in ADAPTERS
-
-
 def install_adapters(model: nn.Module) -> List[nn.Module]:
     """Give every module of a registered class its sequence-parallel forward (once per
     module; the original forward is kept as `_ulysses_original_forward`)."""
@@ -72,11 +68,26 @@ def install_adapters(model: nn.Module) -> List[nn.Module]:
             continue
         kind, forward, _ = entry
         if adapted_kind(module) is None:
+            object.__setattr__(module, "_ulysses_own_forward", vars(module).get("forward"))   # an instance's own
             object.__setattr__(module, "_ulysses_original_forward", module.forward)
             module.forward = types.MethodType(forward, module)
             object.__setattr__(module, MIXER_ATTRIBUTE, kind)
         adapted.append(module)
     return adapted
+
+
+def uninstall_adapters(model: nn.Module) -> None:
+    """Give every adapted module its original forward back (a model the package refused
+    must run as transformers wrote it, without sequence parallelism)."""
+    for module in model.modules():
+        if adapted_kind(module) is not None:
+            own = module._ulysses_own_forward
+            if own is None:
+                del module.forward   # the class's forward again
+            else:
+                module.forward = own
+            for name in ("_ulysses_own_forward", "_ulysses_original_forward", MIXER_ATTRIBUTE):
+                object.__delattr__(module, name)
 
 
 def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
@@ -97,6 +108,18 @@ def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
 
 
 # ------------------------------------------------------------------ the forward's documents
+
+def document_bounds(cu_seqlens, length: int) -> Optional[List[int]]:
+    """The global document boundaries `[0, ..., length]` of a packed row (None: one
+    document per row); ValueError when they do not cover the sequence."""
+    if cu_seqlens is None:
+        return None
+    bounds = [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != length or any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"ulysses_kernels.hf: document boundaries {bounds} must rise from 0 to the sequence length "
+                         f"{length}")
+    return bounds if len(bounds) > 2 else None
+
 
 def document_starts(cu_seqlens, length: int, device) -> Optional[torch.Tensor]:
     """`[S]`: the global index where each position's document starts (None: one document)."""
@@ -165,10 +188,8 @@ def chunk_head_parallel(fn: Callable, tensors: Dict[str, torch.Tensor], cache) -
 def over_documents(fn: Callable, tensors: List[torch.Tensor], cu_seqlens) -> torch.Tensor:
     """`fn(*tensors)` on each document of a packed row (B == 1, dim 1 the sequence), the
     outputs concatenated along the sequence; on the whole row without documents."""
-    if cu_seqlens is None:
-        return fn(*tensors)
-    bounds = [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
-    if len(bounds) <= 2:
+    bounds = document_bounds(cu_seqlens, tensors[0].shape[1])
+    if bounds is None:
         return fn(*tensors)
     parts = [fn(*(t[:, start:stop] for t in tensors)) for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start]
     return torch.cat(parts, dim=1)
