@@ -36,6 +36,7 @@ from .guard import (
     refusal,
     refuse_in_own_attention_tables,
 )
+from .vision import is_local_attention, local_attention
 
 
 def _require_transformers():
@@ -266,6 +267,9 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     sliding windows, softcap and sinks from the layer's arguments (`layer_variants`),
     Llama 4's chunks and temperature tuning from the module (chunked.py).
     """
+    if is_local_attention(module):   # a vision tower's attention: this rank's images, never Ulysses
+        return local_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                               is_causal=is_causal, **kwargs)
     context = context_of(module) or require_default_context()
     context.attention_calls += 1
     where = f"ulysses attention ({type(module).__name__})"

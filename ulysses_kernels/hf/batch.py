@@ -10,6 +10,7 @@ import torch
 from ..api import gather_sequence
 from ..distributed.groups import ParallelGroups, resolve_group
 from ..ring.layout import local_ranges, sp_lengths
+from .vision import SHARD_KEY, TokenShard, check_vision_mode, has_images, vision_inputs
 
 IGNORE_INDEX = -100
 
@@ -252,12 +253,17 @@ class SequenceParallelBatch:
     world: int            # SP size (Ulysses degree x ring degree)
     padding: Optional[PaddingInfo] = None
     token_ranges: List[Tuple[int, int]] = field(default_factory=list)
+    multimodal: Optional[Dict[str, object]] = None   # a VLM batch: the whole batch's inputs (vision.py)
 
     def model_inputs(self) -> Dict[str, object]:
         """Keyword arguments for `model(**batch.model_inputs())` (no labels: see shard_batch;
-        no attention_mask: padding is gone, documents come from cu_seqlens)."""
-        return dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False,
-                    ulysses_cu_seqlens=self.cu_seqlens, ulysses_seq_lens=list(self.seq_lens))
+        no attention_mask: padding is gone, documents come from cu_seqlens). A VLM batch
+        hands the model the whole batch and its images, and the shard its language model
+        cuts after the merge (vision.py)."""
+        lengths = dict(ulysses_cu_seqlens=self.cu_seqlens, ulysses_seq_lens=list(self.seq_lens))
+        if self.multimodal is not None:
+            return dict(self.multimodal, use_cache=False, **lengths)
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False, **lengths)
 
     @property
     def num_valid_tokens(self) -> int:
@@ -284,7 +290,11 @@ def shard_batch(input_ids: torch.Tensor, group=None, *, ring_group=None,
                 position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 ignore_index: int = IGNORE_INDEX, labels_shifted: bool = False,
-                mask_document_ends: bool = False) -> SequenceParallelBatch:
+                mask_document_ends: bool = False, pixel_values: Optional[torch.Tensor] = None,
+                image_grid_thw: Optional[torch.Tensor] = None, pixel_values_videos: Optional[torch.Tensor] = None,
+                video_grid_thw: Optional[torch.Tensor] = None, second_per_grid_ts: Optional[torch.Tensor] = None,
+                mm_token_type_ids: Optional[torch.Tensor] = None, token_type_ids: Optional[torch.Tensor] = None,
+                vision: str = "replicate") -> SequenceParallelBatch:
     """Shard a full batch `[B, S]` along the sequence for this rank of the SP group.
 
     Every rank of the group passes the same full batch. Labels (default: `input_ids`) are
@@ -319,7 +329,39 @@ def shard_batch(input_ids: torch.Tensor, group=None, *, ring_group=None,
     Ulysses x Ring: pass `init_sequence_parallel`'s groups as `group` (or the Ulysses
     group and `ring_group`): the shards then follow the zigzag layout of
     `ulysses_kernels.shard_sequence(..., ring_group=...)`.
+
+    Vision-language models: pass the processor's multimodal outputs as they are
+    (`pixel_values`, `image_grid_thw`, `mm_token_type_ids`; videos: `pixel_values_videos`,
+    `video_grid_thw`, `second_per_grid_ts`; Gemma 3: `token_type_ids`). The model then gets
+    the whole batch, merges the image features into it on every rank and its language model
+    takes this rank's tokens (vision.py); documents are the rows. `vision="replicate"`:
+    every rank encodes every image; `"split"`: each encodes a block of them and the
+    features are gathered (the same result, the tower's work divided by the SP size). Text
+    positions for the documents come from the rows: `position_ids` with images raise.
     """
+    multimodal = vision_inputs(dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
+                                    pixel_values_videos=pixel_values_videos, video_grid_thw=video_grid_thw,
+                                    second_per_grid_ts=second_per_grid_ts, mm_token_type_ids=mm_token_type_ids,
+                                    token_type_ids=token_type_ids))
+    check_vision_mode(vision)
+    batch = _shard_text(input_ids, group, ring_group=ring_group, position_ids=position_ids, labels=labels,
+                        attention_mask=attention_mask, ignore_index=ignore_index, labels_shifted=labels_shifted,
+                        mask_document_ends=mask_document_ends)
+    if has_images(multimodal):
+        if position_ids is not None:
+            raise ValueError("shard_batch: position_ids with images: a vision-language model numbers its tokens "
+                             "itself over each row; put one sample per row (padded rows are unpadded and packed) "
+                             "and leave position_ids out")
+        shard = TokenShard(shape=tuple(input_ids.shape), ranges=batch.token_ranges, positions=batch.position_ids,
+                           padding=batch.padding, vision=vision, group=sp_group_of(group))
+        batch.multimodal = dict(input_ids=input_ids, attention_mask=attention_mask if batch.padding else None,
+                                **multimodal, **{SHARD_KEY: shard})
+    return batch
+
+
+def _shard_text(input_ids, group, *, ring_group, position_ids, labels, attention_mask, ignore_index,
+                labels_shifted, mask_document_ends) -> SequenceParallelBatch:
+    """`shard_batch` of the tokens (see there)."""
     group, ring_group = split_groups(group, ring_group)
     group, world, rank = resolve_group(group)
     ring_group, ring_world, ring_rank = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)

@@ -19,8 +19,9 @@ from torch import nn
 
 from ..distributed.groups import ParallelGroups, resolve_group
 from .batch import split_groups
-from .guard import check_model, install_call_checks, refusal
+from .guard import check_model, decoder_layers, install_call_checks, refusal
 from .mixers import adapted_problem, install_adapters, uninstall_adapters
+from .vision import install_vision
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
 _ATTRIBUTE = "_ulysses_context"
@@ -213,6 +214,7 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
     except Exception:   # refused: the model runs as transformers wrote it
         uninstall_adapters(model)
         raise
+    install_vision(model, decoder_layers(model))
     for module in model.modules():
         object.__setattr__(module, _ATTRIBUTE, context)   # a plain attribute: not a submodule
     _remember_configs(model, context)

@@ -69,6 +69,7 @@ from .attention import _require_transformers
 from .context import sequence_parallel_model, unwrap
 from .guard import refusal
 from .mixers import adapted_kind
+from .vision import SHARD_KEY, VISION_KEYS, TokenShard, has_images, merged_prompt, vision_inputs
 
 _UNSUPPORTED_GENERATION = {
     "num_beams": (1, "beam search"),
@@ -151,22 +152,28 @@ def _check_prompt(input_ids, cache, where):
                      f"must pass the same input_ids")
 
 
-def _run_chunk(model, cache, ids, start):
+def _run_chunk(model, cache, ids, start, merged=None):
     """One forward of `ids` `[B, T]` (global positions from `start`) over the cache; returns
-    the last position's logits `[B, vocab]`, the same on every rank."""
+    the last position's logits `[B, vocab]`, the same on every rank. `merged`: a VLM
+    prompt's merged inputs (vision.py), whose slice the language model takes instead."""
     group, world, rank = cache.ulysses
     B, T = ids.shape
     positions = torch.arange(start, start + T, device=ids.device).unsqueeze(0).expand(B, T)
     sharded = world > 1 and T >= world
+    span = (start, T)
     if sharded:
         lens = split_lengths(T, world)
         lo = sum(lens[:rank])
         ids, positions = ids[:, lo:lo + lens[rank]], positions[:, lo:lo + lens[rank]]
+        span = (start + lo, lens[rank])
         cache.chunk_lens = lens
+    extra = {}
+    if merged is not None:   # the language model cuts its slice of the merged prompt
+        extra[SHARD_KEY] = TokenShard(shape=tuple(merged["inputs_embeds"].shape[:2]), ranges=[span], merged=merged)
     try:
         with decoding(cache):
-            out = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1,
-                        **{_cache_keyword(model): cache})
+            out = model(input_ids=ids, position_ids=None if merged is not None else positions, use_cache=True,
+                        logits_to_keep=1, **{_cache_keyword(model): cache}, **extra)
     finally:
         cache.chunk_lens = None
     logits = out.logits[:, -1].contiguous()
@@ -176,7 +183,8 @@ def _run_chunk(model, cache, ids, start):
 
 
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_size: Optional[int] = None):
+def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_size: Optional[int] = None,
+            **multimodal):
     """Run the prompt `[B, S]` (the same on every rank) through `model` sequence-parallel
     and return ``(logits, cache)``: the last position's logits `[B, vocab]` (the same on
     every rank) and the `HeadShardedCache` (extended when given). Use the cache inside
@@ -185,6 +193,11 @@ def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_siz
     chunk_size: tokens per forward (default: the whole prompt; with a ring, one chunk per
     ring rank). Each chunk attends to the cache and causally to itself, so activation
     memory is bounded by the chunk while the cache grows.
+
+    multimodal: a vision-language model's images as its processor gives them
+    (`pixel_values`, `image_grid_thw`, `mm_token_type_ids`, ...; vision.py): one forward
+    merges the whole prompt (every rank encodes every image), then the chunks take their
+    slices of it. The prompt must start on an empty cache.
     """
     cache = cache if cache is not None else make_cache(model, group)
     _check_prompt(input_ids, cache, "prefill")
@@ -196,9 +209,24 @@ def prefill(model, input_ids: torch.Tensor, group=None, *, cache=None, chunk_siz
     if chunk_size < 1:
         raise ValueError(f"prefill: chunk_size must be positive, got {chunk_size}")
     start, logits = cache.get_seq_length(), None
+    merged = _merged_prompt(model, input_ids, multimodal, start)
     for c0, c1 in forward_spans(S, chunk_size, start, attention_chunk_size(model)):
-        logits = _run_chunk(model, cache, input_ids[:, c0:c1], start + c0)
+        logits = _run_chunk(model, cache, input_ids[:, c0:c1], start + c0, merged)
     return logits, cache
+
+
+def _merged_prompt(model, input_ids, multimodal, start):
+    """A VLM prompt's merged inputs (vision.py), or None for a prompt without images."""
+    unknown = sorted(set(multimodal) - set(VISION_KEYS))
+    if unknown:
+        raise TypeError(f"prefill: unexpected keyword argument {unknown[0]!r}")
+    inputs = vision_inputs(multimodal)
+    if not has_images(inputs):
+        return None
+    if start:
+        raise ValueError("prefill: a prompt with images must start on an empty cache (its mRoPE positions are "
+                         f"numbered from the first token), but the cache holds {start} tokens")
+    return merged_prompt(unwrap(model), input_ids, inputs)
 
 
 def attention_chunk_size(model) -> Optional[int]:
@@ -237,6 +265,17 @@ def _check_generation_kwargs(kwargs):
                          "supported; generate prompts of one length together, or one at a time")
 
 
+def _check_last_token_is_text(input_ids, multimodal):
+    """The prompt but its last token is prefilled with the images; transformers' loop then
+    continues from the model's rope deltas, which holds only for a text token."""
+    types = multimodal.get("mm_token_type_ids")
+    if types is None:
+        types = multimodal.get("token_type_ids")
+    if input_ids.shape[1] < 2 or (types is not None and bool((types[:, -1] != 0).any())):
+        raise ValueError("ulysses_kernels.hf.generate: a prompt with images must end with a text token (the "
+                         "processor's generation prompt does)")
+
+
 def _share_rng(cache, device):
     """The first rank's default RNG state on every rank of the grid, so sampling draws the
     same tokens everywhere (the logits are identical on every rank)."""
@@ -263,10 +302,17 @@ def generate(model, input_ids: torch.Tensor, group=None, *, prefill_chunk_size: 
     rank: beam search and the other multi-candidate modes, padded prompts.
     """
     _check_generation_kwargs(generation_kwargs)
+    multimodal = {k: generation_kwargs.pop(k) for k in VISION_KEYS if k in generation_kwargs}
     cache = make_cache(model, group)
     _check_prompt(input_ids, cache, "generate")
+    if has_images(vision_inputs(multimodal)):
+        _check_last_token_is_text(input_ids, multimodal)
+        multimodal = {k: (v[:, :-1] if k in ("mm_token_type_ids", "token_type_ids") else v)
+                      for k, v in multimodal.items()}
+    elif input_ids.shape[1] > 1:
+        multimodal = {}
     if input_ids.shape[1] > 1:
-        prefill(model, input_ids[:, :-1], cache=cache, chunk_size=prefill_chunk_size)
+        prefill(model, input_ids[:, :-1], cache=cache, chunk_size=prefill_chunk_size, **multimodal)
     _share_rng(cache, input_ids.device)
     with decoding(cache):
         out = model.generate(input_ids, **{_cache_keyword(model): cache}, **generation_kwargs)

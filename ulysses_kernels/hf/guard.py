@@ -118,11 +118,15 @@ def config_problem(config, adapted_kinds=frozenset()) -> Optional[str]:
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
     """The decoder layers: a `ModuleList` of the model, preferring one as long as the
     (text) config's layer count, then the shallowest (a mixture of experts' list sits
-    inside a layer, a vision tower's in its own encoder), then the longest."""
+    inside a layer), then the longest; never a list inside a vision tower (vision.py)."""
     config = getattr(model, "config", None)
+    from .vision import vision_towers
+
     counts = {getattr(sub, "num_hidden_layers", None) for sub in text_configs(config)} if config is not None else set()
+    towers = vision_towers(model)
     lists = [(len(m) not in counts, name.count("."), -len(m), m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) > 0]
+             if isinstance(m, nn.ModuleList) and len(m) > 0 and not any(any(m is t for t in tower.modules())
+                                                                          for tower in towers)]
     if not lists:
         return []
     return list(min(lists, key=lambda entry: entry[:3])[3])

@@ -26,6 +26,9 @@ first). What the mixin changes, through Trainer's public hooks where they exist:
   world, which turns that into the sum over SP ranks (their tokens partition the
   sequence) and the mean over DP; the mean of the returned values over the world, which
   Trainer logs, is the true global loss.
+* **Vision-language models**: a VLM collator's images (`pixel_values`, `image_grid_thw`,
+  `mm_token_type_ids`, ...) go to `shard_batch` with the tokens; ``sp_vision="split"``
+  divides the vision tower's work over the SP group (vision.py).
 * **Evaluation** runs the same sequence-parallel forward.
 * **Checkpoints**: Trainer's own (model, optimizer, scheduler, RNG, data position); the
   data order depends only on the DP rank, so a resumed run continues the same curve.
@@ -58,6 +61,7 @@ from .attention import register
 from .batch import IGNORE_INDEX, count_targets, shard_batch
 from .context import context_of, sequence_parallel_model
 from .patch import is_loss_patched
+from .vision import check_vision_mode, vision_inputs
 
 TESTED_VERSIONS = {"transformers": "5.24", "accelerate": "1.15", "trl": "1.16"}
 
@@ -67,11 +71,13 @@ class SequenceParallelTrainerMixin:
     `ulysses_kernels.init_sequence_parallel`). See the module doc."""
 
     def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, monitor: Union[bool, StepMonitor] = False,
-                 **kwargs):
+                 sp_vision: str = "replicate", **kwargs):
         if not isinstance(sp_groups, ParallelGroups):
             raise ValueError("SequenceParallelTrainerMixin needs sp_groups=ulysses_kernels.init_sequence_parallel(sp) "
                              f"(got {type(sp_groups).__name__})")
+        check_vision_mode(sp_vision)
         self.sp_groups = sp_groups
+        self.sp_vision = sp_vision
         register(sp_groups)   # the attention's groups (idempotent)
         super().__init__(*args, **kwargs)
         sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
@@ -207,7 +213,8 @@ class SequenceParallelTrainerMixin:
         labels, shifted = self._targets(inputs)
         mask = inputs.get("attention_mask")
         batch = shard_batch(inputs["input_ids"], self.sp_groups, position_ids=inputs.get("position_ids"),
-                            labels=labels, labels_shifted=shifted, attention_mask=mask)
+                            labels=labels, labels_shifted=shifted, attention_mask=mask,
+                            vision=self.sp_vision, **vision_inputs(inputs))
         count = num_items_in_batch if num_items_in_batch is not None else self._over_dp(self._count(inputs))[0]
         model_inputs = batch.model_inputs()
         if is_loss_patched(self.accelerator.unwrap_model(model)):

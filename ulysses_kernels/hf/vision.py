@@ -1,0 +1,296 @@
+"""Vision-language models under sequence parallelism: merge, then shard
+(docs/hf.md, "Vision-language models").
+
+A VLM's forward embeds the text, runs its vision tower on the images and videos, writes the
+features over the placeholder tokens (the merge) and numbers the tokens (Qwen's 3-D mRoPE
+positions, computed over the whole row). Every rank of the SP group holds the same whole
+batch (`shard_batch(..., pixel_values=...)`), so:
+
+* **The merge runs on the whole sequence**, in the model's own code, on every rank.
+* **Then the shard.** A forward pre-hook on the language model (`TokenShard.language_inputs`)
+  cuts what the merge hands it to this rank's tokens: `inputs_embeds`, the position ids (each
+  of the mRoPE rows), Qwen3-VL's `visual_pos_masks` and the rows of its deepstack features
+  that belong to this rank's visual tokens. A padded batch is unpadded as for text (its rows
+  packed into one, `batch.py`); the shards are `shard_batch`'s (uneven, zigzag on a ring). A
+  per-token input the hook does not know is refused on every rank, never passed on whole.
+* **Documents** are the rows (and the text positions `shard_batch` derives), never the mRoPE
+  rows, whose positions repeat inside an image.
+* **The vision tower never goes through Ulysses**: its attention modules run transformers'
+  SDPA on this rank (`is_local_attention`), whatever `attn_implementation` says.
+* **vision="split"** (`split_tower_forward`): each SP rank encodes a contiguous block of the
+  images (balanced by patches) and the features are all-gathered; the gather's backward sums
+  every rank's gradient into the block's owner, so the tower's gradient summed over the SP
+  group is the single-device one, as with "replicate" (every rank encodes every image and
+  the gradient flows from its own tokens). A rank left without an image encodes a dummy one
+  whose output joins the graph times 0, so every rank runs the tower (ZeRO-3 / FSDP gather
+  its parameters on every rank).
+* **Generation** (`merged_prompt`): one forward merges the prompt and stops at the language
+  model (`CaptureMerge`); the prefill's chunks then take their slices of the merged inputs
+  (`TokenShard(merged=...)`), and transformers' own loop decodes from the model's rope
+  deltas.
+"""
+
+import types
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..api import gather_sequence
+from ..distributed.groups import resolve_group
+from .guard import refusal
+
+SHARD_KEY = "ulysses_shard"   # the model keyword that carries a TokenShard down to the language model
+IMAGE_KEYS = ("pixel_values", "pixel_values_videos")
+VISION_KEYS = IMAGE_KEYS + ("image_grid_thw", "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids",
+                            "token_type_ids")
+VISION_MODES = ("replicate", "split")
+# Language-model keywords the hook knows: cut per token, replaced, or passed on as they are.
+_PER_TOKEN = ("inputs_embeds", "input_ids", "visual_pos_masks")
+_PASSED = ("cache", "past_key_values", "use_cache", "return_dict", "output_attentions", "output_hidden_states",
+           "cache_position", "logits_to_keep")
+_ATTRIBUTE_LOCAL = "_ulysses_local_attention"
+
+
+# ---------------------------------------------------------------------- the model's parts
+
+def _is_vision_config(config) -> bool:
+    return config is not None and "Vision" in type(config).__name__
+
+
+def vision_towers(model: nn.Module) -> List[nn.Module]:
+    """The model's vision encoders (outermost only): transformers models inside it whose
+    config is a vision config (Qwen's `visual`, Gemma 3's SigLIP `vision_tower`)."""
+    towers = []
+    for name, module in model.named_modules():
+        if module is model or not hasattr(module, "base_model_prefix") or not _is_vision_config(getattr(module, "config", None)):
+            continue
+        if not any(module is t or _inside(module, t) for t in towers):
+            towers.append(module)
+    return towers
+
+
+def _inside(module: nn.Module, tower: nn.Module) -> bool:
+    return any(m is module for m in tower.modules())
+
+
+def is_local_attention(module: nn.Module) -> bool:
+    """An attention module of a vision tower: it runs on this rank, never through Ulysses
+    (marked by `install_vision`; a vision config when the model was never attached)."""
+    return getattr(module, _ATTRIBUTE_LOCAL, False) or _is_vision_config(getattr(module, "config", None))
+
+
+def local_attention(module, query, key, value, attention_mask, **kwargs):
+    """What a vision tower's attention runs: transformers' SDPA on this rank's tokens."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ulysses_")}
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def language_model(model: nn.Module, layers: List[nn.Module]) -> Optional[nn.Module]:
+    """The innermost transformers model holding the decoder layers (the VLM's text model)."""
+    found = None
+    for module in model.modules():
+        if hasattr(module, "base_model_prefix") and layers and any(m is layers[0] for m in module.modules()):
+            found = module
+    return found
+
+
+def install_vision(model: nn.Module, layers: List[nn.Module]) -> None:
+    """Make a VLM sequence-parallel: its towers' attention local, the split forward on its
+    towers, the shard hook on its language model. Nothing for a model without a tower."""
+    towers = vision_towers(model)
+    if not towers:
+        return
+    for tower in towers:
+        for module in tower.modules():
+            object.__setattr__(module, _ATTRIBUTE_LOCAL, True)
+        if "forward" not in vars(tower):
+            tower.forward = types.MethodType(split_tower_forward, tower)
+    text = language_model(model, layers)
+    if text is not None and not getattr(text, "_ulysses_shard_hook", False):
+        text.register_forward_pre_hook(_shard_language_inputs, with_kwargs=True, prepend=True)
+        object.__setattr__(text, "_ulysses_shard_hook", True)
+
+
+# ------------------------------------------------------------------------- the shard
+
+class MergedInputs(Exception):
+    """Raised by the language model's hook under `CaptureMerge`: the merged inputs of a
+    whole prompt, taken before the language model runs (generation)."""
+
+    def __init__(self, inputs: dict):
+        super().__init__("merged inputs captured")
+        self.inputs = inputs
+
+
+class CaptureMerge:
+    """The shard keyword of a forward that only merges (generation's first step)."""
+
+
+@dataclass
+class TokenShard:
+    """What this rank takes of the merged sequence: the whole batch's shape `(B, S)`, its
+    padding (`PaddingInfo`, or None), the global (start, length) ranges of the (packed)
+    sequence it holds, its text positions (the fallback for a model that passes none), how
+    the vision tower runs and on which group; `merged`: the language model's inputs of a
+    whole prompt (generation), cut instead of the forward's own."""
+
+    shape: Tuple[int, int]
+    ranges: List[Tuple[int, int]]
+    positions: Optional[torch.Tensor] = None
+    padding: Optional[object] = None
+    vision: str = "replicate"
+    group: Optional[object] = None
+    merged: Optional[Dict[str, object]] = field(default=None, repr=False)
+
+    def cut(self, values: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
+        """This rank's tokens of per-token `values` whose dims `batch_dim, batch_dim + 1`
+        are the whole batch's `(B, S)`: packed when the batch was padded, then cut."""
+        from .batch import cut_ranges
+
+        moved = values.movedim((batch_dim, batch_dim + 1), (0, 1))
+        if tuple(moved.shape[:2]) != tuple(self.shape):
+            raise ValueError(f"ulysses_kernels.hf: the merged sequence has shape {tuple(moved.shape[:2])}, but the "
+                             f"batch was sharded as {tuple(self.shape)}; pass the same input_ids to the model as to "
+                             "shard_batch (batch.model_inputs())")
+        if self.padding is not None:
+            moved = self.padding.pack(moved)
+        return cut_ranges(moved, self.ranges).movedim((0, 1), (batch_dim, batch_dim + 1))
+
+    def language_inputs(self, module: nn.Module, kwargs: dict) -> dict:
+        """The language model's keywords for this rank's tokens (see the module doc)."""
+        source = dict(kwargs, **self.merged) if self.merged is not None else kwargs
+        out = dict(kwargs)
+        unknown = sorted(k for k, v in kwargs.items() if k not in _PER_TOKEN + _PASSED + ("position_ids", "attention_mask", "deepstack_visual_embeds")
+                         and not k.startswith("ulysses_") and isinstance(v, torch.Tensor) and v.dim() >= 2)
+        if unknown:
+            raise refusal(module, f"its language model takes a tensor input {unknown[0]!r} that ulysses_kernels does "
+                                  "not know how to cut to this rank's tokens")
+        for key in _PER_TOKEN:
+            if isinstance(source.get(key), torch.Tensor):
+                out[key] = self.cut(source[key])
+        out["position_ids"] = self._positions(source.get("position_ids"), out["inputs_embeds"].device)
+        out["attention_mask"] = None   # padding is gone (packed rows), documents reach the attention
+        if source.get("deepstack_visual_embeds") is not None:
+            out["deepstack_visual_embeds"] = self._deepstack(source["visual_pos_masks"], source["deepstack_visual_embeds"])
+        return out
+
+    def _positions(self, positions: Optional[torch.Tensor], device) -> torch.Tensor:
+        if positions is not None:
+            return self.cut(positions, batch_dim=positions.dim() - 2)
+        if self.positions is not None:   # the model numbers the tokens itself: give it the global text positions
+            return self.positions
+        B, S = self.shape
+        return self.cut(torch.arange(S, device=device).expand(B, S))
+
+    def _deepstack(self, visual_mask: torch.Tensor, features: List[torch.Tensor]) -> List[torch.Tensor]:
+        """The rows of each deepstack feature (one per visual token of the whole batch, in
+        row-major order) that belong to this rank's visual tokens, in its order."""
+        ordinal = (visual_mask.reshape(-1).long().cumsum(0) - 1).view_as(visual_mask)
+        mine = self.cut(ordinal)[self.cut(visual_mask).bool()]
+        return [f.index_select(0, mine.to(f.device)) for f in features]
+
+
+def _shard_language_inputs(module, args, kwargs):
+    shard = kwargs.get(SHARD_KEY)
+    if shard is None:
+        return None
+    if isinstance(shard, CaptureMerge):
+        raise MergedInputs({k: v for k, v in kwargs.items() if k in _PER_TOKEN + ("position_ids", "deepstack_visual_embeds")})
+    if args:
+        raise refusal(module, "its language model is called with positional arguments, which the shard hook "
+                              "cannot tell apart")
+    return args, shard.language_inputs(module, kwargs)
+
+
+# ------------------------------------------------------------------- split vision tower
+
+def split_tower_forward(tower, hidden_states, grid_thw=None, **kwargs):
+    """A Qwen vision tower's forward: the original one, or under `vision="split"` this
+    rank's block of the images followed by an all-gather of the features (module doc)."""
+    original = type(tower).forward
+    shard = kwargs.get(SHARD_KEY)
+    if not isinstance(shard, TokenShard) or shard.vision != "split":
+        return original(tower, hidden_states, grid_thw=grid_thw, **kwargs)
+    group, world, rank = resolve_group(shard.group)
+    if grid_thw is None or world == 1:
+        return original(tower, hidden_states, grid_thw=grid_thw, **kwargs)
+    patches = [int(n) for n in grid_thw.prod(-1).tolist()]
+    if sum(patches) != hidden_states.shape[0]:
+        raise ValueError(f"ulysses_kernels.hf: the vision inputs hold {hidden_states.shape[0]} patches but their grid "
+                         f"(t x h x w per image) makes {sum(patches)}")
+    bounds = balanced_blocks(patches, world)
+    first, last = bounds[rank], bounds[rank + 1]
+    rows = [0]
+    for n in patches:
+        rows.append(rows[-1] + n)
+    merge = int(getattr(tower, "spatial_merge_size", 1)) ** 2
+    if last > first:
+        out = original(tower, hidden_states[rows[first]:rows[last]], grid_thw=grid_thw[first:last], **kwargs)
+        tie = None
+    else:   # no image of its own: a dummy one, so that every rank runs the tower
+        side = int(merge ** 0.5)
+        dummy = hidden_states.new_zeros(merge, hidden_states.shape[1])
+        out = original(tower, dummy, grid_thw=grid_thw.new_tensor([[1, side, side]]), **kwargs)
+        tie = out.pooler_output.sum() * 0
+    counts = [sum(patches[bounds[r]:bounds[r + 1]]) // merge for r in range(world)]
+    return _gathered(out, counts, first == last, tie, group)
+
+
+def _gathered(out, counts, empty, tie, group):
+    """The tower's output with its features (pooled, and deepstack) gathered over `group`;
+    `last_hidden_state` (patch level, this rank's images only) is dropped."""
+    def gather(local):
+        if empty:
+            local = local[:0] + tie
+        return gather_sequence(local.unsqueeze(0), group, dim=1, seq_lens=counts).squeeze(0)
+
+    values = {"pooler_output": gather(out.pooler_output)}
+    deepstack = getattr(out, "deepstack_features", None)
+    if deepstack is not None:
+        values["deepstack_features"] = [gather(f) for f in deepstack]
+    return type(out)(**values)
+
+
+def balanced_blocks(sizes: List[int], world: int) -> List[int]:
+    """Contiguous blocks of items, one per rank, balanced by size: `bounds` with rank r
+    holding items `bounds[r]:bounds[r + 1]` (cut at the item boundary nearest each r / world
+    of the total)."""
+    total, cum = sum(sizes), [0]
+    for n in sizes:
+        cum.append(cum[-1] + n)
+    bounds = [0]
+    for r in range(1, world):
+        target = total * r / world
+        best = min(range(bounds[-1], len(sizes) + 1), key=lambda i: (abs(cum[i] - target), i))
+        bounds.append(best)
+    return bounds + [len(sizes)]
+
+
+# ------------------------------------------------------------------------ the inputs
+
+def vision_inputs(given: Dict[str, object]) -> Dict[str, torch.Tensor]:
+    """The multimodal inputs among `given` that are set."""
+    return {k: v for k, v in given.items() if k in VISION_KEYS and v is not None}
+
+
+def has_images(inputs: Dict[str, object]) -> bool:
+    return any(inputs.get(k) is not None for k in IMAGE_KEYS)
+
+
+def check_vision_mode(vision: str) -> None:
+    if vision not in VISION_MODES:
+        raise ValueError(f"shard_batch: vision must be one of {VISION_MODES}, got {vision!r}")
+
+
+def merged_prompt(model: nn.Module, input_ids: torch.Tensor, inputs: Dict[str, torch.Tensor]) -> dict:
+    """The language model's inputs of the whole prompt, merged by the model's own forward
+    (which also sets the rope deltas its generation continues from)."""
+    try:
+        model(input_ids=input_ids, use_cache=False, **inputs, **{SHARD_KEY: CaptureMerge()})
+    except MergedInputs as merged:
+        return merged.inputs
+    raise refusal(model, "its forward did not reach its language model through a module ulysses_kernels can hook")
