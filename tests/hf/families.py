@@ -8,6 +8,9 @@ smallest size that still exercises it. Float64 weights: parity is checked at 1e-
 single-device reference and every rank hold the same weights.
 """
 
+import contextlib
+import inspect
+
 import pytest
 import torch
 
@@ -120,3 +123,29 @@ def over_grids(world: int, grids: dict, cases):
         ukhf.register(groups)
         results[ulysses, ring] = cases(groups, ulysses)
     return results
+
+
+@contextlib.contextmanager
+def float64_delta_rule():
+    """transformers' chunked gated delta rule with its float32 casts made float64, in every
+    Gated DeltaNet modeling module. Its float32 sums of the decay gradients cancel: on one
+    device, float32 against float64 moves A_log's and dt_bias's gradients by 0.4 % (tiny
+    Qwen3-Next) to 17 % (tiny Qwen3.5), so a different but exact order of the same float32
+    work (the ring's chunks) differs from the one-device run at that level. In float64 the
+    ring must match to rounding."""
+    import importlib
+
+    patched = []
+    for name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        original = module.torch_chunk_gated_delta_rule
+        source = "\n".join(line for line in inspect.getsource(original).splitlines() if not line.startswith("@"))
+        namespace = dict(vars(module))
+        exec(source.replace("torch.float32", "torch.float64"), namespace)   # noqa: S102 - a test's float64 twin
+        module.torch_chunk_gated_delta_rule = namespace["torch_chunk_gated_delta_rule"]
+        patched.append((module, original))
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module.torch_chunk_gated_delta_rule = original

@@ -1,0 +1,303 @@
+"""Vision-language models under sequence parallelism (ulysses_kernels/hf/vision.py), through
+the documented calls only: `register`, `attn_implementation="ulysses"`, `shard_batch(...,
+pixel_values=..., image_grid_thw=..., mm_token_type_ids=..., vision=...)`, `causal_lm_loss`,
+`allreduce_gradients`, `generate`.
+
+One training step of tiny float64 Qwen2-VL (images of two sizes and a video), Qwen2.5-VL
+(a padded batch: two rows with different image counts, one left-padded; windowed vision
+attention), Qwen3-VL (deepstack) and Qwen3.5 (hybrid text model) at SP 2, 3 (uneven shards)
+and 4 (two KV heads on four ranks: replicated) and on a 2 x 2 Ulysses x Ring grid, with
+`vision="replicate"` and `"split"`, against one process running every row on its own with
+transformers' own merge and positions: the loss and every parameter gradient (the vision
+tower's included, summed over the SP group). A row longer than one shard puts images across
+shard boundaries; a text-only row leaves a rank without a visual token (checked).
+
+Tolerance 1e-8 in float64 (sums over the SP group of gradients that cancel to 1e-5 of their
+terms, a vision block's qkv in Qwen3-VL, leave ~5e-10). Qwen3.5: 1e-6, its RMSNorms compute in
+float32 whatever the dtype (~1e-7 left; its gated delta rule, float32 in transformers, is made
+float64 in both runs as in test_hf_hybrid.py).
+"""
+
+import pytest
+import torch
+from helpers import SLOW_SPAWN_TIMEOUT, rel_err
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install 'ulysses-kernels[hf]')")
+
+from families import float64_delta_rule  # noqa: E402
+from sweep import largest_error  # noqa: E402
+from vlm_cases import (  # noqa: E402
+    IMAGE,
+    build_vlm,
+    collate,
+    make_row,
+    reference_step,
+    sp_step,
+    vision_kwargs,
+)
+
+import ulysses_kernels as uk  # noqa: E402
+from ulysses_kernels import hf as ukhf  # noqa: E402
+from ulysses_kernels.hf.vision import TokenShard, balanced_blocks  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+PRELOAD = ["torch", "transformers", "ulysses_kernels.hf"]
+TOLERANCE = 1e-8
+FAMILY_TOLERANCE = {"qwen3_5": 1e-6}   # its RMSNorms compute in float32 whatever the dtype
+
+# Rows per family (items: (kind, (t, h, w) patches)); the last row of each batch is
+# left-padded by two tokens where `PAD_LEFT` says so.
+ROWS = {
+    "qwen2_vl": [[("image", (1, 8, 14)), ("image", (1, 2, 6)), ("video", (2, 2, 2))], [("image", (1, 2, 2))]],
+    "qwen2_5_vl": [[("image", (1, 8, 14)), ("image", (1, 2, 4))], [("image", (1, 4, 2))]],
+    "qwen3_vl": [[("image", (1, 8, 14)), ("image", (1, 2, 6))], []],
+    "qwen3_5": [[("image", (1, 8, 14))], [("image", (1, 2, 2))]],
+}
+PAD_LEFT = {"qwen2_5_vl": [0, 2]}
+FAMILIES = tuple(ROWS)
+
+
+def family_rows(family):
+    return [make_row(items, seed=10 + i, text=3 if items else 40) for i, items in enumerate(ROWS[family])]
+
+
+def family_batch(family):
+    rows = family_rows(family)
+    return rows, collate(rows, pad_left=PAD_LEFT.get(family))
+
+
+def _visual_tokens(batch_inputs, groups):
+    """This rank's visual tokens, and whether one of its ranges starts inside an image (an
+    image across a shard boundary)."""
+    sharded = ukhf.shard_batch(batch_inputs["input_ids"], groups, attention_mask=batch_inputs["attention_mask"])
+    types = sharded.shard_tokens(batch_inputs["mm_token_type_ids"])
+    packed = sharded.padding.pack(batch_inputs["mm_token_type_ids"])[0]
+    crossing = any(0 < start < packed.numel() and bool(packed[start] != 0) and bool(packed[start - 1] != 0)
+                   for start, _ in sharded.token_ranges)
+    return int((types != 0).sum()), crossing
+
+
+def _training_worker(rank, world, ring_size, families):
+    groups = uk.init_sequence_parallel(world, ring_size=ring_size)
+    ukhf.register(groups)
+    out = {}
+    for family in families:
+        rows, batch = family_batch(family)
+        reference = build_vlm(family, "eager64", world=world)
+        model = build_vlm(family, "ulysses", world=world)
+        with float64_delta_rule():   # Qwen3.5's gated delta rule in float64 in both runs
+            want = reference_step(reference, rows, family)
+            replicated = sp_step(model, batch, groups, family, vision="replicate")
+            split = sp_step(model, batch, groups, family, vision="split")
+        out[family] = dict(replicate=largest_error(replicated, want), split=largest_error(split, want),
+                           split_vs_replicate=largest_error(split, replicated),
+                           visual=_visual_tokens(batch, groups))
+    return out
+
+
+def _check_training(per_rank, world, rank_without_images=True):
+    for family in FAMILIES:
+        tolerance = FAMILY_TOLERANCE.get(family, TOLERANCE)
+        for rank, out in enumerate(per_rank):
+            for mode in ("replicate", "split", "split_vs_replicate"):
+                error, where = out[family][mode]
+                assert error < tolerance, (world, rank, family, mode, error, where)
+    visual = {family: [out[family]["visual"] for out in per_rank] for family in FAMILIES}
+    assert any(crossing for family in FAMILIES for _, crossing in visual[family]), visual   # an image across shards
+    if rank_without_images:   # Qwen3-VL's text-only row fills the last shards
+        assert any(count == 0 for count, _ in visual["qwen3_vl"]), visual
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_training_step_equals_rows_on_one_process(world):
+    per_rank = spawn(_training_worker, world, args=(1, FAMILIES), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=PRELOAD)
+    _check_training(per_rank, world)
+
+
+@pytest.mark.slow
+def test_training_step_on_a_ulysses_ring_grid():
+    per_rank = spawn(_training_worker, 4, args=(2, FAMILIES), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=PRELOAD)
+    _check_training(per_rank, 4, rank_without_images=False)   # the zigzag gives every rank a part of the images
+
+
+# ------------------------------------------------------------------ what else must hold
+
+def _counting(monkeypatch_target, name, counter, modules=None):
+    original = getattr(monkeypatch_target, name)
+
+    def counted(*args, **kwargs):
+        counter[0] += 1
+        if modules is not None:
+            modules.append(type(args[0]).__name__)
+        return original(*args, **kwargs)
+
+    setattr(monkeypatch_target, name, counted)
+    return original
+
+
+def _outcome(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares what every rank raised
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _behaviour_worker(rank, world):
+    from families import register_exact_eager
+
+    from ulysses_kernels.hf import attention as hf_attention
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    out = {}
+    rows, batch = family_batch("qwen2_vl")
+    model = build_vlm("qwen2_vl", "ulysses", world=world)
+    # The vision tower's attention never reaches the Ulysses function.
+    ulysses_calls, local_calls, local_modules = [0], [0], []
+    original_ulysses = _counting(hf_attention, "ulysses_attention", ulysses_calls)
+    original_local = _counting(hf_attention, "local_attention", local_calls, local_modules)
+    try:
+        for vision in ("replicate", "split"):
+            sharded = ukhf.shard_batch(batch["input_ids"], groups, attention_mask=batch["attention_mask"],
+                                       vision=vision, **vision_kwargs(batch, "qwen2_vl"))
+            ukhf.causal_lm_loss(model, sharded, groups)
+    finally:
+        hf_attention.ulysses_attention, hf_attention.local_attention = original_ulysses, original_local
+    out["calls"] = (ulysses_calls[0], local_calls[0], sorted(set(local_modules)))
+    # A text-only batch through a VLM.
+    text_rows = [make_row([], seed=3, text=19), make_row([], seed=4, text=11)]
+    text = collate(text_rows)
+    reference = build_vlm("qwen2_vl", register_exact_eager(), world=world)
+    want = reference_step(reference, text_rows, "qwen2_vl")
+    got = sp_step(model, dict(input_ids=text["input_ids"], attention_mask=text["attention_mask"]), groups, "qwen2_vl")
+    out["text_only"] = largest_error(got, want)
+    # More placeholders than features (one image token too many), and a grid that does not
+    # match the patches: the same error on every rank, in both vision modes.
+    ids = batch["input_ids"].clone()
+    ids[0, 1] = IMAGE
+    extra_token = dict(batch, input_ids=ids)
+    wrong_grid = dict(batch, image_grid_thw=batch["image_grid_thw"].flip(0) * torch.tensor([1, 2, 1]))
+    for name, bad in (("extra_token", extra_token), ("wrong_grid", wrong_grid)):
+        for vision in ("replicate", "split"):
+            sharded = ukhf.shard_batch(bad["input_ids"], groups, attention_mask=bad["attention_mask"],
+                                       vision=vision, **vision_kwargs(bad, "qwen2_vl"))
+            out[(name, vision)] = _outcome(lambda: ukhf.causal_lm_loss(model, sharded, groups))
+    # position_ids with images.
+    out["positions"] = _outcome(lambda: ukhf.shard_batch(batch["input_ids"], groups,
+                                                         position_ids=torch.arange(batch["input_ids"].shape[1]),
+                                                         **vision_kwargs(batch, "qwen2_vl")))
+    return out
+
+
+@pytest.mark.slow
+def test_vision_tower_text_only_batches_and_errors():
+    per_rank = spawn(_behaviour_worker, 2, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver", preload=PRELOAD)
+    for rank, out in enumerate(per_rank):
+        ulysses_calls, local_calls, local_modules = out["calls"]
+        assert ulysses_calls == 2 * 2, out["calls"]   # two text layers, two forwards: the text layers only
+        assert local_calls > 0 and local_modules == ["VisionAttention"], out["calls"]
+        error, where = out["text_only"]
+        assert error < TOLERANCE, (rank, error, where)
+        for key in [("extra_token", "replicate"), ("extra_token", "split"), ("wrong_grid", "replicate"),
+                    ("wrong_grid", "split"), "positions"]:
+            assert out[key] is not None, (rank, key)
+            assert out[key] == per_rank[0][key], (rank, key, out[key], per_rank[0][key])
+    assert "do not match" in per_rank[0][("extra_token", "replicate")][1]
+    assert "patches" in per_rank[0][("wrong_grid", "split")][1]
+    assert "position_ids with images" in per_rank[0]["positions"][1]
+
+
+# -------------------------------------------------------------------------- generation
+
+NEW_TOKENS = 6
+
+
+def _generation_worker(rank, world, ring_size, families):
+    groups = uk.init_sequence_parallel(world, ring_size=ring_size)
+    ukhf.register(groups)
+    out = {}
+    for family in families:
+        row = make_row([("image", (1, 4, 4)), ("image", (1, 2, 6))], seed=21)
+        prompt = collate([row])
+        kwargs = vision_kwargs(prompt, family)
+        reference = build_vlm(family, "sdpa", world=world).eval()
+        model = build_vlm(family, "ulysses", world=world).eval()
+        with torch.no_grad():
+            want = reference.generate(prompt["input_ids"], **kwargs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            want_logits = reference(input_ids=prompt["input_ids"], **kwargs).logits[:, -1]
+        got = ukhf.generate(model, prompt["input_ids"], groups, **kwargs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        logits, _ = ukhf.prefill(model, prompt["input_ids"], groups, chunk_size=9, **kwargs)
+        out[family] = dict(same=torch.equal(got, want), new=want[0, -NEW_TOKENS:].tolist(),
+                           logits=rel_err(logits, want_logits))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,ring_size", [(2, 1), (4, 2)], ids=["sp2", "ring2x2"])
+def test_generate_with_images_equals_model_generate(world, ring_size):
+    families = ("qwen2_vl", "qwen3_vl", "qwen3_5") if ring_size == 1 else ("qwen2_5_vl", "qwen3_vl")
+    per_rank = spawn(_generation_worker, world, args=(ring_size, families), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=PRELOAD)
+    for rank, out in enumerate(per_rank):
+        for family in families:
+            assert out[family]["same"], (rank, family, out[family])
+            assert out[family]["logits"] < 1e-6, (rank, family, out[family])
+
+
+# ------------------------------------------------------------------------- unit tests
+
+def test_balanced_blocks_cut_at_image_boundaries():
+    assert balanced_blocks([16, 12, 8, 4], 2) == [0, 1, 4]
+    assert balanced_blocks([4], 3) == [0, 0, 1, 1] or balanced_blocks([4], 3) == [0, 1, 1, 1]
+    bounds = balanced_blocks([5, 5, 5, 5, 5, 5], 3)
+    assert bounds == [0, 2, 4, 6]
+    assert balanced_blocks([], 2) == [0, 0, 0]
+
+
+def test_token_shard_cuts_packed_rows_and_deepstack_rows():
+    """The language model's inputs of a padded batch cut like shard_batch cuts the tokens,
+    against direct indexing; deepstack rows follow this rank's visual tokens."""
+    from ulysses_kernels.hf.batch import padding_from_mask
+
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]])
+    padding = padding_from_mask(mask, mask.shape)
+    ranges = [(4, 3), (1, 2)]   # a zigzag-like order: global packed tokens 4..6 then 1..2
+    shard = TokenShard(shape=(2, 6), ranges=ranges, padding=padding)
+    embeds = torch.randn(2, 6, 5, dtype=torch.float64)
+    packed = embeds[mask.bool()]                      # [9, 5], row-major valid tokens
+    want = torch.cat([packed[4:7], packed[1:3]]).unsqueeze(0)
+    assert torch.equal(shard.cut(embeds), want)
+    positions = torch.randint(0, 50, (3, 2, 6))
+    got = shard.cut(positions, batch_dim=1)
+    assert got.shape == (3, 1, 5)
+    for row in range(3):
+        assert torch.equal(got[row, 0], torch.cat([positions[row][mask.bool()][4:7], positions[row][mask.bool()][1:3]]))
+    visual = torch.tensor([[0, 1, 1, 0, 0, 0], [0, 0, 1, 0, 1, 1]], dtype=torch.bool)
+    features = [torch.randn(int(visual.sum()), 4, dtype=torch.float64) for _ in range(2)]
+    rows = shard._deepstack(visual, features)
+    ordinal = torch.full((2, 6), -1)
+    ordinal[visual] = torch.arange(int(visual.sum()))
+    packed_ordinal = ordinal[mask.bool()]
+    mine = torch.cat([packed_ordinal[4:7], packed_ordinal[1:3]])
+    mine = mine[mine >= 0]
+    for got_rows, f in zip(rows, features):
+        assert torch.equal(got_rows, f[mine])
+
+
+def test_shard_batch_takes_images_and_checks_the_mode():
+    ids = torch.randint(0, 80, (1, 12))
+    pixels = torch.randn(4, 24)
+    grid = torch.tensor([[1, 2, 2]])
+    batch = ukhf.shard_batch(ids, None, pixel_values=pixels, image_grid_thw=grid)
+    inputs = batch.model_inputs()
+    assert inputs["input_ids"] is ids and inputs["pixel_values"] is pixels and "position_ids" not in inputs
+    assert isinstance(inputs["ulysses_shard"], TokenShard) and sum(n for _, n in inputs["ulysses_shard"].ranges) == 12
+    text = ukhf.shard_batch(ids, None, mm_token_type_ids=torch.zeros_like(ids))   # no image: the text path
+    assert text.multimodal is None and "ulysses_shard" not in text.model_inputs()
+    with pytest.raises(ValueError, match="vision must be one of"):
+        ukhf.shard_batch(ids, None, pixel_values=pixels, image_grid_thw=grid, vision="shard")
