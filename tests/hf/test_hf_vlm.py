@@ -31,6 +31,7 @@ from vlm_cases import (  # noqa: E402
     IMAGE,
     build_vlm,
     collate,
+    gemma_batch,
     make_row,
     reference_step,
     sp_step,
@@ -44,7 +45,7 @@ from ulysses_kernels.launch import spawn  # noqa: E402
 
 PRELOAD = ["torch", "transformers", "ulysses_kernels.hf"]
 TOLERANCE = 1e-8
-FAMILY_TOLERANCE = {"qwen3_5": 1e-6}   # its RMSNorms compute in float32 whatever the dtype
+FAMILY_TOLERANCE = {"qwen3_5": 1e-6, "gemma3": 1e-6}   # their RMSNorms compute in float32 whatever the dtype
 
 # Rows per family (items: (kind, (t, h, w) patches)); the last row of each batch is
 # left-padded by two tokens where `PAD_LEFT` says so.
@@ -187,6 +188,17 @@ def _behaviour_worker(rank, world):
             sharded = ukhf.shard_batch(bad["input_ids"], groups, attention_mask=bad["attention_mask"],
                                        vision=vision, **vision_kwargs(bad, "qwen2_vl"))
             out[(name, vision)] = _outcome(lambda: ukhf.causal_lm_loss(model, sharded, groups))
+    # Gemma 3: its image tokens attend to each other both ways (token_type_ids), which the
+    # causal attention over shards does not do: refused on every rank, in both modes; its
+    # text-only batches run.
+    gemma = build_vlm("gemma3", "ulysses", world=world)
+    images = gemma_batch(seed=5)
+    for vision in ("replicate", "split"):
+        sharded = ukhf.shard_batch(images["input_ids"], groups, vision=vision, **vision_kwargs(images, "gemma3"))
+        out[("gemma3", vision)] = _outcome(lambda: ukhf.causal_lm_loss(gemma, sharded, groups))
+    want = reference_step(build_vlm("gemma3", "eager64", world=world), text_rows, "gemma3")
+    got = sp_step(gemma, dict(input_ids=text["input_ids"], attention_mask=text["attention_mask"]), groups, "gemma3")
+    out["gemma3_text_only"] = largest_error(got, want)
     # position_ids with images.
     out["positions"] = _outcome(lambda: ukhf.shard_batch(batch["input_ids"], groups,
                                                          position_ids=torch.arange(batch["input_ids"].shape[1]),
@@ -201,15 +213,19 @@ def test_vision_tower_text_only_batches_and_errors():
         ulysses_calls, local_calls, local_modules = out["calls"]
         assert ulysses_calls == 2 * 2, out["calls"]   # two text layers, two forwards: the text layers only
         assert local_calls > 0 and local_modules == ["VisionAttention"], out["calls"]
-        error, where = out["text_only"]
-        assert error < TOLERANCE, (rank, error, where)
+        for case, family in (("text_only", "qwen2_vl"), ("gemma3_text_only", "gemma3")):
+            error, where = out[case]
+            assert error < FAMILY_TOLERANCE.get(family, TOLERANCE), (rank, case, error, where)
         for key in [("extra_token", "replicate"), ("extra_token", "split"), ("wrong_grid", "replicate"),
-                    ("wrong_grid", "split"), "positions"]:
+                    ("wrong_grid", "split"), "positions", ("gemma3", "replicate"), ("gemma3", "split")]:
             assert out[key] is not None, (rank, key)
             assert out[key] == per_rank[0][key], (rank, key, out[key], per_rank[0][key])
     assert "do not match" in per_rank[0][("extra_token", "replicate")][1]
     assert "patches" in per_rank[0][("wrong_grid", "split")][1]
     assert "position_ids with images" in per_rank[0]["positions"][1]
+    for vision in ("replicate", "split"):
+        kind, message = per_rank[0][("gemma3", vision)]
+        assert kind == "NotSequenceParallelError" and "token_type_ids" in message, (vision, kind, message)
 
 
 # -------------------------------------------------------------------------- generation

@@ -19,6 +19,7 @@ IMAGE, VIDEO, START, END = 90, 91, 92, 93
 TOKEN_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
 MERGE, PATCH, TEMPORAL = 2, 2, 2
 PIXEL_ROW = 3 * TEMPORAL * PATCH * PATCH
+GEMMA_TOKENS = 4
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
 
 
@@ -74,6 +75,15 @@ def build_vlm(family: str, attn: str, *, world: int = 2, seed: int = 0):
         config = tf.Qwen3_5Config(text_config=text, vision_config=_vision(
             hidden_size=32, intermediate_size=48, out_hidden_size=width, num_position_embeddings=16), **TOKEN_IDS)
         cls = tf.Qwen3_5ForConditionalGeneration
+    elif family == "gemma3":   # SigLIP tower: 8 x 8 pixels in 2 x 2 patches, pooled to 4 tokens per image
+        text = dict(vocab_size=VOCAB, hidden_size=16 * HEADS[world][0], intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=HEADS[world][0], num_key_value_heads=HEADS[world][1], head_dim=16,
+                    sliding_window=7, attention_dropout=0.0, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+        vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=8, patch_size=2)
+        config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA_TOKENS,
+                                 boi_token_index=START, eoi_token_index=END, image_token_index=IMAGE)
+        cls = tf.Gemma3ForConditionalGeneration
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
@@ -133,6 +143,8 @@ def vision_kwargs(batch: Dict[str, torch.Tensor], family: str) -> Dict[str, torc
     keys = ["pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "mm_token_type_ids"]
     if family == "qwen2_5_vl":
         keys.append("second_per_grid_ts")
+    if family == "gemma3":
+        keys = ["pixel_values", "token_type_ids"]
     return {k: batch[k] for k in keys if k in batch}
 
 
@@ -169,3 +181,16 @@ def sp_step(model, batch: Dict[str, torch.Tensor], groups, family: str, *, visio
     loss.backward()
     ukhf.allreduce_gradients(model, groups)
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def gemma_batch(seed: int, images: int = 2) -> Dict[str, torch.Tensor]:
+    """A Gemma 3 row as its processor makes it: text, then per image a start token, 4
+    image tokens and an end token; `token_type_ids` 1 at the image tokens (which Gemma 3
+    lets attend to each other both ways)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 80, (5,), generator=g).tolist()
+    for _ in range(images):
+        ids += [START] + [IMAGE] * GEMMA_TOKENS + [END] + torch.randint(3, 80, (4,), generator=g).tolist()
+    ids = torch.tensor([ids])
+    return dict(input_ids=ids, token_type_ids=(ids == IMAGE).long(), attention_mask=torch.ones_like(ids),
+                pixel_values=torch.randn(images, 3, 8, 8, generator=g, dtype=torch.float64))

@@ -30,6 +30,7 @@ batch (`shard_batch(..., pixel_values=...)`), so:
   deltas.
 """
 
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -107,12 +108,22 @@ def install_vision(model: nn.Module, layers: List[nn.Module]) -> None:
     for tower in towers:
         for module in tower.modules():
             object.__setattr__(module, _ATTRIBUTE_LOCAL, True)
-        if "forward" not in vars(tower):
+        if "forward" not in vars(tower) and _takes_grids(tower):
             tower.forward = types.MethodType(split_tower_forward, tower)
     text = language_model(model, layers)
     if text is not None and not getattr(text, "_ulysses_shard_hook", False):
         text.register_forward_pre_hook(_shard_language_inputs, with_kwargs=True, prepend=True)
         object.__setattr__(text, "_ulysses_shard_hook", True)
+    if text is not None:   # vision="split" needs every tower to split its images (the hook checks)
+        object.__setattr__(text, "_ulysses_towers_split", all("forward" in vars(t) for t in towers))
+
+
+def _takes_grids(tower: nn.Module) -> bool:
+    """A tower called with its patches and their grid (Qwen's): its images can be split."""
+    try:
+        return "grid_thw" in inspect.signature(type(tower).forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 # ------------------------------------------------------------------------- the shard
@@ -203,6 +214,9 @@ def _shard_language_inputs(module, args, kwargs):
     if args:
         raise refusal(module, "its language model is called with positional arguments, which the shard hook "
                               "cannot tell apart")
+    if shard.vision == "split" and not getattr(module, "_ulysses_towers_split", False):
+        raise refusal(module, "its vision tower takes whole images, not patches with their grid, so "
+                              'vision="split" cannot divide them over the ranks', 'Use vision="replicate".')
     return args, shard.language_inputs(module, kwargs)
 
 
