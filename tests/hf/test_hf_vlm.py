@@ -317,3 +317,82 @@ def test_shard_batch_takes_images_and_checks_the_mode():
     assert text.multimodal is None and "ulysses_shard" not in text.model_inputs()
     with pytest.raises(ValueError, match="vision must be one of"):
         ukhf.shard_batch(ids, None, pixel_values=pixels, image_grid_thw=grid, vision="shard")
+
+
+# ------------------------------------------------------------------------ the Trainer
+
+TRAIN_ROWS = [[("image", (1, 4, 6))], [("image", (1, 2, 2)), ("image", (1, 4, 2))], [], [("video", (2, 2, 4))],
+              [("image", (1, 2, 6))], [("image", (1, 4, 4))], [("image", (1, 2, 2))], []]
+LEARNING_RATE = 0.5
+
+
+class _RowIndices(torch.utils.data.Dataset):
+    def __len__(self):
+        return len(TRAIN_ROWS)
+
+    def __getitem__(self, i):
+        return {"row": i}
+
+
+def _trainer_worker(rank, world, sp, vision):
+    """Trainer + mixin at SP `sp` x DP world / sp for two SGD steps on a VLM collator's
+    padded batches; the rows each step saw on every rank, the parameters' updates."""
+    import tempfile
+
+    import torch.distributed as dist
+    from trainer_cases import launch_env
+    from transformers import Trainer, TrainingArguments
+
+    launch_env(rank, world)
+    rows = [make_row(items, seed=30 + i, text=3 if items else 9) for i, items in enumerate(TRAIN_ROWS)]
+
+    def collator(items):
+        picked = [item["row"] for item in items]
+        return dict(collate([rows[i] for i in picked]), row_ids=torch.tensor(picked))
+
+    class RecordingTrainer(ukhf.SequenceParallelTrainerMixin, Trainer):
+        seen = []
+
+        def compute_loss(self, model, inputs, **kwargs):
+            self.seen.append(inputs["row_ids"].tolist())
+            return super().compute_loss(model, inputs, **kwargs)
+
+    groups = uk.init_sequence_parallel(sp)
+    ukhf.register(groups)
+    model = build_vlm("qwen2_vl", "ulysses", world=sp)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=2,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                             disable_tqdm=True, ddp_backend="gloo", optim="sgd", learning_rate=LEARNING_RATE,
+                             max_grad_norm=0.0, lr_scheduler_type="constant", remove_unused_columns=False)
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=_RowIndices(), data_collator=collator,
+                               sp_groups=groups, sp_vision=vision)
+    trainer.train()
+    seen = [None] * world
+    dist.all_gather_object(seen, RecordingTrainer.seen)
+    # The reference: every row a step saw (over the DP groups), each on its own on one
+    # process, the loss over all their targets, two SGD steps.
+    reference = build_vlm("qwen2_vl", "eager64", world=sp)
+    for step in range(2):
+        step_rows = sorted({row for per_rank in seen for row in per_rank[step]})
+        _, grads = reference_step(reference, [rows[i] for i in step_rows], "qwen2_vl")
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                p -= LEARNING_RATE * grads[name]
+    trained = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
+    one = torch.ones((), dtype=torch.float64)
+    updates = {n: (trained[n] - initial[n]).detach() for n in initial}
+    want = {n: (p - initial[n]).detach() for n, p in reference.named_parameters()}
+    return dict(seen=seen, worst=largest_error((one, updates), (one, want)))   # updates compared like gradients
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vision", ["replicate", "split"])
+def test_trainer_mixin_with_a_vlm_collator_equals_rows_on_one_process(vision):
+    per_rank = spawn(_trainer_worker, 4, args=(2, vision), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=PRELOAD)
+    seen = per_rank[0]["seen"]
+    assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2], seen   # SP ranks share, DP differ
+    for rank, out in enumerate(per_rank):
+        error, where = out["worst"]
+        assert error < 1e-8, (rank, error, where)

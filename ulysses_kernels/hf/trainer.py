@@ -223,7 +223,8 @@ class SequenceParallelTrainerMixin:
         else:
             outputs = model(**model_inputs)
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-            local_sum = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+            logits = logits if logits.dtype == torch.float64 else logits.float()   # float32 at least
+            local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                         batch.labels.reshape(-1).to(logits.device),
                                         ignore_index=IGNORE_INDEX, reduction="sum")
         count = torch.clamp(torch.as_tensor(count, dtype=torch.float64), min=1.0)
