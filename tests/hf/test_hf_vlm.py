@@ -54,9 +54,12 @@ ROWS = {
     "qwen2_5_vl": [[("image", (1, 8, 14)), ("image", (1, 2, 4))], [("image", (1, 4, 2))]],
     "qwen3_vl": [[("image", (1, 8, 14)), ("image", (1, 2, 6))], []],
     "qwen3_5": [[("image", (1, 8, 14))], [("image", (1, 2, 2))]],
+    "gemma3": [[("gemma", (1, 8, 8))] * 3, [("gemma", (1, 8, 8))]],
 }
-PAD_LEFT = {"qwen2_5_vl": [0, 2]}
+PAD_LEFT = {"qwen2_5_vl": [0, 2], "gemma3": [0, 3]}
 FAMILIES = tuple(ROWS)
+SPLIT = tuple(f for f in FAMILIES if f != "gemma3")   # Gemma 3's SigLIP tower takes whole images: no split
+RING = SPLIT                                          # Gemma 3's bidirectional blocks: pure Ulysses only
 
 
 def family_rows(family):
@@ -90,22 +93,22 @@ def _training_worker(rank, world, ring_size, families):
         with float64_delta_rule():   # Qwen3.5's gated delta rule in float64 in both runs
             want = reference_step(reference, rows, family)
             replicated = sp_step(model, batch, groups, family, vision="replicate")
-            split = sp_step(model, batch, groups, family, vision="split")
-        out[family] = dict(replicate=largest_error(replicated, want), split=largest_error(split, want),
-                           split_vs_replicate=largest_error(split, replicated),
-                           visual=_visual_tokens(batch, groups))
+            out[family] = dict(replicate=largest_error(replicated, want), visual=_visual_tokens(batch, groups))
+            if family in SPLIT:
+                split = sp_step(model, batch, groups, family, vision="split")
+                out[family].update(split=largest_error(split, want), split_vs_replicate=largest_error(split, replicated))
     return out
 
 
-def _check_training(per_rank, world, rank_without_images=True):
-    for family in FAMILIES:
+def _check_training(per_rank, world, families, rank_without_images=True):
+    for family in families:
         tolerance = FAMILY_TOLERANCE.get(family, TOLERANCE)
         for rank, out in enumerate(per_rank):
-            for mode in ("replicate", "split", "split_vs_replicate"):
+            for mode in ("replicate", "split", "split_vs_replicate") if family in SPLIT else ("replicate",):
                 error, where = out[family][mode]
                 assert error < tolerance, (world, rank, family, mode, error, where)
-    visual = {family: [out[family]["visual"] for out in per_rank] for family in FAMILIES}
-    assert any(crossing for family in FAMILIES for _, crossing in visual[family]), visual   # an image across shards
+    visual = {family: [out[family]["visual"] for out in per_rank] for family in families}
+    assert any(crossing for family in families for _, crossing in visual[family]), visual   # an image across shards
     if rank_without_images:   # Qwen3-VL's text-only row fills the last shards
         assert any(count == 0 for count, _ in visual["qwen3_vl"]), visual
 
@@ -115,14 +118,14 @@ def _check_training(per_rank, world, rank_without_images=True):
 def test_training_step_equals_rows_on_one_process(world):
     per_rank = spawn(_training_worker, world, args=(1, FAMILIES), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=PRELOAD)
-    _check_training(per_rank, world)
+    _check_training(per_rank, world, FAMILIES)
 
 
 @pytest.mark.slow
 def test_training_step_on_a_ulysses_ring_grid():
-    per_rank = spawn(_training_worker, 4, args=(2, FAMILIES), timeout=SLOW_SPAWN_TIMEOUT,
+    per_rank = spawn(_training_worker, 4, args=(2, RING), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=PRELOAD)
-    _check_training(per_rank, 4, rank_without_images=False)   # the zigzag gives every rank a part of the images
+    _check_training(per_rank, 4, RING, rank_without_images=False)   # the zigzag gives every rank a part of the images
 
 
 # ------------------------------------------------------------------ what else must hold
@@ -188,14 +191,21 @@ def _behaviour_worker(rank, world):
             sharded = ukhf.shard_batch(bad["input_ids"], groups, attention_mask=bad["attention_mask"],
                                        vision=vision, **vision_kwargs(bad, "qwen2_vl"))
             out[(name, vision)] = _outcome(lambda: ukhf.causal_lm_loss(model, sharded, groups))
-    # Gemma 3: its image tokens attend to each other both ways (token_type_ids), which the
-    # causal attention over shards does not do: refused on every rank, in both modes; its
-    # text-only batches run.
+    # Gemma 3: its image tokens attend to each other both ways (token_type_ids): exact on the
+    # reference path (the training test); vision="split" (its tower takes whole images), a
+    # kernel path and a ring are refused on every rank; its text-only batches run.
     gemma = build_vlm("gemma3", "ulysses", world=world)
     images = gemma_batch(seed=5)
-    for vision in ("replicate", "split"):
-        sharded = ukhf.shard_batch(images["input_ids"], groups, vision=vision, **vision_kwargs(images, "gemma3"))
-        out[("gemma3", vision)] = _outcome(lambda: ukhf.causal_lm_loss(gemma, sharded, groups))
+    sharded = ukhf.shard_batch(images["input_ids"], groups, vision="split", **vision_kwargs(images, "gemma3"))
+    out[("gemma3", "split")] = _outcome(lambda: ukhf.causal_lm_loss(gemma, sharded, groups))
+    import ulysses_kernels.api as api
+
+    resolve_path, api.resolve_path = api.resolve_path, lambda *args, **kwargs: "triton"   # as on a GPU
+    try:
+        sharded = ukhf.shard_batch(images["input_ids"], groups, **vision_kwargs(images, "gemma3"))
+        out[("gemma3", "triton")] = _outcome(lambda: ukhf.causal_lm_loss(gemma, sharded, groups))
+    finally:
+        api.resolve_path = resolve_path
     want = reference_step(build_vlm("gemma3", "eager64", world=world), text_rows, "gemma3")
     got = sp_step(gemma, dict(input_ids=text["input_ids"], attention_mask=text["attention_mask"]), groups, "gemma3")
     out["gemma3_text_only"] = largest_error(got, want)
@@ -204,6 +214,21 @@ def _behaviour_worker(rank, world):
                                                          position_ids=torch.arange(batch["input_ids"].shape[1]),
                                                          **vision_kwargs(batch, "qwen2_vl")))
     return out
+
+
+def _gemma_ring_worker(rank, world):
+    groups = uk.init_sequence_parallel(world, ring_size=world)
+    ukhf.register(groups)
+    images = gemma_batch(seed=5)
+    sharded = ukhf.shard_batch(images["input_ids"], groups, **vision_kwargs(images, "gemma3"))
+    return _outcome(lambda: ukhf.causal_lm_loss(build_vlm("gemma3", "ulysses", world=1), sharded, groups))
+
+
+@pytest.mark.slow
+def test_gemma3_image_blocks_on_a_ring_are_refused_on_every_rank():
+    per_rank = spawn(_gemma_ring_worker, 2, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver", preload=PRELOAD)
+    assert per_rank[0] == per_rank[1] and per_rank[0][0] == "NotSequenceParallelError", per_rank
+    assert "a ring of more than one rank" in per_rank[0][1], per_rank
 
 
 @pytest.mark.slow
@@ -217,15 +242,15 @@ def test_vision_tower_text_only_batches_and_errors():
             error, where = out[case]
             assert error < FAMILY_TOLERANCE.get(family, TOLERANCE), (rank, case, error, where)
         for key in [("extra_token", "replicate"), ("extra_token", "split"), ("wrong_grid", "replicate"),
-                    ("wrong_grid", "split"), "positions", ("gemma3", "replicate"), ("gemma3", "split")]:
+                    ("wrong_grid", "split"), "positions", ("gemma3", "triton"), ("gemma3", "split")]:
             assert out[key] is not None, (rank, key)
             assert out[key] == per_rank[0][key], (rank, key, out[key], per_rank[0][key])
     assert "do not match" in per_rank[0][("extra_token", "replicate")][1]
     assert "patches" in per_rank[0][("wrong_grid", "split")][1]
     assert "position_ids with images" in per_rank[0]["positions"][1]
-    for vision in ("replicate", "split"):
-        kind, message = per_rank[0][("gemma3", vision)]
-        assert kind == "NotSequenceParallelError" and "token_type_ids" in message, (vision, kind, message)
+    for case, words in (("split", 'vision="split" cannot divide'), ("triton", "the triton path")):
+        kind, message = per_rank[0][("gemma3", case)]
+        assert kind == "NotSequenceParallelError" and words in message, (case, kind, message)
 
 
 # -------------------------------------------------------------------------- generation
@@ -396,3 +421,27 @@ def test_trainer_mixin_with_a_vlm_collator_equals_rows_on_one_process(vision):
     for rank, out in enumerate(per_rank):
         error, where = out["worst"]
         assert error < 1e-8, (rank, error, where)
+
+
+# ---------------------------------------------------------------------------- example
+
+def _example_worker(rank, world, argv):
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_vlm
+
+    return train_vlm.run(rank, world, argv)
+
+
+@pytest.mark.slow
+def test_example_trains_and_generates_on_cpu():
+    per_rank = spawn(_example_worker, 4, args=(["--sp", "2", "--steps", "6", "--vision", "split"],),
+                     timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver", preload=PRELOAD)
+    losses = per_rank[0]["losses"]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert losses[-1] < losses[0], losses   # AdamW on the tiny model learns the text
+    assert all(out == per_rank[0] for out in per_rank), per_rank   # one loss and one generation everywhere
+    assert len(per_rank[0]["generated"]) == 8

@@ -105,12 +105,13 @@ def make_row(items: Sequence[Item], *, seed: int, text: int = 3) -> Dict[str, ob
 
     ids, types = words(text), [0] * text
     for kind, (t, h, w) in items:
-        n = t * h * w // MERGE ** 2
-        code = 1 if kind == "image" else 2
-        ids += [START] + [IMAGE if code == 1 else VIDEO] * n + [END] + words(text)
+        n = GEMMA_TOKENS if kind == "gemma" else t * h * w // MERGE ** 2
+        code = 2 if kind == "video" else 1
+        ids += [START] + [VIDEO if code == 2 else IMAGE] * n + [END] + words(text)
         types += [0] + [code] * n + [0] + [0] * text
     pixels = {kind: torch.randn(sum(t * h * w for k, (t, h, w) in items if k == kind), PIXEL_ROW,
                                 generator=g, dtype=torch.float64) for kind in ("image", "video")}
+    pixels["gemma"] = torch.randn(sum(k == "gemma" for k, _ in items), 3, 8, 8, generator=g, dtype=torch.float64)
     return dict(ids=ids, types=types, items=list(items), pixels=pixels)
 
 
@@ -136,6 +137,9 @@ def collate(rows: List[Dict[str, object]], *, pad_left: Optional[List[int]] = No
             batch[grid_key] = torch.tensor(grids)
     if "video_grid_thw" in batch:
         batch["second_per_grid_ts"] = torch.ones(len(batch["video_grid_thw"]))
+    if any(k == "gemma" for r in rows for k, _ in r["items"]):   # Gemma 3: whole images, token_type_ids
+        batch["pixel_values"] = torch.cat([r["pixels"]["gemma"] for r in rows])
+        batch["token_type_ids"] = (types == 1).long()
     return batch
 
 
@@ -187,10 +191,4 @@ def gemma_batch(seed: int, images: int = 2) -> Dict[str, torch.Tensor]:
     """A Gemma 3 row as its processor makes it: text, then per image a start token, 4
     image tokens and an end token; `token_type_ids` 1 at the image tokens (which Gemma 3
     lets attend to each other both ways)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 80, (5,), generator=g).tolist()
-    for _ in range(images):
-        ids += [START] + [IMAGE] * GEMMA_TOKENS + [END] + torch.randint(3, 80, (4,), generator=g).tolist()
-    ids = torch.tensor([ids])
-    return dict(input_ids=ids, token_type_ids=(ids == IMAGE).long(), attention_mask=torch.ones_like(ids),
-                pixel_values=torch.randn(images, 3, 8, 8, generator=g, dtype=torch.float64))
+    return collate([make_row([("gemma", (1, 8, 8))] * images, seed=seed, text=4)])

@@ -36,7 +36,15 @@ from .guard import (
     refusal,
     refuse_in_own_attention_tables,
 )
-from .vision import is_local_attention, local_attention
+from .vision import (
+    BLOCKS_KEY,
+    SHARD_KEY,
+    block_attention,
+    honours_blocks,
+    is_local_attention,
+    local_attention,
+    unpads,
+)
 
 
 def _require_transformers():
@@ -164,6 +172,11 @@ def ulysses_mask_function(*args, attention_mask=None, config=None, **kwargs):
     """
     context = mask_context(config)
     request = mask_request_problem(kwargs)
+    shard = context.forward_inputs.get(SHARD_KEY)
+    if request and honours_blocks(kwargs, shard):
+        request = None   # Gemma 3's image blocks, which this forward's attention honours (vision.py)
+    if unpads(shard, attention_mask):
+        attention_mask = None   # a VLM's whole padded batch, before its language model unpads it (vision.py)
     code = 3 if request else _padding_code(attention_mask)
     group, _, _ = context.ulysses()
     code = max_over_ranks(code, group)
@@ -297,6 +310,10 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
                          "cross-attention): train with use_cache=False, generate with "
                          "ulysses_kernels.hf.generate / prefill")
     lens, documents, trusted = lengths_and_documents(context, query.shape[2], kwargs)
+    blocks = kwargs.get(BLOCKS_KEY, context.forward_inputs.get(BLOCKS_KEY))
+    if blocks is not None:   # Gemma 3's image tokens attend both ways inside each image
+        return block_attention(context, module, query, key, value, lens=lens, cu_seqlens=documents, blocks=blocks,
+                               scaling=scaling, **variants), None
     cu_seqlens = documents if chunk is None else _chunk_documents(context, documents, sum(lens), chunk, query, where)
     if cu_seqlens is not None and query.shape[0] != 1:
         raise ValueError(f"{where}: packed documents need batch size 1, got {query.shape[0]}")

@@ -10,7 +10,7 @@ import torch
 from ..api import gather_sequence
 from ..distributed.groups import ParallelGroups, resolve_group
 from ..ring.layout import local_ranges, sp_lengths
-from .vision import SHARD_KEY, TokenShard, check_vision_mode, has_images, vision_inputs
+from .vision import SHARD_KEY, TokenShard, check_vision_mode, has_images, image_blocks, vision_inputs
 
 IGNORE_INDEX = -100
 
@@ -353,7 +353,8 @@ def shard_batch(input_ids: torch.Tensor, group=None, *, ring_group=None,
                              "itself over each row; put one sample per row (padded rows are unpadded and packed) "
                              "and leave position_ids out")
         shard = TokenShard(shape=tuple(input_ids.shape), ranges=batch.token_ranges, positions=batch.position_ids,
-                           padding=batch.padding, vision=vision, group=sp_group_of(group))
+                           padding=batch.padding, vision=vision, group=sp_group_of(group),
+                           blocks=image_blocks(token_type_ids) if token_type_ids is not None else None)
         batch.multimodal = dict(input_ids=input_ids, attention_mask=attention_mask if batch.padding else None,
                                 **multimodal, **{SHARD_KEY: shard})
     return batch

@@ -104,7 +104,7 @@ class _Default:
 # guard lets through does), but a decoder layer may drop them: the model's own forward
 # hooks keep them on the context for the attention function to read
 # (`install_input_hooks`).
-FORWARD_INPUTS = ("ulysses_seq_lens", "ulysses_cu_seqlens", "position_ids")
+FORWARD_INPUTS = ("ulysses_seq_lens", "ulysses_cu_seqlens", "position_ids", "ulysses_shard", "ulysses_image_blocks")
 
 
 def _enter_forward(module, args, kwargs):
