@@ -40,7 +40,7 @@ HEADS = {1: (4, 2), 2: (4, 2), 3: (6, 3), 4: (4, 2)}
 LINEAR_HEADS = {1: (2, 4), 2: (2, 4), 3: (1, 6), 4: (2, 4)}
 
 
-def build_vlm(family: str, attn: str, *, world: int = 2, seed: int = 0):
+def build_vlm(family: str, attn: str, *, world: int = 2, seed: int = 0, dtype=torch.float64):
     """A tiny VLM of `family` in float64, train mode, the same weights for the same seed,
     with head counts that `world` ranks can share. attn "eager64": the float64 reference
     (tests/hf/families.py)."""
@@ -87,7 +87,7 @@ def build_vlm(family: str, attn: str, *, world: int = 2, seed: int = 0):
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
-    model = cls._from_config(config, attn_implementation=attn, dtype=torch.float64)
+    model = cls._from_config(config, attn_implementation=attn, dtype=dtype)
     return model.train()
 
 

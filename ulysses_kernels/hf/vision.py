@@ -24,6 +24,9 @@ batch (`shard_batch(..., pixel_values=...)`), so:
   the gradient flows from its own tokens). A rank left without an image encodes a dummy one
   whose output joins the graph times 0, so every rank runs the tower (ZeRO-3 / FSDP gather
   its parameters on every rank).
+* **A forward without images** on a model whose towers are sharded (ZeRO-3, FSDP2) runs
+  them on a dummy image too (`_with_tower_dummy`), in the same place, for the same reason:
+  a DP group whose batch has no image.
 * **Generation** (`merged_prompt`): one forward merges the prompt and stops at the language
   model (`CaptureMerge`); the prefill's chunks then take their slices of the merged inputs
   (`TokenShard(merged=...)`), and transformers' own loop decodes from the model's rope
@@ -117,6 +120,7 @@ def install_vision(model: nn.Module, layers: List[nn.Module]) -> None:
         object.__setattr__(text, "_ulysses_shard_hook", True)
     if text is not None:   # vision="split" needs every tower to split its images (the hook checks)
         object.__setattr__(text, "_ulysses_towers_split", all("forward" in vars(t) for t in towers))
+        object.__setattr__(text, "_ulysses_towers", tuple(towers))   # a plain attribute: not submodules
 
 
 def _takes_grids(tower: nn.Module) -> bool:
@@ -217,8 +221,8 @@ class TokenShard:
 
 def _shard_language_inputs(module, args, kwargs):
     shard = kwargs.get(SHARD_KEY)
-    if shard is None:
-        return None
+    if shard is None:   # no image in this forward
+        return _with_tower_dummy(module, args, kwargs)
     if isinstance(shard, CaptureMerge):
         raise MergedInputs({k: v for k, v in kwargs.items() if k in _PER_TOKEN + ("position_ids", "deepstack_visual_embeds")})
     if args:
@@ -292,6 +296,50 @@ def balanced_blocks(sizes: List[int], world: int) -> List[int]:
         best = min(range(bounds[-1], len(sizes) + 1), key=lambda i: (abs(cum[i] - target), i))
         bounds.append(best)
     return bounds + [len(sizes)]
+
+
+# ----------------------------------------------------- a sharded tower without images
+
+def parameters_sharded(module: nn.Module) -> bool:
+    """The module's parameters are gathered by the ranks together when it runs: DeepSpeed
+    ZeRO-3 (`ds_id`) or FSDP2 (DTensor parameters)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:   # a torch without DTensor
+        DTensor = ()
+    return any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in module.parameters())
+
+
+def _with_tower_dummy(module: nn.Module, args, kwargs):
+    """The language model's inputs of a forward without images, on a model whose vision
+    towers are sharded (ZeRO-3, FSDP2): every tower run on a dummy image, its output added
+    to `inputs_embeds` times zero. The towers then run where a forward with images runs
+    them (before the language model) and their backward where its backward does, so this
+    rank gathers their parameters and reduces their gradients with the ranks whose batches
+    have images. Unchanged (None) otherwise."""
+    towers = [t for t in getattr(module, "_ulysses_towers", ()) if parameters_sharded(t)]
+    embeds = kwargs.get("inputs_embeds")
+    if not towers or not isinstance(embeds, torch.Tensor):
+        return None
+    dummy = sum(_dummy_output(tower).sum() * 0 for tower in towers)
+    return args, dict(kwargs, inputs_embeds=embeds + dummy.to(embeds.dtype))
+
+
+def _dummy_output(tower: nn.Module) -> torch.Tensor:
+    """The tower on one small all-zero image: Qwen's patches with their grid, or whole
+    pixels (SigLIP)."""
+    config = tower.config
+    weight = next(p for p in tower.parameters() if p.is_floating_point())
+    device, dtype = weight.device, weight.dtype
+    if _takes_grids(tower):
+        side = int(getattr(config, "spatial_merge_size", 1))
+        width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+        out = tower(torch.zeros(side * side, width, device=device, dtype=dtype),
+                    grid_thw=torch.tensor([[1, side, side]], device=device))
+        return out.pooler_output
+    channels = getattr(config, "num_channels", 3)
+    out = tower(pixel_values=torch.zeros(1, channels, config.image_size, config.image_size, device=device, dtype=dtype))
+    return out.last_hidden_state
 
 
 # ------------------------------------------------------------------------ the inputs
