@@ -58,6 +58,7 @@ ROWS = {
 }
 PAD_LEFT = {"qwen2_5_vl": [0, 2], "gemma3": [0, 3]}
 FAMILIES = tuple(ROWS)
+PATCHED = ("qwen2_vl", "qwen3_vl")
 SPLIT = tuple(f for f in FAMILIES if f != "gemma3")   # Gemma 3's SigLIP tower takes whole images: no split
 RING = SPLIT                                          # Gemma 3's bidirectional blocks: pure Ulysses only
 
@@ -97,6 +98,11 @@ def _training_worker(rank, world, ring_size, families):
             if family in SPLIT:
                 split = sp_step(model, batch, groups, family, vision="split")
                 out[family].update(split=largest_error(split, want), split_vs_replicate=largest_error(split, replicated))
+            if family in PATCHED and world == 2:   # tiled MLP and loss, activation checkpointing
+                patched = ukhf.patch_model(build_vlm(family, "ulysses", world=world), mlp_tile_tokens=5,
+                                           loss_tile_tokens=5)
+                patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+                out[family]["patched"] = largest_error(sp_step(patched, batch, groups, family, vision="split"), want)
     return out
 
 
@@ -104,7 +110,8 @@ def _check_training(per_rank, world, families, rank_without_images=True):
     for family in families:
         tolerance = FAMILY_TOLERANCE.get(family, TOLERANCE)
         for rank, out in enumerate(per_rank):
-            for mode in ("replicate", "split", "split_vs_replicate") if family in SPLIT else ("replicate",):
+            modes = ("replicate", "split", "split_vs_replicate") if family in SPLIT else ("replicate",)
+            for mode in modes + (("patched",) if family in PATCHED and world == 2 else ()):
                 error, where = out[family][mode]
                 assert error < tolerance, (world, rank, family, mode, error, where)
     visual = {family: [out[family]["visual"] for out in per_rank] for family in families}
@@ -359,13 +366,14 @@ class _RowIndices(torch.utils.data.Dataset):
         return {"row": i}
 
 
-def _trainer_worker(rank, world, sp, vision):
-    """Trainer + mixin at SP `sp` x DP world / sp for two SGD steps on a VLM collator's
-    padded batches; the rows each step saw on every rank, the parameters' updates."""
+def _trainer_worker(rank, world, sp, vision, sft=False):
+    """Trainer (or TRL's SFTTrainer) + mixin at SP `sp` x DP world / sp for two SGD steps
+    on a VLM collator's padded batches; the rows each step saw on every rank, the
+    parameters' updates."""
     import tempfile
 
     import torch.distributed as dist
-    from trainer_cases import launch_env
+    from trainer_cases import launch_env, tiny_tokenizer
     from transformers import Trainer, TrainingArguments
 
     launch_env(rank, world)
@@ -375,7 +383,13 @@ def _trainer_worker(rank, world, sp, vision):
         picked = [item["row"] for item in items]
         return dict(collate([rows[i] for i in picked]), row_ids=torch.tensor(picked))
 
-    class RecordingTrainer(ukhf.SequenceParallelTrainerMixin, Trainer):
+    base = Trainer
+    if sft:
+        from trl import SFTConfig, SFTTrainer
+
+        base = SFTTrainer
+
+    class RecordingTrainer(ukhf.SequenceParallelTrainerMixin, base):
         seen = []
 
         def compute_loss(self, model, inputs, **kwargs):
@@ -386,12 +400,24 @@ def _trainer_worker(rank, world, sp, vision):
     ukhf.register(groups)
     model = build_vlm("qwen2_vl", "ulysses", world=sp)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=2,
-                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
-                             disable_tqdm=True, ddp_backend="gloo", optim="sgd", learning_rate=LEARNING_RATE,
-                             max_grad_norm=0.0, lr_scheduler_type="constant", remove_unused_columns=False)
-    trainer = RecordingTrainer(model=model, args=args, train_dataset=_RowIndices(), data_collator=collator,
-                               sp_groups=groups, sp_vision=vision)
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=2, logging_steps=1,
+                  save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True, ddp_backend="gloo",
+                  optim="sgd", learning_rate=LEARNING_RATE, max_grad_norm=0.0, lr_scheduler_type="constant",
+                  remove_unused_columns=False)
+    extra = {}
+    if sft:   # the collator's batches as they are: no dataset preparation, no bf16 autocast
+        args = SFTConfig(**common, dataset_kwargs={"skip_prepare_dataset": True}, packing=False, padding_free=False,
+                         max_length=None, bf16=False)
+        extra = dict(processing_class=tiny_tokenizer())
+    else:
+        args = TrainingArguments(**common)
+    dataset = _RowIndices()
+    if sft:   # TRL takes a datasets.Dataset
+        from datasets import Dataset
+
+        dataset = Dataset.from_dict({"row": list(range(len(TRAIN_ROWS)))})
+    trainer = RecordingTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                               sp_groups=groups, sp_vision=vision, **extra)
     trainer.train()
     seen = [None] * world
     dist.all_gather_object(seen, RecordingTrainer.seen)
@@ -412,10 +438,11 @@ def _trainer_worker(rank, world, sp, vision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("vision", ["replicate", "split"])
-def test_trainer_mixin_with_a_vlm_collator_equals_rows_on_one_process(vision):
-    per_rank = spawn(_trainer_worker, 4, args=(2, vision), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
-                     preload=PRELOAD)
+@pytest.mark.parametrize("vision,sft", [("replicate", False), ("split", False), ("split", True)],
+                         ids=["trainer-replicate", "trainer-split", "sft-split"])
+def test_trainer_mixin_with_a_vlm_collator_equals_rows_on_one_process(vision, sft):
+    per_rank = spawn(_trainer_worker, 4, args=(2, vision, sft), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=PRELOAD)
     seen = per_rank[0]["seen"]
     assert seen[0] == seen[1] and seen[2] == seen[3] and seen[0] != seen[2], seen   # SP ranks share, DP differ
     for rank, out in enumerate(per_rank):
