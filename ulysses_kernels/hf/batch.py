@@ -10,6 +10,7 @@ import torch
 from ..api import gather_sequence
 from ..distributed.groups import ParallelGroups, resolve_group
 from ..ring.layout import local_ranges, sp_lengths
+from ..ring.shard import cut_ranges
 from .vision import SHARD_KEY, TokenShard, check_vision_mode, has_images, image_blocks, vision_inputs
 
 IGNORE_INDEX = -100
@@ -279,11 +280,6 @@ class SequenceParallelBatch:
             raise ValueError(f"shard_tokens: values of shape {tuple(values.shape)} are not per-token values of a "
                              f"batch of {self.input_ids.shape[0]} rows of {sum(self.seq_lens)} tokens")
         return cut_ranges(values, self.token_ranges)
-
-
-def cut_ranges(t: torch.Tensor, ranges: List[Tuple[int, int]]) -> torch.Tensor:
-    """The global (start, length) `ranges` of `t` along dim 1, concatenated."""
-    return torch.cat([t[:, start:start + n] for start, n in ranges], dim=1) if ranges else t[:, :0].clone()
 
 
 def shard_batch(input_ids: torch.Tensor, group=None, *, ring_group=None,

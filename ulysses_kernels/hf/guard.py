@@ -115,13 +115,31 @@ def config_problem(config, adapted_kinds=frozenset()) -> Optional[str]:
 
 # ----------------------------------------------------------------------------- modules
 
+def is_vision_config(config) -> bool:
+    return config is not None and "Vision" in type(config).__name__
+
+
+def vision_towers(model: nn.Module) -> List[nn.Module]:
+    """The model's vision encoders (outermost only): transformers models inside it whose
+    config is a vision config (Qwen's `visual`, Gemma 3's SigLIP `vision_tower`)."""
+    towers = []
+    for name, module in model.named_modules():
+        if module is model or not hasattr(module, "base_model_prefix") or not is_vision_config(getattr(module, "config", None)):
+            continue
+        if not any(module is t or _inside(module, t) for t in towers):
+            towers.append(module)
+    return towers
+
+
+def _inside(module: nn.Module, tower: nn.Module) -> bool:
+    return any(m is module for m in tower.modules())
+
+
 def decoder_layers(model: nn.Module) -> List[nn.Module]:
     """The decoder layers: a `ModuleList` of the model, preferring one as long as the
     (text) config's layer count, then the shallowest (a mixture of experts' list sits
     inside a layer), then the longest; never a list inside a vision tower (vision.py)."""
     config = getattr(model, "config", None)
-    from .vision import vision_towers
-
     counts = {getattr(sub, "num_hidden_layers", None) for sub in text_configs(config)} if config is not None else set()
     towers = vision_towers(model)
     lists = [(len(m) not in counts, name.count("."), -len(m), m) for name, m in model.named_modules()

@@ -43,7 +43,8 @@ from torch import nn
 
 from ..api import gather_sequence
 from ..distributed.groups import resolve_group
-from .guard import refusal
+from ..ring.shard import cut_ranges
+from .guard import is_vision_config, refusal, vision_towers
 
 SHARD_KEY = "ulysses_shard"   # the model keyword that carries a TokenShard down to the language model
 BLOCKS_KEY = "ulysses_image_blocks"   # the keyword that carries Gemma 3's image blocks to the attention
@@ -60,30 +61,10 @@ _ATTRIBUTE_LOCAL = "_ulysses_local_attention"
 
 # ---------------------------------------------------------------------- the model's parts
 
-def _is_vision_config(config) -> bool:
-    return config is not None and "Vision" in type(config).__name__
-
-
-def vision_towers(model: nn.Module) -> List[nn.Module]:
-    """The model's vision encoders (outermost only): transformers models inside it whose
-    config is a vision config (Qwen's `visual`, Gemma 3's SigLIP `vision_tower`)."""
-    towers = []
-    for name, module in model.named_modules():
-        if module is model or not hasattr(module, "base_model_prefix") or not _is_vision_config(getattr(module, "config", None)):
-            continue
-        if not any(module is t or _inside(module, t) for t in towers):
-            towers.append(module)
-    return towers
-
-
-def _inside(module: nn.Module, tower: nn.Module) -> bool:
-    return any(m is module for m in tower.modules())
-
-
 def is_local_attention(module: nn.Module) -> bool:
     """An attention module of a vision tower: it runs on this rank, never through Ulysses
     (marked by `install_vision`; a vision config when the model was never attached)."""
-    return getattr(module, _ATTRIBUTE_LOCAL, False) or _is_vision_config(getattr(module, "config", None))
+    return getattr(module, _ATTRIBUTE_LOCAL, False) or is_vision_config(getattr(module, "config", None))
 
 
 def local_attention(module, query, key, value, attention_mask, **kwargs):
@@ -172,8 +153,6 @@ class TokenShard:
     def cut(self, values: torch.Tensor, batch_dim: int = 0) -> torch.Tensor:
         """This rank's tokens of per-token `values` whose dims `batch_dim, batch_dim + 1`
         are the whole batch's `(B, S)`: packed when the batch was padded, then cut."""
-        from .batch import cut_ranges
-
         moved = values.movedim((batch_dim, batch_dim + 1), (0, 1))
         if tuple(moved.shape[:2]) != tuple(self.shape):
             raise ValueError(f"ulysses_kernels.hf: the merged sequence has shape {tuple(moved.shape[:2])}, but the "

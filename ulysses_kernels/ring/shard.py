@@ -2,13 +2,19 @@
 the zigzag portions of `layout.py` as differentiable tensor operations, behind the
 public `shard_sequence` / `gather_sequence` with `ring_group=`."""
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from ..distributed.collectives import gather_ints
 from ..exchange.sequence import GatherSequence, all_gather_sequence
 from .layout import portion_lengths, zigzag_segments
+
+
+def cut_ranges(t: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """The global (start, length) `ranges` of `t` along dim 1, concatenated (a rank's
+    tokens of a whole sequence, in its local order)."""
+    return torch.cat([t[:, start:start + n] for start, n in ranges], dim=1) if ranges else t[:, :0].clone()
 
 
 def zigzag_portion(x: torch.Tensor, total: int, ring: int, ring_rank: int, dim: int) -> torch.Tensor:
