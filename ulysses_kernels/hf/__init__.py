@@ -38,8 +38,9 @@ Design notes
   unpadded batch the mask function returns `None` (attention is causal and the document
   boundaries come from the position ids, below). A 2-D padding mask with any zero that
   reaches the model (on any rank of the group: the ranks agree through one tiny
-  all-reduce per forward, so all of them raise together instead of some hanging) raises
-  `ValueError`; so do custom 4-D masks, dropout > 0 and KV caches outside `generate` /
+  all-reduce, so all of them raise together instead of some hanging) raises
+  `ValueError`; a forward of `shard_batch`'s inputs or of generation with no mask and a
+  plain causal request has nothing to agree on and skips that all-reduce; so do custom 4-D masks, dropout > 0 and KV caches outside `generate` /
   `prefill` (generation.py: sequence-parallel prefill and generation from a head-sharded
   cache). A mask the model overlays on the causal one is refused (the guard). Nothing is
   silently dropped.

@@ -33,6 +33,7 @@ from .guard import (
     NotSequenceParallelError,
     config_problem,
     mask_request_problem,
+    never_opens_later,
     refusal,
     refuse_in_own_attention_tables,
 )
@@ -167,8 +168,11 @@ def ulysses_mask_function(*args, attention_mask=None, config=None, **kwargs):
     come from each layer, packed documents from the position ids. A 2-D padding mask
     with zeros, a custom mask, and a mask the model overlays on the causal one (guard.py,
     `mask_request_problem`) raise on every rank of the SP group (the ranks agree on the
-    problem through one small all-reduce per call, so nobody hangs). The model whose
-    forward this is gets checked the first time (`mask_context`).
+    problem through one small all-reduce per call, so nobody hangs). That agreement is
+    skipped where there is nothing to agree on: no mask, a plain causal request, and inputs
+    agreed where the batch was seen (`_agreed_inputs`: shard_batch's keys, generation), so
+    the documented training step and every decode step do no collective and no host read
+    here. The model whose forward this is gets checked the first time (`mask_context`).
     """
     context = mask_context(config)
     request = mask_request_problem(kwargs)
@@ -178,6 +182,8 @@ def ulysses_mask_function(*args, attention_mask=None, config=None, **kwargs):
     if unpads(shard, attention_mask):
         attention_mask = None   # a VLM's whole padded batch, before its language model unpads it (vision.py)
     code = 3 if request else _padding_code(attention_mask)
+    if code == 0 and attention_mask is None and _plain_request(kwargs) and _agreed_inputs(context):
+        return None   # nothing to agree on: no collective, no host read
     group, _, _ = context.ulysses()
     code = max_over_ranks(code, group)
     if context.ring_group is not None:  # a ring group meets every Ulysses group: the max over the grid
@@ -188,6 +194,23 @@ def ulysses_mask_function(*args, attention_mask=None, config=None, **kwargs):
             raise refusal(None, _first_request(request, context), _MASK_REQUEST_ADVICE)
         raise ValueError(f"ulysses attention: {text}. {_SHARD_BATCH_ADVICE}")
     return None
+
+
+def _plain_request(mask_kwargs: dict) -> bool:
+    """A request for the causal mask itself (windows and documents come from the layers and
+    the lengths): no overlay of the model's, which could open tokens on some ranks' data
+    only; causal by construction when transformers says it cannot skip it (compiling)."""
+    if mask_kwargs.get("use_vmap"):
+        return False
+    return mask_kwargs.get("allow_is_causal_skip", True) is not False or never_opens_later(mask_kwargs.get("mask_function"))
+
+
+def _agreed_inputs(context) -> bool:
+    """This forward's inputs were agreed where the batch was seen: `shard_batch`'s keys
+    (every rank holds the same whole batch and cut it the same way) or a chunk of `generate`
+    / `prefill` (the prompt compared over the group first). A rank with no mask and a plain
+    request then knows every rank has none: the mask function needs no agreement."""
+    return context.inference_cache is not None or context.forward_inputs.get("ulysses_seq_lens") is not None
 
 
 def _first_request(request, context) -> str:
@@ -324,9 +347,14 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
+    # Untrusted inputs are checked across the ranks by the first layer of a forward; its
+    # later layers run the same model on the same lengths, so they vouch with those.
+    vouched = trusted or context.forward_memo.get("checked_lengths") == lens
     out = ulysses_attention(q, k, v, group=context.ulysses()[0], causal=bool(causal), softmax_scale=scaling,
-                            seq_lens=lens if trusted else None, cu_seqlens=cu_seqlens,
+                            seq_lens=lens if vouched else None, cu_seqlens=cu_seqlens,
                             backend=context.backend, ring_group=context.ring_group, **variants)
+    if not vouched and context.depth > 0:   # inside a hooked forward: its memo is this forward's
+        context.forward_memo["checked_lengths"] = list(lens)
     return out, None
 
 
@@ -335,7 +363,7 @@ def lengths_and_documents(context, local_len: int, kwargs):
     rank holding `local_len` tokens): from
     shard_batch's keys when given (to the attention, or to the model: context.py keeps the
     model's inputs), else derived from the position ids, else the lengths only (one
-    document per row)."""
+    document per row). Derived (a collective) once per forward, not once per layer."""
     group, world, _ = context.ulysses()
     given = {key: kwargs[key] for key in FORWARD_INPUTS if kwargs.get(key) is not None}
     inputs = dict(context.forward_inputs, **given)
@@ -346,15 +374,26 @@ def lengths_and_documents(context, local_len: int, kwargs):
                                   else ("ulysses_seq_lens",))
         return [int(n) for n in seq_lens], cu_seqlens, True
     pos = inputs.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.shape[-1] == local_len:
+    derived = pos if isinstance(pos, torch.Tensor) and pos.shape[-1] == local_len else local_len
+    memo = context.forward_memo.get("lengths") if context.depth > 0 else None   # inside a hooked forward only
+    same = memo is not None and (memo[0] is derived or (isinstance(derived, int) and isinstance(memo[0], int)
+                                                       and memo[0] == derived))
+    if same and memo[1] is cu_seqlens:   # this forward's, from an earlier layer
+        return memo[2]
+    if derived is pos:
         _not_recomputed_from_kept(given, ("position_ids",))
         full, lens = _global_positions(pos, group, world, context.ring_group)
         if context.ring_group is None:  # the heuristic knows the contiguous layout only
             _warn_local_positions(context, full, lens)
-        if cu_seqlens is None:
-            cu_seqlens = cu_seqlens_from_position_ids(full)
-        return lens, cu_seqlens, False
-    return _lengths_only(local_len, group, context.ring_group), cu_seqlens, False
+        result = lens, cu_seqlens if cu_seqlens is not None else cu_seqlens_from_position_ids(full), False
+    else:
+        result = _lengths_only(local_len, group, context.ring_group), cu_seqlens, False
+    # Derived once per forward: every layer of it gets the same position ids (the same
+    # tensor) or, without them, the same length; the memo holds the tensor, so its identity
+    # cannot be reused by another forward's, and the model's hooks clear it at the next one.
+    if context.depth > 0:
+        context.forward_memo["lengths"] = (derived, cu_seqlens, result)
+    return result
 
 
 def token_mixer_call(module: nn.Module, local_len: int, kwargs: dict):

@@ -331,10 +331,49 @@ def mask_request_problem(mask_kwargs: dict) -> Optional[str]:
     if mask_kwargs.get("use_vmap"):
         return ("the model overlays its own mask function on the causal mask (or_mask_function / "
                 "and_mask_function)")
-    if mask_kwargs.get("allow_is_causal_skip", True) is False and _sees_later_tokens(mask_kwargs):
+    if mask_kwargs.get("allow_is_causal_skip", True) is False and not never_opens_later(mask_kwargs.get("mask_function")) \
+            and _sees_later_tokens(mask_kwargs):
         return ("the model's mask lets tokens attend to later tokens (a bidirectional block, for instance Gemma 3's "
                 "image tokens from token_type_ids), which causal attention over sequence shards does not honour")
     return None
+
+
+_MASKS = "transformers.masking_utils"
+
+
+def _closure(fn) -> dict:
+    """The variables a transformers mask-function closure captured, by name."""
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    cells = getattr(fn, "__closure__", None) or ()
+    return {name: cell.cell_contents for name, cell in zip(names, cells)}
+
+
+def never_opens_later(mask_function) -> bool:
+    """The mask function is causal by its construction in transformers' mask utilities: the
+    causal function itself, an intersection with it (a window, chunks, padding), offsets
+    of it, or positions remapped per packed sequence intersected with those sequences
+    (inside one, positions step by 1, so their order is the tokens'). Read from the closures,
+    no evaluation, so no host read: what transformers builds for a plain causal request
+    while compiling, which the probe (`_sees_later_tokens`) would break the graph on."""
+    if getattr(mask_function, "__module__", None) != _MASKS:
+        return False
+    name = getattr(mask_function, "__qualname__", "")
+    if name == "causal_mask_function":
+        return True
+    captured = _closure(mask_function)
+    if name == "add_offsets_to_mask_function.<locals>.inner_mask":
+        return never_opens_later(captured.get("mask_function"))
+    members = captured.get("mask_functions", ())
+    if name == "or_masks.<locals>.or_mask":
+        return bool(members) and all(never_opens_later(m) for m in members)
+    if name != "and_masks.<locals>.and_mask":
+        return False
+    if any(never_opens_later(m) for m in members):
+        return True
+    names = [getattr(m, "__qualname__", "") for m in members]
+    remapped = [_closure(m).get("mask_function") for m, n in zip(members, names)
+                if n == "remap_positions_for_packed_sequence.<locals>.inner_mask"]
+    return "packed_sequence_mask_function.<locals>.inner_mask" in names and any(map(never_opens_later, remapped))
 
 
 def _sees_later_tokens(mask_kwargs: dict) -> bool:
