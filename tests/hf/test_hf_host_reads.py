@@ -163,3 +163,36 @@ def test_the_untrusted_path_derives_lengths_once_per_forward():
     # per forward: the lengths and the positions' gather, the first layer's cross-rank check,
     # the mask function's agreement
     assert sum(by_depth[2].values()) == 4, by_depth
+
+
+def _compiled_worker(rank, world):
+    """The trusted forward under torch.compile: graphs and breaks (`torch._dynamo.explain`),
+    and one step through the compiled model (aot_eager: the traced forward and its backward)
+    against eager."""
+    import torch._dynamo as dynamo
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    model = make_model("llama", "ulysses")
+    ids, pos = make_batch(1, 64, [20, 44])
+    batch = ukhf.shard_batch(ids, groups, position_ids=pos)
+    eager_loss = ukhf.causal_lm_loss(model, batch, groups)   # also the first forward's checks
+    eager_loss.backward()
+    eager = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    explanation = dynamo.explain(lambda **kw: model(**kw).logits)(**batch.model_inputs())
+    dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = ukhf.sequence_parallel_loss(compiled(**batch.model_inputs()).logits, batch.labels, groups)
+    loss.backward()
+    worst = max(float((p.grad - eager[n]).norm() / eager[n].norm().clamp(min=1e-30)) for n, p in model.named_parameters())
+    return explanation.graph_count, explanation.graph_break_count, float((loss - eager_loss).abs()), worst
+
+
+@pytest.mark.slow
+def test_the_trusted_forward_compiles_into_one_graph():
+    per_rank = spawn(_compiled_worker, 2, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, (graphs, breaks, loss_difference, gradient_error) in enumerate(per_rank):
+        assert (graphs, breaks) == (1, 0), (rank, graphs, breaks)
+        assert loss_difference < 1e-6 and gradient_error < 1e-5, (rank, loss_difference, gradient_error)

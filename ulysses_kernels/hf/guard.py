@@ -348,6 +348,13 @@ def _closure(fn) -> dict:
     return {name: cell.cell_contents for name, cell in zip(names, cells)}
 
 
+def _qualname(fn) -> str:
+    """A function's qualified name, from its code object (which torch.compile's tracing
+    lets us read, where it hides `__qualname__` of a closure built inside the trace)."""
+    code = getattr(fn, "__code__", None)
+    return getattr(code, "co_qualname", None) or getattr(fn, "__qualname__", None) or ""
+
+
 def never_opens_later(mask_function) -> bool:
     """The mask function is causal by its construction in transformers' mask utilities: the
     causal function itself, an intersection with it (a window, chunks, padding), offsets
@@ -357,7 +364,7 @@ def never_opens_later(mask_function) -> bool:
     while compiling, which the probe (`_sees_later_tokens`) would break the graph on."""
     if getattr(mask_function, "__module__", None) != _MASKS:
         return False
-    name = getattr(mask_function, "__qualname__", "")
+    name = _qualname(mask_function)
     if name == "causal_mask_function":
         return True
     captured = _closure(mask_function)
@@ -370,7 +377,7 @@ def never_opens_later(mask_function) -> bool:
         return False
     if any(never_opens_later(m) for m in members):
         return True
-    names = [getattr(m, "__qualname__", "") for m in members]
+    names = [_qualname(m) for m in members]
     remapped = [_closure(m).get("mask_function") for m, n in zip(members, names)
                 if n == "remap_positions_for_packed_sequence.<locals>.inner_mask"]
     return "packed_sequence_mask_function.<locals>.inner_mask" in names and any(map(never_opens_later, remapped))
