@@ -547,3 +547,64 @@ def test_zero3_with_a_dp_group_without_images_runs_the_tower_on_a_dummy():
     # a wrongly scaled gradient is off by tens of percent, a missing dummy hangs.
     for rank, (error, where) in enumerate(_zero3_reference(per_rank)):
         assert error < 3e-3, (rank, error, where)
+
+
+# ------------------------------------------------------------------ error paths, unit
+
+def test_block_overlay_is_accepted_only_where_it_equals_the_batch_blocks():
+    """The model's block mask (transformers' own builders) is honoured when its probe equals
+    the blocks shard_batch derived from token_type_ids, not when the blocks differ."""
+    from transformers import masking_utils as mu
+
+    from ulysses_kernels.hf.vision import honours_blocks, image_blocks
+
+    types = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 1, 0, 1, 1, 1, 0]])
+    blocks = image_blocks(types)
+    assert blocks.tolist() == [[-1, 0, 0, 0, -1, -1, 1, 1, -1], [-1, -1, 2, 2, -1, 3, 3, 3, -1]]
+    shard = TokenShard(shape=tuple(types.shape), ranges=[(0, 18)], blocks=blocks)
+
+    def request(ids):
+        return dict(mask_function=mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids)),
+                    q_length=types.shape[1], kv_length=types.shape[1], batch_size=2)
+
+    assert honours_blocks(request(blocks), shard)
+    merged = blocks.clone()
+    merged[0, 6:8] = 0   # the two images of row 0 as one block: opens the second to the first
+    assert not honours_blocks(request(merged), shard)
+    shifted = torch.where(types == 1, blocks, -1).roll(1, dims=1)
+    assert not honours_blocks(request(shifted), shard)
+    assert not honours_blocks(request(blocks), TokenShard(shape=(2, 9), ranges=[(0, 18)]))   # no blocks known
+
+
+def test_language_inputs_refuse_what_the_hook_cannot_cut():
+    from ulysses_kernels.hf import NotSequenceParallelError
+    from ulysses_kernels.hf.vision import _shard_language_inputs
+
+    shard = TokenShard(shape=(1, 6), ranges=[(0, 3)])
+    embeds = torch.randn(1, 6, 4, dtype=torch.float64)
+    with pytest.raises(NotSequenceParallelError, match="'router_bias'"):
+        shard.language_inputs(torch.nn.Linear(1, 1), dict(inputs_embeds=embeds, router_bias=torch.ones(1, 6)))
+    with pytest.raises(NotSequenceParallelError, match="positional arguments"):
+        _shard_language_inputs(torch.nn.Linear(1, 1), (embeds,), {"ulysses_shard": shard})
+    with pytest.raises(ValueError, match="sharded as"):   # a merged sequence of another length
+        shard.language_inputs(torch.nn.Linear(1, 1), dict(inputs_embeds=torch.randn(1, 7, 4)))
+    out = shard.language_inputs(torch.nn.Linear(1, 1), dict(inputs_embeds=embeds, position_ids=None))
+    assert torch.equal(out["inputs_embeds"], embeds[:, :3]) and out["position_ids"].tolist() == [[0, 1, 2]]
+
+
+def test_generation_with_images_checks_its_prompt():
+    from ulysses_kernels.hf.generation import _check_last_token_is_text, _merged_prompt
+
+    ids = torch.randint(0, 80, (1, 8))
+    types = torch.zeros(1, 8, dtype=torch.long)
+    types[0, 2:5] = 1
+    images = dict(pixel_values=torch.randn(4, 24), image_grid_thw=torch.tensor([[1, 2, 2]]), mm_token_type_ids=types)
+    _check_last_token_is_text(ids, images)
+    ending = dict(images, mm_token_type_ids=torch.ones_like(types))
+    with pytest.raises(ValueError, match="must end with a text token"):
+        _check_last_token_is_text(ids, ending)
+    with pytest.raises(TypeError, match="'pixel_mask'"):
+        _merged_prompt(None, ids, dict(images, pixel_mask=torch.ones(1)), 0)
+    with pytest.raises(ValueError, match="empty cache"):
+        _merged_prompt(None, ids, images, start=5)
+    assert _merged_prompt(None, ids, dict(mm_token_type_ids=types), 0) is None   # no image: the text path

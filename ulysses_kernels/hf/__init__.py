@@ -39,11 +39,11 @@ Design notes
   boundaries come from the position ids, below). A 2-D padding mask with any zero that
   reaches the model (on any rank of the group: the ranks agree through one tiny
   all-reduce, so all of them raise together instead of some hanging) raises
-  `ValueError`; a forward of `shard_batch`'s inputs or of generation with no mask and a
-  plain causal request has nothing to agree on and skips that all-reduce; so do custom 4-D masks, dropout > 0 and KV caches outside `generate` /
+  `ValueError`; so do custom 4-D masks, dropout > 0 and KV caches outside `generate` /
   `prefill` (generation.py: sequence-parallel prefill and generation from a head-sharded
   cache). A mask the model overlays on the causal one is refused (the guard). Nothing is
-  silently dropped.
+  silently dropped. A forward of `shard_batch`'s inputs or of generation, with no mask and
+  a request causal by construction, has nothing to agree on and skips that all-reduce.
 * **Attention variants.** Each layer's sliding window, logit softcap and sinks
   (`attention.layer_variants`) and a value head dim of its own (MLA) go to the attention
   as they would on one device (Mistral, Qwen2, Gemma 2/3, GPT-OSS, DeepSeek-V3); Llama 4's
@@ -85,7 +85,8 @@ context per model), `guard.py` (what is refused), `chunked.py` (Llama 4), `gener
 (`generate`, `prefill`, `decoding`), `cache.py` (the head-sharded KV cache), `trainer.py`
 (`SequenceParallelTrainerMixin` for transformers' Trainer and TRL's SFTTrainer), `batch.py`
 (`shard_batch`, unpadding, `repad`), `loss.py`, `parallel.py` (gradient reduction, DDP,
-FSDP2), `tiling.py` (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`).
+FSDP2), `tiling.py` (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`), `vision.py` (vision-language
+models), `mixers.py` / `gated_deltanet.py` / `mamba2.py` / `mixer_ring.py` (hybrid models).
 """
 
 from . import gated_deltanet, mamba2  # noqa: F401, I001 - register their adapters (mixers.py)

@@ -305,11 +305,11 @@ def generate(model, input_ids: torch.Tensor, group=None, *, prefill_chunk_size: 
     multimodal = {k: generation_kwargs.pop(k) for k in VISION_KEYS if k in generation_kwargs}
     cache = make_cache(model, group)
     _check_prompt(input_ids, cache, "generate")
-    if has_images(vision_inputs(multimodal)):
+    if has_images(vision_inputs(multimodal)):   # the prefill takes the prompt but its last token
         _check_last_token_is_text(input_ids, multimodal)
         multimodal = {k: (v[:, :-1] if k in ("mm_token_type_ids", "token_type_ids") else v)
                       for k, v in multimodal.items()}
-    elif input_ids.shape[1] > 1:
+    else:   # text only: the token types say nothing the model needs
         multimodal = {}
     if input_ids.shape[1] > 1:
         prefill(model, input_ids[:, :-1], cache=cache, chunk_size=prefill_chunk_size, **multimodal)

@@ -11,7 +11,8 @@ from .context import sequence_parallel_model
 from .patch import is_loss_patched
 
 
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """Logits for a loss: float64 stays float64, anything narrower becomes float32."""
     return x if x.dtype == torch.float64 else x.float()
 
 
@@ -51,7 +52,7 @@ def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=Non
     `shard_batch`). Computed in float32 (float64 logits in float64). Differentiable (see
     `global_mean_from_sum`).
     """
-    local_sum = F.cross_entropy(_at_least_float32(logits).reshape(-1, logits.shape[-1]),
+    local_sum = F.cross_entropy(at_least_float32(logits).reshape(-1, logits.shape[-1]),
                                 labels.reshape(-1).to(logits.device),
                                 ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum()
@@ -100,7 +101,7 @@ def router_aux_loss(router_logits, num_experts: int, top_k: int, group=None) -> 
     group, world, _ = resolve_group(sp_group_of(group))
     counts, probs, rows = 0.0, 0.0, 0
     for layer in router_logits:
-        p = torch.softmax(_at_least_float32(layer), dim=-1)
+        p = torch.softmax(at_least_float32(layer), dim=-1)
         chosen = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
         counts = counts + torch.bincount(chosen, minlength=num_experts).to(p.dtype)
         probs = probs + p.sum(dim=0)

@@ -60,6 +60,7 @@ from ..monitor import StepMonitor
 from .attention import register
 from .batch import IGNORE_INDEX, count_targets, shard_batch
 from .context import context_of, sequence_parallel_model
+from .loss import at_least_float32
 from .patch import is_loss_patched
 from .vision import check_vision_mode, vision_inputs
 
@@ -223,8 +224,7 @@ class SequenceParallelTrainerMixin:
         else:
             outputs = model(**model_inputs)
             logits = outputs["logits"] if isinstance(outputs, dict) else outputs.logits
-            logits = logits if logits.dtype == torch.float64 else logits.float()   # float32 at least
-            local_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+            local_sum = F.cross_entropy(at_least_float32(logits).reshape(-1, logits.shape[-1]),
                                         batch.labels.reshape(-1).to(logits.device),
                                         ignore_index=IGNORE_INDEX, reduction="sum")
         count = torch.clamp(torch.as_tensor(count, dtype=torch.float64), min=1.0)

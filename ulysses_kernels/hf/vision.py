@@ -239,9 +239,8 @@ def split_tower_forward(tower, hidden_states, grid_thw=None, **kwargs):
         out = original(tower, hidden_states[rows[first]:rows[last]], grid_thw=grid_thw[first:last], **kwargs)
         tie = None
     else:   # no image of its own: a dummy one, so that every rank runs the tower
-        side = int(merge ** 0.5)
-        dummy = hidden_states.new_zeros(merge, hidden_states.shape[1])
-        out = original(tower, dummy, grid_thw=grid_thw.new_tensor([[1, side, side]]), **kwargs)
+        patches_in, grid = _dummy_patches(tower, hidden_states.shape[1], hidden_states, grid_thw)
+        out = original(tower, patches_in, grid_thw=grid, **kwargs)
         tie = out.pooler_output.sum() * 0
     counts = [sum(patches[bounds[r]:bounds[r + 1]]) // merge for r in range(world)]
     return _gathered(out, counts, first == last, tie, group)
@@ -304,6 +303,13 @@ def _with_tower_dummy(module: nn.Module, args, kwargs):
     return args, dict(kwargs, inputs_embeds=embeds + dummy.to(embeds.dtype))
 
 
+def _dummy_patches(tower: nn.Module, width: int, like: torch.Tensor, grid_like: torch.Tensor):
+    """One all-zero image of a Qwen tower, as (patch rows `[merge**2, width]` like `like`,
+    its grid `[[1, merge, merge]]` like `grid_like`): the smallest image it merges."""
+    side = int(getattr(tower, "spatial_merge_size", None) or getattr(tower.config, "spatial_merge_size", 1))
+    return like.new_zeros(side * side, width), grid_like.new_tensor([[1, side, side]])
+
+
 def _dummy_output(tower: nn.Module) -> torch.Tensor:
     """The tower on one small all-zero image: Qwen's patches with their grid, or whole
     pixels (SigLIP)."""
@@ -311,11 +317,10 @@ def _dummy_output(tower: nn.Module) -> torch.Tensor:
     weight = next(p for p in tower.parameters() if p.is_floating_point())
     device, dtype = weight.device, weight.dtype
     if _takes_grids(tower):
-        side = int(getattr(config, "spatial_merge_size", 1))
         width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
-        out = tower(torch.zeros(side * side, width, device=device, dtype=dtype),
-                    grid_thw=torch.tensor([[1, side, side]], device=device))
-        return out.pooler_output
+        like = torch.empty(0, width, device=device, dtype=dtype)
+        patches, grid = _dummy_patches(tower, width, like, torch.empty(0, 3, dtype=torch.long, device=device))
+        return tower(patches, grid_thw=grid).pooler_output
     channels = getattr(config, "num_channels", 3)
     out = tower(pixel_values=torch.zeros(1, channels, config.image_size, config.image_size, device=device, dtype=dtype))
     return out.last_hidden_state
@@ -334,7 +339,7 @@ def has_images(inputs: Dict[str, object]) -> bool:
 
 def check_vision_mode(vision: str) -> None:
     if vision not in VISION_MODES:
-        raise ValueError(f"shard_batch: vision must be one of {VISION_MODES}, got {vision!r}")
+        raise ValueError(f"ulysses_kernels.hf: vision must be one of {VISION_MODES}, got {vision!r}")
 
 
 def merged_prompt(model: nn.Module, input_ids: torch.Tensor, inputs: Dict[str, torch.Tensor]) -> dict:
