@@ -34,10 +34,11 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_to_all_single", "all_gather_into
 
 
 def _package_caller():
-    """The nearest package frame of the current stack, as `file:line function`."""
+    """The nearest package frame of the current stack, as `file function` (no line number:
+    an edit above it must not change the count's key)."""
     for frame in traceback.extract_stack()[:-2][::-1]:
         if "/ulysses_kernels/" in frame.filename:
-            return f"{frame.filename.split('/ulysses_kernels/')[-1]}:{frame.lineno} {frame.name}"
+            return f"{frame.filename.split('/ulysses_kernels/')[-1]} {frame.name}"
     return None
 
 
@@ -91,8 +92,8 @@ def test_a_trusted_training_step_reads_nothing_back_in_package_code(documents):
         own = {k: v for k, v in reads.items() if "causal_lm_loss" not in k}
         assert own == {}, (rank, reads)
         # 2 layers x (q|k|v forward, output forward, and their two backward exchanges), the loss's sum
-        assert collectives == {"all_to_all_single distributed/collectives.py:105 all_to_all": 8,
-                               "all_reduce hf/loss.py:38 global_mean_from_sum": 1}, (rank, collectives)
+        assert collectives == {"all_to_all_single distributed/collectives.py all_to_all": 8,
+                               "all_reduce hf/loss.py global_mean_from_sum": 1}, (rank, collectives)
 
 
 def test_transformers_causal_mask_functions_are_recognised_by_construction():
