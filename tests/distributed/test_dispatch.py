@@ -2,6 +2,8 @@
 the request, the device and each faster path's problem) and `api.resolve_path`, which
 asks the paths themselves."""
 
+import warnings
+
 import pytest
 import torch
 from helpers import make_qkv
@@ -41,8 +43,27 @@ def test_auto_prefers_fused_then_triton_then_reference(monkeypatch):
     assert pick("auto", CUDA, distributed=True, paths=_problems()) == "fused"
     assert pick(None, CUDA, distributed=False, paths=_problems()) == "triton"  # fused means an exchange
     assert pick(None, CUDA, distributed=True, paths=_problems(fused="no")) == "triton"
-    assert pick(None, CUDA, distributed=True, paths=_problems(triton="no", fused="no")) == "reference"
-    assert pick(None, CUDA, distributed=False, paths=_problems(triton="no")) == "reference"
+    with pytest.warns(UserWarning, match="reference path"):
+        assert pick(None, CUDA, distributed=True, paths=_problems(triton="no", fused="no")) == "reference"
+        assert pick(None, CUDA, distributed=False, paths=_problems(triton="no")) == "reference"
+
+
+def test_a_cuda_call_on_the_reference_path_warns_once_per_reason(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(dispatch, "_WARNED_REFERENCE_ON_CUDA", set())
+    pick = dispatch.resolve_backend
+    with pytest.warns(UserWarning) as record:
+        for _ in range(3):
+            pick(None, CUDA, distributed=False, paths=_problems(triton="cannot run float64 inputs"))
+        pick(None, CUDA, distributed=True, paths=_problems(triton="has no kernel for head dim 512", fused="no"))
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 2, messages
+    assert "backend='triton' cannot run float64 inputs" in messages[0]
+    assert "head dim 512" in messages[1] and "backend='reference' chooses it without this warning" in messages[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert pick("reference", CUDA, distributed=False, paths=_problems(triton="no")) == "reference"
+        assert pick(None, CPU, distributed=False, paths=_problems(triton="no")) == "reference"
 
 
 def test_auto_on_cpu_is_reference_without_asking(monkeypatch):

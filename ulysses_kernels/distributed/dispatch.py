@@ -12,6 +12,7 @@ holds the three and asks each faster one "why can't you run these tensors here?"
 import each other to ask.
 """
 
+import warnings
 from typing import Callable, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -70,19 +71,37 @@ def requested_backend(backend: Optional[str]) -> str:
     return backend
 
 
+# The reasons already warned about in this process (one warning per reason).
+_WARNED_REFERENCE_ON_CUDA = set()
+
+
+def _warn_reference_on_cuda(problem: str) -> None:
+    """Say once per reason that a CUDA call runs on the reference path: torch SDPA where it
+    computes the call (reference/sdpa.py), else the reference attention, O(S^2) memory and
+    several times slower than the kernels."""
+    if problem in _WARNED_REFERENCE_ON_CUDA:
+        return
+    _WARNED_REFERENCE_ON_CUDA.add(problem)
+    warnings.warn(f"ulysses_kernels: CUDA inputs run on the reference path (torch SDPA where it expresses the "
+                  f"call, else the O(S^2) reference attention) because backend='triton' {problem}; "
+                  "backend='reference' chooses it without this warning", stacklevel=3)
+
+
 def resolve_backend(backend: Optional[str], device: torch.device, *, distributed: bool,
                     paths: Mapping[str, Path], tensors: Sequence = ()) -> str:
     """Pick the path for `tensors` on `device`; a forced path that cannot run raises
     RuntimeError. Automatic choice takes the fastest path whose problem is None, so e.g.
-    float64 CUDA inputs quietly use the reference path."""
+    float64 CUDA inputs use the reference path (with one warning per reason)."""
     name = requested_backend(backend)
     if name == "auto":
         if device.type != "cuda":
             return "reference"
         if distributed and paths["fused"].problem(device, tensors) is None:
             return "fused"
-        if paths["triton"].problem(device, tensors) is None:
+        problem = paths["triton"].problem(device, tensors)
+        if problem is None:
             return "triton"
+        _warn_reference_on_cuda(problem)
         return "reference"
     if name != "reference":
         problem = paths[name].problem(device, tensors)

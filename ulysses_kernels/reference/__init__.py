@@ -2,6 +2,8 @@
 faster path is tested against, and runs anywhere (CPU with gloo included).
 
 - `attention.py`: exact single-device attention (`reference_attention`).
+- `sdpa.py`: torch SDPA for the calls it computes with the same semantics (the path's
+  fast attention; `sdpa_problem` says what keeps the reference).
 - `block_ops.py`: the ring's block computations in torch (`TorchBlockOps`).
 - `path.py`: the path itself (`PATH`, distributed/dispatch.py's `Path`).
 """
