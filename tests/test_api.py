@@ -156,3 +156,23 @@ def test_ring_documents_on_the_trusted_path():
             api._ring_documents(torch.tensor(bad, dtype=torch.int32), 12, 1)
     with pytest.raises(ValueError, match="needs batch size 1, got 2"):
         api._ring_documents(torch.tensor([0, 12], dtype=torch.int32), 12, 2)
+
+
+def test_ring_documents_are_read_once_per_tensor(monkeypatch):
+    """Every layer of a forward passes the same cu_seqlens tensor: its boundaries are read to
+    the host once and kept on it until it changes; a host sequence is never read."""
+    from ulysses_kernels import api
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert api._ring_documents(cu, 12, 1) == (0, 5, 12)
+    reads = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or original(self))
+    for _ in range(3):
+        assert api._ring_documents(cu, 12, 1) == (0, 5, 12)
+    assert reads == []
+    cu[1] = 7                                                # changed in place: read again
+    assert api._ring_documents(cu, 12, 1) == (0, 7, 12) and reads == [1]
+    assert api._ring_documents(torch.tensor([0, 12]), 12, 1, given=[0, 3, 12]) == (0, 3, 12) and reads == [1]
+    with pytest.raises(ValueError, match="must rise from 0"):
+        api._ring_documents(torch.tensor([0, 12]), 12, 1, given=[0, 13, 12])

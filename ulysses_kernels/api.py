@@ -180,6 +180,7 @@ def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = Fa
     ring = ring_world > 1
     errors = list(local_errors)
     device = getattr(q, "device", None)
+    host_documents = cu_seqlens if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor) else None
     cu_seqlens = _collect(errors, lambda: _as_cu_seqlens(cu_seqlens, device), "cu_seqlens could not be read: ")
     variant = _collect(errors, lambda: make_variant(window_size, softcap, causal=causal), default=Variant())
     heads = q.shape[2] if isinstance(q, torch.Tensor) and q.dim() == 4 else 0
@@ -218,24 +219,38 @@ def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = Fa
     spec = None
     if ring:
         spec = RingSpec(ring_group, ring_world, ring_rank, sum(all_lens), bool(causal), float(softmax_scale),
-                        _ring_documents(cu_seqlens, sum(all_lens), q.shape[0]), variant=variant)
+                        _ring_documents(cu_seqlens, sum(all_lens), q.shape[0], host_documents), variant=variant)
     lens = list(all_lens[ring_rank * world:(ring_rank + 1) * world])
     return AttentionCall(PATHS[name], group, world, rank, lens, bool(causal), float(softmax_scale), cu_seqlens, spec,
                          variant, sinks is not None)
 
 
-def _ring_documents(cu_seqlens, total: int, batch: int):
-    """The global document boundaries on the host, for the ring's block plan (one device
-    sync). The checked exchange has refused bad ones on every rank already; with trusted
-    `seq_lens` they are checked here."""
+def _ring_documents(cu_seqlens, total: int, batch: int, given=None):
+    """The global document boundaries on the host, for the ring's block plan. `given`: the
+    caller's own host sequence (no read). A tensor is read once (a device sync) and the
+    boundaries kept on it for the next calls with the same tensor (every layer of a forward),
+    until the tensor changes. The checked exchange has refused bad ones on every rank already;
+    with trusted `seq_lens` they are checked here."""
     if cu_seqlens is None:
         return None
-    documents = tuple(int(x) for x in cu_seqlens.reshape(-1).tolist())
+    if given is not None:
+        documents = tuple(int(x) for x in given)
+    else:
+        kept = getattr(cu_seqlens, _HOST_DOCUMENTS, None)
+        if kept is not None and kept[0] == cu_seqlens._version:
+            return kept[1]
+        documents = tuple(int(x) for x in cu_seqlens.reshape(-1).tolist())
     if documents[0] != 0 or documents[-1] != total or list(documents) != sorted(documents):
         raise ValueError(f"ulysses_attention: cu_seqlens must rise from 0 to the global length {total}")
     if batch != 1:
         raise ValueError(f"ulysses_attention: cu_seqlens (packed documents) needs batch size 1, got {batch}")
+    if given is None:
+        setattr(cu_seqlens, _HOST_DOCUMENTS, (cu_seqlens._version, documents))
     return documents
+
+
+# The attribute a cu_seqlens tensor keeps its host boundaries in: (the tensor's version, boundaries).
+_HOST_DOCUMENTS = "_ulysses_host_documents"
 
 
 def run_attention(call: AttentionCall, q, k, v, *, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:

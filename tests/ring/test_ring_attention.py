@@ -304,3 +304,51 @@ def test_ring_error_does_not_grow_with_ring_size():
     rows = json.loads(proc.stdout[:proc.stdout.rindex("]") + 1])
     assert {(r["dtype"], r["ring"]) for r in rows} == {(d, r) for d in ("float32", "bfloat16") for r in (1, 2, 4)}
     assert all(r["out"] < (1e-6 if r["dtype"] == "float32" else 1e-2) for r in rows)
+
+
+def pure_ring_exchanges(rank, world):
+    """A pure ring (Ulysses degree 1) with trusted lengths and host document boundaries: the
+    collectives and host reads of one forward + backward, and the gathered result."""
+    import collections
+
+    import torch.distributed as dist
+
+    g = uk.init_sequence_parallel(world, ring_size=world)
+    c = dict(B=1, S=45, Hq=4, Hkv=2, D=16, causal=True, cu=[0, 12, 20, 45], dtype=torch.float32, seed=7)
+    q, k, v, do = make_qkv(c["B"], c["S"], c["Hq"], c["Hkv"], c["D"], dtype=c["dtype"], seed=c["seed"])
+    shard = lambda t: uk.shard_sequence(t, g.ulysses_group, ring_group=g.ring_group)  # noqa: E731
+    local = [shard(t).detach().requires_grad_(True) for t in (q, k, v)]
+    from ulysses_kernels.ring.layout import sp_lengths
+
+    lens = sp_lengths(45, world, 1)   # trusted: every SP rank's length, ring rank major
+    calls = collections.Counter()
+    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_to_all")}
+    original_tolist = torch.Tensor.tolist
+
+    def counting(name):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return counted
+
+    for name in originals:
+        setattr(dist, name, counting(name))
+    torch.Tensor.tolist = lambda self: calls.update(["tolist"]) or original_tolist(self)
+    try:
+        out = uk.ulysses_attention(*local, group=g.ulysses_group, ring_group=g.ring_group, causal=True,
+                                   cu_seqlens=c["cu"], seq_lens=lens)
+        out.backward(shard(do))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        torch.Tensor.tolist = original_tolist
+    gather = lambda t: uk.gather_sequence(t.detach(), g.ulysses_group, ring_group=g.ring_group)  # noqa: E731
+    return dict(calls), c, [gather(out)] + [gather(t.grad) for t in local]
+
+
+@pytest.mark.slow
+def test_a_pure_ring_runs_no_exchange_and_reads_host_documents_once():
+    per_rank = spawn(pure_ring_exchanges, 2, timeout=SPAWN_TIMEOUT)
+    for calls, case, _ in per_rank:
+        assert calls == {}, calls          # no all-to-all on the one-rank Ulysses group, no read of the documents
+    _check([per_rank[0][1]], [[r[2]] for r in per_rank])

@@ -96,10 +96,11 @@ def broadcast_tensor(t: torch.Tensor, src: int, group) -> torch.Tensor:
 
 def all_to_all(send: torch.Tensor, send_splits: List[int], recv_splits: List[int], group) -> torch.Tensor:
     """Flat `all_to_all_single` with element split sizes; returns the flat receive buffer
-    (a copy of `send` for a single process)."""
+    (a copy of `send` for one rank: a single process, or a group of one, such as the Ulysses
+    group of a pure ring, where a collective would only copy)."""
     send = send.reshape(-1)
     recv = send.new_empty(sum(recv_splits))
-    if group is None and _world(group) == 1:  # single process (raises for an unresolved None)
+    if len(send_splits) == 1 or (group is None and _world(group) == 1):  # (raises for an unresolved None)
         recv.copy_(send)
         return recv
     dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)

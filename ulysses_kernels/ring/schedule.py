@@ -76,6 +76,10 @@ class RingSpec:
     block_ops: Optional[BlockOps] = None         # the path's (ulysses_ring_attention sets them); required
     shift: Optional[Shift] = None                # None: torch.distributed P2P (RingShift)
     variant: Variant = PLAIN                     # the window (in the block plan) and the softcap
+    # The dtype dK/dV partial sums travel in (None: the fp32/fp64 accumulator, the package's choice;
+    # docs/architecture.md, "Ulysses x Ring"). bench/ring_numerics.py --dkv-wire measures the input
+    # dtype instead: half the backward's dK/dV bytes, one rounding per hop.
+    dkv_wire: Optional[torch.dtype] = None
 
     def portion(self, ring_rank: int) -> int:
         return portion_lengths(self.total, self.world)[ring_rank]
@@ -167,6 +171,7 @@ def ring_backward(do, q, k, v, out, lse, spec: RingSpec):
     ops = spec.block_ops
     softcap = spec.variant.softcap
     acc = accumulate_dtype(q.dtype)
+    wire = spec.dkv_wire or acc
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.cat([k.reshape(-1), v.reshape(-1)])
     travelling = None  # (shift, buffer) of the dK/dV sum arriving for the block in hand
@@ -191,8 +196,8 @@ def ring_backward(do, q, k, v, out, lse, spec: RingSpec):
         if travelling is not None:  # the sum over the ring ranks that held this block before
             travelling[0].wait()
             dkv += travelling[1]
-        home = dkv.new_empty(_kv_numel(k, v, spec.portion((src - 1) % spec.world)))
-        travelling = (spec.transfer(dkv, home, tag=3), home)
+        home = torch.empty(_kv_numel(k, v, spec.portion((src - 1) % spec.world)), dtype=wire, device=q.device)
+        travelling = (spec.transfer(dkv.to(wire), home, tag=3), home)
         if shift is not None:
             shift.wait()
             kv = incoming
@@ -238,10 +243,14 @@ def ulysses_ring_attention(path, q, k, v, *, group, rank: int, seq_lens, spec: R
     ring group with the path's block ops and transfers, the path's exchange back. `sinks`
     `[Hq]` (global heads) are sliced to this rank's query heads."""
     lens = list(seq_lens)
+    alone = len(lens) == 1   # a pure ring: the Ulysses exchanges would copy the tensors to themselves
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        qh, kh, vh = exchange_qkv(path.seq_to_heads, q, k, v, group=group, rank=rank, seq_lens=lens)
+        if alone:
+            qh, kh, vh = (t.contiguous() for t in (q, k, v))
+        else:
+            qh, kh, vh = exchange_qkv(path.seq_to_heads, q, k, v, group=group, rank=rank, seq_lens=lens)
         spec = dataclasses.replace(spec, block_ops=path.block_ops,
                                    shift=path.ring_shift(spec.group, spec.world, spec.rank, q.device))
         out = ring_attention(qh, kh, vh, spec, local_sinks(sinks, rank, len(lens)))
-        return path.heads_to_seq(out, group=group, rank=rank, seq_lens=lens)
+        return out if alone else path.heads_to_seq(out, group=group, rank=rank, seq_lens=lens)
 
