@@ -85,7 +85,8 @@ context per model), `guard.py` (what is refused), `chunked.py` (Llama 4), `gener
 (`generate`, `prefill`, `decoding`), `cache.py` (the head-sharded KV cache), `trainer.py`
 (`SequenceParallelTrainerMixin` for transformers' Trainer and TRL's SFTTrainer), `batch.py`
 (`shard_batch`, unpadding, `repad`), `loss.py`, `parallel.py` (gradient reduction, DDP,
-FSDP2), `tiling.py` (tiled MLP and loss), `offload.py` (checkpoint offload), `patch.py` (`patch_model`), `vision.py` (vision-language
+FSDP2), `tiling.py` (tiled MLP and loss), `logprobs.py` (per-token log-probs and entropy, tiled), `rl.py` (row sums,
+GRPO and DPO losses), `offload.py` (checkpoint offload), `patch.py` (`patch_model`), `vision.py` (vision-language
 models), `mixers.py` / `gated_deltanet.py` / `mamba2.py` / `mixer_ring.py` (hybrid models).
 """
 
@@ -111,10 +112,12 @@ from .batch import (
 from .context import SequenceParallelContext, attach_context, context_of
 from .generation import decoding, generate, make_cache, prefill
 from .guard import NotSequenceParallelError
+from .logprobs import token_logprobs
 from .loss import causal_lm_loss, global_mean_from_sum, loss_for_world_average, sequence_parallel_loss
 from .offload import CheckpointOffload, HostBufferPool
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .patch import patch_model, unpatch_model
+from .rl import dpo_loss, grpo_loss, row_sums
 from .tiling import tiled_cross_entropy_sum, tiled_mlp
 from .trainer import SequenceParallelTrainerMixin
 
@@ -126,4 +129,5 @@ __all__ = [
     "SequenceParallelTrainerMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
     "causal_lm_loss", "loss_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
+    "token_logprobs", "row_sums", "grpo_loss", "dpo_loss",
 ]
