@@ -136,3 +136,32 @@ def test_token_logprobs_and_grpo_losses_equal_single_device(world, ring, referen
             assert grads.keys() == want_grads.keys()
             worst = max(rel_err(grads[n], want_grads[n]) for n in want_grads)
             assert worst < TOL, (loss_type, level, beta, worst)
+
+
+def test_token_logprobs_apply_the_final_softcap_before_the_temperature():
+    """Gemma 2's final logit softcap (inside its forward) comes before the temperature (TRL's
+    order), one process, tiles of 4 positions; the log-probs of the last position (no
+    target) are 0."""
+    import copy
+
+    import transformers
+
+    ukhf.register(None)
+    config = transformers.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
+                                       final_logit_softcapping=0.2, sliding_window=64)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="ulysses").double()
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),   # not the ulysses model's config
+                                                          attn_implementation="eager").double()
+    eager.load_state_dict(model.state_dict())
+    ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
+    logp, entropy = ukhf.token_logprobs(model, ukhf.shard_batch(ids, None), None, temperature=0.5,
+                                        with_entropy=True, tile_tokens=4)
+    logits = eager(input_ids=ids, use_cache=False).logits                  # capped at 0.2
+    logp_all = torch.log_softmax(logits / 0.5, dim=-1)
+    want = logp_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    assert rel_err(logp[:, :-1], want) < 1e-6 and float(logp[:, -1].abs().max()) == 0.0
+    assert rel_err(entropy[:, :-1], -(logp_all.exp() * logp_all).sum(-1)[:, :-1]) < 1e-6
+    uncapped = torch.log_softmax(eager.lm_head(eager.model(input_ids=ids).last_hidden_state) / 0.5, dim=-1)
+    assert rel_err(logp[:, :-1], uncapped[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]) > 1e-2
