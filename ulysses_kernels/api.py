@@ -136,6 +136,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     on every rank; each rank uses its heads' slice, so its gradient is its share and the
     sum over the group is the full gradient).
 
+    cu_seqlens: a tensor or a host sequence of ints (which a ring's block plan then uses
+    without reading the device; a tensor is read once and its boundaries kept on it).
+
     ring_group: the Ulysses x Ring hybrid. `group` is then this rank's Ulysses group and
     `ring_group` its ring group (both from `init_sequence_parallel(sp, ring_size=R)`);
     slices follow the zigzag layout of `shard_sequence(..., ring_group=...)`, `seq_lens`

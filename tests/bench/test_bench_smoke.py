@@ -119,6 +119,30 @@ def test_bench_hybrid_model(tmp_path):
     assert "Sources of the defaults" in (tmp_path / "hybrid_model.md").read_text()
 
 
+def test_bench_step_smoke(tmp_path):
+    """bench_step.py at SP 2: every contender of both levels measured, the counts recorded;
+    the trusted HF step and the direct API with seq_lens compile into one graph and read
+    nothing back in the forward (their one read per step is shard_batch's)."""
+    pytest.importorskip("deepspeed", reason="bench_step.py compares with DeepSpeed ALST")
+    _run("bench_step.py", tmp_path)
+    data = json.loads((tmp_path / "step.json").read_text())
+    hf, api = data["ranks"][0]["hf"], data["ranks"][0]["api"]
+    assert set(hf) == {"ulysses-kernels", "ALST", "no SP"} and all(r["step_s"] > 0 for r in hf.values())
+    assert (hf["ulysses-kernels"]["graphs"], hf["ulysses-kernels"]["graph_breaks"]) == (1, 0)
+    assert all(site.split(" in ")[1].startswith(("batch.py", "loss.py"))
+               for site in hf["ulysses-kernels"]["host_read_sites"]), hf["ulysses-kernels"]["host_read_sites"]
+    assert hf["ulysses-kernels"]["collectives"]["all_to_all_single"]["calls"] == 8
+    assert api["ulysses-kernels (seq_lens)"]["host_reads"] == 0
+    assert api["ulysses-kernels (seq_lens)"]["graph_breaks"] == 0
+    assert "| HF path |" in (tmp_path / "step.md").read_text()
+
+
+def test_bench_logprobs_smoke(tmp_path):
+    _run("bench_logprobs.py", tmp_path)
+    rows = json.loads((tmp_path / "logprobs_memory.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["full", "tiled"] and all(r["peak_growth_mb"] >= 0 for r in rows)
+
+
 def test_bench_window_smoke(tmp_path):
     """bench_window.py end to end in the interpreter; its count of visible pairs equals a
     brute-force count of the causal window mask."""

@@ -199,9 +199,10 @@ def test_the_trusted_forward_compiles_into_one_graph():
         assert loss_difference < 1e-6 and gradient_error < 1e-5, (rank, loss_difference, gradient_error)
 
 
-def _decode_worker(rank, world, new_tokens):
-    """`ukhf.generate`'s collectives by caller: the decode steps carry transformers' all-ones
-    attention mask, built by every rank's lockstep loop from the agreed prompt."""
+def _decode_worker(rank, world):
+    """`ukhf.generate`'s collectives by caller for 3 and 6 new tokens: the decode steps carry
+    transformers' all-ones attention mask, built by every rank's lockstep loop from the
+    agreed prompt."""
     import torch.distributed as dist
     from hf_cases import gen_model, gen_prompt
 
@@ -210,25 +211,26 @@ def _decode_worker(rank, world, new_tokens):
     model = gen_model("llama", "ulysses", {})
     ids = gen_prompt(3, 21, B=1)
     ukhf.generate(model, ids, max_new_tokens=2, do_sample=False)     # the first call's checks
-    collectives = collections.Counter()
-    dist_functions = _counting(dist, COLLECTIVES, collectives)
-    try:
-        out = ukhf.generate(model, ids, max_new_tokens=new_tokens, do_sample=False)
-    finally:
-        for name, original in dist_functions.items():
-            setattr(dist, name, original)
-    return dict(collectives), out
+    counts, outputs = {}, []
+    for new_tokens in (3, 6):
+        collectives = collections.Counter()
+        dist_functions = _counting(dist, COLLECTIVES, collectives)
+        try:
+            outputs.append(ukhf.generate(model, ids, max_new_tokens=new_tokens, do_sample=False))
+        finally:
+            for name, original in dist_functions.items():
+                setattr(dist, name, original)
+        counts[new_tokens] = collectives
+    return counts, outputs
 
 
 @pytest.mark.slow
 def test_decode_steps_run_no_mask_agreement():
     """A decode step's only collective is its layers' gather of the heads' outputs (2 layers):
     no agreement on transformers' all-ones mask (an all-reduce), nothing else per step."""
-    counts = {}
-    for new_tokens in (3, 6):
-        per_rank = spawn(_decode_worker, 2, args=(new_tokens,), timeout=SLOW_SPAWN_TIMEOUT,
-                         start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
-        assert torch.equal(per_rank[0][1], per_rank[1][1])
-        counts[new_tokens] = collections.Counter(per_rank[0][0])
+    per_rank = spawn(_decode_worker, 2, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    (counts, outputs), (_, other) = per_rank
+    assert all(torch.equal(a, b) for a, b in zip(outputs, other))
     assert not any(k.startswith("all_reduce") for k in counts[6]), counts
     assert counts[6] - counts[3] == {"all_gather distributed/collectives.py all_gather_tensor": 2 * 3}, counts
