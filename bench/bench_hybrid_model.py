@@ -12,13 +12,14 @@ placement). The model is per layer and per rank, forward + backward, bf16.
 """
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _results import write_results  # noqa: E402 (bench/ is the script's folder)
 
 from ulysses_kernels.layout import head_plan_error, place_heads  # noqa: E402
 
@@ -156,12 +157,7 @@ def main(argv=None):
           f"Inputs: fwd {args.fwd_tflops:g} TFLOP/s, bwd {args.bwd_tflops:g} TFLOP/s, NVLink "
           f"{args.nvlink_gbps:g} GB/s, NIC {args.ib_gbps:g} GB/s per GPU.\n\nSources of the defaults:\n{sources}\n\n"
           f"{table(rows)}\n")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "hybrid_model.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out, "hybrid_model.json"), "w") as f:
-        json.dump({"sources": SOURCES, "args": vars(args), "rows": [asdict(r) for r in rows]}, f, indent=1)
-    print(md)
+    write_results(args.out, "hybrid_model", md, {"sources": SOURCES, "args": vars(args), "rows": [asdict(r) for r in rows]})
     return 0
 
 

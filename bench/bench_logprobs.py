@@ -20,6 +20,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _results import write_results  # noqa: E402 (bench/ is the script's folder)
 
 
 def _rss_mb():
@@ -88,12 +89,7 @@ def main(argv=None):
           f"| model logits + log_softmax (TRL's way) | {full['peak_growth_mb']:.0f} | {full['seconds']:.2f} |\n"
           f"| `ukhf.token_logprobs` (tiled) | {tiled['peak_growth_mb']:.0f} | {tiled['seconds']:.2f} |\n\n"
           f"Ratio: {full['peak_growth_mb'] / max(tiled['peak_growth_mb'], 1e-9):.1f}x less peak growth tiled.\n")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "logprobs_memory.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out, "logprobs_memory.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
-    print(md)
+    write_results(args.out, "logprobs_memory", md, {"args": vars(args), "rows": rows})
     return 0
 
 

@@ -24,7 +24,6 @@ of one forward under `torch._dynamo.explain`. Every rank runs on one thread.
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -34,6 +33,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from _results import write_results  # noqa: E402 (bench/ is the script's folder)
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__")
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
@@ -310,12 +310,7 @@ def main(argv=None):
           f"interleaved steps; rank 0's counts.\n\n"
           f"{table('HF path', report['hf'], 'no SP', 'ALST')}\n\n"
           f"{table('direct API', report['api'], 'no SP (torch SDPA)', 'DeepSpeed DistributedAttention')}\n")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step.md"), "w") as f:
-        f.write(md)
-    with open(os.path.join(args.out, "step.json"), "w") as f:
-        json.dump({"args": vars(args), "ranks": per_rank}, f, indent=1)
-    print(md)
+    write_results(args.out, "step", md, {"args": vars(args), "ranks": per_rank})
     return 0
 
 

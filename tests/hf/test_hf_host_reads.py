@@ -93,7 +93,7 @@ def test_a_trusted_training_step_reads_nothing_back_in_package_code(documents):
         assert own == {}, (rank, reads)
         # 2 layers x (q|k|v forward, output forward, and their two backward exchanges), the loss's sum
         assert collectives == {"all_to_all_single distributed/collectives.py all_to_all": 8,
-                               "all_reduce hf/loss.py global_mean_from_sum": 1}, (rank, collectives)
+                               "all_reduce hf/loss.py sum_over_group": 1}, (rank, collectives)
 
 
 def test_transformers_causal_mask_functions_are_recognised_by_construction():

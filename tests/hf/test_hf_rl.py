@@ -158,6 +158,8 @@ def test_token_logprobs_apply_the_final_softcap_before_the_temperature():
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
     logp, entropy = ukhf.token_logprobs(model, ukhf.shard_batch(ids, None), None, temperature=0.5,
                                         with_entropy=True, tile_tokens=4)
+    assert "forward" not in vars(model)       # the tiled forward was this call's only
+    assert rel_err(model(input_ids=ids, use_cache=False).logits, eager(input_ids=ids, use_cache=False).logits) < 1e-6
     logits = eager(input_ids=ids, use_cache=False).logits                  # capped at 0.2
     logp_all = torch.log_softmax(logits / 0.5, dim=-1)
     want = logp_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]

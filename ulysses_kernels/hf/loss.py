@@ -30,18 +30,23 @@ def global_mean_from_sum(local_sum: torch.Tensor, local_count, group=None) -> to
     call backward. A group with no valid token at all gives 0. `group`: the SP group, or
     `init_sequence_parallel`'s groups (with a ring: the whole Ulysses x Ring grid).
     """
+    count = torch.as_tensor(local_count, dtype=local_sum.dtype, device=local_sum.device).reshape(())
+    total_sum, total_count = sum_over_group(torch.stack([local_sum, count]), group)
+    return total_sum / torch.clamp(total_count, min=1.0)
+
+
+def sum_over_group(local: torch.Tensor, group=None) -> torch.Tensor:
+    """THE cross-rank sum of the losses (`global_mean_from_sum`, `rl.row_sums`): the *value*
+    is the sum of every rank's `local` (one all-reduce in float64), the *gradient* flows only
+    through this rank's `local`. `group`: the SP group, or `init_sequence_parallel`'s groups
+    (with a ring: the whole grid)."""
     group, world, _ = resolve_group(sp_group_of(group))
-    count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device).reshape(())
-    stats = torch.stack([local_sum.detach().to(torch.float64), count])
+    total = local.detach().to(torch.float64)
     if group is not None and world > 1:
-        dev = collective_device(group)
-        s = stats.to(dev)
-        dist.all_reduce(s, group=group)
-        stats = s.to(local_sum.device)
-    total_sum, total_count = stats[0], stats[1]
-    denom = torch.clamp(total_count, min=1.0)
-    others = (total_sum - local_sum.detach().to(torch.float64)).to(local_sum.dtype)
-    return (local_sum + others) / denom.to(local_sum.dtype)
+        shared = total.to(collective_device(group))
+        dist.all_reduce(shared, group=group)
+        total = shared.to(local.device)
+    return local + (total - local.detach().to(torch.float64)).to(local.dtype)
 
 
 def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=None, *,

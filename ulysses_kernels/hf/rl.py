@@ -16,11 +16,10 @@ correction) and never inside another row sum.
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.groups import collective_device, resolve_group
-from .batch import SequenceParallelBatch, sp_group_of
+from .batch import SequenceParallelBatch
+from .loss import sum_over_group
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")
@@ -51,13 +50,7 @@ def row_sums(values: torch.Tensor, batch: SequenceParallelBatch, groups=None) ->
                          f"{tuple(batch.labels.shape)} (bring [B, S] values to the shard with batch.shard_tokens)")
     rows = token_rows(batch, values.device).reshape(-1)
     local = values.new_zeros(batch_rows(batch)).index_add(0, rows, values.reshape(-1))
-    group, world, _ = resolve_group(sp_group_of(groups))
-    total = local.detach().to(torch.float64)
-    if group is not None and world > 1:
-        shared = total.to(collective_device(group))
-        dist.all_reduce(shared, group=group)
-        total = shared.to(values.device)
-    return local + (total - local.detach().to(torch.float64)).to(local.dtype)
+    return sum_over_group(local, groups)
 
 
 def grpo_loss(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, batch: SequenceParallelBatch,
