@@ -7,8 +7,9 @@ Measured: the peak of live CPU tensor bytes during the second step (forward, bac
 optimizer step; the first step creates the gradients and AdamW states), counted by
 `PeakTracker`: the storages of the parameters, gradients and optimizer states, plus every
 storage an operator creates during the step, released when the storage is freed. Predicted: the planner with the same shape and options,
-`attention="reference"` (this path keeps the attention probabilities of one layer in its
-backward), no FSDP, no reserve. Offload runs with the host/device roles simulated
+`attention="flash"` (these float32 causal calls run on torch SDPA's flash kernel, which keeps
+O(S) state like the Triton kernels: docs/architecture.md, "Reference path"), no FSDP, no
+reserve. Offload runs with the host/device roles simulated
 (`CheckpointOffload(device_type="cpu")`): the offloaded inputs are counted where they live
 (in host buffers, which the tracker also sees), so that case checks the planner's
 device + host total.
@@ -52,7 +53,7 @@ def _options(c, sp):
     return PlanOptions(seq_len=c["S"], gpus_per_node=sp, sp_size=sp, fsdp=False,
                        checkpointing=c.get("checkpointing", True), checkpoint_offload=c.get("offload", False),
                        tiled_mlp=c.get("tiled", False), tiled_loss=c.get("tiled", False), dtype_bytes=4,
-                       reserve_gib=0.0, attention="reference", gpu_memory_gib=1e9)
+                       reserve_gib=0.0, attention="flash", gpu_memory_gib=1e9)
 
 
 class PeakTracker:

@@ -213,7 +213,10 @@ class PlanOptions:
     tiled_loss: bool = False
     dtype_bytes: int = 2              # compute dtype (bf16); master weights and AdamW states fp32
     reserve_gib: float = 2.0          # CUDA context, NCCL buffers, allocator fragmentation
-    attention: str = "flash"          # "flash" (Triton / fused paths) or "reference" (O(S^2) probabilities)
+    # "flash": O(S) attention state (the Triton and fused paths, and the reference path's
+    # torch SDPA calls); "reference": O(S^2) probabilities kept (the reference attention
+    # proper: float64, sinks, softcap, MLA's own value head dim).
+    attention: str = "flash"
 
 
 @dataclass

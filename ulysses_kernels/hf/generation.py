@@ -257,7 +257,7 @@ def _check_generation_kwargs(kwargs):
     config = kwargs.get("generation_config")
     for name, (neutral, what) in _UNSUPPORTED_GENERATION.items():
         value = kwargs.get(name, getattr(config, name, neutral) if config is not None else neutral)
-        if value != neutral:
+        if value not in (neutral, None):   # None: a GenerationConfig's unset field (the default mode)
             raise ValueError(f"ulysses_kernels.hf.generate: {what} ({name}={value!r}) is not supported")
     mask = kwargs.get("attention_mask")
     if mask is not None and not bool(mask.bool().all()):

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.groups import ParallelGroups, collective_device
+from ..distributed.collectives import all_gather_tensor, gather_objects, max_over_ranks
+from ..distributed.groups import ParallelGroups, collective_device, tensor_collective_device
 from ..monitor import StepMonitor
 from .attention import register
 from .batch import IGNORE_INDEX, count_targets, shard_batch
@@ -67,68 +68,24 @@ from .vision import check_vision_mode, vision_inputs
 TESTED_VERSIONS = {"transformers": "5.24", "accelerate": "1.15", "trl": "1.16"}
 
 
-class SequenceParallelTrainerMixin:
-    """Put before `Trainer` / `SFTTrainer` in the bases; pass ``sp_groups=`` (the groups of
-    `ulysses_kernels.init_sequence_parallel`). See the module doc."""
+def check_groups(mixin: str, sp_groups) -> None:
+    """The groups a mixin needs, or a ValueError naming it."""
+    if not isinstance(sp_groups, ParallelGroups):
+        raise ValueError(f"{mixin} needs sp_groups=ulysses_kernels.init_sequence_parallel(sp) "
+                         f"(got {type(sp_groups).__name__})")
 
-    def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, monitor: Union[bool, StepMonitor] = False,
-                 sp_vision: str = "replicate", **kwargs):
-        if not isinstance(sp_groups, ParallelGroups):
-            raise ValueError("SequenceParallelTrainerMixin needs sp_groups=ulysses_kernels.init_sequence_parallel(sp) "
-                             f"(got {type(sp_groups).__name__})")
-        check_vision_mode(sp_vision)
-        self.sp_groups = sp_groups
-        self.sp_vision = sp_vision
-        register(sp_groups)   # the attention's groups (idempotent)
-        super().__init__(*args, **kwargs)
-        sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
-        # Hooks this relies on beyond Trainer's documented overrides: a clear error on a
-        # transformers / accelerate without them (tested: TESTED_VERSIONS).
-        missing = [what for what, ok in (
-            ("Trainer.loss_is_scaled_for_ga", hasattr(self, "loss_is_scaled_for_ga")),
-            ("Trainer.get_batch_samples", hasattr(super(), "get_batch_samples")),
-            ("Accelerator._dataloaders", isinstance(getattr(self.accelerator, "_dataloaders", None), list)))
-            if not ok]
-        if missing:
-            raise RuntimeError(f"SequenceParallelTrainerMixin needs {', '.join(missing)}; tested with "
-                               f"{TESTED_VERSIONS} (pip install 'ulysses-kernels[hf]')")
-        # The loss is computed here, normalised over the whole step: Trainer must neither
-        # pass num_items_in_batch to the model nor divide by the accumulation steps.
-        self.model_accepts_loss_kwargs = False
-        self.loss_is_scaled_for_ga = True
+
+class DataParallelData:
+    """What every sequence-parallel trainer mixin shares: the data sharded over the DP
+    dimension only, so the SP ranks of a group see the same batches (`sp_groups` set by the
+    mixin), and counts summed over the DP groups."""
+
+    sp_groups: ParallelGroups
+
+    def check_world(self, mixin: str) -> None:
         if self.accelerator.num_processes != dist.get_world_size():
-            raise ValueError(f"SequenceParallelTrainerMixin: accelerate sees {self.accelerator.num_processes} "
+            raise ValueError(f"{mixin}: accelerate sees {self.accelerator.num_processes} "
                              f"processes, torch.distributed {dist.get_world_size()}")
-        self.step_tokens = self.step_seq_len = None
-        self.monitor = monitor if isinstance(monitor, StepMonitor) else (self._make_monitor() if monitor else None)
-        if self.monitor is not None:
-            self.add_callback(monitor_callback(self, refresh_options=not isinstance(monitor, StepMonitor)))
-
-    def _make_monitor(self) -> StepMonitor:
-        return StepMonitor(model=self.accelerator.unwrap_model(self.model), sp_size=self.sp_groups.sp_size,
-                           ring_size=self.sp_groups.ring_size, device=self.args.device, **self.monitor_plan_options())
-
-    def monitor_plan_options(self) -> dict:
-        """The planner options of the model as it trains: its dtype, activation checkpointing
-        (which Trainer turns on in train()), the tiles of patch_model and the attention path."""
-        from ..api import resolve_path
-        from ..monitor import plan_defaults
-        from .patch import is_mlp_tiled
-
-        model = self.accelerator.unwrap_model(self.model)
-        context = context_of(model)
-        path = resolve_path(context.backend if context is not None else None, self.args.device, distributed=True)
-        return dict(plan_defaults(model), tiled_mlp=is_mlp_tiled(model), tiled_loss=is_loss_patched(model),
-                    attention="reference" if path == "reference" else "flash")
-
-    def log(self, logs, *args, **kwargs):
-        """Trainer's log; a logged training step (every rank logs it) also gets the monitor's
-        record of the steps since the last one (a collective)."""
-        if self.monitor is not None and "loss" in logs and self.monitor.pending():
-            logs.update(self.monitor.record().as_logs())
-        return super().log(logs, *args, **kwargs)
-
-    # ------------------------------------------------------------------ data
 
     @contextlib.contextmanager
     def _shard_over_dp(self):
@@ -164,6 +121,165 @@ class SequenceParallelTrainerMixin:
         with self._shard_over_dp():
             return super().get_eval_dataloader(eval_dataset)
 
+    @contextlib.contextmanager
+    def _as_data_parallel(self, module=None):
+        """Within: `self.accelerator` is the `DataParallelView` (a DP-only run's gathers), and
+        so are `module`'s own `gather` / `gather_object` (a trainer module that imported
+        accelerate's functions, as TRL's do)."""
+        accelerator = self.accelerator
+        view = DataParallelView(accelerator, self.sp_groups)
+        names = [n for n in ("gather", "gather_object") if module is not None and hasattr(module, n)]
+        saved = {n: getattr(module, n) for n in names}
+        self.accelerator = view
+        for n in names:
+            setattr(module, n, getattr(view, n))
+        try:
+            yield
+        finally:
+            self.accelerator = accelerator
+            for n, f in saved.items():
+                setattr(module, n, f)
+
+    def _over_dp(self, *counts: int) -> torch.Tensor:
+        """The sums of per-DP-group counts over the DP groups (every SP rank has them whole):
+        one all-reduce."""
+        t = torch.tensor(counts, dtype=torch.float64)
+        group = self.sp_groups.dp_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dev = collective_device(group)
+            t = t.to(dev)
+            dist.all_reduce(t, group=group)
+        return t.cpu()
+
+
+class DataParallelView:
+    """An `Accelerator` as a DP-only run sees it: `gather`, `reduce` and the process index
+    and count over the DP dimension (the SP ranks of a group hold the same rows, which a
+    gather over the whole world would repeat); everything else is the accelerator's own.
+    TRL's GRPO and DPO trainers compute advantages, token counts and metrics through these."""
+
+    def __init__(self, accelerator, groups: ParallelGroups):
+        self._accelerator, self._groups = accelerator, groups
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+    @property
+    def process_index(self) -> int:
+        return self._groups.dp_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self._groups.dp_size
+
+    def _group(self):
+        group = self._groups.dp_group
+        return group if group is not None and dist.get_world_size(group) > 1 else None
+
+    def gather(self, tensor):
+        """Every DP group's `tensor` concatenated on dim 0 (a scalar counts as `[1]`), as
+        `Accelerator.gather` over a DP-only world; tensors in lists / dicts likewise."""
+        def one(t):
+            t = t.reshape(1) if t.dim() == 0 else t
+            group = self._group()
+            return t if group is None else torch.cat(all_gather_tensor(t, group), dim=0)
+        return torch.utils._pytree.tree_map_only(torch.Tensor, one, tensor)
+
+    def gather_for_metrics(self, tensor, use_gather_object: bool = False):
+        return self.gather_object(tensor) if use_gather_object else self.gather(tensor)
+
+    def gather_object(self, obj):
+        """Every DP group's picklable `obj`, lists flattened (as `accelerate.utils.gather_object`)."""
+        group = self._group()
+        values = [obj] if group is None else gather_objects(obj, group)
+        return [x for v in values for x in v] if isinstance(obj, list) else values
+
+    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        def one(t):
+            group = self._group()
+            out = t.clone()
+            if group is not None:
+                dev = tensor_collective_device(group, t)
+                buf = out.to(dev)
+                dist.all_reduce(buf, group=group)
+                out = buf.to(t.device)
+            if reduction == "mean":
+                out = out / self.num_processes
+            return out * scale if scale != 1.0 else out
+        return torch.utils._pytree.tree_map_only(torch.Tensor, one, tensor)
+
+    def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
+        """`tensor` padded along `dim` to the longest of the DP groups'."""
+        group = self._group()
+        if group is None:
+            return tensor
+        longest = max_over_ranks(tensor.shape[dim], group)
+        missing = longest - tensor.shape[dim]
+        if missing == 0:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = missing
+        pad = tensor.new_full(shape, pad_index)
+        return torch.cat([pad, tensor] if pad_first else [tensor, pad], dim=dim)
+
+
+class SequenceParallelTrainerMixin(DataParallelData):
+    """Put before `Trainer` / `SFTTrainer` in the bases; pass ``sp_groups=`` (the groups of
+    `ulysses_kernels.init_sequence_parallel`). See the module doc."""
+
+    def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, monitor: Union[bool, StepMonitor] = False,
+                 sp_vision: str = "replicate", **kwargs):
+        check_groups("SequenceParallelTrainerMixin", sp_groups)
+        check_vision_mode(sp_vision)
+        self.sp_groups = sp_groups
+        self.sp_vision = sp_vision
+        register(sp_groups)   # the attention's groups (idempotent)
+        super().__init__(*args, **kwargs)
+        sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
+        # Hooks this relies on beyond Trainer's documented overrides: a clear error on a
+        # transformers / accelerate without them (tested: TESTED_VERSIONS).
+        missing = [what for what, ok in (
+            ("Trainer.loss_is_scaled_for_ga", hasattr(self, "loss_is_scaled_for_ga")),
+            ("Trainer.get_batch_samples", hasattr(super(), "get_batch_samples")),
+            ("Accelerator._dataloaders", isinstance(getattr(self.accelerator, "_dataloaders", None), list)))
+            if not ok]
+        if missing:
+            raise RuntimeError(f"SequenceParallelTrainerMixin needs {', '.join(missing)}; tested with "
+                               f"{TESTED_VERSIONS} (pip install 'ulysses-kernels[hf]')")
+        # The loss is computed here, normalised over the whole step: Trainer must neither
+        # pass num_items_in_batch to the model nor divide by the accumulation steps.
+        self.model_accepts_loss_kwargs = False
+        self.loss_is_scaled_for_ga = True
+        self.check_world("SequenceParallelTrainerMixin")
+        self.step_tokens = self.step_seq_len = None
+        self.monitor = monitor if isinstance(monitor, StepMonitor) else (self._make_monitor() if monitor else None)
+        if self.monitor is not None:
+            self.add_callback(monitor_callback(self, refresh_options=not isinstance(monitor, StepMonitor)))
+
+    def _make_monitor(self) -> StepMonitor:
+        return StepMonitor(model=self.accelerator.unwrap_model(self.model), sp_size=self.sp_groups.sp_size,
+                           ring_size=self.sp_groups.ring_size, device=self.args.device, **self.monitor_plan_options())
+
+    def monitor_plan_options(self) -> dict:
+        """The planner options of the model as it trains: its dtype, activation checkpointing
+        (which Trainer turns on in train()), the tiles of patch_model and the attention path."""
+        from ..api import resolve_path
+        from ..monitor import plan_defaults
+        from .patch import is_mlp_tiled
+
+        model = self.accelerator.unwrap_model(self.model)
+        context = context_of(model)
+        path = resolve_path(context.backend if context is not None else None, self.args.device, distributed=True)
+        return dict(plan_defaults(model), tiled_mlp=is_mlp_tiled(model), tiled_loss=is_loss_patched(model),
+                    attention="reference" if path == "reference" else "flash")
+
+    def log(self, logs, *args, **kwargs):
+        """Trainer's log; a logged training step (every rank logs it) also gets the monitor's
+        record of the steps since the last one (a collective)."""
+        if self.monitor is not None and "loss" in logs and self.monitor.pending():
+            logs.update(self.monitor.record().as_logs())
+        return super().log(logs, *args, **kwargs)
+
     # ------------------------------------------------------------------ loss
 
     @staticmethod
@@ -186,17 +302,6 @@ class SequenceParallelTrainerMixin:
         """The batch's tokens, padding left out."""
         mask = inputs.get("attention_mask")
         return int(mask.bool().sum()) if mask is not None else inputs["input_ids"].numel()
-
-    def _over_dp(self, *counts: int) -> torch.Tensor:
-        """The sums of per-DP-group counts over the DP groups (every SP rank has them whole):
-        one all-reduce."""
-        t = torch.tensor(counts, dtype=torch.float64)
-        group = self.sp_groups.dp_group
-        if group is not None and dist.get_world_size(group) > 1:
-            dev = collective_device(group)
-            t = t.to(dev)
-            dist.all_reduce(t, group=group)
-        return t.cpu()
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)

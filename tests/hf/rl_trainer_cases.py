@@ -1,0 +1,102 @@
+"""What the TRL RL trainer tests (test_hf_rl_trainers.py) share: prompts of unequal lengths,
+a reward, completions made identical in every run (the stubbed generation), and the GRPO
+runs with and without sequence parallelism. Spawned ranks import this module by name.
+
+SGD without clipping (trainer_cases.OPTIMIZER): a gradient scaled by a wrong factor moves
+the parameters instead of hiding behind Adam's normalisation or the clip.
+"""
+
+import torch
+from trainer_cases import (
+    OPTIMIZER,
+    finish,
+    forget_deepspeed,
+    initial_parameters,
+    make_model,
+    recording,
+    start_from_initial,
+    tiny_tokenizer,
+)
+
+EOS = 255                      # the tiny tokenizer's <eos>
+N_PROMPTS, NUM_GENERATIONS = 8, 4
+GRPO_STEPS = 2
+
+
+def prompts():
+    """Text prompts of 3 to 9 tokens (left-padded together by TRL)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(3, 10, (N_PROMPTS,), generator=g)
+    rows = [" ".join(f"t{int(t)}" for t in torch.randint(0, 200, (int(n),), generator=g)) for n in lengths]
+    return Dataset.from_dict({"prompt": rows})
+
+
+def reward_tokens(completions, **kwargs):
+    """A reward with spread inside each prompt's group: the completion's share of even tokens."""
+    rewards = []
+    for text in completions:
+        words = text.split()
+        rewards.append(sum(int(w[1:]) % 2 == 0 for w in words if w[1:].isdigit()) / max(1, len(words)))
+    return rewards
+
+
+def stub_completions(prompt_ids):
+    """Completions that depend only on the prompt and its place in the local batch (the same
+    in a DP-only run and at SP x DP): 2 to 7 tokens, every other one ending with EOS (right
+    padding of unequal lengths follows)."""
+    out = []
+    for i, p in enumerate(prompt_ids):
+        length = 2 + (sum(p) + 3 * i) % 6
+        tokens = [(sum(p) * 7 + 13 * i + 5 * k) % 200 for k in range(length)]
+        out.append(tokens[:-1] + [EOS] if i % 2 else tokens)
+    return out
+
+
+def stubbed(base):
+    """`base` (a GRPOTrainer class) generating `stub_completions`."""
+    class Stubbed(base):
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
+                                  has_tool_images=False):
+            return stub_completions(prompt_ids), None
+    return Stubbed
+
+
+def grpo_args(out, **extra):
+    import torch.distributed as dist
+    from trl import GRPOConfig
+
+    common = dict(output_dir=out, per_device_train_batch_size=NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
+                  steps_per_generation=2, max_completion_length=8, max_steps=GRPO_STEPS, temperature=0.7,
+                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                  bf16=False, ddp_backend="gloo" if dist.is_initialized() else None, **OPTIMIZER)
+    common.update(extra)
+    return GRPOConfig(**common)
+
+
+def run_grpo(out, sp=None, stub=True, **extra):
+    """A GRPO run (DP only when `sp` is None, else SP `sp` x DP world / sp), trained:
+    (losses, params) as trainer_cases.finish, and the trainer."""
+    from trl import GRPOTrainer
+
+    forget_deepspeed()
+    initial_parameters()
+    args = grpo_args(out, **extra)
+    kwargs = dict(reward_funcs=reward_tokens, args=args, train_dataset=prompts(), processing_class=tiny_tokenizer())
+    if sp is None:
+        base = GRPOTrainer
+        model = start_from_initial(make_model("eager"))
+    else:
+        import ulysses_kernels as uk
+        from ulysses_kernels import hf as ukhf
+
+        groups = uk.init_sequence_parallel(sp)
+        ukhf.register(groups)
+        model = start_from_initial(make_model("ulysses"))
+        base = type("SPGRPOTrainer", (ukhf.SequenceParallelGRPOMixin, GRPOTrainer), {})
+        kwargs["sp_groups"] = groups
+    cls = recording(stubbed(base) if stub else base)
+    trainer = cls(model=model, **kwargs)
+    trainer.train()
+    return finish(trainer), trainer

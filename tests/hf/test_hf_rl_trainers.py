@@ -1,0 +1,56 @@
+"""TRL's GRPOTrainer with SequenceParallelGRPOMixin on CPU with gloo.
+
+GRPO at SP 2 x DP 2 must match, step for step, the DP-only run (2 ranks, the same prompts
+and completions: the generation is stubbed in both), in the losses and the parameter
+updates (SGD without clipping, rl_trainer_cases.py): left-padded prompts, right-padded
+completions of unequal lengths, a temperature != 1, old log-probs recomputed
+(steps_per_generation 2). Without the stub, completions come from ukhf.generate and are
+the same on the ranks of an SP group.
+"""
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("trl")
+
+from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns  # noqa: E402
+from rl_trainer_cases import run_grpo  # noqa: E402
+from trainer_cases import compare_ranks, launch_env, shared_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow  # TRL trainers in spawned groups
+
+
+def sp_jobs(rank, world):
+    import torch.distributed as dist
+
+    launch_env(rank, world)
+    out = {}
+    out["grpo_sp2"], _ = run_grpo(shared_dir("grpo_sp2"), sp=2)
+    _, trainer = run_grpo(shared_dir("grpo_generate"), sp=2, stub=False, max_steps=1, log_completions=False)
+    completions = trainer._buffered_inputs[0]["completion_ids"]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, completions.tolist())
+    out["generated"] = gathered
+    return out
+
+
+def dp_reference_jobs(rank, world):
+    launch_env(rank, world)
+    return {"grpo": run_grpo(shared_dir("grpo_ref"))[0]}
+
+
+_run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
+
+
+def test_grpo_sp2_dp2_matches_dp_only_run():
+    reference = _run(2)[0]["grpo"]
+    errors = compare_ranks(_run(4), "grpo_sp2", reference)
+    assert not errors, "\n".join(errors)
+
+
+def test_grpo_generation_gives_an_sp_group_the_same_completions():
+    """ukhf.generate: ranks 0, 1 (SP group 0) hold the same completions, ranks 2, 3 likewise;
+    the two DP groups' prompts differ, so their completions do."""
+    generated = _run(4)[0]["generated"]
+    assert generated[0] == generated[1] and generated[2] == generated[3], generated
+    assert generated[0] != generated[2], generated
