@@ -100,3 +100,60 @@ def run_grpo(out, sp=None, stub=True, **extra):
     trainer = cls(model=model, **kwargs)
     trainer.train()
     return finish(trainer), trainer
+
+
+def preference_pairs():
+    """Text preference pairs: prompts of 2 to 7 tokens, chosen and rejected completions of 1
+    to 6 (the text collator right-pads every row of [chosen; rejected] together)."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(7)
+
+    def text(low, high):
+        n = int(torch.randint(low, high + 1, (1,), generator=g))
+        return " ".join(f"t{int(t)}" for t in torch.randint(0, 200, (n,), generator=g))
+
+    rows = [dict(prompt=text(2, 7), chosen=text(1, 6), rejected=text(1, 6)) for _ in range(N_PAIRS)]
+    return Dataset.from_dict({k: [r[k] for r in rows] for k in rows[0]})
+
+
+N_PAIRS = 8
+
+
+def dpo_args(out, **extra):
+    import torch.distributed as dist
+    from trl import DPOConfig
+
+    common = dict(output_dir=out, per_device_train_batch_size=2, max_steps=2, beta=0.5,
+                  loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], logging_steps=1, save_strategy="no",
+                  report_to=[], use_cpu=True, seed=0, disable_tqdm=True, bf16=False,
+                  ddp_backend="gloo" if dist.is_initialized() else None, **OPTIMIZER)
+    common.update(extra)
+    return DPOConfig(**common)
+
+
+def run_dpo(out, sp=None, **extra):
+    """A DPO run (sigmoid + 0.5 IPO; DP only when `sp` is None, else SP `sp` x DP world / sp),
+    trained: (losses, params) as trainer_cases.finish, and the trainer."""
+    from trl import DPOTrainer
+
+    forget_deepspeed()
+    initial_parameters()
+    args = dpo_args(out, **extra)
+    kwargs = dict(args=args, train_dataset=preference_pairs(), processing_class=tiny_tokenizer())
+    attention = "eager"
+    base = DPOTrainer
+    if sp is not None:
+        import ulysses_kernels as uk
+        from ulysses_kernels import hf as ukhf
+
+        groups = uk.init_sequence_parallel(sp)
+        ukhf.register(groups)
+        attention = "ulysses"
+        base = type("SPDPOTrainer", (ukhf.SequenceParallelDPOMixin, DPOTrainer), {})
+        kwargs["sp_groups"] = groups
+    model = start_from_initial(make_model(attention))
+    ref_model = start_from_initial(make_model(attention))
+    trainer = recording(base)(model=model, ref_model=ref_model, **kwargs)
+    trainer.train()
+    return finish(trainer), trainer

@@ -167,3 +167,31 @@ def test_token_logprobs_apply_the_final_softcap_before_the_temperature():
     assert rel_err(entropy[:, :-1], -(logp_all.exp() * logp_all).sum(-1)[:, :-1]) < 1e-6
     uncapped = torch.log_softmax(eager.lm_head(eager.model(input_ids=ids).last_hidden_state) / 0.5, dim=-1)
     assert rel_err(logp[:, :-1], uncapped[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]) > 1e-2
+
+
+def test_token_fields_give_trl_fused_head_fields():
+    """token_fields (what the DPO mixin reads): the mean logit over the vocabulary after the
+    temperature and whether the label is the argmax, equal to the model's own logits', in
+    one tiled pass with the log-probs; 0 / False where the label is -100."""
+    from ulysses_kernels.hf.logprobs import token_fields
+
+    ukhf.register(None)
+    model = make_model("llama", "ulysses", **CONFIG).double()
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :4] = -100                                   # a prompt without targets
+    with torch.no_grad():                                  # one target is the argmax (position 5's prediction)
+        ids[1, 6] = model(input_ids=ids[1:, :6], use_cache=False).logits[0, 5].argmax()
+    batch = ukhf.shard_batch(ids, None, labels=labels)
+    got = token_fields(model, batch, None, fields=("log_probs", "mean_logits", "is_top1"), temperature=0.5,
+                       tile_tokens=3)
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1] / 0.5
+    scored = labels[:, 1:] != -100
+    assert rel_err(got["mean_logits"][:, :-1], logits.mean(-1) * scored) < 1e-12
+    assert torch.equal(got["is_top1"][:, :-1], (logits.argmax(-1) == ids[:, 1:]) & scored)
+    assert bool(got["is_top1"][1, 5]), got["is_top1"]
+    want = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0] * scored
+    assert rel_err(got["log_probs"][:, :-1], want) < 1e-12
+    assert not got["mean_logits"].requires_grad and got["log_probs"].requires_grad
+    with pytest.raises(ValueError, match="must include 'log_probs'"):
+        token_fields(model, batch, None, fields=("entropy",))

@@ -1,11 +1,11 @@
-"""TRL's GRPOTrainer with SequenceParallelGRPOMixin on CPU with gloo.
+"""TRL's GRPOTrainer and DPOTrainer with their sequence-parallel mixins on CPU with gloo.
 
 GRPO at SP 2 x DP 2 must match, step for step, the DP-only run (2 ranks, the same prompts
 and completions: the generation is stubbed in both), in the losses and the parameter
 updates (SGD without clipping, rl_trainer_cases.py): left-padded prompts, right-padded
 completions of unequal lengths, a temperature != 1, old log-probs recomputed
 (steps_per_generation 2). Without the stub, completions come from ukhf.generate and are
-the same on the ranks of an SP group.
+the same on the ranks of an SP group. DPO at SP 2 x DP 2 likewise matches its DP-only run.
 """
 
 import pytest
@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
 from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns  # noqa: E402
-from rl_trainer_cases import run_grpo  # noqa: E402
+from rl_trainer_cases import run_dpo, run_grpo  # noqa: E402
 from trainer_cases import compare_ranks, launch_env, shared_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow  # TRL trainers in spawned groups
@@ -31,12 +31,13 @@ def sp_jobs(rank, world):
     gathered = [None] * world
     dist.all_gather_object(gathered, completions.tolist())
     out["generated"] = gathered
+    out["dpo_sp2"], _ = run_dpo(shared_dir("dpo_sp2"), sp=2)
     return out
 
 
 def dp_reference_jobs(rank, world):
     launch_env(rank, world)
-    return {"grpo": run_grpo(shared_dir("grpo_ref"))[0]}
+    return {"grpo": run_grpo(shared_dir("grpo_ref"))[0], "dpo": run_dpo(shared_dir("dpo_ref"))[0]}
 
 
 _run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
@@ -54,3 +55,11 @@ def test_grpo_generation_gives_an_sp_group_the_same_completions():
     generated = _run(4)[0]["generated"]
     assert generated[0] == generated[1] and generated[2] == generated[3], generated
     assert generated[0] != generated[2], generated
+
+
+def test_dpo_sp2_dp2_matches_dp_only_run():
+    """DPO (sigmoid + 0.5 IPO, beta 0.5) with a reference model: left-padded prompts and
+    right-padded completions of unequal lengths, [chosen; rejected] rows sharded together."""
+    reference = _run(2)[0]["dpo"]
+    errors = compare_ranks(_run(4), "dpo_sp2", reference)
+    assert not errors, "\n".join(errors)

@@ -119,6 +119,7 @@ from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .patch import patch_model, unpatch_model
 from .rl import dpo_loss, grpo_loss, row_sums
 from .tiling import tiled_cross_entropy_sum, tiled_mlp
+from .dpo_trainer import SequenceParallelDPOMixin
 from .grpo_trainer import SequenceParallelGRPOMixin
 from .trainer import SequenceParallelTrainerMixin
 
@@ -127,7 +128,7 @@ __all__ = [
     "NotSequenceParallelError", "set_sequence_parallel_group", "get_sequence_parallel_group",
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
     "SequenceParallelBatch", "shard_batch", "PaddingInfo", "repad", "gather_tokens", "count_targets",
-    "SequenceParallelTrainerMixin", "SequenceParallelGRPOMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
+    "SequenceParallelTrainerMixin", "SequenceParallelGRPOMixin", "SequenceParallelDPOMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
     "causal_lm_loss", "loss_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
     "token_logprobs", "row_sums", "grpo_loss", "dpo_loss",

@@ -1,0 +1,141 @@
+"""Sequence parallelism inside TRL's `DPOTrainer` (docs/hf.md, "RL").
+
+    from trl import DPOConfig, DPOTrainer
+    from ulysses_kernels.hf import SequenceParallelDPOMixin
+
+    class SPDPOTrainer(SequenceParallelDPOMixin, DPOTrainer):
+        pass
+
+    groups = ulysses_kernels.init_sequence_parallel(sp_size)   # after the process group exists
+    trainer = SPDPOTrainer(model=model, ref_model=ref_model, args=DPOConfig(...), train_dataset=pairs,
+                           processing_class=tokenizer, sp_groups=groups)
+
+Both models are loaded with ``attn_implementation="ulysses"`` (``ukhf.register(groups)``
+first). A run at SP x DP is the DP-only run. TRL 1.16's DPOTrainer scores a batch with
+`model(..., labels=, fused_lm_head=True)`, a forward that returns per-token fields (log-probs,
+entropy, mean logits, top-1 hits) of the `[chosen; rejected]` rows; while the loss is
+computed, the mixin gives the policy and the reference model a forward that returns the
+same fields from the sequence-parallel forward:
+
+* the padded rows are sharded along the sequence (`shard_batch`: unpadded into one packed
+  row, each row a document, positions as the unsharded forward gives them);
+* `token_fields` runs the tiled LM head on this rank's shard;
+* `gather_tokens` brings each field back to `[rows, S - 1]` (TRL's layout). The gather's
+  backward sums the gradient every rank sends to each shard, so TRL's own loss, the same
+  on every rank of a group, with DDP / DeepSpeed averaging over the world gives the
+  DP-only gradient.
+
+The data is sharded over the DP dimension only and TRL's metrics gather over it
+(`DataParallelView`). Refused with a ValueError: precomputed reference log-probs,
+WPO weighting (`use_weighting`), MoE auxiliary losses, image inputs.
+"""
+
+import contextlib
+import types
+from typing import Optional
+
+import torch
+
+from ..distributed.groups import ParallelGroups
+from .attention import register
+from .batch import IGNORE_INDEX, gather_tokens, shard_batch
+from .context import sequence_parallel_model, unwrap
+from .logprobs import token_fields
+from .trainer import DataParallelData, check_groups
+
+MIXIN = "SequenceParallelDPOMixin"
+# The fields TRL's DPO loss and metrics read.
+DPO_FIELDS = ("log_probs", "entropy", "mean_logits", "is_top1")
+
+
+def _dpo_module():
+    """TRL's dpo_trainer module (for its accelerate helpers)."""
+    import trl.trainer.dpo_trainer as module
+
+    return module
+
+
+def _check_arguments(config) -> None:
+    refused = [(getattr(config, "precompute_ref_log_probs", False), "precompute_ref_log_probs=True"),
+               (getattr(config, "use_weighting", False), "use_weighting=True (WPO)"),
+               (getattr(config, "padding_free", False), "padding_free=True")]
+    for on, what in refused:
+        if on:
+            raise ValueError(f"{MIXIN}: {what} is not supported")
+
+
+class SequenceParallelDPOMixin(DataParallelData):
+    """Put before `DPOTrainer` in the bases; pass ``sp_groups=`` (the groups of
+    `ulysses_kernels.init_sequence_parallel`) and a ``ref_model`` (or a PEFT model). See the
+    module doc."""
+
+    def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, **kwargs):
+        check_groups(MIXIN, sp_groups)
+        self.sp_groups = sp_groups
+        config = kwargs.get("args")
+        if config is None:
+            raise ValueError(f"{MIXIN} needs args=DPOConfig(...)")
+        _check_arguments(config)
+        register(sp_groups)   # the attention's groups (idempotent)
+        super().__init__(*args, **kwargs)
+        sequence_parallel_model(self.model, sp_groups)   # the models' contexts, checked (guard.py)
+        if self.ref_model is not None:
+            sequence_parallel_model(self.ref_model, sp_groups)
+        self.check_world(MIXIN)
+        if getattr(self, "aux_loss_enabled", False):
+            raise ValueError(f"{MIXIN}: the MoE auxiliary loss (router_aux_loss_coef) is not supported")
+
+    def _compute_loss(self, model, inputs, return_outputs):
+        models = [self.model] + ([self.ref_model] if self.ref_model is not None else [])
+        with self._as_data_parallel(_dpo_module()), contextlib.ExitStack() as stack:
+            for m in models:
+                stack.enter_context(_sequence_parallel_scoring(unwrap(m), self.sp_groups))
+            return super()._compute_loss(model, inputs, return_outputs)
+
+
+@contextlib.contextmanager
+def _sequence_parallel_scoring(inner, groups):
+    """`inner.forward` answers `fused_lm_head=True` calls from the sequence-parallel forward
+    (module doc); other calls go to the forward it had. Restored after."""
+    had_own = "forward" in vars(inner)
+    previous = inner.forward
+
+    def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
+        if not fused_lm_head:
+            return previous(*args, labels=labels, **kwargs) if labels is not None else previous(*args, **kwargs)
+        inner.forward = previous   # the scoring's own forward calls see the model's forward
+        try:
+            return _scored(inner, groups, labels, args, kwargs)
+        finally:
+            inner.forward = bound
+
+    bound = types.MethodType(forward, inner)
+    inner.forward = bound
+    try:
+        yield
+    finally:
+        if had_own:
+            inner.forward = previous
+        else:
+            del inner.forward
+
+
+def _scored(inner, groups, labels, args, kwargs):
+    """TRL's fused-head output of a `[rows, S]` batch (its fields `[rows, S - 1]`, position t
+    scoring token t + 1) from the sequence-parallel forward."""
+    if args:
+        raise ValueError(f"{MIXIN}: the scoring forward takes keyword inputs only")
+    input_ids, attention_mask = kwargs.pop("input_ids"), kwargs.pop("attention_mask", None)
+    kwargs.pop("use_cache", None)
+    if any(v is not None for v in kwargs.values()):
+        raise ValueError(f"{MIXIN}: model inputs {sorted(k for k, v in kwargs.items() if v is not None)} are not "
+                         "supported (image inputs, router logits)")
+    S = input_ids.shape[1]
+    positions = torch.arange(S, device=input_ids.device).expand_as(input_ids)   # as the unsharded forward
+    batch = shard_batch(input_ids, groups, labels=labels, attention_mask=attention_mask, position_ids=positions)
+    fields = token_fields(inner, batch, groups, fields=DPO_FIELDS)
+    full = {name: gather_tokens(value.float() if value.dtype == torch.bool else value, batch, groups)[:, :S - 1]
+            for name, value in fields.items()}
+    return types.SimpleNamespace(loss=None, log_probs=full["log_probs"], entropy=full["entropy"],
+                                 mean_logits=full["mean_logits"], is_top1=full["is_top1"].bool(),
+                                 log_sum_sq_probs=None, label_mask=labels[:, 1:] != IGNORE_INDEX, aux_loss=None)
