@@ -178,10 +178,10 @@ def test_token_fields_give_trl_fused_head_fields():
     ukhf.register(None)
     model = make_model("llama", "ulysses", **CONFIG).double()
     ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(4))
-    labels = ids.clone()
-    labels[0, :4] = -100                                   # a prompt without targets
     with torch.no_grad():                                  # one target is the argmax (position 5's prediction)
         ids[1, 6] = model(input_ids=ids[1:, :6], use_cache=False).logits[0, 5].argmax()
+    labels = ids.clone()
+    labels[0, :4] = -100                                   # a prompt without targets
     batch = ukhf.shard_batch(ids, None, labels=labels)
     got = token_fields(model, batch, None, fields=("log_probs", "mean_logits", "is_top1"), temperature=0.5,
                        tile_tokens=3)
