@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("trl")
 
-from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns  # noqa: E402
+from helpers import ROOT, SLOW_SPAWN_TIMEOUT, SpawnedRuns  # noqa: E402
 from rl_trainer_cases import run_dpo, run_grpo  # noqa: E402
 from trainer_cases import compare_ranks, launch_env, shared_dir  # noqa: E402
 
@@ -32,6 +32,16 @@ def sp_jobs(rank, world):
     dist.all_gather_object(gathered, completions.tolist())
     out["generated"] = gathered
     out["dpo_sp2"], _ = run_dpo(shared_dir("dpo_sp2"), sp=2)
+    # the examples' main() in this process group (what `accelerate launch` runs)
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import dpo_trl
+    import grpo_trl
+
+    out["examples"] = [grpo_trl.main(["--sp", "2", "--steps", "1", "--completion-length", "4",
+                                      "--output-dir", shared_dir("grpo_example")]).global_step,
+                       dpo_trl.main(["--sp", "2", "--steps", "1", "--output-dir", shared_dir("dpo_example")]).global_step]
     return out
 
 
@@ -63,3 +73,10 @@ def test_dpo_sp2_dp2_matches_dp_only_run():
     reference = _run(2)[0]["dpo"]
     errors = compare_ranks(_run(4), "dpo_sp2", reference)
     assert not errors, "\n".join(errors)
+
+
+def test_rl_examples_train():
+    """examples/grpo_trl.py and examples/dpo_trl.py's main() at SP 2 x DP 2 in the spawned
+    group (`accelerate launch --config_file examples/accelerate_cpu.yaml examples/grpo_trl.py
+    --sp 2` runs the same): a step each."""
+    assert all(result["examples"] == [1, 1] for result in _run(4)), [r["examples"] for r in _run(4)]
