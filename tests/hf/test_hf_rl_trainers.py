@@ -17,7 +17,7 @@ from helpers import ROOT, SLOW_SPAWN_TIMEOUT, SpawnedRuns  # noqa: E402
 from rl_trainer_cases import run_dpo, run_grpo  # noqa: E402
 from trainer_cases import compare_ranks, launch_env, shared_dir  # noqa: E402
 
-pytestmark = pytest.mark.slow  # TRL trainers in spawned groups
+slow = pytest.mark.slow  # TRL trainers in spawned groups
 
 
 def sp_jobs(rank, world):
@@ -53,12 +53,14 @@ def dp_reference_jobs(rank, world):
 _run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
 
 
+@slow
 def test_grpo_sp2_dp2_matches_dp_only_run():
     reference = _run(2)[0]["grpo"]
     errors = compare_ranks(_run(4), "grpo_sp2", reference)
     assert not errors, "\n".join(errors)
 
 
+@slow
 def test_grpo_generation_gives_an_sp_group_the_same_completions():
     """ukhf.generate: ranks 0, 1 (SP group 0) hold the same completions, ranks 2, 3 likewise;
     the two DP groups' prompts differ, so their completions do."""
@@ -67,6 +69,7 @@ def test_grpo_generation_gives_an_sp_group_the_same_completions():
     assert generated[0] != generated[2], generated
 
 
+@slow
 def test_dpo_sp2_dp2_matches_dp_only_run():
     """DPO (sigmoid + 0.5 IPO, beta 0.5) with a reference model: left-padded prompts and
     right-padded completions of unequal lengths, [chosen; rejected] rows sharded together."""
@@ -75,8 +78,41 @@ def test_dpo_sp2_dp2_matches_dp_only_run():
     assert not errors, "\n".join(errors)
 
 
+@slow
 def test_rl_examples_train():
     """examples/grpo_trl.py and examples/dpo_trl.py's main() at SP 2 x DP 2 in the spawned
     group (`accelerate launch --config_file examples/accelerate_cpu.yaml examples/grpo_trl.py
     --sp 2` runs the same): a step each."""
     assert all(result["examples"] == [1, 1] for result in _run(4)), [r["examples"] for r in _run(4)]
+
+
+def test_mixins_refuse_what_they_do_not_make_sequence_parallel():
+    """The options the mixins do not make sequence parallel raise a ValueError naming them
+    (before any process group work: every rank raises the same), and GRPO's generation batch
+    is the DP-only run's (per device x DP x steps per generation)."""
+    import types
+
+    from trl import DPOConfig, GRPOConfig
+
+    from ulysses_kernels.hf import dpo_trainer, grpo_trainer
+
+    groups = types.SimpleNamespace(dp_size=3)
+    common = dict(output_dir="/tmp/uk_unused", use_cpu=True, report_to=[], per_device_train_batch_size=4,
+                  num_generations=4)
+    for option, match in ((dict(use_vllm=True), "use_vllm"),
+                          (dict(use_transformers_continuous_batching=True), "continuous batching")):
+        with pytest.raises(ValueError, match=match):
+            grpo_trainer._check_arguments(GRPOConfig(**{**common, **option}), groups)
+    config = GRPOConfig(**common)
+    config.num_generations = 8     # TRL checked it against 4 x world (here 1); at DP 3: 12 prompts
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        grpo_trainer._check_arguments(config, groups)
+    config = GRPOConfig(**common, steps_per_generation=2)
+    grpo_trainer._check_arguments(config, groups)
+    assert config.generation_batch_size == 4 * 3 * 2
+    for option, match in ((dict(precompute_ref_log_probs=True), "precompute_ref_log_probs"),
+                          (dict(use_weighting=True), "use_weighting"), (dict(padding_free=True), "padding_free")):
+        with pytest.raises(ValueError, match=match):
+            dpo_trainer._check_arguments(DPOConfig(output_dir="/tmp/uk_unused", use_cpu=True, report_to=[], **option))
+    with pytest.raises(ValueError, match="needs sp_groups"):
+        type("T", (grpo_trainer.SequenceParallelGRPOMixin, object), {})(sp_groups=None)
