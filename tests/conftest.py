@@ -17,6 +17,24 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _spawn_from_a_forkserver():
+    """Spawned ranks fork from one server that has imported torch (and transformers and the
+    package's hf module when installed) once: a 4-rank group starts in 0.2 s instead of 15 s
+    of imports on 2 cores. The ranks still get this process's environment at each spawn
+    (ulysses_kernels.launch)."""
+    import importlib.util
+
+    from ulysses_kernels import launch
+
+    preload = ["torch", "ulysses_kernels"]
+    if importlib.util.find_spec("transformers") is not None:
+        preload = ["torch", "transformers", "ulysses_kernels.hf"]
+    launch.set_spawn_defaults(start_method="forkserver", preload=preload)
+
+
+_spawn_from_a_forkserver()
+
+
 # The two tiers: `pytest -m "not slow"` is the developer loop (single-process tests: the
 # kernels in the interpreter, the rules, the stand-ins at one rank); `slow` marks the tests
 # that spawn process groups, run Hugging Face models, the CLI or the benchmark scripts.
