@@ -84,6 +84,9 @@ class SequenceParallelDPOMixin(DataParallelData):
         self.check_world(MIXIN)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(f"{MIXIN}: the MoE auxiliary loss (router_aux_loss_coef) is not supported")
+        columns = getattr(self.train_dataset, "column_names", None) or []   # the same on every rank
+        if {"image", "images"} & set(columns):
+            raise ValueError(f"{MIXIN}: image inputs are not supported (the dataset has {sorted(columns)})")
 
     def _compute_loss(self, model, inputs, return_outputs):
         models = [self.model] + ([self.ref_model] if self.ref_model is not None else [])

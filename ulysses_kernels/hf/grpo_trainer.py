@@ -118,6 +118,10 @@ class SequenceParallelGRPOMixin(DataParallelData):
         set_seed(self.args.seed + sp_groups.dp_rank)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(f"{MIXIN}: the MoE auxiliary loss (output_router_logits) is not supported")
+        # Every rank has the same dataset: refused here, images reach no rank's generation.
+        columns = getattr(self.train_dataset, "column_names", None) or []
+        if {"image", "images"} & set(columns):
+            raise ValueError(f"{MIXIN}: image inputs are not supported (the dataset has {sorted(columns)})")
 
     # ------------------------------------------------------------------ DP-only gathers
 
