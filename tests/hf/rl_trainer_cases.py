@@ -75,9 +75,9 @@ def grpo_args(out, **extra):
     return GRPOConfig(**common)
 
 
-def run_grpo(out, sp=None, stub=True, **extra):
-    """A GRPO run (DP only when `sp` is None, else SP `sp` x DP world / sp), trained:
-    (losses, params) as trainer_cases.finish, and the trainer."""
+def run_grpo(out, sp=None, stub=True, ring=1, **extra):
+    """A GRPO run (DP only when `sp` is None, else SP `sp` (of which `ring` ring ranks) x
+    DP world / sp), trained: (losses, params) as trainer_cases.finish, and the trainer."""
     from trl import GRPOTrainer
 
     forget_deepspeed()
@@ -91,7 +91,7 @@ def run_grpo(out, sp=None, stub=True, **extra):
         import ulysses_kernels as uk
         from ulysses_kernels import hf as ukhf
 
-        groups = uk.init_sequence_parallel(sp)
+        groups = uk.init_sequence_parallel(sp, ring_size=ring)
         ukhf.register(groups)
         model = start_from_initial(make_model("ulysses"))
         base = type("SPGRPOTrainer", (ukhf.SequenceParallelGRPOMixin, GRPOTrainer), {})

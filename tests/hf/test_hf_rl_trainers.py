@@ -5,7 +5,8 @@ and completions: the generation is stubbed in both), in the losses and the param
 updates (SGD without clipping, rl_trainer_cases.py): left-padded prompts, right-padded
 completions of unequal lengths, a temperature != 1, old log-probs recomputed
 (steps_per_generation 2). Without the stub, completions come from ukhf.generate and are
-the same on the ranks of an SP group. DPO at SP 2 x DP 2 likewise matches its DP-only run.
+the same on the ranks of an SP group. GRPO at SP 4 as a 2 x 2 ring equals one process; DPO
+at SP 2 x DP 2 matches its DP-only run.
 """
 
 import pytest
@@ -32,6 +33,7 @@ def sp_jobs(rank, world):
     dist.all_gather_object(gathered, completions.tolist())
     out["generated"] = gathered
     out["dpo_sp2"], _ = run_dpo(shared_dir("dpo_sp2"), sp=2)
+    out["grpo_ring"], _ = run_grpo(shared_dir("grpo_ring"), sp=4, ring=2)
     # the examples' main() in this process group (what `accelerate launch` runs)
     import sys
 
@@ -47,6 +49,8 @@ def sp_jobs(rank, world):
 
 def dp_reference_jobs(rank, world):
     launch_env(rank, world)
+    if world == 1:   # the reference of SP 4 (a 2 x 2 ring) x DP 1
+        return {"grpo": run_grpo(shared_dir("grpo_ref1"))[0]}
     return {"grpo": run_grpo(shared_dir("grpo_ref"))[0], "dpo": run_dpo(shared_dir("dpo_ref"))[0]}
 
 
@@ -57,6 +61,14 @@ _run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, 
 def test_grpo_sp2_dp2_matches_dp_only_run():
     reference = _run(2)[0]["grpo"]
     errors = compare_ranks(_run(4), "grpo_sp2", reference)
+    assert not errors, "\n".join(errors)
+
+
+@slow
+def test_grpo_with_a_ring_matches_one_process():
+    """SP 4 as Ulysses 2 x ring 2 (DP 1) equals the one-process run on the same prompts."""
+    reference = _run(1)[0]["grpo"]
+    errors = compare_ranks(_run(4), "grpo_ring", reference)
     assert not errors, "\n".join(errors)
 
 
