@@ -185,6 +185,23 @@ def test_merge_sinks_and_its_gradient_match_the_brute_force():
     assert rel_err(sink_gradient(sinks, merged_lse, merged, do), want[4]) < 1e-12
 
 
+def test_sink_gradient_is_zero_for_rows_without_keys_and_a_minus_inf_sink():
+    """A row that sees no key (lse -inf) with a head whose sink is -inf (no sink) adds
+    nothing to the sinks' gradient: 0, not NaN (exp(-inf - -inf)); the ring's rule and the
+    Triton path's are the one `variants.sinks_gradient`."""
+    from ulysses_kernels.variants import sinks_gradient
+
+    out, do = randn(1, 4, 2, 8, seed=1, dtype=torch.float64), randn(1, 4, 2, 8, seed=2, dtype=torch.float64)
+    lse = randn(1, 2, 4, seed=3, dtype=torch.float64)
+    lse[0, 1, :2] = float("-inf")                                   # head 1: two rows without keys
+    sinks = torch.tensor([0.5, float("-inf")], dtype=torch.float64)
+    got = sink_gradient(sinks, lse, out, do)
+    assert torch.isfinite(got).all() and float(got[1]) == 0.0, got
+    delta = (do * out).sum(-1).transpose(1, 2)
+    assert rel_err(got[0], -(torch.exp(0.5 - lse[0, 0]) * delta[0, 0]).sum()) < 1e-14
+    assert torch.equal(got, sinks_gradient(sinks, lse, delta))
+
+
 @pytest.mark.parametrize("softcap", [0.0, 4.0])
 def test_torch_block_ops_with_band_and_softcap(softcap):
     """A shifted band (negative left side: the ring's blocks behind the diagonal) on the

@@ -6,13 +6,14 @@ backward".
 Host-side orchestration only; the kernels live in ``flash_bwd_preprocess.py``,
 ``flash_bwd_dkdv.py`` and ``flash_bwd_dq.py``. The variants (window band, softcap, a
 value head dim of its own) are the kernels' compile-time switches; the sinks' gradient is
-computed here from delta and the sink-inclusive LSE (:func:`sinks_gradient`).
+computed here from delta and the sink-inclusive LSE (`variants.sinks_gradient`, the one rule every path uses).
 """
 
 import torch
 import triton
 
 from ..env import BWD_HEAD_SPLITS, DETERMINISTIC, flag, integer
+from ..variants import sinks_gradient
 from ._common import block_d as padded_head_dim
 from .features import bwd_warp_specialize, requested
 from .flash_bwd_dkdv import _launch_atomic, head_splits, launch_dkdv
@@ -38,18 +39,6 @@ def _head_splits(q, batch, seqlen_k, num_q_heads, num_kv_heads, block_d) -> int:
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     block_n = _launch_atomic.default(block_d)[1]
     return head_splits(triton.cdiv(seqlen_k, block_n), batch, num_kv_heads, group, sms)
-
-
-def sinks_gradient(sinks, lse, delta):
-    """dL/dsink_h = -sum_{b,i} P_sink[b,h,i] * delta[b,h,i], fp32 ``[Hq]``.
-
-    The sink is a key of value 0 with probability ``P_sink = exp(sink_h - lse)`` (lse
-    includes it), so its score gets ``P_sink * (0 - dO.O)`` like any key's. A row with
-    lse = -inf (no key and a sink of -inf) contributes 0, not NaN.
-    """
-    p_sink = torch.exp(sinks.view(1, -1, 1) - lse)
-    p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(p_sink), p_sink)
-    return -(p_sink * delta).sum(dim=(0, 2))
 
 
 def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_of, batch, seqlen_q,

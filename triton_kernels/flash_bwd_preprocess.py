@@ -1,7 +1,7 @@
 """Backward preprocess: ``delta = rowsum(dO * O)`` in fp32, stored ``[B, Hq, Sq]``.
 
 O and dO have v's head dim (Dv, the HEAD_DIM the host passes here). delta also gives the
-sinks' gradient (``flash_bwd.sinks_gradient``).
+sinks' gradient (``variants.sinks_gradient``).
 """
 
 import triton

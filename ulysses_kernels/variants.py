@@ -107,3 +107,14 @@ def sinks_problem(sinks, num_heads: int, device) -> Optional[str]:
     if device is not None and sinks.device != device:
         return f"sinks are on {sinks.device} but q is on {device}"
     return None
+
+
+def sinks_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """d loss / d sinks `[H]`, the one rule every path uses: a sink is a key of value 0 with
+    probability `P_sink = exp(sink_h - lse)` (`lse [B, H, n]` includes it), so its score gets
+    `P_sink * (0 - delta)` like any key's, `delta [B, H, n] = rowsum(dO * O)`:
+    `-sum_{b,i} P_sink[b,h,i] * delta[b,h,i]`, in lse's dtype. A row with lse = -inf (no key
+    and a sink of -inf) contributes 0, not NaN."""
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    p_sink = torch.where(torch.isneginf(lse), torch.zeros_like(p_sink), p_sink)
+    return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2))

@@ -17,6 +17,8 @@ from typing import Sequence, Tuple
 
 import torch
 
+from ..variants import sinks_gradient
+
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype partial attentions are accumulated in: float64 for float64, else float32."""
@@ -60,11 +62,8 @@ def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> Tu
 
 
 def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
-    """d loss / d sinks `[H]` from the final (sink-inclusive) lse `[B, H, n]`, output and its
-    gradient `[B, n, H, Dv]`: a sink's weight in row i is `exp(sink - lse_i)` and its value
-    is 0, so `d out_i / d sink = -exp(sink - lse_i) * out_i` and the gradient is
-    `-sum_i exp(sink - lse_i) * rowsum(dO_i * O_i)`."""
-    acc = lse.dtype
-    delta = (grad_out.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, n]
-    weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
-    return -(weight * delta).sum(dim=(0, 2)).to(sinks.dtype)
+    """d loss / d sinks `[H]` (in sinks' dtype) from the final (sink-inclusive) lse `[B, H, n]`,
+    output and its gradient `[B, n, H, Dv]`: `variants.sinks_gradient` with `delta =
+    rowsum(dO * O)` accumulated in lse's dtype."""
+    delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2)  # [B, H, n]
+    return sinks_gradient(sinks, lse, delta).to(sinks.dtype)
