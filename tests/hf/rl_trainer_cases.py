@@ -63,6 +63,20 @@ def stubbed(base):
     return Stubbed
 
 
+def saved_and_loaded(model, out, attention):
+    """`model` saved by rank 0 under `out` and loaded back on every rank (its config then
+    names a path, from which TRL builds the reference model)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    path = f"{out}/initial"
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        model.save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention).float()
+
+
 def grpo_args(out, **extra):
     import torch.distributed as dist
     from trl import GRPOConfig
@@ -84,18 +98,20 @@ def run_grpo(out, sp=None, stub=True, ring=1, **extra):
     initial_parameters()
     args = grpo_args(out, **extra)
     kwargs = dict(reward_funcs=reward_tokens, args=args, train_dataset=prompts(), processing_class=tiny_tokenizer())
+    attention = "eager" if sp is None else "ulysses"
     if sp is None:
         base = GRPOTrainer
-        model = start_from_initial(make_model("eager"))
     else:
         import ulysses_kernels as uk
         from ulysses_kernels import hf as ukhf
 
         groups = uk.init_sequence_parallel(sp, ring_size=ring)
         ukhf.register(groups)
-        model = start_from_initial(make_model("ulysses"))
         base = type("SPGRPOTrainer", (ukhf.SequenceParallelGRPOMixin, GRPOTrainer), {})
         kwargs["sp_groups"] = groups
+    model = start_from_initial(make_model(attention))
+    if args.beta != 0.0:   # TRL builds the reference model from the policy's path
+        model = saved_and_loaded(model, out, attention)
     cls = recording(stubbed(base) if stub else base)
     trainer = cls(model=model, **kwargs)
     trainer.train()

@@ -19,6 +19,8 @@ from rl_trainer_cases import run_dpo, run_grpo  # noqa: E402
 from trainer_cases import compare_ranks, launch_env, shared_dir  # noqa: E402
 
 slow = pytest.mark.slow  # TRL trainers in spawned groups
+# GRPO with the KL to a reference model TRL builds from the policy's path, loss_type grpo
+GRPO_KL = dict(beta=0.04, loss_type="grpo")
 
 
 def sp_jobs(rank, world):
@@ -34,6 +36,7 @@ def sp_jobs(rank, world):
     out["generated"] = gathered
     out["dpo_sp2"], _ = run_dpo(shared_dir("dpo_sp2"), sp=2)
     out["grpo_ring"], _ = run_grpo(shared_dir("grpo_ring"), sp=4, ring=2)
+    out["grpo_kl_sp2"], _ = run_grpo(shared_dir("grpo_kl_sp2"), sp=2, **GRPO_KL)
     # the examples' main() in this process group (what `accelerate launch` runs)
     import sys
 
@@ -51,7 +54,8 @@ def dp_reference_jobs(rank, world):
     launch_env(rank, world)
     if world == 1:   # the reference of SP 4 (a 2 x 2 ring) x DP 1
         return {"grpo": run_grpo(shared_dir("grpo_ref1"))[0]}
-    return {"grpo": run_grpo(shared_dir("grpo_ref"))[0], "dpo": run_dpo(shared_dir("dpo_ref"))[0]}
+    return {"grpo": run_grpo(shared_dir("grpo_ref"))[0], "dpo": run_dpo(shared_dir("dpo_ref"))[0],
+            "grpo_kl": run_grpo(shared_dir("grpo_kl_ref"), **GRPO_KL)[0]}
 
 
 _run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
@@ -61,6 +65,15 @@ _run = SpawnedRuns(lambda world: (sp_jobs if world == 4 else dp_reference_jobs, 
 def test_grpo_sp2_dp2_matches_dp_only_run():
     reference = _run(2)[0]["grpo"]
     errors = compare_ranks(_run(4), "grpo_sp2", reference)
+    assert not errors, "\n".join(errors)
+
+
+@slow
+def test_grpo_with_a_reference_model_matches_dp_only_run():
+    """beta 0.04, loss_type grpo: the reference model TRL loads from the policy's path (with
+    the policy's "ulysses" attention) is scored sequence-parallel too."""
+    reference = _run(2)[0]["grpo_kl"]
+    errors = compare_ranks(_run(4), "grpo_kl_sp2", reference)
     assert not errors, "\n".join(errors)
 
 
