@@ -125,9 +125,15 @@ def test_mixins_refuse_what_they_do_not_make_sequence_parallel():
     common = dict(output_dir="/tmp/uk_unused", use_cpu=True, report_to=[], per_device_train_batch_size=4,
                   num_generations=4)
     for option, match in ((dict(use_vllm=True), "use_vllm"),
-                          (dict(use_transformers_continuous_batching=True), "continuous batching")):
+                          (dict(use_transformers_continuous_batching=True), "continuous batching"),
+                          (dict(cast_lm_head_to_fp32=True), "cast_lm_head_to_fp32")):
         with pytest.raises(ValueError, match=match):
             grpo_trainer._check_arguments(GRPOConfig(**{**common, **option}), groups)
+    config = GRPOConfig(**common, do_eval=True, eval_strategy="steps", per_device_eval_batch_size=2,
+                        num_generations_eval=2)
+    config.num_generations_eval = 4   # TRL checked 2 x world (here 1); at DP 3 an eval batch is 6 rows
+    with pytest.raises(ValueError, match=r"the eval batch \(per_device_eval_batch_size x DP = 6\)"):
+        grpo_trainer._check_arguments(config, groups)
     config = GRPOConfig(**common)
     config.num_generations = 8     # TRL checked it against 4 x world (here 1); at DP 3: 12 prompts
     with pytest.raises(ValueError, match="multiple of num_generations"):

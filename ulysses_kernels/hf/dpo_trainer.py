@@ -27,7 +27,8 @@ same fields from the sequence-parallel forward:
 
 The data is sharded over the DP dimension only and TRL's metrics gather over it
 (`DataParallelView`). Refused with a ValueError: precomputed reference log-probs,
-WPO weighting (`use_weighting`), MoE auxiliary losses, image inputs.
+WPO weighting (`use_weighting`), MoE auxiliary losses, image inputs, PEFT models,
+`compute_metrics` (TRL would run the model unsharded for its logits).
 """
 
 import contextlib
@@ -41,7 +42,7 @@ from .attention import register
 from .batch import IGNORE_INDEX, gather_tokens, shard_batch
 from .context import sequence_parallel_model, unwrap
 from .logprobs import token_fields
-from .trainer import DataParallelData, check_groups
+from .trainer import DataParallelData, check_groups, refuse_peft
 
 MIXIN = "SequenceParallelDPOMixin"
 # The fields TRL's DPO loss and metrics read.
@@ -66,13 +67,12 @@ def _check_arguments(config) -> None:
 
 class SequenceParallelDPOMixin(DataParallelData):
     """Put before `DPOTrainer` in the bases; pass ``sp_groups=`` (the groups of
-    `ulysses_kernels.init_sequence_parallel`) and a ``ref_model`` (or a PEFT model). See the
-    module doc."""
+    `ulysses_kernels.init_sequence_parallel`) and a ``ref_model``. See the module doc."""
 
     def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, **kwargs):
         check_groups(MIXIN, sp_groups)
         self.sp_groups = sp_groups
-        config = kwargs.get("args")
+        config = kwargs.get("args") if kwargs.get("args") is not None else (args[2] if len(args) > 2 else None)
         if config is None:
             raise ValueError(f"{MIXIN} needs args=DPOConfig(...)")
         _check_arguments(config)
@@ -84,6 +84,9 @@ class SequenceParallelDPOMixin(DataParallelData):
         self.check_world(MIXIN)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(f"{MIXIN}: the MoE auxiliary loss (router_aux_loss_coef) is not supported")
+        if self.compute_metrics is not None:   # TRL would call the model unsharded for its logits
+            raise ValueError(f"{MIXIN}: compute_metrics is not supported")
+        refuse_peft(MIXIN, self.model)
         columns = getattr(self.train_dataset, "column_names", None) or []   # the same on every rank
         if {"image", "images"} & set(columns):
             raise ValueError(f"{MIXIN}: image inputs are not supported (the dataset has {sorted(columns)})")

@@ -31,7 +31,12 @@ methods (tested with TESTED_VERSIONS):
 * **Advantages, token counts, metrics** are TRL's, computed with gathers over the DP
   dimension (`DataParallelView`): a gather over the world would repeat each group's rows.
 
-Refused with a ValueError: vLLM, continuous batching, image inputs, MoE auxiliary losses.
+Set `steps_per_generation`, not `generation_batch_size`: TRL derives one from the other over
+the whole world before the mixin sees them. Refused with a ValueError on every rank: vLLM,
+continuous batching, `rollout_func`, tools and environments (each SP rank would run them on
+its own), image inputs, MoE auxiliary losses, PEFT models, `cast_lm_head_to_fp32`. The old
+and reference log-probs of a generation batch run as one packed forward (TRL chunks them by
+`per_device_train_batch_size`).
 """
 
 import contextlib
@@ -47,7 +52,7 @@ from .batch import IGNORE_INDEX, gather_tokens, shard_batch
 from .context import sequence_parallel_model
 from .generation import generate as sp_generate
 from .logprobs import token_logprobs
-from .trainer import DataParallelData, check_groups
+from .trainer import DataParallelData, check_groups, refuse_peft
 
 MIXIN = "SequenceParallelGRPOMixin"
 
@@ -75,11 +80,20 @@ def _check_arguments(config, groups: ParallelGroups) -> None:
         raise ValueError(f"{MIXIN}: use_vllm=True is not supported (completions come from ukhf.generate)")
     if getattr(config, "use_transformers_continuous_batching", False):
         raise ValueError(f"{MIXIN}: continuous batching is not supported (completions come from ukhf.generate)")
+    if getattr(config, "cast_lm_head_to_fp32", False):
+        raise ValueError(f"{MIXIN}: cast_lm_head_to_fp32=True is not supported (the tiled head computes its "
+                         "softmax in float32 from the model's own head)")
     config.generation_batch_size = config.per_device_train_batch_size * groups.dp_size * config.steps_per_generation
     if config.generation_batch_size % config.num_generations:
         raise ValueError(f"{MIXIN}: the generation batch (per_device_train_batch_size x DP x steps_per_generation "
                          f"= {config.generation_batch_size}) must be a multiple of num_generations "
                          f"({config.num_generations})")
+    evaluates = getattr(config, "do_eval", False) and getattr(config, "eval_strategy", "no") != "no"
+    eval_generations = getattr(config, "num_generations_eval", None) or config.num_generations
+    if evaluates and (config.per_device_eval_batch_size * groups.dp_size) % eval_generations:
+        raise ValueError(f"{MIXIN}: the eval batch (per_device_eval_batch_size x DP = "
+                         f"{config.per_device_eval_batch_size * groups.dp_size}) must be a multiple of the eval "
+                         f"generations ({eval_generations})")
 
 
 def _identical_runs(prompts):
@@ -118,10 +132,17 @@ class SequenceParallelGRPOMixin(DataParallelData):
         set_seed(self.args.seed + sp_groups.dp_rank)
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(f"{MIXIN}: the MoE auxiliary loss (output_router_logits) is not supported")
-        # Every rank has the same dataset: refused here, images reach no rank's generation.
+        # Every rank has the same dataset and options: refused here, the same on every rank.
         columns = getattr(self.train_dataset, "column_names", None) or []
         if {"image", "images"} & set(columns):
             raise ValueError(f"{MIXIN}: image inputs are not supported (the dataset has {sorted(columns)})")
+        # Each SP rank would run these on its own: its completions could differ from its group's.
+        for name, what in (("rollout_func", "a rollout_func"), ("tools", "tools"),
+                           ("environment_factories", "environment_factory")):
+            if getattr(self, name, None):
+                raise ValueError(f"{MIXIN}: {what} is not supported (an SP group's ranks must hold the same "
+                                 "completions)")
+        refuse_peft(MIXIN, self.model)
 
     # ------------------------------------------------------------------ DP-only gathers
 
@@ -137,6 +158,13 @@ class SequenceParallelGRPOMixin(DataParallelData):
     def _compute_loss(self, model, inputs):
         with self._as_data_parallel(_trl_module()):
             return super()._compute_loss(model, inputs)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards, then the SP group's first rank's on every rank of the group: a
+        reward function that is not deterministic (a judge model, a sandbox timeout) must not
+        give the ranks of a group different advantages."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return broadcast_tensor(rewards, 0, self.sp_groups.sp_group)
 
     # ------------------------------------------------------------------ generation
 
@@ -155,6 +183,7 @@ class SequenceParallelGRPOMixin(DataParallelData):
                 generation_kwargs=self.generation_kwargs,
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs))
             stack.enter_context(torch.no_grad())
+            stack.enter_context(self._dist.summon_full_params(self.model_wrapped, recurse=False))   # FSDP, as TRL
             for start, end in _identical_runs(prompt_ids):
                 prompt = torch.tensor(prompt_ids[start:end], device=device)
                 out = sp_generate(model, prompt, self.sp_groups, generation_config=self.generation_config)

@@ -24,7 +24,7 @@ from .loss import at_least_float32
 from .tiling import _named_params, _TiledFunction
 
 # Final logit transforms of some families that the tiled head does not apply (it refuses them).
-_UNSUPPORTED_SCALES = ("logit_scale", "logits_scaling")
+_UNSUPPORTED_SCALES = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 
 
 # The per-token fields `token_fields` computes (TRL's fused LM head's names).
@@ -64,6 +64,8 @@ def token_fields(model, batch: SequenceParallelBatch, groups=None, *, fields=("l
     sequence_parallel_model(model, groups)   # the first time: the model's context and its checks (guard.py)
     inner = unwrap(model)
     config = getattr(inner, "config", None)
+    if hasattr(config, "get_text_config"):   # a VLM's final logit settings are its text config's
+        config = config.get_text_config()
     for name in _UNSUPPORTED_SCALES:
         if getattr(config, name, None) not in (None, 1, 1.0):
             raise ValueError(f"token_logprobs: config.{name} (a final logit scale) is not applied by the tiled "

@@ -75,6 +75,13 @@ def check_groups(mixin: str, sp_groups) -> None:
                          f"(got {type(sp_groups).__name__})")
 
 
+def refuse_peft(mixin: str, model) -> None:
+    """PEFT models are not supported by the RL mixins yet (their scoring forward patches the
+    causal LM itself); a ValueError naming the mixin."""
+    if hasattr(model, "peft_config") or type(model).__name__.startswith("Peft"):
+        raise ValueError(f"{mixin}: PEFT models are not supported yet (pass the merged or full model)")
+
+
 class DataParallelData:
     """What every sequence-parallel trainer mixin shares: the data sharded over the DP
     dimension only, so the SP ranks of a group see the same batches (`sp_groups` set by the
@@ -195,6 +202,11 @@ class DataParallelView:
         return [x for v in values for x in v] if isinstance(obj, list) else values
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
+        """`Accelerator.reduce` over the DP groups: "sum" or "mean" (what TRL asks for)."""
+        if reduction not in ("sum", "mean") or scale != 1.0:
+            raise NotImplementedError(f"DataParallelView.reduce: reduction={reduction!r}, scale={scale} "
+                                      "(only sum and mean, unscaled)")
+
         def one(t):
             group = self._group()
             out = t.clone()
@@ -203,9 +215,7 @@ class DataParallelView:
                 buf = out.to(dev)
                 dist.all_reduce(buf, group=group)
                 out = buf.to(t.device)
-            if reduction == "mean":
-                out = out / self.num_processes
-            return out * scale if scale != 1.0 else out
+            return out / self.num_processes if reduction == "mean" else out
         return torch.utils._pytree.tree_map_only(torch.Tensor, one, tensor)
 
     def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
