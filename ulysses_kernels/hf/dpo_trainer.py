@@ -41,7 +41,7 @@ from ..distributed.groups import ParallelGroups
 from .attention import register
 from .batch import IGNORE_INDEX, gather_tokens, shard_batch
 from .context import sequence_parallel_model, unwrap
-from .logprobs import token_fields
+from .logprobs import forward_replaced, token_fields
 from .trainer import DataParallelData, check_groups, refuse_peft
 
 MIXIN = "SequenceParallelDPOMixin"
@@ -99,31 +99,18 @@ class SequenceParallelDPOMixin(DataParallelData):
             return super()._compute_loss(model, inputs, return_outputs)
 
 
-@contextlib.contextmanager
 def _sequence_parallel_scoring(inner, groups):
-    """`inner.forward` answers `fused_lm_head=True` calls from the sequence-parallel forward
-    (module doc); other calls go to the forward it had. Restored after."""
-    had_own = "forward" in vars(inner)
+    """Within: `inner.forward` answers `fused_lm_head=True` calls from the sequence-parallel
+    forward (module doc; its tiled head calls the backbone, never `inner.forward`); other
+    calls go to the forward it had."""
     previous = inner.forward
 
     def forward(self, *args, fused_lm_head=False, labels=None, **kwargs):
-        if not fused_lm_head:
-            return previous(*args, labels=labels, **kwargs) if labels is not None else previous(*args, **kwargs)
-        inner.forward = previous   # the scoring's own forward calls see the model's forward
-        try:
+        if fused_lm_head:
             return _scored(inner, groups, labels, args, kwargs)
-        finally:
-            inner.forward = bound
+        return previous(*args, labels=labels, **kwargs) if labels is not None else previous(*args, **kwargs)
 
-    bound = types.MethodType(forward, inner)
-    inner.forward = bound
-    try:
-        yield
-    finally:
-        if had_own:
-            inner.forward = previous
-        else:
-            del inner.forward
+    return forward_replaced(inner, forward)
 
 
 def _scored(inner, groups, labels, args, kwargs):

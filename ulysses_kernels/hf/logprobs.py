@@ -89,12 +89,13 @@ def token_fields(model, batch: SequenceParallelBatch, groups=None, *, fields=("l
 
 
 @contextlib.contextmanager
-def _tiled_head_forward(inner, request):
-    """`inner.forward` runs the backbone and the tiled head for one call; restored after."""
+def forward_replaced(inner, forward):
+    """Within: `inner.forward` is `forward` (a function of `(self, *args, **kwargs)`), for
+    the calls that go through `inner.__call__` (a DDP / FSDP wrapper's included); after: the
+    forward it had (an instance attribute, such as TRL's fused head, or the class's)."""
     had_own = "forward" in vars(inner)
     previous = vars(inner).get("forward")
-    inner.forward = types.MethodType(lambda self, *args, **kwargs: _backbone_then_head(self, request, args, kwargs),
-                                     inner)
+    inner.forward = types.MethodType(forward, inner)
     try:
         yield
     finally:
@@ -102,6 +103,11 @@ def _tiled_head_forward(inner, request):
             inner.forward = previous
         else:
             del inner.forward
+
+
+def _tiled_head_forward(inner, request):
+    """`inner.forward` runs the backbone and the tiled head for one call; restored after."""
+    return forward_replaced(inner, lambda self, *args, **kwargs: _backbone_then_head(self, request, args, kwargs))
 
 
 def _backbone_then_head(model, request, args, kwargs):
