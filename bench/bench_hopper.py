@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark the Hopper kernel features (triton_kernels/features.py): our attention with the
+"""Benchmark the Hopper kernel features (ulysses_kernels/triton/features.py): our attention with the
 measured kernels ("before") and with each feature list ("after"), next to SDPA cuDNN, SDPA
 flash and flash_attn when it is installed, in one run.
 

@@ -85,8 +85,8 @@ if [ "$DRY_RUN" != 1 ] && "$PYTHON" -c "import xdist" >/dev/null 2>&1; then
 fi
 FUSED_TESTS=(tests/fused/test_fused_ops.py tests/fused/test_fused_pipeline.py tests/fused/test_fused_layer.py
              tests/ring/test_ring_attention.py)
-TRITON_TESTS=(tests/triton_kernels/test_triton_attention.py tests/triton_kernels/test_triton_ops.py
-              tests/triton_kernels/test_triton_merge.py tests/hf/test_hf_offload.py tests/triton_path/test_kernel_choice.py)
+TRITON_TESTS=(tests/triton/test_triton_attention.py tests/triton/test_triton_ops.py
+              tests/triton/test_triton_merge.py tests/hf/test_hf_offload.py tests/triton_path/test_kernel_choice.py)
 
 STEPS="${GPU_CHECK_STEPS:-$DEFAULT_STEPS}"
 print_budget
@@ -195,10 +195,10 @@ if want symm_tests; then
     tests/fused/test_symm_transport.py
 fi
 if want variant_tests; then
-  step variant_tests "${LIMIT[variant_tests]}" "${PYTEST[@]}" -m gpu tests/triton_kernels/test_triton_variants_gpu.py
+  step variant_tests "${LIMIT[variant_tests]}" "${PYTEST[@]}" -m gpu tests/triton/test_triton_variants_gpu.py
 fi
 if want hopper_tests; then
-  step hopper_tests "${LIMIT[hopper_tests]}" "${PYTEST[@]}" -m gpu tests/triton_kernels/test_triton_features_gpu.py
+  step hopper_tests "${LIMIT[hopper_tests]}" "${PYTEST[@]}" -m gpu tests/triton/test_triton_features_gpu.py
 fi
 if want bench_hopper; then
   step bench_hopper "${LIMIT[bench_hopper]}" "$PYTHON" bench/bench_hopper.py --out "$RESULTS" --budget-s 55 --sweep

@@ -106,7 +106,7 @@ ROWS = [
     ("bwd_pre", "flash_bwd_preprocess", "_flash_bwd_preprocess_kernel",
      {"plain": dict(SPLIT=0), "buffer": dict(SPLIT=1), "buffer/token": dict(SPLIT=2)}, preprocess_default),
 ]
-# The forward's Hopper features (triton_kernels/features.py) as launches combine them (each
+# The forward's Hopper features (ulysses_kernels/triton/features.py) as launches combine them (each
 # builds on desc; "hopper" is features.HOPPER; varlen drops warp_specialize), on the layouts
 # they apply to; "noncausal" rows are the plain layout without the causal mask.
 _DESC = dict(KV_DESC=True)
@@ -189,10 +189,16 @@ def _tool(name):
 # --------------------------------------------------------------------------------------------
 # Importing the kernels of a given checkout
 # --------------------------------------------------------------------------------------------
+def kernel_folder(repo):
+    """The folder of checkout `repo` that holds the Triton kernels, relative to it."""
+    old = os.path.join(repo, "triton_kernels")
+    return "triton_kernels" if os.path.isdir(old) else os.path.join("ulysses_kernels", "triton")
+
+
 def use_repo(repo):
     """Make `ulysses_kernels.triton.<module>` import the kernel modules of checkout `repo`.
 
-    pyproject.toml maps the package ulysses_kernels.triton to the folder triton_kernels/. Both
+    pyproject.toml maps the package ulysses_kernels.triton to the folder ulysses_kernels/triton/. Both
     packages are registered as bare namespace stubs over the checkout's folders, so their
     __init__ (the torch op registrations, the whole public API) never runs: only the
     kernel modules and what they import (ulysses_kernels.env) load.
@@ -202,7 +208,7 @@ def use_repo(repo):
     os.environ["TRITON_INTERPRET"] = "0"
     for name in [m for m in sys.modules if m == "ulysses_kernels" or m.startswith("ulysses_kernels.")]:
         del sys.modules[name]
-    for name, folder in (("ulysses_kernels", "ulysses_kernels"), ("ulysses_kernels.triton", "triton_kernels")):
+    for name, folder in (("ulysses_kernels", "ulysses_kernels"), ("ulysses_kernels.triton", kernel_folder(repo))):
         path = os.path.join(repo, folder)
         if not os.path.isdir(path):
             raise SystemExit(f"{path} not found: --repo must be a checkout of ulysses-kernels")
@@ -248,16 +254,47 @@ def scalar_type(name):
     return "fp32" if "scale" in name or name.startswith("softcap") else "i32"
 
 
+def tuple_fields(kernel):
+    """{tuple parameter: its field names}, read from the kernel body's unpacking statements
+    (``Sq, Sk, B, P = sizes``): each kernel unpacks its tuple parameters at its top, so their
+    fields are typed by the same name rules as plain parameters (an older checkout has none)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
+    params = {p.name for p in kernel.params}
+    fields = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Tuple)
+                and isinstance(node.value, ast.Name) and node.value.id in params):
+            fields[node.value.id] = [element.id for element in node.targets[0].elts]
+    return fields
+
+
+def _runtime_type(name, dtype, do_not_specialize):
+    """(type, constexpr value or None, divisibility-16 attribute?) of one runtime argument
+    as the launcher specializes it: strides of the last dim (``*_d``) are 1, pointers and
+    the batch/seq/head strides divisible by 16, unless declared do_not_specialize."""
+    if name.endswith("_d") and not do_not_specialize:
+        return "constexpr", 1, False
+    if name.isupper() and name not in SCALAR_ARGS and not do_not_specialize:
+        return pointer_type(name, dtype), None, True
+    aligned = name.endswith(("_s", "_h", "_b")) and not do_not_specialize
+    return scalar_type(name), None, aligned
+
+
 def build_signature(kernel, consts, dtype):
     """(signature, constexprs, attrs) as the launcher's call would specialize them.
 
-    Constexpr parameters take `consts` (else their default); strides of the last dim
-    (`*_d`) are specialized to 1 unless declared do_not_specialize; pointers and the
-    batch/seq/head strides get 16-divisibility. Raises KeyError for a missing constexpr.
+    Constexpr parameters take `consts` (else their default); runtime arguments, and each
+    field of a tuple parameter (keyed by its path), follow _runtime_type. Raises KeyError
+    for a missing constexpr.
     """
     import inspect
 
     sig, values, attrs = {}, {}, {}
+    fields = tuple_fields(kernel)
     for p in kernel.params:
         n = p.name
         if p.is_constexpr:
@@ -268,16 +305,18 @@ def build_signature(kernel, consts, dtype):
             else:
                 raise KeyError(n)
             sig[n] = "constexpr"
-        elif n.endswith("_d") and not p.do_not_specialize:
-            values[n] = 1
-            sig[n] = "constexpr"
-        elif n.isupper() and n not in SCALAR_ARGS and not p.do_not_specialize:
-            sig[n] = pointer_type(n, dtype)
-            attrs[(p.num,)] = [["tt.divisibility", 16]]
-        else:
-            sig[n] = scalar_type(n)
-            if n.endswith(("_s", "_h", "_b")) and not p.do_not_specialize:
-                attrs[(p.num,)] = [["tt.divisibility", 16]]
+            continue
+        names = fields.get(n)
+        paths = [(p.num, j) for j in range(len(names))] if names else [(p.num,)]
+        types = []
+        for path, name in zip(paths, names or [n]):
+            kind, value, aligned = _runtime_type(name, dtype, p.do_not_specialize)
+            types.append(kind)
+            if value is not None:
+                values[path if names else n] = value
+            if aligned:
+                attrs[path] = [["tt.divisibility", 16]]
+        sig[n] = tuple(types) if names else types[0]
     return sig, values, attrs
 
 
@@ -579,7 +618,7 @@ def compile_one(job):
         layout = re.sub(r"[^A-Za-z0-9_.-]", "_", job["layout"])  # "buffer/token", "dv=d/2": one file name
         with open(os.path.join(job["sass_dir"], "%s_%s_%s.sass" % (job["name"], layout, job["dtype"])), "w") as f:
             f.write(sass)
-    analysis = analyze_sass(sass, os.path.join(job["repo"], "triton_kernels"))
+    analysis = analyze_sass(sass, os.path.join(job["repo"], kernel_folder(job["repo"])))
     out["total"] = analysis["total"]
     out["loops"] = analysis["loops"]
     return out
@@ -794,7 +833,7 @@ def report(rows, notes, header=""):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repo", default=DEFAULT_REPO, help="checkout whose triton_kernels/ to build (default: this one)")
+    ap.add_argument("--repo", default=DEFAULT_REPO, help="checkout whose ulysses_kernels/triton/ to build (default: this one)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", choices=sorted(DATA_TYPES), default="bf16")
     ap.add_argument("--kernels", default="", help="comma-separated short names or modules (default: all)")

@@ -45,21 +45,21 @@ ATTENTION = Variable("ULYSSES_KERNELS_ATTENTION", "choice", "auto", "ulysses_ker
 CACHE_DIR = Variable("ULYSSES_KERNELS_CACHE_DIR", "path", "~/.cache/ulysses_kernels",
                      "ulysses_kernels/triton_path/select.py",
                      "Where the kernel choice keeps its timed choices (attention_choice.json).")
-DETERMINISTIC = Variable("ULYSSES_KERNELS_DETERMINISTIC", "flag", "0", "triton_kernels/flash_bwd.py",
+DETERMINISTIC = Variable("ULYSSES_KERNELS_DETERMINISTIC", "flag", "0", "ulysses_kernels/triton/flash_bwd.py",
                          "The default of `deterministic`: the bitwise-reproducible attention backward (two "
                          "kernels, 7 GEMMs per tile) instead of fp32 dQ atomics (5 GEMMs).")
 BWD_HEAD_SPLITS = Variable("ULYSSES_KERNELS_BWD_HEAD_SPLITS", "integer", "0 (automatic)",
-                           "triton_kernels/flash_bwd.py",
+                           "ulysses_kernels/triton/flash_bwd.py",
                            "Forces how many programs share one KV head's query-head group in the atomic "
                            "backward (a divisor of the GQA group; 0: by the grid rule).")
-TRITON_AUTOTUNE = Variable("ULYSSES_KERNELS_TRITON_AUTOTUNE", "flag", "1", "triton_kernels/_common.py",
+TRITON_AUTOTUNE = Variable("ULYSSES_KERNELS_TRITON_AUTOTUNE", "flag", "1", "ulysses_kernels/triton/_common.py",
                            "Autotune the Triton kernels on a GPU (read when they are imported; 0: the default "
                            "configs, as the GPU check runs them).")
 TRITON_INTERPRET = Variable("TRITON_INTERPRET", "flag", "0", "ulysses_kernels/env.py (and Triton itself)",
                             "Run Triton kernels in Triton's interpreter, on CPU tensors (set before importing "
                             "ulysses_kernels; tests/conftest.py sets it without a GPU).")
 HOPPER_FEATURES = Variable("ULYSSES_KERNELS_HOPPER_FEATURES", "text", "(none: the measured kernels)",
-                           "triton_kernels/features.py",
+                           "ulysses_kernels/triton/features.py",
                            "Opt-in Hopper features of the attention kernels, comma-separated. Forward: desc (K/V "
                            "through TMA tensor descriptors), fma_scale (the softmax scale in one FFMA), "
                            "lazy_rescale (rescale only when a row maximum grows by more than 2**8), "

@@ -1,6 +1,5 @@
 """Optional compiled pieces, loaded on demand: the CUDA extension (`ulysses_kernels._C`,
-built from csrc/) and the Triton attention kernels (`ulysses_kernels.triton`, from
-triton_kernels/).
+built from csrc/) and the Triton attention kernels (`ulysses_kernels.triton`).
 
 Like xformers, a missing or broken build never breaks `import ulysses_kernels`: each
 loader returns (module, None) or (None, why not), the reason is kept for
@@ -82,9 +81,8 @@ def build_info(name: str, default=None):
 def triton_kernels() -> Tuple[Optional[object], Optional[str]]:
     """Import the Triton attention kernels once; returns (module, None) or (None, why not)."""
     try:
-        # By name: the kernels live in triton_kernels/ (installed as ulysses_kernels.triton),
-        # outside the folder that the import-linter graph covers.
-        module = importlib.import_module("ulysses_kernels.triton")
+        # Lazy: the package imports without Triton; every use of the kernels goes through here.
+        from . import triton as module
     except Exception as exc:  # noqa: BLE001 - triton missing, or incompatible
         return None, f"{type(exc).__name__}: {exc}"
     if not hasattr(module, "flash_attention"):

@@ -234,7 +234,7 @@ class Plan:
 def dq_accumulator_bytes(shape: ModelShape, heads: int, queries: int) -> int:
     """The default (atomic) Triton backward adds dQ into an fp32 `[heads, queries, D']`
     buffer (D' the head dim padded to a power of two), live while the layer's saved
-    tensors are (triton_kernels/flash_bwd.py); the deterministic backward has none."""
+    tensors are (ulysses_kernels/triton/flash_bwd.py); the deterministic backward has none."""
     return heads * queries * max(16, 1 << (shape.head_dim - 1).bit_length()) * 4
 
 

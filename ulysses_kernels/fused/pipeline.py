@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from ..extensions import require_triton_kernels
 from ..variants import PLAIN, Variant
 from .engine import Engine
 from .exchange import return_to_seq, send_to_heads
@@ -224,7 +225,7 @@ def _pipeline_done(engine: Engine, io: ChunkIo, plan, unpacked, compute) -> None
 def forward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, plan: Sequence[Chunk], *,
             save: bool, dtype: torch.dtype, device: torch.device) -> Optional[Saved]:
     """Forward pipeline; returns what the backward needs (None unless `save`)."""
-    from ..triton import flash_attention_forward  # lazy: importing the fused path must not need Triton
+    flash_attention_forward = require_triton_kernels().flash_attention_forward  # importing needs no Triton
 
     recv_off, recv_total = regions([geo.recv_numel(c.channels) for c in plan], dtype)
     osend_off, osend_total = regions([geo.recv_numel(c.q_cnt) for c in plan], dtype)
@@ -260,7 +261,7 @@ def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions,
              dsinks: Optional[torch.Tensor] = None) -> None:
     """Backward pipeline: io.inputs gives dO per chunk, io.outputs takes dq/dk/dv;
     `dsinks` (fp32, one per local query head; with sinks) receives the sinks' gradient."""
-    from ..triton import flash_attention_backward
+    flash_attention_backward = require_triton_kernels().flash_attention_backward
 
     drecv_off, drecv_total = regions([geo.recv_numel(c.q_cnt) for c in plan], dtype)
     gsend_off, gsend_total = regions([geo.recv_numel(c.grad_channels) for c in plan], dtype)

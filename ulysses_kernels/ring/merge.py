@@ -8,7 +8,7 @@ combine to the attention over the union:
 
 This is the torch version: the reference path's ring merges with it, HF inference merges
 the ring ranks' partials with it, and the Triton merge kernel
-(`triton_kernels/merge.py`, used by the Triton and fused paths' ring) is tested against
+(`ulysses_kernels/triton/merge.py`, used by the Triton and fused paths' ring) is tested against
 it. Accumulators are float32 (float64 for float64 inputs); rows with -inf on both sides
 (no key seen yet) stay 0 / -inf.
 """

@@ -1,5 +1,5 @@
 """The Triton path: the torch exchange around the Triton attention kernels
-(`ulysses_kernels.triton`, built from triton_kernels/).
+(`ulysses_kernels.triton`, built from ulysses_kernels/triton/).
 
 - `ulysses.py`: its Ulysses attention (the kernels read the all-to-all buffers in place);
 - `select.py`: which kernel runs attention on a strided layout (ours, torch SDPA,

@@ -1,4 +1,4 @@
-"""The forward kernel's Hopper features (triton_kernels/features.py) against the float64
+"""The forward kernel's Hopper features (ulysses_kernels/triton/features.py) against the float64
 brute force of tests/helpers.py: tensor-descriptor loads of K/V (zero-filled past the
 sequence and the head dim), the scale in one FFMA, lazy rescaling (scores that grow slowly,
 fast and by huge jumps), the warp-specialized single loop; causal and not, GQA, batch 2,
@@ -8,7 +8,7 @@ errors of a bad feature list.
 
 Runs on CPU in the Triton interpreter (fp32 inputs, errors ~1e-7, tolerance 1e-5): the
 interpreter runs the descriptor loads and the single loop but not the producer/consumer
-partitions, which tests/triton_kernels/test_triton_features_gpu.py runs on a GPU.
+partitions, which tests/triton/test_triton_features_gpu.py runs on a GPU.
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""The Hopper kernel features (triton_kernels/features.py) on a GPU (marked `gpu`;
+"""The Hopper kernel features (ulysses_kernels/triton/features.py) on a GPU (marked `gpu`;
 bench/gpu_check.sh's second-call step `hopper_tests`), against the float64 brute force of
 tests/helpers.py computed on the CPU and against the measured kernels of the same run:
 TMA descriptor loads, the scale in one FFMA, lazy rescaling, the warp-specialized forward

@@ -1,4 +1,4 @@
-"""triton_kernels/merge.py: the fp32 log-sum-exp merge of attention partials (ring
+"""ulysses_kernels/triton/merge.py: the fp32 log-sum-exp merge of attention partials (ring
 attention), against attention over the union of the key sets, and against THE torch merge
 (ulysses_kernels/ring/merge.py). Triton interpreter on CPU; the `gpu` test runs
 the compiled kernel with bf16 partials."""

@@ -1,6 +1,6 @@
 """Triton flash-attention kernels over strided and all-to-all buffer layouts.
 
-Installed as ``ulysses_kernels.triton``. Public API:
+``ulysses_kernels.triton``, imported lazily (``extensions.require_triton_kernels``: the package imports without Triton). Public API:
 
 * :func:`flash_attention` (differentiable, ``[B, S, H, D]`` with any strides)
 * :func:`flash_attention_forward` / :func:`flash_attention_backward` (low level, no
