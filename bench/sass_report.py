@@ -10,6 +10,7 @@ integer divisions and int64 arithmetic.
     python bench/sass_report.py                       # the kernels of this checkout
     python bench/sass_report.py --repo /tmp/sass_base # another checkout (e.g. a worktree of HEAD)
     python bench/sass_report.py --jobs 2 --json out.json --kernels fwd,dq
+    python bench/sass_report.py --compare before.json  # a refactor's gate: every build identical
 
 Loops are found in the SASS (nvdisasm of the cubin) as natural loops of its control-flow
 graph (a back edge: a branch to a block that dominates it). An "HGMMA loop" is one whose
@@ -831,6 +832,39 @@ def report(rows, notes, header=""):
     return "\n".join(parts)
 
 
+# What a refactor may change without changing the machine code: timings, and each loop's
+# source line (its call site moves when the file is edited).
+_VOLATILE_ROW_FIELDS = ("compile_s",)
+_VOLATILE_LOOP_FIELDS = ("site",)
+
+
+def comparable(rows):
+    """{(name, layout, dtype): row without its volatile fields}."""
+    out = {}
+    for row in rows:
+        row = {k: v for k, v in row.items() if k not in _VOLATILE_ROW_FIELDS}
+        row["loops"] = [{k: v for k, v in lp.items() if k not in _VOLATILE_LOOP_FIELDS} for lp in row.get("loops", [])]
+        out[(row["name"], row["layout"], row["dtype"])] = row
+    return out
+
+
+def compare_reports(before, after):
+    """Lines describing each build whose registers, spills, shared memory, instruction counts
+    or loops differ between two reports (or that only one has); empty when identical."""
+    a, b = comparable(before["rows"]), comparable(after["rows"])
+    lines = []
+    for key in sorted(set(a) | set(b), key=str):
+        if a.get(key) == b.get(key):
+            continue
+        if key not in a or key not in b:
+            lines.append("%s %s %s: only in the %s report" % (*key, "second" if key not in a else "first"))
+            continue
+        for field in sorted(set(a[key]) | set(b[key])):
+            if a[key].get(field) != b[key].get(field):
+                lines.append("%s %s %s: %s %s -> %s" % (*key, field, a[key].get(field), b[key].get(field)))
+    return lines
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repo", default=DEFAULT_REPO, help="checkout whose ulysses_kernels/triton/ to build (default: this one)")
@@ -842,6 +876,9 @@ def main(argv=None):
     ap.add_argument("--sass-dir", help="also write each build's SASS (nvdisasm -gi) here")
     ap.add_argument("--ptxas-log", action="store_true", help="rerun ptxas -v for spill store/load bytes (slower)")
     ap.add_argument("--check", action="store_true", help="exit 1 when check_limits finds violations")
+    ap.add_argument("--compare", metavar="BEFORE_JSON",
+                    help="after the report, list every build that differs from this earlier --json report "
+                         "(a refactor's gate: nothing listed); exit 1 when one does")
     args = ap.parse_args(argv)
     for tool in ("cuobjdump", "nvdisasm"):
         if _tool(tool) is None:
@@ -865,6 +902,13 @@ def main(argv=None):
                        "violations": check_limits(rows)}, f, indent=1)
     if args.check and check_limits(rows):
         return 1
+    if args.compare:
+        with open(args.compare) as f:
+            differences = compare_reports(json.load(f), {"rows": rows})
+        print("\ncompared with %s: %d builds, %s" % (args.compare, len(rows),
+                                                      "identical" if not differences else "differences:"))
+        print("\n".join(differences))
+        return 1 if differences else 0
     return 0
 
 

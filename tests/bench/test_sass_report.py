@@ -179,6 +179,40 @@ def test_signature_builder():
         sass_report.build_signature(jit, {}, "bf16")
 
 
+def test_signature_builder_with_tuple_parameters():
+    """A tuple parameter's fields are named by the kernel's own unpacking and typed by the
+    same rules, keyed by their path; do_not_specialize covers every field."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def kernel(Q, stats, q_strides, sizes, scores, HEAD_DIM: tl.constexpr):
+        LSE, DELTA = stats
+        sq_b, sq_s, sq_h, sq_d = q_strides
+        Sq, Sk = sizes
+        qk_scale, softcap_in = scores
+
+    jit = JITFunction(kernel, do_not_specialize=["sizes"])
+    sig, consts, attrs = sass_report.build_signature(jit, {"HEAD_DIM": 64}, "fp16")
+    assert sig == {"Q": "*fp16", "stats": ("*fp32", "*fp32"), "q_strides": ("i32", "i32", "i32", "constexpr"),
+                   "sizes": ("i32", "i32"), "scores": ("fp32", "fp32"), "HEAD_DIM": "constexpr"}
+    assert consts == {(2, 3): 1, "HEAD_DIM": 64}
+    assert sorted(attrs) == [(0,), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
+
+
+def test_compare_reports():
+    """The refactor gate lists what differs, never a timing or a loop's source line."""
+    def row(layout, regs, instrs, site, compile_s):
+        return dict(name="fwd", layout=layout, dtype="bf16", regs=regs, compile_s=compile_s,
+                    loops=[dict(header=64, site=site, masked=False, instrs=instrs)])
+
+    before = {"rows": [row("plain", 254, 583, "flash_fwd.py:271", 1.5), row("buffer", 254, 629, "flash_fwd.py:271", 2)]}
+    moved = {"rows": [row("plain", 254, 583, "flash_fwd.py:300", 9.0), row("buffer", 254, 629, "flash_fwd.py:300", 1)]}
+    assert sass_report.compare_reports(before, moved) == []
+    changed = {"rows": [row("plain", 255, 583, "flash_fwd.py:271", 1.5)]}
+    assert sass_report.compare_reports(before, changed) == ["fwd buffer bf16: only in the first report",
+                                                            "fwd plain bf16: regs 254 -> 255"]
+
+
 def test_check_limits_on_rows():
     def row(name, layout, instrs, stack=0, **kw):
         return dict(name=name, layout=layout, dtype="bf16", stack=stack, total={"spill": 0},

@@ -38,6 +38,7 @@ instructions as before, bench/sass_report.py; docs/architecture.md, "Attention v
 """
 
 import math
+from typing import Dict, NamedTuple, Tuple
 
 import torch
 import triton
@@ -349,14 +350,23 @@ def kernel_band(causal, window, seqlen_q, seqlen_k):
     return False, (left, right)
 
 
-def variant_args(band, softcap: float, softmax_scale: float):
-    """Runtime arguments ``(softcap_in, softcap_out, window_left, window_right)`` and
-    constexprs (WINDOW, SOFTCAP) of a launch. band: kernel_band's (None: no window);
-    softcap: c > 0, or 0 for none. ``softcap_in = 2 log2(e) scale / c`` feeds capped_tanh,
+class KernelVariant(NamedTuple):
+    """A launch's variant arguments: ``softcap`` = (softcap_in, softcap_out) and ``window``
+    = (left, right) runtime tuples, ``constexprs`` = {WINDOW, SOFTCAP}."""
+
+    softcap: Tuple[float, float]
+    window: Tuple[int, int]
+    constexprs: Dict[str, bool]
+
+
+def variant_args(band, softcap: float, softmax_scale: float) -> KernelVariant:
+    """The variant arguments of a launch. band: kernel_band's (None: no window); softcap:
+    c > 0, or 0 for none. ``softcap_in = 2 log2(e) scale / c`` feeds capped_tanh,
     ``softcap_out = c log2(e)`` turns tanh into a log2-unit score."""
     left, right = band if band is not None else (0, 0)
     cap_in = TWO_LOG2E * softmax_scale / softcap if softcap else 0.0
-    return (cap_in, softcap * LOG2E, int(left), int(right)), dict(WINDOW=band is not None, SOFTCAP=bool(softcap))
+    return KernelVariant(softcap=(cap_in, softcap * LOG2E), window=(int(left), int(right)),
+                         constexprs=dict(WINDOW=band is not None, SOFTCAP=bool(softcap)))
 
 
 class VisitCounter:
@@ -377,6 +387,18 @@ class VisitCounter:
         ``y * grid[0] + x``."""
         self.configs[name] = config
         self.grids[name] = grid
+
+
+def _zero_before_each_trial(names):
+    """An autotuner pre-hook that zero-fills the named arguments (a tuple parameter: each of
+    its tensors) before each trial and before the chosen run: accumulators must restart
+    from zero. (Triton's own reset_to_zero takes plain tensor arguments only.)"""
+    def hook(kwargs, reset_only=False):
+        for name in names:
+            value = kwargs[name]
+            for tensor in value if isinstance(value, tuple) else (value,):
+                tensor.zero_()
+    return hook
 
 
 class TunedLauncher:
@@ -408,9 +430,9 @@ class TunedLauncher:
         self.tuned = None
         if autotune_enabled():
             keys = [k for k in TUNE_KEYS if k in kernel.arg_names]
+            zero = _zero_before_each_trial(reset_to_zero) if reset_to_zero else None
             self.tuned = triton.autotune(configs=self._all_configs(), key=keys,
-                                         prune_configs_by={"early_config_prune": self._prune},
-                                         reset_to_zero=reset_to_zero)(kernel)
+                                         prune_configs_by={"early_config_prune": self._prune}, pre_hook=zero)(kernel)
 
     def _candidates(self, block_d: int):
         return self.configs.get(block_d, self.configs[128])

@@ -55,16 +55,8 @@ LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                b, Sq, B, P, lo, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-                SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                BLOCK_DV: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-                DQ_REDUCE: tl.constexpr, dq_desc, WARP_SPECIALIZE: tl.constexpr, descs):
+def _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter, lo, hi,
+                MASKED: tl.constexpr, SWITCHES: tl.constexpr, DIMS: tl.constexpr):
     """Query rows [lo, hi) of query heads ``hk*GROUP + g_lo ..`` (g_cnt of them), as ONE
     flat loop.
 
@@ -73,6 +65,32 @@ def _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP,
     build, D = 128), and each head would drain and refill the pipeline. Flat, the
     iteration ``it`` covers head ``it // nblk`` and row block ``it % nblk``.
     """
+    k, v = keys  # this program's key tile and its values
+    Q, DO, LSE, DELTA, q_strides, do_strides, descs = queries
+    sq_b, sq_s, sq_h, sq_d = q_strides
+    sdo_b, sdo_s, sdo_h, sdo_d = do_strides
+    hk, g_lo, g_cnt, GROUP, HQ = group  # KV head, this program's query heads of its group
+    b, Sq, B, P, offs_n, offs_d, offs_dv = tile
+    doc_k, DOCS, causal_off, window_left, window_right = mask
+    qk_scale, softcap_in, softcap_out = score
+    DQ_ACC, dq_desc = dq_out
+    COUNTS, count_slot = counter
+    CAUSAL: tl.constexpr = SWITCHES[0]
+    VARLEN: tl.constexpr = SWITCHES[1]
+    SPLIT: tl.constexpr = SWITCHES[2]
+    WINDOW: tl.constexpr = SWITCHES[3]
+    SOFTCAP: tl.constexpr = SWITCHES[4]
+    COUNT: tl.constexpr = SWITCHES[5]
+    DQ_ATOMIC: tl.constexpr = SWITCHES[6]
+    DQ_REDUCE: tl.constexpr = SWITCHES[7]
+    WARP_SPECIALIZE: tl.constexpr = SWITCHES[8]
+    BLOCK_M: tl.constexpr = DIMS[0]
+    HEAD_DIM: tl.constexpr = DIMS[1]
+    BLOCK_D: tl.constexpr = DIMS[2]
+    HEAD_DIM_V: tl.constexpr = DIMS[3]
+    BLOCK_DV: tl.constexpr = DIMS[4]
+    FP32_DOT: tl.constexpr = DIMS[5]
+    PRECISION: tl.constexpr = DIMS[6]
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     local_m = tl.arange(0, BLOCK_M)
@@ -223,18 +241,11 @@ def _band_query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, window_left, wind
     return doc_k, start, a, b, end
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "HKV", "GROUP", "HEAD_SPLITS", "s_lse",
-                               "window_left", "window_right"])
+@triton.jit(do_not_specialize=["sizes", "window", "TUNE_KEY", "heads", "GROUP", "HEAD_SPLITS", "s_lse"])
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, DOCS, CU, COUNTS,
-    sq_b, sq_s, sq_h, sq_d,
-    sk_b, sk_s, sk_h, sk_d,
-    sv_b, sv_s, sv_h, sv_d,
-    sdo_b, sdo_s, sdo_h, sdo_d,
-    sdk_b, sdk_s, sdk_h, sdk_d,
-    sdv_b, sdv_s, sdv_h, sdv_d,
-    Sq, Sk, B, P, sm_scale, qk_scale, softcap_in, softcap_out, window_left, window_right,
-    TUNE_KEY, HQ, HKV, GROUP, HEAD_SPLITS, s_lse,
+    Q, K, V, DO, grads, row_stats, documents, COUNTS,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
+    sizes, scores, window, TUNE_KEY, heads, GROUP, HEAD_SPLITS, s_lse,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     DQ_ATOMIC: tl.constexpr, KV_ATOMIC: tl.constexpr,
@@ -243,6 +254,20 @@ def _flash_bwd_dkdv_kernel(
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, COUNT: tl.constexpr = False,
     DQ_REDUCE: tl.constexpr = False, WARP_SPECIALIZE: tl.constexpr = False,
 ):
+    # The launch's bundles (launch_dkdv): one stride tuple (batch, seq, head, dim) per tensor.
+    DK, DV, DQ_ACC = grads  # dK, dV (fp32 accumulators under KV_ATOMIC), fp32 dQ (DQ_ATOMIC)
+    LSE, DELTA = row_stats
+    DOCS, CU = documents
+    sq_b, sq_s, sq_h, sq_d = q_strides
+    sk_b, sk_s, sk_h, sk_d = k_strides
+    sv_b, sv_s, sv_h, sv_d = v_strides
+    sdo_b, sdo_s, sdo_h, sdo_d = do_strides
+    sdk_b, sdk_s, sdk_h, sdk_d = dk_strides
+    sdv_b, sdv_s, sdv_h, sdv_d = dv_strides
+    Sq, Sk, B, P = sizes
+    sm_scale, qk_scale, softcap_in, softcap_out = scores
+    window_left, window_right = window
+    HQ, HKV = heads
     pid_n = tl.program_id(0)
     pid = tl.program_id(1).to(tl.int64)
     part = pid % HEAD_SPLITS
@@ -317,39 +342,30 @@ def _flash_bwd_dkdv_kernel(
         dq_desc = DQ_ACC  # unused
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    keys = (k, v)
+    queries = (Q, DO, LSE, DELTA, q_strides, do_strides, descs)
+    group = (hk, g_lo, g_cnt, GROUP, HQ)
+    tile = (b, Sq, B, P, offs_n, offs_d, offs_dv)
+    mask = (doc_k, DOCS, causal_off, window_left, window_right)
+    score = (qk_scale, softcap_in, softcap_out)
+    dq_out = (DQ_ACC, dq_desc)
+    counter = (COUNTS, count_slot)
+    SWITCHES: tl.constexpr = tl.constexpr((CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, DQ_REDUCE,
+                                           WARP_SPECIALIZE))
+    DIMS: tl.constexpr = tl.constexpr((BLOCK_M, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION))
     if WARP_SPECIALIZE:
         # One masked loop over every row (see above), from a multiple of BLOCK_M: the LSE and
         # delta tiles' offsets must be 16-byte aligned (the rows added before lo see no key
         # of this tile, so the mask drops them).
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                             b, Sq, B, P, lo // BLOCK_M * BLOCK_M, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                             True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
-                             WARP_SPECIALIZE, descs)
+        dk, dv = _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter,
+                             lo // BLOCK_M * BLOCK_M, hi, MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
     else:  # three phases, each over the query heads of this program (see _dkdv_inner)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                             b, Sq, B, P, lo, a_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                             True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
-                             WARP_SPECIALIZE, descs)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                             b, Sq, B, P, a_end, b_end, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                             False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
-                             WARP_SPECIALIZE, descs)
-        dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, DQ_ACC, LSE, DELTA, hk, g_lo, g_cnt, GROUP, HQ, sq_h, sdo_h,
-                             sq_b, sq_s, sq_d, sdo_b, sdo_s, sdo_d,
-                             b, Sq, B, P, b_end, hi, offs_n, offs_d, offs_dv, doc_k, DOCS, qk_scale, causal_off,
-                             window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                             True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, BLOCK_M,
-                             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, DQ_REDUCE, dq_desc,
-                             WARP_SPECIALIZE, descs)
+        dk, dv = _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter, lo, a_end,
+                             MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
+        dk, dv = _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter, a_end, b_end,
+                             MASKED=False, SWITCHES=SWITCHES, DIMS=DIMS)
+        dk, dv = _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter, b_end, hi,
+                             MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
     dk = dk * sm_scale
     if KV_ATOMIC:
         # Partial sums of a split query-head group, into fp32 accumulators laid out
@@ -421,7 +437,7 @@ _launch = TunedLauncher(_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, _INTERPRET_BLOCKS
                         fp32_configs=_DKDV_FP32_CONFIGS, feature_configs={"WARP_SPECIALIZE": _DKDV_WS_CONFIGS})
 # Autotuning runs the kernel once per candidate: the accumulators restart from zero.
 _launch_atomic = TunedLauncher(_flash_bwd_dkdv_kernel, _ATOMIC_CONFIGS, _INTERPRET_BLOCKS,
-                               fp32_configs=_DKDV_FP32_CONFIGS, reset_to_zero=["DQ_ACC", "DK", "DV"])
+                               fp32_configs=_DKDV_FP32_CONFIGS, reset_to_zero=["grads"])
 
 
 def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_count: int) -> int:
@@ -462,19 +478,19 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
     bdv = padded_head_dim(head_dim_v)
     if splits > 1 and (not atomic or dk.dtype != torch.float32 or (num_q_heads // num_kv_heads) % splits):
         raise ValueError("launch_dkdv: head splits need atomic mode, fp32 dk/dv and a divisor of the group")
-    variant, variant_meta = variant_args(band, softcap, softmax_scale)
+    variant = variant_args(band, softcap, softmax_scale)
     counts = counter.tensor("dkdv") if counter is not None else None
-    args = (q, k, v, do, dk, dv, dq_acc if atomic else lse, lse, delta, docs if varlen else lse,
-            cu_seqlens if varlen else lse, counts if counts is not None else lse,
-            *strides[0], *strides[1], *strides[2], *strides[3], *strides[4], *strides[5],
-            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E, *variant,
-            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_kv_heads,
+    args = (q, k, v, do, (dk, dv, dq_acc if atomic else lse), (lse, delta),
+            (docs if varlen else lse, cu_seqlens if varlen else lse), counts if counts is not None else lse,
+            *(tuple(s) for s in strides),
+            (seqlen_q, seqlen_k, batch, seq_splits), (softmax_scale, softmax_scale * LOG2E, *variant.softcap),
+            variant.window, seq_bucket(max(seqlen_q, seqlen_k)), (num_q_heads, num_kv_heads),
             num_q_heads // num_kv_heads, splits, lse_row_stride or seqlen_q)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 DQ_ATOMIC=atomic, KV_ATOMIC=splits > 1,
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(block_d, bdv)),
-                **variant_meta, COUNT=counts is not None,
+                **variant.constexprs, COUNT=counts is not None,
                 **backward_switches(requested() if features is None else features, q=q, dq_acc=dq_acc),
                 WARP_SPECIALIZE=bool(warp_specialize))
     if warp_specialize and (atomic or splits > 1):

@@ -38,15 +38,32 @@ LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
-              sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-              b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-              window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-              SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-              HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-              FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+def _dq_inner(dq, rows, kv, tile, mask, score, counter, lo, hi,
+              MASKED: tl.constexpr, SWITCHES: tl.constexpr, DIMS: tl.constexpr):
+    """Keys ``[lo, hi)`` of one query tile, MASKED or not, into dq; rows: this tile's q,
+    dO, LSE (log2 units) and delta; the other bundles as flash_fwd._fwd_inner's."""
+    q, do, lse2, delta = rows
+    K, V, k_desc, v_desc, k_head, v_head, k_strides, v_strides = kv
+    sk_b, sk_s, sk_h, sk_d = k_strides
+    sv_b, sv_s, sv_h, sv_d = v_strides
+    b, Sk, B, P, offs_m, offs_d, offs_dv = tile
+    doc_q, DOCS, causal_off, window_left, window_right = mask
+    qk_scale, softcap_in, softcap_out = score
+    COUNTS, count_slot = counter
+    CAUSAL: tl.constexpr = SWITCHES[0]
+    VARLEN: tl.constexpr = SWITCHES[1]
+    SPLIT: tl.constexpr = SWITCHES[2]
+    WINDOW: tl.constexpr = SWITCHES[3]
+    SOFTCAP: tl.constexpr = SWITCHES[4]
+    COUNT: tl.constexpr = SWITCHES[5]
+    WARP_SPECIALIZE: tl.constexpr = SWITCHES[6]
+    BLOCK_N: tl.constexpr = DIMS[0]
+    HEAD_DIM: tl.constexpr = DIMS[1]
+    BLOCK_D: tl.constexpr = DIMS[2]
+    HEAD_DIM_V: tl.constexpr = DIMS[3]
+    BLOCK_DV: tl.constexpr = DIMS[4]
+    FP32_DOT: tl.constexpr = DIMS[5]
+    PRECISION: tl.constexpr = DIMS[6]
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     local_n = tl.arange(0, BLOCK_N)
@@ -101,17 +118,11 @@ def _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
     return dq
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP", "window_left", "window_right",
-                               "s_lse"])
+@triton.jit(do_not_specialize=["sizes", "window", "TUNE_KEY", "HQ", "GROUP", "s_lse"])
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA, DOCS, CU, COUNTS,
-    sq_b, sq_s, sq_h, sq_d,
-    sk_b, sk_s, sk_h, sk_d,
-    sv_b, sv_s, sv_h, sv_d,
-    sdo_b, sdo_s, sdo_h, sdo_d,
-    sdq_b, sdq_s, sdq_h, sdq_d,
-    Sq, Sk, B, P, sm_scale, qk_scale, softcap_in, softcap_out, window_left, window_right, TUNE_KEY, HQ, GROUP,
-    s_lse,
+    Q, K, V, DO, DQ, row_stats, documents, COUNTS,
+    q_strides, k_strides, v_strides, do_strides, dq_strides,
+    sizes, scores, window, TUNE_KEY, HQ, GROUP, s_lse,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -119,6 +130,17 @@ def _flash_bwd_dq_kernel(
     WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, COUNT: tl.constexpr = False,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
+    # The launch's bundles (launch_dq): one stride tuple (batch, seq, head, dim) per tensor.
+    LSE, DELTA = row_stats
+    DOCS, CU = documents
+    sq_b, sq_s, sq_h, sq_d = q_strides
+    sk_b, sk_s, sk_h, sk_d = k_strides
+    sv_b, sv_s, sv_h, sv_d = v_strides
+    sdo_b, sdo_s, sdo_h, sdo_d = do_strides
+    sdq_b, sdq_s, sdq_h, sdq_d = dq_strides
+    Sq, Sk, B, P = sizes
+    sm_scale, qk_scale, softcap_in, softcap_out = scores
+    window_left, window_right = window
     num_m = tl.cdiv(Sq, BLOCK_M)
     pid_m = num_m - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1).to(tl.int64)
@@ -177,53 +199,38 @@ def _flash_bwd_dq_kernel(
         delta = tl.load(DELTA + pid_bh * Sq + offs_m, mask=m_ok, other=0.0)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    rows = (q, do, lse2, delta)
+    kv = (K, V, k_desc, v_desc, k_head, v_head, k_strides, v_strides)
+    tile = (b, Sk, B, P, offs_m, offs_d, offs_dv)
+    score = (qk_scale, softcap_in, softcap_out)
+    counter = (COUNTS, count_slot)
+    SWITCHES: tl.constexpr = tl.constexpr((CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, WARP_SPECIALIZE))
+    DIMS: tl.constexpr = tl.constexpr((BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION))
     if WARP_SPECIALIZE:  # one masked loop: the warp-specialized loop must be the only one
         doc_q, lo, hi = query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right,
                                                DOCS, CU, CAUSAL, VARLEN, WINDOW, SPLIT, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
-                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                       b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
+        mask = (doc_q, DOCS, causal_off, window_left, window_right)
+        dq = _dq_inner(dq, rows, kv, tile, mask, score, counter, lo, hi, MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
     elif WINDOW:
         doc_q, start, a, b_end, end = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                             window_left, window_right, DOCS, CU,
                                                             VARLEN, SPLIT, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
-                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                       b, Sk, B, P, start, a, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
+        mask = (doc_q, DOCS, causal_off, window_left, window_right)
+        dq = _dq_inner(dq, rows, kv, tile, mask, score, counter, start, a,
+                       MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
         if a < b_end:  # its loads are unmasked: not even a pipelined first load when empty
-            dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
-                           sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                           b, Sk, B, P, a, b_end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-                           window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                           False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                           HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
-                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                       b, Sk, B, P, b_end, end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
+            dq = _dq_inner(dq, rows, kv, tile, mask, score, counter, a, b_end,
+                           MASKED=False, SWITCHES=SWITCHES, DIMS=DIMS)
+        dq = _dq_inner(dq, rows, kv, tile, mask, score, counter, b_end, end,
+                       MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
     else:
         doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                            DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
-                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                       b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                       False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
-        dq = _dq_inner(dq, q, do, lse2, delta, K, V, k_desc, v_desc, k_head, v_head,
-                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                       b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-                       window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-                       True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N, HEAD_DIM, BLOCK_D,
-                       HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION, WARP_SPECIALIZE)
+        mask = (doc_q, DOCS, causal_off, window_left, window_right)
+        dq = _dq_inner(dq, rows, kv, tile, mask, score, counter, lo, unmasked_end,
+                       MASKED=False, SWITCHES=SWITCHES, DIMS=DIMS)
+        dq = _dq_inner(dq, rows, kv, tile, mask, score, counter, unmasked_end, hi,
+                       MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
     dq = dq * sm_scale
     dq_base, dq_rows = seq_offsets(offs_m, m0, local_m, b, Sq, B, P, sdq_b, sdq_s, SPLIT)
     tl.store(DQ + (h * sdq_h + dq_base) + (dq_rows[:, None] + offs_d[None, :] * sdq_d),
@@ -273,18 +280,17 @@ def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, 
     bd, bdv = block_d, padded_head_dim(head_dim_v)
     fp32_dot = interpreting()
     varlen = docs is not None
-    variant, variant_meta = variant_args(band, softcap, softmax_scale)
+    variant = variant_args(band, softcap, softmax_scale)
     counts = counter.tensor("dq") if counter is not None else None
-    args = (q, k, v, do, dq, lse, delta, docs if varlen else lse, cu_seqlens if varlen else lse,
-            counts if counts is not None else lse,
-            *strides[0], *strides[1], *strides[2], *strides[3], *strides[4],
-            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale, softmax_scale * LOG2E, *variant,
-            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads,
+    args = (q, k, v, do, dq, (lse, delta), (docs if varlen else lse, cu_seqlens if varlen else lse),
+            counts if counts is not None else lse, *(tuple(s) for s in strides),
+            (seqlen_q, seqlen_k, batch, seq_splits), (softmax_scale, softmax_scale * LOG2E, *variant.softcap),
+            variant.window, seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads,
             lse_row_stride or seqlen_q)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(bd, bdv)),
-                **variant_meta, COUNT=counts is not None, WARP_SPECIALIZE=bool(warp_specialize))
+                **variant.constexprs, COUNT=counts is not None, WARP_SPECIALIZE=bool(warp_specialize))
 
     def grid(bm, bn):
         return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)

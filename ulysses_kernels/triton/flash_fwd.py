@@ -51,17 +51,36 @@ RESCALE_THRESHOLD = tl.constexpr(8.0)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
-               sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-               b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS, qk_scale, causal_off,
-               window_left, window_right, softcap_in, softcap_out, COUNTS, count_slot,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-               SPLIT: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, COUNT: tl.constexpr,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-               FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
-               KV_DESC: tl.constexpr, FMA_SCALE: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-               WARP_SPECIALIZE: tl.constexpr):
+def _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, lo, hi,
+               MASKED: tl.constexpr, SWITCHES: tl.constexpr, DIMS: tl.constexpr):
+    """Keys ``[lo, hi)`` of one query tile, MASKED or not; the bundles are built by the
+    kernel (``_flash_fwd_kernel``): kv (k/v pointers, descriptors, head offsets, strides),
+    tile (batch, key count, layout, the tile's offsets), mask (documents, causal offset,
+    band), score (scale, softcap), counter (tests); SWITCHES and DIMS: constexpr tuples."""
+    K, V, k_desc, v_desc, k_head, v_head, k_strides, v_strides = kv
+    sk_b, sk_s, sk_h, sk_d = k_strides
+    sv_b, sv_s, sv_h, sv_d = v_strides
+    b, Sk, B, P, offs_m, offs_d, offs_dv = tile
+    doc_q, DOCS, causal_off, window_left, window_right = mask
+    qk_scale, softcap_in, softcap_out = score
+    COUNTS, count_slot = counter
+    CAUSAL: tl.constexpr = SWITCHES[0]
+    VARLEN: tl.constexpr = SWITCHES[1]
+    SPLIT: tl.constexpr = SWITCHES[2]
+    WINDOW: tl.constexpr = SWITCHES[3]
+    SOFTCAP: tl.constexpr = SWITCHES[4]
+    COUNT: tl.constexpr = SWITCHES[5]
+    KV_DESC: tl.constexpr = SWITCHES[6]
+    FMA_SCALE: tl.constexpr = SWITCHES[7]
+    LAZY_RESCALE: tl.constexpr = SWITCHES[8]
+    WARP_SPECIALIZE: tl.constexpr = SWITCHES[9]
+    BLOCK_N: tl.constexpr = DIMS[0]
+    HEAD_DIM: tl.constexpr = DIMS[1]
+    BLOCK_D: tl.constexpr = DIMS[2]
+    HEAD_DIM_V: tl.constexpr = DIMS[3]
+    BLOCK_DV: tl.constexpr = DIMS[4]
+    FP32_DOT: tl.constexpr = DIMS[5]
+    PRECISION: tl.constexpr = DIMS[6]
     d_ok = offs_d < HEAD_DIM
     dv_ok = offs_dv < HEAD_DIM_V
     local_n = tl.arange(0, BLOCK_N)
@@ -151,14 +170,11 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "B", "P", "TUNE_KEY", "HQ", "GROUP", "window_left", "window_right"])
+@triton.jit(do_not_specialize=["sizes", "window", "TUNE_KEY", "HQ", "GROUP"])
 def _flash_fwd_kernel(
-    Q, K, V, O, LSE, DOCS, CU, SINK, COUNTS,
-    sq_b, sq_s, sq_h, sq_d,
-    sk_b, sk_s, sk_h, sk_d,
-    sv_b, sv_s, sv_h, sv_d,
-    so_b, so_s, so_h, so_d,
-    Sq, Sk, B, P, qk_scale, softcap_in, softcap_out, window_left, window_right, TUNE_KEY, HQ, GROUP,
+    Q, K, V, O, LSE, documents, SINK, COUNTS,
+    q_strides, k_strides, v_strides, o_strides,
+    sizes, scores, window, TUNE_KEY, HQ, GROUP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     CAUSAL: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr,
@@ -168,6 +184,15 @@ def _flash_fwd_kernel(
     KV_DESC: tl.constexpr = False, FMA_SCALE: tl.constexpr = False, LAZY_RESCALE: tl.constexpr = False,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
+    # The launch's bundles (launch_fwd): one stride tuple (batch, seq, head, dim) per tensor.
+    DOCS, CU = documents
+    sq_b, sq_s, sq_h, sq_d = q_strides
+    sk_b, sk_s, sk_h, sk_d = k_strides
+    sv_b, sv_s, sv_h, sv_d = v_strides
+    so_b, so_s, so_h, so_d = o_strides
+    Sq, Sk, B, P = sizes
+    qk_scale, softcap_in, softcap_out = scores
+    window_left, window_right = window
     num_m = tl.cdiv(Sq, BLOCK_M)
     # Heaviest (last, for causal) tiles first: better tail balance.
     pid_m = num_m - 1 - tl.program_id(0)
@@ -223,67 +248,45 @@ def _flash_fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    kv = (K, V, k_desc, v_desc, k_head, v_head, k_strides, v_strides)
+    # The constexprs the loop needs travel as two constexpr tuples built here, never passed
+    # to the launch (constexpr tuple launch arguments had an unpacking bug, triton PR
+    # #10279); the loop reads them by index into annotated constexprs (unpacking a constexpr
+    # tuple fails on Triton 3.9, a plain assignment makes a tensor of the value).
+    SWITCHES: tl.constexpr = tl.constexpr((CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, KV_DESC, FMA_SCALE,
+                                           LAZY_RESCALE, WARP_SPECIALIZE))
+    DIMS: tl.constexpr = tl.constexpr((BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION))
+    score = (qk_scale, softcap_in, softcap_out)
+    counter = (COUNTS, count_slot)
+    tile = (b, Sk, B, P, offs_m, offs_d, offs_dv)
     if WARP_SPECIALIZE:
         # One masked loop over every key the tile visits: the warp-specialized loop must be
         # the kernel's only loop (a second one fails Triton's pass).
         doc_q, lo, hi = query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right,
                                                DOCS, CU, CAUSAL, VARLEN, WINDOW, SPLIT, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
-                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                                   b, Sk, B, P, lo, hi, offs_m, offs_d, offs_dv, doc_q, DOCS,
-                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
-                                   COUNTS, count_slot,
-                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
-                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
+        mask = (doc_q, DOCS, causal_off, window_left, window_right)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, lo, hi,
+                                   MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
     elif WINDOW:
         doc_q, start, a, b_end, end = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                             window_left, window_right, DOCS, CU,
                                                             VARLEN, SPLIT, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
-                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                                   b, Sk, B, P, start, a, offs_m, offs_d, offs_dv, doc_q, DOCS,
-                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
-                                   COUNTS, count_slot,
-                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
-                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
+        mask = (doc_q, DOCS, causal_off, window_left, window_right)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, start, a,
+                                   MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
         if a < b_end:  # its loads are unmasked: not even a pipelined first load when empty
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
-                                       sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                                       b, Sk, B, P, a, b_end, offs_m, offs_d, offs_dv, doc_q, DOCS,
-                                       qk_scale, causal_off, window_left, window_right, softcap_in,
-                                       softcap_out, COUNTS, count_slot,
-                                       False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                       HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
-                                       KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
-                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                                   b, Sk, B, P, b_end, end, offs_m, offs_d, offs_dv, doc_q, DOCS,
-                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
-                                   COUNTS, count_slot,
-                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
-                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, a, b_end,
+                                       MASKED=False, SWITCHES=SWITCHES, DIMS=DIMS)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, b_end, end,
+                                   MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
     else:
         doc_q, lo, hi, unmasked_end = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off,
                                                            DOCS, CU, CAUSAL, VARLEN, BLOCK_N)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
-                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                                   b, Sk, B, P, lo, unmasked_end, offs_m, offs_d, offs_dv, doc_q, DOCS,
-                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
-                                   COUNTS, count_slot,
-                                   False, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
-                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_desc, v_desc, k_head, v_head,
-                                   sk_b, sk_s, sk_d, sv_b, sv_s, sv_d,
-                                   b, Sk, B, P, unmasked_end, hi, offs_m, offs_d, offs_dv, doc_q, DOCS,
-                                   qk_scale, causal_off, window_left, window_right, softcap_in, softcap_out,
-                                   COUNTS, count_slot,
-                                   True, CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, BLOCK_N,
-                                   HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION,
-                                   KV_DESC, FMA_SCALE, LAZY_RESCALE, WARP_SPECIALIZE)
+        mask = (doc_q, DOCS, causal_off, window_left, window_right)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, lo, unmasked_end,
+                                   MASKED=False, SWITCHES=SWITCHES, DIMS=DIMS)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, unmasked_end, hi,
+                                   MASKED=True, SWITCHES=SWITCHES, DIMS=DIMS)
 
     # l = 0: no key seen (and no sink, or a sink of -inf): out 0, LSE -inf.
     empty = l_i == 0.0
@@ -353,17 +356,17 @@ def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_stri
     precision = dot_precision(q.dtype, max(bd, bdv))
     varlen = docs is not None
     dummy = lse
-    variant, variant_meta = variant_args(band, softcap, softmax_scale)
+    variant = variant_args(band, softcap, softmax_scale)
     counts = counter.tensor("fwd") if counter is not None else None
-    args = (q, k, v, out, lse, docs if varlen else dummy, cu_seqlens if varlen else dummy,
+    args = (q, k, v, out, lse, (docs if varlen else dummy, cu_seqlens if varlen else dummy),
             sinks if sinks is not None else dummy, counts if counts is not None else dummy,
-            *sq_strides, *sk_strides, *sv_strides, *so_strides,
-            seqlen_q, seqlen_k, batch, seq_splits, softmax_scale * LOG2E, *variant,
+            tuple(sq_strides), tuple(sk_strides), tuple(sv_strides), tuple(so_strides),
+            (seqlen_q, seqlen_k, batch, seq_splits), (softmax_scale * LOG2E, *variant.softcap), variant.window,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 FP32_DOT=fp32_dot, PRECISION=precision,
-                **variant_meta, SINKS=sinks is not None, COUNT=counts is not None,
+                **variant.constexprs, SINKS=sinks is not None, COUNT=counts is not None,
                 **forward_switches(requested() if features is None else features, q=q, k=k, v=v,
                                    sq_strides=sq_strides, sk_strides=sk_strides, sv_strides=sv_strides,
                                    split=split, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
