@@ -11,8 +11,29 @@ def _line(name, value):
     print(f"{name:<22} {value}")
 
 
-def doctor(_args) -> int:
-    """Print what this installation can do: versions, extension build, GPUs, backends."""
+def explain_call(args) -> int:
+    """`doctor --explain`: what runs for one attention call class (ulysses_kernels/explain.py)."""
+    from .explain import CallClass, explain
+
+    call = CallClass(batch=args.batch, seq_len=args.seq_len, heads=args.heads, kv_heads=args.kv_heads,
+                     head_dim=args.head_dim, head_dim_v=args.head_dim_v, dtype=args.dtype, causal=args.causal,
+                     window=tuple(args.window), softcap=args.softcap, sinks=args.sinks, documents=args.documents,
+                     world=args.world, deterministic=args.deterministic)
+    try:
+        lines = explain(call, sm_count=args.sm_count)
+    except ValueError as exc:  # a call the package refuses: say so, as a call would
+        print(f"ulysses-kernels doctor --explain: {exc}", file=sys.stderr)
+        return 2
+    for name, value in lines:
+        _line(name, value)
+    return 0
+
+
+def doctor(args) -> int:
+    """Print what this installation can do: versions, extension build, GPUs, backends;
+    with --explain, what runs for one attention call class instead."""
+    if getattr(args, "explain", False):
+        return explain_call(args)
     import platform
 
     import torch
@@ -172,7 +193,31 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="ulysses-kernels",
                                      description="Ulysses sequence parallelism for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="versions, extension build, GPUs and available paths")
+    doc = sub.add_parser("doctor", help="versions, extension build, GPUs and available paths; --explain: what "
+                                        "runs for one attention call class")
+    doc.add_argument("--explain", action="store_true",
+                     help="print the path, attention kernel, exchange, kernels, tiles, Hopper features (on, and "
+                          "dropped with reasons) and backward mode of the call described by the options below")
+    from .explain import DTYPES, CallClass
+    call = CallClass()  # one source of truth for the defaults
+    for flag, field, kind, help_text in (("--batch", "batch", int, "batch size"),
+                                         ("--seq-len", "seq_len", int, "global sequence length"),
+                                         ("--heads", "heads", int, "query heads"),
+                                         ("--kv-heads", "kv_heads", int, "key/value heads"),
+                                         ("--head-dim", "head_dim", int, "head dim"),
+                                         ("--head-dim-v", "head_dim_v", int, "v's head dim (default: the head dim)"),
+                                         ("--softcap", "softcap", float, "logit softcap (0: none)"),
+                                         ("--documents", "documents", int, "equal packed documents (batch 1; 0: none)"),
+                                         ("--world", "world", int, "sequence-parallel ranks")):
+        doc.add_argument(flag, dest=field, type=kind, default=getattr(call, field),
+                         help=f"{help_text} (default {getattr(call, field)})")
+    doc.add_argument("--dtype", choices=DTYPES, default=call.dtype)
+    doc.add_argument("--causal", action=argparse.BooleanOptionalAction, default=call.causal)
+    doc.add_argument("--window", type=int, nargs=2, default=list(call.window), metavar=("LEFT", "RIGHT"),
+                     help="flash_attn's window_size (-1: unbounded)")
+    doc.add_argument("--sinks", action="store_true", help="attention sinks")
+    doc.add_argument("--deterministic", action="store_true", help="a deterministic backward")
+    doc.add_argument("--sm-count", type=int, default=132, help="SMs of the GPU described (default 132: H100/H200)")
     d = sub.add_parser("demo", help="train a small causal LM with Ulysses attention on a long "
                                     "copy task and check parity with a single process")
     default_ranks = None

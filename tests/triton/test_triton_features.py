@@ -3,7 +3,7 @@ brute force of tests/helpers.py: tensor-descriptor loads of K/V (zero-filled pas
 sequence and the head dim), the scale in one FFMA, lazy rescaling (scores that grow slowly,
 fast and by huge jumps), the warp-specialized single loop; causal and not, GQA, batch 2,
 Sq != Sk, padded head dims, the all-to-all buffer layouts, documents, and the attention
-variants. Also which features a call keeps (the rules of features.forward_switches) and the
+variants. Also which features a call keeps (the rules of features.forward_features) and the
 errors of a bad feature list.
 
 Runs on CPU in the Triton interpreter (fp32 inputs, errors ~1e-7, tolerance 1e-5): the
@@ -43,13 +43,14 @@ FEATURE_PARAMS = [pytest.param(name, marks=SLOW) if name in ("desc", "desc,fma_s
 def launched(monkeypatch):
     """The constexprs of each forward launch's features, in order."""
     seen = []
-    real = flash_fwd.forward_switches
+    real = flash_fwd.forward_features
 
     def spy(*args, **kwargs):
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
+        switches = real(*args, **kwargs)
+        seen.append(switches.constexprs())
+        return switches
 
-    monkeypatch.setattr(flash_fwd, "forward_switches", spy)
+    monkeypatch.setattr(flash_fwd, "forward_features", spy)
     return seen
 
 

@@ -49,24 +49,24 @@ def switches(monkeypatch):
     from ulysses_kernels.triton import flash_bwd, flash_bwd_dkdv, flash_fwd
 
     seen = set()
-    for module, name in ((flash_fwd, "forward_switches"), (flash_bwd_dkdv, "backward_switches")):
+    for module, name in ((flash_fwd, "forward_features"), (flash_bwd_dkdv, "dq_reduce_feature")):
         real = getattr(module, name)
 
         def spy(*args, _real=real, **kwargs):
-            on = _real(*args, **kwargs)
-            seen.update(k for k, v in on.items() if v)
-            return on
+            switches = _real(*args, **kwargs)
+            seen.update(k for k, v in switches.constexprs().items() if v)
+            return switches
 
         monkeypatch.setattr(module, name, spy)
-    real_ws = flash_bwd.bwd_warp_specialize
+    real_ws = flash_bwd.bwd_warp_specialize_feature
 
     def spy_ws(*args, **kwargs):
-        on = real_ws(*args, **kwargs)
-        if on:
+        switches = real_ws(*args, **kwargs)
+        if switches.on:
             seen.add("BWD_WARP_SPECIALIZE")
-        return on
+        return switches
 
-    monkeypatch.setattr(flash_bwd, "bwd_warp_specialize", spy_ws)
+    monkeypatch.setattr(flash_bwd, "bwd_warp_specialize_feature", spy_ws)
     return seen
 
 

@@ -38,7 +38,7 @@ instructions as before, bench/sass_report.py; docs/architecture.md, "Attention v
 """
 
 import math
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -60,6 +60,28 @@ def autotune_enabled() -> bool:
     if INTERPRET_AT_IMPORT:
         return False
     return flag(TRITON_AUTOTUNE, default=True)
+
+
+class Target(NamedTuple):
+    """Where a launch runs, as its decisions see it: the device type ("cuda" or "cpu"),
+    whether Triton interprets the kernels, and the GPU's SM count (0: unknown). A launch
+    reads it from its tensors (``Target.of``); a plan (``ulysses_kernels.triton.plan``)
+    may describe another machine's (meta tensors, a GPU's target)."""
+
+    device_type: str
+    interpreting: bool
+    sm_count: int = 0
+
+    @classmethod
+    def of(cls, tensor) -> "Target":
+        device = tensor.device
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        return cls(device.type, interpreting(), sms)
+
+    @property
+    def gpu(self) -> bool:
+        """Compiled kernels on a GPU (not the interpreter)."""
+        return self.device_type == "cuda" and not self.interpreting
 
 
 def next_pow2(n: int) -> int:
@@ -401,6 +423,36 @@ def _zero_before_each_trial(names):
     return hook
 
 
+class LaunchPlan(NamedTuple):
+    """One kernel launch as a plan describes it (TunedLauncher with ``plan``): the kernel,
+    its grid (at the config, or the default when autotuned), its config (BLOCK_M, BLOCK_N,
+    num_warps, num_stages; None when autotuned), the default config and why, its features'
+    Switches records and its constexprs."""
+
+    kernel: str
+    grid: Tuple[int, ...]
+    config: Optional[Tuple[int, int, int, int]]
+    default: Tuple[int, int, int, int]
+    config_why: str
+    switches: Tuple[object, ...]
+    constexprs: Dict[str, object]
+
+
+class PlanNote(NamedTuple):
+    """A decision of a planned call that is not a launch's (the backward's mode, its head
+    splits): what was decided, the choice and why."""
+
+    topic: str
+    choice: str
+    why: str
+
+
+def plan_autotunes(fp32_dot: bool) -> bool:
+    """Whether a planned GPU launch would autotune (ULYSSES_KERNELS_TRITON_AUTOTUNE, on by
+    default; never in the interpreter)."""
+    return not fp32_dot and flag(TRITON_AUTOTUNE, default=True)
+
+
 class TunedLauncher:
     """Launch policy of one kernel with per-head-dim candidate configs.
 
@@ -462,11 +514,7 @@ class TunedLauncher:
             return kwargs.get(name, named_args.get(name))
 
         bd = max(arg("BLOCK_D"), arg("BLOCK_DV") or 0)  # the configs of the wider head dim
-        allowed = self._feature_candidates(bd, {name: arg(name) for name in self.feature_configs})
-        if allowed is None:
-            allowed = list(self._candidates(bd))
-            if self.masked({name: arg(name) for name in ("VARLEN", "SPLIT", "WINDOW")}):
-                allowed += self.masked_configs.get(bd, [])
+        allowed = self._allowed(bd, {name: arg(name) for name in (*self.feature_configs, "VARLEN", "SPLIT", "WINDOW")})
         keep = [c for c in configs
                 if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in allowed]
         return keep or configs[:1]
@@ -492,21 +540,52 @@ class TunedLauncher:
             return {}
         return {str(k): str(v) for k, v in getattr(self.tuned, "cache", {}).items()}
 
-    def __call__(self, grid, args, meta, block_d: int, fp32_dot: bool, fp32_inputs: bool = False):
+    def choose(self, block_d: int, meta, *, fp32_dot: bool, fp32_inputs: bool, autotune: bool):
+        """(config or None when the autotuner chooses, why): the one rule of which config a
+        launch runs. A counting launch (COUNT) never autotunes: every trial would add its
+        visits."""
+        if fp32_dot:
+            return (*self.interpret_blocks, 4, 1), "the interpreter's small tiles"
+        if fp32_inputs and self.fp32_configs:
+            return self.fp32_configs.get(block_d, self.fp32_configs[128]), "fp32 inputs: the one tf32x3 config"
+        if self.override is not None:
+            return tuple(self.override), "a benchmark's override (TunedLauncher.override)"
+        default = self.default(block_d, self.masked(meta), meta)
+        if autotune and not meta.get("COUNT"):
+            return None, (f"autotuned once per call class over {len(self._allowed(block_d, meta))} candidates; "
+                          f"{TRITON_AUTOTUNE.name}=0 runs the default")
+        if self._feature_candidates(block_d, meta) is not None:
+            return default, "the default of the enabled feature's configs"
+        if self.masked(meta) and block_d in self.masked_configs:
+            return default, "the masked default (documents, per-token layout or window)"
+        return default, "the default"
+
+    def _allowed(self, block_d: int, meta):
+        allowed = self._feature_candidates(block_d, meta)
+        if allowed is None:
+            allowed = list(self._candidates(block_d)) + (self.masked_configs.get(block_d, [])
+                                                         if self.masked(meta) else [])
+        return allowed
+
+    def __call__(self, grid, args, meta, block_d: int, fp32_dot: bool, fp32_inputs: bool = False, *,
+                 plan=None, switches=()):
         """grid(BLOCK_M, BLOCK_N) -> launch grid. block_d: the wider padded head dim (q/k or
         v). Returns the (BLOCK_M, BLOCK_N, num_warps, num_stages) it ran, None when the
-        autotuner chose. A counting launch (COUNT) never autotunes: every trial would add
-        its visits."""
-        if fp32_dot:
-            (bm, bn), w, s = self.interpret_blocks, 4, 1
-        elif fp32_inputs and self.fp32_configs:
-            bm, bn, w, s = self.fp32_configs.get(block_d, self.fp32_configs[128])
-        elif self.override is not None:
-            bm, bn, w, s = self.override
-        elif self.tuned is not None and not meta.get("COUNT"):
+        autotuner chose. ``plan`` (a list): append this launch's LaunchPlan (with the
+        ``switches`` records of its features) and launch nothing."""
+        autotune = self.tuned is not None if plan is None else plan_autotunes(fp32_dot)
+        config, why = self.choose(block_d, meta, fp32_dot=fp32_dot, fp32_inputs=fp32_inputs, autotune=autotune)
+        if plan is not None:
+            default = self.default(block_d, self.masked(meta), meta)
+            shown = config or default
+            plan.append(LaunchPlan(kernel=getattr(self.kernel, "fn", self.kernel).__name__,
+                                   grid=tuple(grid(*shown[:2])), config=config, default=default, config_why=why,
+                                   switches=tuple(switches),
+                                   constexprs={k: v for k, v in meta.items() if k not in ("FP32_DOT", "PRECISION")}))
+            return config
+        if config is None:
             self.tuned[lambda META: grid(META["BLOCK_M"], META["BLOCK_N"])](*args, **meta)
             return None
-        else:
-            bm, bn, w, s = self.default(block_d, self.masked(meta), meta)
+        bm, bn, w, s = config
         self.kernel[grid(bm, bn)](*args, **meta, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
         return bm, bn, w, s

@@ -44,15 +44,19 @@ The backward's (``flash_bwd_dkdv._flash_bwd_dkdv_kernel``, atomic mode):
   hence the separate dQ pass. Strided and affine layouts, no packed documents, 16-bit on
   a GPU (:func:`bwd_warp_specialize`); the interpreter runs their single loops.
 
-A feature that does not apply to a call is dropped for that call, silently: the kernel
-then runs as without it (:func:`forward_switches`, :func:`backward_switches`).
+A feature that does not apply to a call is dropped for that call: the kernel then runs
+as without it. The call's :class:`Switches` record keeps each dropped feature with the
+reason (:func:`forward_features`, :func:`dq_reduce_feature`,
+:func:`bwd_warp_specialize_feature`); ``ulysses-kernels doctor --explain`` prints them.
 """
+
+from typing import Dict, Optional
 
 import torch
 import triton
 
-from ..env import HOPPER_FEATURES, interpreting, text
-from ._common import block_d
+from ..env import HOPPER_FEATURES, text
+from ._common import Target, block_d
 
 FORWARD = ("desc", "fma_scale", "lazy_rescale", "warp_specialize")
 BACKWARD = ("dq_reduce", "bwd_warp_specialize")
@@ -96,80 +100,156 @@ def requested() -> frozenset:
         raise ValueError(f"{HOPPER_FEATURES.name}: {error}") from None
 
 
-def descriptor_ok(tensor, strides, rows: int, width: int, split: int, batch: int) -> bool:
-    """Whether ``tensor`` (an operand with (batch, seq, head, dim) element ``strides``) can
-    be read through the kernels' tensor descriptors: SPLIT 0 or 1, unit dim stride, 16-byte
-    aligned base and batch/seq/head strides (every program's view starts at
+class Switches:
+    """The features of one launch: ``on`` (the requested features it runs, in the order of
+    ``names``) and ``dropped`` (each requested feature it does not run, with the reason).
+    ``names``: the features of the kernel the record is for."""
+
+    def __init__(self, names, requested):
+        self.names = tuple(names)
+        self.on = [n for n in self.names if n in requested]
+        self.dropped: Dict[str, str] = {}
+
+    def drop(self, names, reason: str) -> None:
+        """Drop `names` (those still on) for `reason`."""
+        for name in [n for n in self.on if n in names]:
+            self.on.remove(name)
+            self.dropped[name] = reason
+
+    def constexprs(self) -> Dict[str, bool]:
+        return {CONSTEXPRS[name]: name in self.on for name in self.names}
+
+    def describe(self) -> str:
+        if not self.on and not self.dropped:
+            return f"none requested ({HOPPER_FEATURES.name})"
+        dropped = "; ".join(f"{name} dropped: {why}" for name, why in self.dropped.items())
+        return ", ".join(self.on or ["none on"]) + (f" ({dropped})" if dropped else "")
+
+
+def descriptor_problem(tensor, strides, rows: int, width: int, split: int, batch: int) -> Optional[str]:
+    """Why ``tensor`` (an operand with (batch, seq, head, dim) element ``strides``) cannot be
+    read through the kernels' tensor descriptors, or None: SPLIT 0 or 1, unit dim stride,
+    16-byte aligned base and batch/seq/head strides (every program's view starts at
     ``base + b*stride_b + h*stride_h``), a row at least 16 bytes wide, and int32 rows."""
     if split not in (0, 1):
-        return False
+        return "the per-token all-to-all layout (SPLIT 2) has no 2-D view"
     stride_b, stride_s, stride_h, stride_d = strides
     size = tensor.element_size()
-    aligned = all((int(s) * size) % _TMA_ALIGN == 0 for s in (stride_s, stride_h)
-                  + ((stride_b,) if split == 0 and batch > 1 else ()))
-    return (int(stride_d) == 1 and aligned and tensor.data_ptr() % _TMA_ALIGN == 0
-            and width * size >= _TMA_ALIGN and 0 < rows <= _TMA_MAX_ROWS)
+    if int(stride_d) != 1:
+        return "its head dim is strided"
+    if not all((int(s) * size) % _TMA_ALIGN == 0
+               for s in (stride_s, stride_h) + ((stride_b,) if split == 0 and batch > 1 else ())):
+        return "a batch, sequence or head stride is not a multiple of 16 bytes"
+    if tensor.data_ptr() % _TMA_ALIGN:
+        return "its address is not 16-byte aligned"
+    if width * size < _TMA_ALIGN:
+        return "its rows are narrower than 16 bytes"
+    if not 0 < rows <= _TMA_MAX_ROWS:
+        return "its row count does not fit TMA's int32 coordinates"
+    return None
 
 
-def forward_switches(features, *, q, k, v, sq_strides, sk_strides, sv_strides, split, batch, seqlen_q, seqlen_k,
-                     head_dim, head_dim_v, varlen, softmax_scale, softcap) -> dict:
-    """The constexprs of a forward launch for the requested ``features`` (names), each
-    feature kept only where it applies to this call (module docstring)."""
-    on = set(parse(features)) & set(FORWARD)
-    if q.device.type == "cuda" and q.dtype == torch.float32:
-        on.clear()  # the fp32 (tf32x3) kernels are the accuracy path: measured configs only
+def descriptor_ok(tensor, strides, rows: int, width: int, split: int, batch: int) -> bool:
+    """Whether ``tensor`` can be read through the kernels' tensor descriptors
+    (:func:`descriptor_problem`)."""
+    return descriptor_problem(tensor, strides, rows, width, split, batch) is None
+
+
+_FP32_REASON = "fp32 inputs on a GPU run the measured tf32x3 configs only"
+
+
+def forward_features(features, *, q, k, v, sq_strides, sk_strides, sv_strides, split, batch, seqlen_q, seqlen_k,
+                     head_dim, head_dim_v, varlen, softmax_scale, softcap, target: Optional[Target] = None
+                     ) -> Switches:
+    """The requested forward ``features`` (names) this call runs, and why it drops the others
+    (module docstring)."""
+    target = target or Target.of(q)
+    switches = Switches(FORWARD, parse(features))
+    if target.device_type == "cuda" and q.dtype == torch.float32:
+        switches.drop(FORWARD, _FP32_REASON)
     rows_q, rows_k = (batch * seqlen_q, batch * seqlen_k) if split == 1 else (seqlen_q, seqlen_k)
-    if not (descriptor_ok(k, sk_strides, rows_k, head_dim, split, batch)
-            and descriptor_ok(v, sv_strides, rows_k, head_dim_v, split, batch)):
-        on.clear()  # every other feature was sized with descriptor loads (module docstring)
+    problem = (descriptor_problem(k, sk_strides, rows_k, head_dim, split, batch)
+               or descriptor_problem(v, sv_strides, rows_k, head_dim_v, split, batch))
+    if problem:  # every other feature was sized with descriptor loads (module docstring)
+        switches.drop(FORWARD, f"k or v cannot be read through a TMA descriptor: {problem}")
     # The warp-specialized loop reads q, k and v through descriptors, and nothing else
     # (VARLEN's document loads fail Triton's pass).
-    if varlen or not descriptor_ok(q, sq_strides, rows_q, head_dim, split, batch):
-        on.discard("warp_specialize")
-    if softcap or not softmax_scale > 0:
-        on.discard("fma_scale")
-    if "desc" not in on:
-        on.clear()
+    if varlen:
+        switches.drop(["warp_specialize"], "packed documents: their loads fail Triton's warp-specialization pass")
+    problem = descriptor_problem(q, sq_strides, rows_q, head_dim, split, batch)
+    if problem:
+        switches.drop(["warp_specialize"], f"q cannot be read through a TMA descriptor: {problem}")
+    if softcap:
+        switches.drop(["fma_scale"], "softcapped scores are scaled inside the tanh already")
+    elif not softmax_scale > 0:
+        switches.drop(["fma_scale"], "it needs a positive softmax scale")
+    if "desc" not in switches.on:
+        switches.drop(FORWARD, "it builds on desc, which this call does not run")
     else:
         ensure_allocator(k.device)
-    return {CONSTEXPRS[name]: name in on for name in FORWARD}
+    return switches
 
 
-def bwd_warp_specialize(features, *, tensors, strides, split, batch, seqlen_q, seqlen_k, varlen) -> bool:
+def forward_switches(features, **call) -> dict:
+    """The constexprs of a forward launch (:func:`forward_features`)."""
+    return forward_features(features, **call).constexprs()
+
+
+def bwd_warp_specialize_feature(features, *, tensors, strides, split, batch, seqlen_q, seqlen_k, varlen,
+                                target: Optional[Target] = None) -> Switches:
     """Whether a backward runs the warp-specialized dK/dV and dQ kernels: requested, strided
     or affine layout, no packed documents, 16-bit inputs on a GPU (any in the interpreter),
     padded head dims up to 128 (at 256 the 4-warp tiles spill over a kilobyte), and q, k, v
     and dO (``tensors``, their ``strides``) through TMA descriptors."""
-    if "bwd_warp_specialize" not in parse(features) or varlen or split not in (0, 1):
-        return False
-    if max(block_d(tensors[0].shape[-1]), block_d(tensors[2].shape[-1])) > 128:
-        return False
     q = tensors[0]
-    if q.device.type == "cuda" and q.dtype == torch.float32:
-        return False
+    target = target or Target.of(q)
+    switches = Switches(["bwd_warp_specialize"], parse(features))
+    if varlen:
+        switches.drop(["bwd_warp_specialize"], "packed documents: their loads fail Triton's warp-specialization pass")
+    if max(block_d(tensors[0].shape[-1]), block_d(tensors[2].shape[-1])) > 128:
+        switches.drop(["bwd_warp_specialize"], "a padded head dim above 128 (its 4-warp tiles spill)")
+    if target.device_type == "cuda" and q.dtype == torch.float32:
+        switches.drop(["bwd_warp_specialize"], _FP32_REASON)
     rows_q, rows_k = (batch * seqlen_q, batch * seqlen_k) if split == 1 else (seqlen_q, seqlen_k)
-    rows = (rows_q, rows_k, rows_k, rows_q)  # q, k, v, dO
-    ok = all(descriptor_ok(t, st, n, t.shape[-1], split, batch) for t, st, n in zip(tensors, strides, rows))
-    if ok:
+    for name, t, st, n in zip(("q", "k", "v", "dO"), tensors, strides, (rows_q, rows_k, rows_k, rows_q)):
+        problem = descriptor_problem(t, st, n, t.shape[-1], split, batch)
+        if problem:
+            switches.drop(["bwd_warp_specialize"], f"{name} cannot be read through a TMA descriptor: {problem}")
+    if switches.on:
         ensure_allocator(q.device)
-    return ok
+    return switches
 
 
-def backward_switches(features, *, q, dq_acc) -> dict:
-    """The constexprs of a dK/dV launch: ``DQ_REDUCE`` in atomic mode (``dq_acc``, the
+def bwd_warp_specialize(features, **call) -> bool:
+    """Whether a backward runs the warp-specialized kernels (:func:`bwd_warp_specialize_feature`)."""
+    return bool(bwd_warp_specialize_feature(features, **call).on)
+
+
+def dq_reduce_feature(features, *, q, dq_acc, target: Optional[Target] = None) -> Switches:
+    """``DQ_REDUCE`` of a dK/dV launch: in atomic mode (``dq_acc``, the
     ``[B, Hq, Sq, block_d]`` fp32 accumulator, or None) with 16-bit inputs on a GPU, for
     padded head dims up to 128 (at 256 the default tile spills 184 B with it, 120 B
     without), when the accumulator's 3-D view fits TMA's int32 coordinates and strides."""
-    on = "dq_reduce" in parse(features)
-    if dq_acc is None or interpreting() or q.device.type != "cuda" or q.dtype == torch.float32:
-        on = False
+    target = target or Target.of(q)
+    switches = Switches(["dq_reduce"], parse(features))
+    if dq_acc is None:
+        switches.drop(["dq_reduce"], "this backward adds no dQ atomics (the two-kernel backward)")
+    elif not target.gpu:
+        switches.drop(["dq_reduce"], "GPU only (Triton's interpreter has no descriptor reduce)")
+    elif q.dtype == torch.float32:
+        switches.drop(["dq_reduce"], _FP32_REASON)
     elif dq_acc.shape[3] > 128:
-        on = False
+        switches.drop(["dq_reduce"], "a padded head dim above 128 (the default tile spills with it)")
     elif dq_acc.shape[0] * dq_acc.shape[1] > _TMA_MAX_ROWS or dq_acc.shape[2] * dq_acc.shape[3] > _TMA_MAX_ROWS:
-        on = False
-    if on:
+        switches.drop(["dq_reduce"], "the accumulator does not fit TMA's int32 coordinates")
+    if switches.on:
         ensure_allocator(q.device)
-    return {"DQ_REDUCE": on}
+    return switches
+
+
+def backward_switches(features, **call) -> dict:
+    """The constexprs of a dK/dV launch (:func:`dq_reduce_feature`)."""
+    return dq_reduce_feature(features, **call).constexprs()
 
 
 class _ScratchAllocator:

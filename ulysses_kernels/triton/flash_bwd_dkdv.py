@@ -34,11 +34,11 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
+    Target,
     TunedLauncher,
     capped_tanh,
     dot_precision,
     in_band,
-    interpreting,
     kv_descriptor,
     maybe_fp32,
     phase_bounds,
@@ -49,7 +49,7 @@ from ._common import (
     variant_args,
 )
 from ._common import block_d as padded_head_dim
-from .features import backward_switches, requested
+from .features import dq_reduce_feature, requested
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -460,7 +460,7 @@ def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_c
 def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q,
                 seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
                 split, seq_splits, dq_acc=None, splits=1, head_dim_v=None, band=None, softcap=0.0,
-                counter=None, features=None, warp_specialize=False, lse_row_stride=None):
+                counter=None, features=None, warp_specialize=False, lse_row_stride=None, target=None, plan=None):
     """strides: (q, k, v, do, dk, dv) stride 4-tuples.
 
     dq_acc: atomic mode, a zero-filled fp32 ``[B, Hq, Sq, block_d]`` accumulator (by
@@ -469,9 +469,10 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
     the partial sums. head_dim_v: v's (default head_dim); band, softcap, counter, features:
     see flash_fwd.launch_fwd. warp_specialize (dK/dV only, features.bwd_warp_specialize's
     rule holds): the warp-specialized kernel, reading lse and delta as rows of
-    lse_row_stride (a multiple of 4: 16-byte TMA strides) padded with +inf and 0. Returns
-    the config it ran (None when autotuned)."""
-    fp32_dot = interpreting()
+    lse_row_stride (a multiple of 4: 16-byte TMA strides) padded with +inf and 0; target,
+    plan: see flash_fwd.launch_fwd. Returns the config it ran (None when autotuned)."""
+    target = target or Target.of(q)
+    fp32_dot = target.interpreting
     varlen = docs is not None
     atomic = dq_acc is not None
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
@@ -479,6 +480,7 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
     if splits > 1 and (not atomic or dk.dtype != torch.float32 or (num_q_heads // num_kv_heads) % splits):
         raise ValueError("launch_dkdv: head splits need atomic mode, fp32 dk/dv and a divisor of the group")
     variant = variant_args(band, softcap, softmax_scale)
+    dq_reduce = dq_reduce_feature(requested() if features is None else features, q=q, dq_acc=dq_acc, target=target)
     counts = counter.tensor("dkdv") if counter is not None else None
     args = (q, k, v, do, (dk, dv, dq_acc if atomic else lse), (lse, delta),
             (docs if varlen else lse, cu_seqlens if varlen else lse), counts if counts is not None else lse,
@@ -491,7 +493,7 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
                 DQ_ATOMIC=atomic, KV_ATOMIC=splits > 1,
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(block_d, bdv)),
                 **variant.constexprs, COUNT=counts is not None,
-                **backward_switches(requested() if features is None else features, q=q, dq_acc=dq_acc),
+                **dq_reduce.constexprs(),
                 WARP_SPECIALIZE=bool(warp_specialize))
     if warp_specialize and (atomic or splits > 1):
         raise ValueError("launch_dkdv: the warp-specialized kernel computes dK/dV only (no dQ atomics, no splits)")
@@ -500,7 +502,8 @@ def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, b
     def grid(bm, bn):
         return (triton.cdiv(seqlen_k, bn), batch * num_kv_heads * splits)
 
-    config = launcher(grid, args, meta, max(block_d, bdv), fp32_dot, q.dtype == torch.float32)
-    if counter is not None:
+    config = launcher(grid, args, meta, max(block_d, bdv), fp32_dot, q.dtype == torch.float32, plan=plan,
+                      switches=(dq_reduce,))
+    if counter is not None and plan is None:
         counter.ran("dkdv", config, grid(*config[:2]))
     return config

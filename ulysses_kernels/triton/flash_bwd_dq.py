@@ -17,11 +17,11 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
+    Target,
     TunedLauncher,
     capped_tanh,
     dot_precision,
     in_band,
-    interpreting,
     kv_descriptor,
     maybe_fp32,
     query_tile_band_range,
@@ -272,13 +272,15 @@ _launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS, fp
 
 def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q, seqlen_k,
               num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale, split, seq_splits,
-              head_dim_v=None, band=None, softcap=0.0, counter=None, warp_specialize=False, lse_row_stride=None):
+              head_dim_v=None, band=None, softcap=0.0, counter=None, warp_specialize=False, lse_row_stride=None,
+              target=None, plan=None):
     """strides: (q, k, v, do, dq) stride 4-tuples; head_dim_v: v's (default head_dim);
     band, softcap, counter: see flash_fwd.launch_fwd; warp_specialize, lse_row_stride: see
-    flash_bwd_dkdv.launch_dkdv. Returns the config it ran (None when autotuned)."""
+    flash_bwd_dkdv.launch_dkdv; target, plan: see flash_fwd.launch_fwd. Returns the config it
+    ran (None when autotuned)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     bd, bdv = block_d, padded_head_dim(head_dim_v)
-    fp32_dot = interpreting()
+    fp32_dot = (target or Target.of(q)).interpreting
     varlen = docs is not None
     variant = variant_args(band, softcap, softmax_scale)
     counts = counter.tensor("dq") if counter is not None else None
@@ -295,8 +297,7 @@ def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, 
     def grid(bm, bn):
         return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
 
-    config = _launch(grid, args, meta, max(bd, bdv),
-                     fp32_dot, q.dtype == torch.float32)
-    if counter is not None:
+    config = _launch(grid, args, meta, max(bd, bdv), fp32_dot, q.dtype == torch.float32, plan=plan)
+    if counter is not None and plan is None:
         counter.ran("dq", config, grid(*config[:2]))
     return config

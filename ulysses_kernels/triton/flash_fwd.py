@@ -25,12 +25,12 @@ import triton.language as tl
 from ._common import (
     LN2,
     LOG2E,
+    Target,
     TunedLauncher,
     block_d,
     capped_tanh,
     dot_precision,
     in_band,
-    interpreting,
     kv_descriptor,
     maybe_fp32,
     query_tile_band_range,
@@ -41,7 +41,7 @@ from ._common import (
     tile_row,
     variant_args,
 )
-from .features import forward_switches, requested
+from .features import forward_features, requested
 
 LN2_C = tl.constexpr(LN2)
 LOG2E_C = tl.constexpr(LOG2E)
@@ -343,16 +343,19 @@ _launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS, _FWD
 def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
                batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim, head_dim_v=None,
                causal, softmax_scale, docs, cu_seqlens, split, seq_splits,
-               band=None, softcap=0.0, sinks=None, counter=None, features=None):
+               band=None, softcap=0.0, sinks=None, counter=None, features=None, target=None, plan=None):
     """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides;
     split is the SPLIT mode (_common.split_mode). band: ``_common.kernel_band``'s (causal
     already folded in), softcap: c or 0, sinks: fp32 contiguous ``[Hq]`` or None,
     counter: a ``_common.VisitCounter`` (tests), features: the Hopper features to try
-    (names, see features.py; None: ``ULYSSES_KERNELS_HOPPER_FEATURES``). Returns the config it
-    ran (None when autotuned)."""
+    (names, see features.py; None: ``ULYSSES_KERNELS_HOPPER_FEATURES``), target: where it
+    runs (default: the tensors' ``_common.Target``), plan: a list that receives the
+    launch's ``_common.LaunchPlan`` instead of a launch. Returns the config it ran (None
+    when autotuned)."""
     head_dim_v = head_dim if head_dim_v is None else head_dim_v
     bd, bdv = block_d(head_dim), block_d(head_dim_v)
-    fp32_dot = interpreting()
+    target = target or Target.of(q)
+    fp32_dot = target.interpreting
     precision = dot_precision(q.dtype, max(bd, bdv))
     varlen = docs is not None
     dummy = lse
@@ -363,21 +366,22 @@ def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_stri
             tuple(sq_strides), tuple(sk_strides), tuple(sv_strides), tuple(so_strides),
             (seqlen_q, seqlen_k, batch, seq_splits), (softmax_scale * LOG2E, *variant.softcap), variant.window,
             seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
+    switches = forward_features(requested() if features is None else features, q=q, k=k, v=v,
+                                sq_strides=sq_strides, sk_strides=sk_strides, sv_strides=sv_strides,
+                                split=split, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                head_dim=head_dim, head_dim_v=head_dim_v, varlen=varlen,
+                                softmax_scale=softmax_scale, softcap=softcap, target=target)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
                 CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
                 FP32_DOT=fp32_dot, PRECISION=precision,
                 **variant.constexprs, SINKS=sinks is not None, COUNT=counts is not None,
-                **forward_switches(requested() if features is None else features, q=q, k=k, v=v,
-                                   sq_strides=sq_strides, sk_strides=sk_strides, sv_strides=sv_strides,
-                                   split=split, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                   head_dim=head_dim, head_dim_v=head_dim_v, varlen=varlen,
-                                   softmax_scale=softmax_scale, softcap=softcap))
+                **switches.constexprs())
 
     def grid(bm, bn):
         return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
 
-    config = _launch(grid, args, meta, max(bd, bdv),
-                     fp32_dot, q.dtype == torch.float32)
-    if counter is not None:
+    config = _launch(grid, args, meta, max(bd, bdv), fp32_dot, q.dtype == torch.float32, plan=plan,
+                     switches=(switches,))
+    if counter is not None and plan is None:
         counter.ran("fwd", config, grid(*config[:2]))
     return config

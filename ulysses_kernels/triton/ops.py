@@ -193,7 +193,7 @@ def _kernel_sinks(sinks):
 
 
 def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, window=(None, None),
-             softcap=0.0, sinks=None, counter=None):
+             softcap=0.0, sinks=None, counter=None, target=None, plan=None):
     g = _Geom(q, k, v, seq_splits, batch)
     if cu_seqlens is not None and g.batch != 1:
         raise ValueError(f"flash_attention: cu_seqlens needs batch 1, got {g.batch}")
@@ -214,11 +214,12 @@ def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, b
                batch=g.batch, seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv,
                head_dim=g.d, head_dim_v=g.dv, causal=causal, softmax_scale=softmax_scale, docs=docs,
                cu_seqlens=table, split=g.mode, seq_splits=g.seq_splits, band=band, softcap=float(softcap),
-               sinks=_kernel_sinks(sinks), counter=counter)
+               sinks=_kernel_sinks(sinks), counter=counter, target=target, plan=plan)
 
 
 def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             deterministic, window=(None, None), softcap=0.0, sinks=None, dsinks=None, counter=None):
+             deterministic, window=(None, None), softcap=0.0, sinks=None, dsinks=None, counter=None, target=None,
+             plan=None):
     g = _Geom(q, k, v, seq_splits, batch)
     if g.batch == 0 or g.hq == 0 or g.sq == 0 or g.sk == 0:
         # Nothing to attend: zero gradients. (No key: out = 0, so delta = 0 and the sinks'
@@ -233,7 +234,8 @@ def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlen
                seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv, head_dim=g.d,
                block_d=block_d(g.d), causal=causal, softmax_scale=softmax_scale, split=g.mode,
                seq_splits=g.seq_splits, deterministic=deterministic, head_dim_v=g.dv, band=band,
-               softcap=float(softcap), sinks=_kernel_sinks(sinks), dsinks=dsinks, counter=counter)
+               softcap=float(softcap), sinks=_kernel_sinks(sinks), dsinks=dsinks, counter=counter, target=target,
+               plan=plan)
 
 
 # ------------------------------------------------------------------------ custom ops
