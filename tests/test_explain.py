@@ -142,3 +142,13 @@ def test_doctor_explain_refuses_a_bad_call(capsys, settings):
     settings.setenv(env.HOPPER_FEATURES.name, "turbo")
     assert main(["doctor", "--explain"]) == 2
     assert "unknown kernel feature" in capsys.readouterr().err
+
+
+def test_autotuner_reset_zeroes_every_tensor_of_a_tuple_parameter():
+    """The atomic backward's autotuner restarts its accumulators (the `grads` tuple) from
+    zero before each trial: every tensor of the tuple, and plain tensor arguments too."""
+    from ulysses_kernels.triton._common import _zero_before_each_trial
+
+    grads, acc = (randn(2, 3, seed=4), randn(3, seed=5)), randn(4, seed=6)
+    _zero_before_each_trial(["grads", "acc"])({"grads": grads, "acc": acc, "other": 1})
+    assert all(bool((t == 0).all()) for t in (*grads, acc))
