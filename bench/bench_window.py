@@ -73,7 +73,7 @@ def main():
     timed = timer(args.smoke, warmup=5, rep=30)
 
     W, H, D = args.window, args.heads, args.head_dim
-    window = (W - 1, None)  # the kernels' band: the last W keys, the query included
+    window_size = (W - 1, 0)  # the last W keys, the query included (flash_attn's convention)
     rows, t_start = [], time.time()
     for S in (int(x) for x in args.seqlens.split(",")):
         if args.budget_s is not None and time.time() - t_start > args.budget_s:
@@ -82,10 +82,10 @@ def main():
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, S, H, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
-        impls = {"triton_window": lambda: flash_attention(q, k, v, causal=True, window=window),
+        impls = {"triton_window": lambda: flash_attention(q, k, v, causal=True, window_size=window_size),
                  "triton_full": lambda: flash_attention(q, k, v, causal=True)}
         if flash is not None:
-            impls["flash_attn_window"] = lambda: flash(q, k, v, causal=True, window_size=(W - 1, 0))
+            impls["flash_attn_window"] = lambda: flash(q, k, v, causal=True, window_size=window_size)
         pairs = {"triton_window": visible_pairs(S, W), "flash_attn_window": visible_pairs(S, W),
                  "triton_full": S * (S + 1) // 2}
         for mode in args.modes.split(","):

@@ -36,6 +36,27 @@ def test_make_variant_normalises_flash_attn_windows():
     assert make_variant((2, 5), 30.0).describe() == "window_size=(2, 5), softcap=30.0"
 
 
+def test_one_causal_fold():
+    """variants.fold_causal is the rule; make_variant and the kernels' kernel_band both
+    apply it (a right side >= 0 adds nothing to causal; a negative one stays)."""
+    from ulysses_kernels.variants import band_problem, fold_causal
+
+    assert fold_causal((4, 3), causal=True) == (4, None)
+    assert fold_causal((4, 0), causal=True) == (4, None)
+    assert fold_causal((None, -2), causal=True) == (None, -2)  # the ring's shifted band
+    assert fold_causal((4, 3), causal=False) == (4, 3)
+    for window_size in [(4, 3), (-1, 0), (2, -1)]:
+        band = tuple(None if side == -1 else side for side in window_size)
+        assert make_variant(window_size, causal=True).window == fold_causal(band, True)
+    assert band_problem((1, None)) is None and band_problem((-3, -4)) is None
+    assert "must be a pair" in band_problem((1,))
+    assert "right side must be an int or None" in band_problem((1, 2.0))
+    kernels = pytest.importorskip("ulysses_kernels.triton._common")
+    for band in [(4, 3), (4, 0), (None, -2), (None, 5), (3, None)]:
+        # the kernels' encoding of causal + band equals that of the folded band + causal
+        assert kernels.kernel_band(True, band, 10, 10) == kernels.kernel_band(True, fold_causal(band, True), 10, 10)
+
+
 @pytest.mark.parametrize("window,softcap,message", [
     ((-2, 0), 0.0, "left side must be >= 0 or -1"),
     ((3,), 0.0, "must be a pair"),

@@ -149,7 +149,7 @@ def _kernel_lines(call: CallClass, heads, sm_count: int):
     plan = plan_attention(batch=call.batch, seqlen_q=call.seq_len, seqlen_k=call.seq_len,
                           num_q_heads=heads.local_q_heads, num_kv_heads=heads.local_kv_heads,
                           head_dim=call.head_dim, head_dim_v=call.head_dim_v, dtype=_torch_dtype(call.dtype),
-                          causal=call.causal, window=variant.window, softcap=variant.softcap, sinks=call.sinks,
+                          causal=call.causal, band=variant.window, softcap=variant.softcap, sinks=call.sinks,
                           documents=documents, seq_splits=call.world, deterministic=call.deterministic,
                           target=Target("cuda", interpreting=False, sm_count=sm_count))
     return [("Triton kernels", f"one rank's attention on a GPU with {sm_count} SMs (sm_90 configs; the fused path "

@@ -76,17 +76,39 @@ def softcap_problem(softcap) -> Optional[str]:
     return None
 
 
+def band_of_window_size(window_size) -> Band:
+    """The band of a valid public `window_size` (-1 becomes None, unbounded)."""
+    return tuple(None if side == -1 else int(side) for side in window_size)
+
+
+def band_problem(band) -> Optional[str]:
+    """Why `band` is not a band (a pair of ints of any sign, or None for an unbounded side)."""
+    if not isinstance(band, (tuple, list)) or len(band) != 2:
+        return f"a band must be a pair (left, right) of ints or None, got {band!r}"
+    for name, side in (("left", band[0]), ("right", band[1])):
+        if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
+            return f"band {name} side must be an int or None (unbounded), got {side!r}"
+    return None
+
+
+def fold_causal(band: Band, causal: bool) -> Band:
+    """THE causal rule for a band (every path and the kernels use it): causal attention
+    bounds the right side at 0, so a right side >= 0 (or None) adds nothing and becomes
+    None; a negative one (the ring's shifted bands) stays, it hides more than causal."""
+    left, right = band
+    if causal and (right is None or right >= 0):
+        right = None
+    return (left, right)
+
+
 def make_variant(window_size=(-1, -1), softcap: Optional[float] = 0.0, *, causal: bool = False) -> Variant:
     """The Variant of public arguments; raises ValueError on bad values. Causal attention
-    bounds the right side at 0 (flash_attn's rule)."""
+    bounds the right side at 0 (flash_attn's rule, `fold_causal`)."""
     softcap = 0.0 if softcap is None else softcap
     err = window_problem(window_size) or softcap_problem(softcap)
     if err:
         raise ValueError(err)
-    left, right = (None if side == -1 else int(side) for side in window_size)
-    if causal:
-        right = None  # the causal mask already bounds it at 0: no band needed on that side
-    return Variant(window=(left, right), softcap=float(softcap))
+    return Variant(window=fold_causal(band_of_window_size(window_size), causal), softcap=float(softcap))
 
 
 def band_lengths(band: Band) -> Tuple[int, int]:

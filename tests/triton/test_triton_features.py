@@ -62,7 +62,7 @@ def forward(q, k, v, feature_list, monkeypatch, **options):
 
 
 def check_forward(out, lse, q, k, v, **options):
-    """out and the LSE against the brute force (options in its window_size convention); the
+    """out and the LSE against the brute force (window_size: flash_attn's, as the kernels); the
     LSE within TOL relative to max(1, |LSE|) (the fp32 sum of a score of thousands)."""
     do = torch.zeros_like(out)
     want = brute_force_attention(q, k, v, do, **options)[0]
@@ -75,11 +75,6 @@ def check_forward(out, lse, q, k, v, **options):
         if finite.any() else 0.0
     assert lse_err < TOL, f"lse error {lse_err:.2e}"
     return err, lse_err
-
-
-def window_size(window):
-    """The kernels' (left|None, right|None) as the brute force's flash_attn pair."""
-    return tuple(-1 if side is None else side for side in window)
 
 
 @pytest.mark.parametrize("feature_list", FEATURE_PARAMS)
@@ -102,7 +97,7 @@ def test_features_with_the_attention_variants(feature_list, monkeypatch, launche
     dropped)."""
     q, k, v = randn(2, 48, 4, 32, seed=1), randn(2, 64, 2, 32, seed=2), randn(2, 64, 2, 16, seed=3)
     sinks = randn(4, seed=4)
-    out, lse = forward(q, k, v, feature_list, monkeypatch, causal=False, window=(9, 3), sinks=sinks)
+    out, lse = forward(q, k, v, feature_list, monkeypatch, causal=False, window_size=(9, 3), sinks=sinks)
     assert launched[-1] == FEATURE_SETS[feature_list]
     check_forward(out, lse, q, k, v, window_size=(9, 3), sinks=sinks)
 
@@ -117,7 +112,7 @@ def test_features_with_documents(feature_list, monkeypatch, launched):
     loop cannot hold the document loads), the rest runs."""
     cu = torch.tensor([0, 0, 13, 14, 40, 52], dtype=torch.int32)
     q, k, v = randn(1, 52, 4, 16, seed=5), randn(1, 52, 1, 16, seed=6), randn(1, 52, 1, 16, seed=7)
-    out, lse = forward(q, k, v, feature_list, monkeypatch, causal=True, cu_seqlens=cu, window=(6, None))
+    out, lse = forward(q, k, v, feature_list, monkeypatch, causal=True, cu_seqlens=cu, window_size=(6, -1))
     assert launched[-1] == dict(FEATURE_SETS[feature_list], WARP_SPECIALIZE=False)
     check_forward(out, lse, q, k, v, causal=True, cu_seqlens=cu, window_size=(6, -1))
 
@@ -262,10 +257,9 @@ def check_backward(q, k, v, do, sinks=None, **options):
     """flash_attention's gradients (autograd; sinks learnable) against the brute force."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     sink_leaf = sinks.clone().requires_grad_() if sinks is not None else None
-    window = options.pop("window", (None, None))
-    uk_triton.flash_attention(*leaves, sinks=sink_leaf, window=window, **options).backward(do)
+    uk_triton.flash_attention(*leaves, sinks=sink_leaf, **options).backward(do)
     options.pop("deterministic", None)
-    want = brute_force_attention(q, k, v, do, sinks=sinks, window_size=window_size(window), **options)
+    want = brute_force_attention(q, k, v, do, sinks=sinks, **options)
     got = [t.grad for t in leaves] + ([sink_leaf.grad] if sinks is not None else [])
     for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want[1:]):
         assert rel_err(g, w) < TOL, f"{name} error {rel_err(g, w):.2e}"
@@ -276,7 +270,7 @@ def check_backward(q, k, v, do, sinks=None, **options):
     (2, 64, 64, 4, 2, 32, 32, dict(causal=True)),    # Sq % 4 == 0: read in place
     (1, 50, 83, 2, 1, 48, 48, dict(causal=True)),    # Sq < Sk, padded head dim, MQA
     (1, 83, 50, 4, 2, 16, 16, dict(causal=True)),    # Sq > Sk: rows that see nothing
-    (2, 48, 64, 4, 2, 32, 16, dict(causal=False, window=(9, 3), softcap=4.0)),  # variants, Dv != D
+    (2, 48, 64, 4, 2, 32, 16, dict(causal=False, window_size=(9, 3), softcap=4.0)),  # variants, Dv != D
 ], ids=lambda x: str(x).replace(" ", ""))
 @pytest.mark.parametrize("deterministic", [False, pytest.param(True, marks=SLOW)], ids=["atomic", "deterministic"])
 def test_warp_specialized_backward(B, Sq, Sk, Hq, Hkv, D, Dv, options, deterministic, monkeypatch, dkdv_launches):

@@ -163,7 +163,7 @@ def test_torch_compile_fullgraph_variants():
     q, k, v, sinks = variant_qkv(seed=4)
 
     def fn(q, k, v, sinks):
-        return uk_triton.flash_attention(q, k, v, causal=True, window=(4, None), softcap=2.0, sinks=sinks) * 2.0
+        return uk_triton.flash_attention(q, k, v, causal=True, window_size=(4, -1), softcap=2.0, sinks=sinks) * 2.0
 
     compiled = torch.compile(fn, backend="eager", fullgraph=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers import from_a2a_buffer, rel_err, to_a2a_buffer
 
+import ulysses_kernels as uk
 from ulysses_kernels import env
 
 uk_triton = pytest.importorskip("ulysses_kernels.triton")
@@ -109,18 +110,28 @@ def check_errors(got, want, names, tols=None):
     return errors
 
 
+def window_argument(band):
+    """A test band as the kernels' Python API takes it: flash_attn's public ``window_size``
+    (-1 unbounded) when it is one, else (a negative side: the ring's shifted bands) the
+    package's private ``_band``."""
+    if all(side is None or side >= 0 for side in band):
+        return dict(window_size=tuple(-1 if side is None else side for side in band))
+    return dict(_band=band)
+
+
 def run_case(q, k, v, do, *, deterministic, causal=False, window=(None, None), softcap=0.0, sinks=None,
              cu_seqlens=None, dsinks_tol=TOL):
     """flash_attention (autograd, sinks differentiable) and flash_attention_forward's LSE
     against the reference; returns (errors, the kernel's out, lse, dq). dsinks_tol: the
     sinks' gradient comes back in their dtype."""
     variants = dict(causal=causal, window=window, softcap=softcap, cu_seqlens=cu_seqlens)
+    arguments = dict(variants, **window_argument(variants.pop("window")))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     sink_leaf = sinks.clone().requires_grad_() if sinks is not None else None
-    out = uk_triton.flash_attention(*leaves, deterministic=deterministic, sinks=sink_leaf, **variants)
+    out = uk_triton.flash_attention(*leaves, deterministic=deterministic, sinks=sink_leaf, **arguments)
     out.backward(do)
-    _, lse = uk_triton.flash_attention_forward(q, k, v, softmax_scale=None, sinks=sinks, **variants)
-    r_out, r_lse, r_dq, r_dk, r_dv, r_dsinks = reference(q, k, v, do, sinks=sinks, **variants)
+    _, lse = uk_triton.flash_attention_forward(q, k, v, softmax_scale=None, sinks=sinks, **arguments)
+    r_out, r_lse, r_dq, r_dk, r_dv, r_dsinks = reference(q, k, v, do, sinks=sinks, window=window, **variants)
     assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     got, want, names = [out, *(t.grad for t in leaves)], [r_out, r_dq, r_dk, r_dv], ["out", "dq", "dk", "dv"]
     if sinks is not None:
@@ -173,13 +184,15 @@ def test_window_with_documents(causal, window, deterministic):
 
 
 def test_unbounded_windows_run_the_plain_kernels():
-    """(None, None) is plain attention, (None, 0) is causal: the same kernels, bitwise."""
+    """(-1, -1) is plain attention, (-1, 0) is causal: the same kernels, bitwise; the
+    private band form gives the same."""
     q, k, v, _ = inputs(1, 40, 40, 2, 1, 16, 16, seed=3)
     causal_out = uk_triton.flash_attention(q, k, v, causal=True)
-    assert torch.equal(uk_triton.flash_attention(q, k, v, causal=True, window=(None, None)), causal_out)
-    assert torch.equal(uk_triton.flash_attention(q, k, v, window=(None, 0)), causal_out)
-    assert torch.equal(uk_triton.flash_attention(q, k, v, causal=True, window=(None, 7)), causal_out)
-    assert torch.equal(uk_triton.flash_attention(q, k, v, window=(39, 39)), uk_triton.flash_attention(q, k, v))
+    assert torch.equal(uk_triton.flash_attention(q, k, v, causal=True, window_size=(-1, -1)), causal_out)
+    assert torch.equal(uk_triton.flash_attention(q, k, v, window_size=(-1, 0)), causal_out)
+    assert torch.equal(uk_triton.flash_attention(q, k, v, causal=True, window_size=(-1, 7)), causal_out)
+    assert torch.equal(uk_triton.flash_attention(q, k, v, _band=(None, 0)), causal_out)
+    assert torch.equal(uk_triton.flash_attention(q, k, v, window_size=(39, 39)), uk_triton.flash_attention(q, k, v))
 
 
 def test_kernel_band_rule():
@@ -264,7 +277,7 @@ def test_all_variants_combined(mode, monkeypatch):
         monkeypatch.setenv(HEAD_SPLITS, "2")
     c = COMBINED
     q, k, v, do = inputs(c["B"], c["Sq"], c["Sk"], c["Hq"], c["Hkv"], c["D"], c["Dv"], seed=11, scale=2.0)
-    options = dict(causal=True, window=(9, -3), softcap=3.0, sinks=sink_logits(c["Hq"], 11))
+    options = dict(causal=True, window=(9, -3), softcap=3.0, sinks=sink_logits(c["Hq"], 11))  # a shifted band
     deterministic = mode == "deterministic"
     _, _, _, dq = run_case(q, k, v, do, deterministic=deterministic, **options)
     if deterministic:
@@ -296,21 +309,23 @@ def test_buffer_layouts(B, S, P, split, mode, monkeypatch):
     Hq, Hkv, D, Dv = 4, 2, 32, 16
     q, k, v, do = inputs(B, S, S, Hq, Hkv, D, Dv, seed=S + P, scale=2.0)
     sinks = sink_logits(Hq, S)
-    options = dict(causal=False, window=(11, -2), softcap=4.0, sinks=sinks)
+    options = dict(causal=False, softcap=4.0, sinks=sinks)
+    band = (11, -2)  # shifted: the private band form
     qk = to_a2a_buffer(torch.cat([q, k], dim=2), P)
     qb, kb, vb, dob = qk[:, :Hq], qk[:, Hq:], to_a2a_buffer(v, P), to_a2a_buffer(do, P)
     send = torch.full((B * S, Hq + 3, Dv), 7.0)
     out, lse = uk_triton.flash_attention_forward(qb, kb, vb, softmax_scale=None, out=send[:, 1:1 + Hq],
-                                                 seq_splits=P, batch=B, **options)
+                                                 seq_splits=P, batch=B, _band=band, **options)
     assert torch.all(send[:, 0] == 7.0) and torch.all(send[:, 1 + Hq:] == 7.0)
     grads = torch.full((B * S, Hq + Hkv, D), 5.0)
     dv_buf = torch.full((B * S, Hkv + 1, Dv), 5.0)
     dsinks = torch.full((Hq,), float("nan"))
     dq, dk, dv = uk_triton.flash_attention_backward(dob, qb, kb, vb, out, lse, softmax_scale=None, dq=grads[:, :Hq],
                                                     dk=grads[:, Hq:], dv=dv_buf[:, 1:], seq_splits=P, batch=B,
-                                                    deterministic=deterministic, dsinks=dsinks, **options)
+                                                    deterministic=deterministic, dsinks=dsinks, _band=band,
+                                                    **options)
     assert torch.all(dv_buf[:, 0] == 5.0)
-    r_out, r_lse, r_dq, r_dk, r_dv, r_dsinks = reference(q, k, v, do, **options)
+    r_out, r_lse, r_dq, r_dk, r_dv, r_dsinks = reference(q, k, v, do, window=band, **options)
     got = [from_a2a_buffer(t, B, P) for t in (out, dq, dk, dv)] + [dsinks]
     errors = check_errors(got, [r_out, r_dq, r_dk, r_dv, r_dsinks], ["out", "dq", "dk", "dv", "dsinks"])
     errors["lse"] = check_lse(lse, r_lse)
@@ -323,12 +338,17 @@ def test_buffer_layouts(B, S, P, split, mode, monkeypatch):
 def test_variant_argument_errors():
     q, k, v, do = inputs(1, 8, 8, 2, 1, 16, 16, seed=1)
     bad = [
-        (dict(window=(3,)), "window must be a pair"),
-        (dict(window=(1.5, None)), "window left side must be an int"),
-        (dict(window=(None, True)), "window right side must be an int"),
+        (dict(window_size=(3,)), "window_size must be a pair"),
+        (dict(window_size=(1.5, -1)), "window_size left side must be an int"),
+        (dict(window_size=(-1, True)), "window_size right side must be an int"),
+        (dict(window_size=(-2, 0)), r"window_size left side must be >= 0 or -1"),
+        (dict(window_size=(None, 0)), "window_size left side must be an int"),  # None is the private band's
+        (dict(window_size=(4, 0), _band=(4, 0)), "window_size or the package's _band, not both"),
+        (dict(_band=(1.5, None)), "band left side must be an int or None"),
+        (dict(_band=(1, 2, 3)), "a band must be a pair"),
         (dict(softcap=-1.0), "softcap must be"),
         (dict(softcap=float("inf")), "softcap must be"),
-        (dict(sinks=torch.zeros(3)), r"sinks must be \[2\]"),
+        (dict(sinks=torch.zeros(3)), r"sinks must have shape \[2\]"),
         (dict(sinks=torch.zeros(2, dtype=torch.int32)), "floating-point"),
     ]
     for kwargs, message in bad:
@@ -360,7 +380,7 @@ def visits(window, S, tiles, monkeypatch=None, deterministic=True):
                                  (flash_bwd_dkdv._launch, tiles[::-1])):
             monkeypatch.setattr(launcher, "interpret_blocks", blocks)
     q, k, v = inputs(1, S, S, 1, 1, 16, 16, seed=S)[:3]
-    return ops._count_visited_blocks(q, k, v, causal=True, window=window, deterministic=deterministic)
+    return ops._count_visited_blocks(q, k, v, causal=True, band=window, deterministic=deterministic)
 
 
 def full_causal_visits(S, tile, block):
@@ -403,3 +423,19 @@ def test_window_visits_only_the_band_blocks_long_sequence(monkeypatch):
     check_visits(counts, 4096, 256, fewer=6)
     for count, _ in counts.values():
         assert count.max().item() == 10
+
+
+def test_one_public_window_convention():
+    """ulysses_kernels.triton takes flash_attn's window_size like uk.flash_attention (no
+    other public window argument), and both compute the same attention."""
+    import inspect
+
+    for fn in (uk_triton.flash_attention, uk_triton.flash_attention_forward, uk_triton.flash_attention_backward):
+        params = inspect.signature(fn).parameters
+        assert params["window_size"].default == (-1, -1) and "window" not in params
+    q, k, v, _ = inputs(1, 40, 40, 4, 2, 16, 16, seed=5)
+    for causal, window_size in [(True, (6, -1)), (False, (5, 3)), (True, (3, 9))]:
+        got = uk_triton.flash_attention(q, k, v, causal=causal, window_size=window_size)
+        want = uk.flash_attention(q.double(), k.double(), v.double(), causal=causal, window_size=window_size,
+                                  backend="reference")
+        assert rel_err(got, want) < TOL

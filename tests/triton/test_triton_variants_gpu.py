@@ -41,12 +41,10 @@ def test_variants_on_the_gpu_match_float64(case, dtype, deterministic):
     cu = torch.tensor(cu, dtype=torch.int32) if cu else None
     want = brute_force_attention(q, k, v, do, cu_seqlens=cu, sinks=sinks, **options)
 
-    left, right = options.pop("window_size")
-    window = (None if left < 0 else left, None if right < 0 else right)
     device = torch.device("cuda")
     leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
     sink_leaf = sinks.to(device).requires_grad_() if sinks is not None else None
-    out = flash_attention(*leaves, window=window, sinks=sink_leaf, deterministic=deterministic,
+    out = flash_attention(*leaves, sinks=sink_leaf, deterministic=deterministic,
                           cu_seqlens=cu.to(device) if cu is not None else None, **options)
     out.backward(do.to(device, dtype))
     got = [out] + [t.grad for t in leaves] + ([sink_leaf.grad] if sinks is not None else [])

@@ -25,7 +25,7 @@ blocking.
 
 import threading
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -68,27 +68,42 @@ def head_order(plan, world: int, hq: int, hkv: int) -> HeadOrder:
     return HeadOrder(tuple(fwd), tuple(grad), tuple(q_all), tuple(fwd_counts), tuple(grad_counts))
 
 
-_index_cache: Dict[tuple, Tuple[HeadOrder, Dict[str, torch.Tensor]]] = {}
+class HeadIndices(NamedTuple):
+    """A HeadOrder's gathers as index tensors on one device; None is the identity order
+    (P == 1, one chunk), which needs no gather."""
+
+    fwd: Optional[torch.Tensor]       # W_qkv's head rows in the forward's send order
+    grad: Optional[torch.Tensor]      # W_qkv's head rows in the backward's send order
+    grad_inv: Optional[torch.Tensor]  # the inverse of grad: dW_qkv back to the model's order
+    q: Optional[torch.Tensor]         # W_o's query heads in the attention output's order
+    q_inv: Optional[torch.Tensor]     # the inverse of q: dW_o back to the model's order
+
+
+_index_cache: Dict[tuple, Tuple[HeadOrder, HeadIndices]] = {}
 _index_lock = threading.Lock()
 
 
-def _indices(plan, world, hq, hkv, device):
-    """HeadOrder plus its index tensors (and their inverses) on `device`, cached so that
-    steady-state calls make no host-to-device copies (and can be captured in a graph)."""
+def _index_tensor(heads, device) -> Optional[torch.Tensor]:
+    identity = list(heads) == list(range(len(heads)))
+    return None if identity else torch.tensor(heads, dtype=torch.long, device=device)
+
+
+def _inverse(index: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if index is None else torch.argsort(index)
+
+
+def _indices(plan, world, hq, hkv, device) -> Tuple[HeadOrder, HeadIndices]:
+    """HeadOrder plus its index tensors on `device`, cached so that steady-state calls make
+    no host-to-device copies (and can be captured in a graph)."""
     key = (plan, world, hq, hkv, str(device))
     with _index_lock:
         hit = _index_cache.get(key)
         if hit is None:
             order = head_order(plan, world, hq, hkv)
-            idx = {}
-            for name in ("fwd", "grad", "q"):
-                heads = getattr(order, name)
-                if list(heads) == list(range(len(heads))):
-                    idx[name] = idx[name + "_inv"] = None  # identity (P == 1, one chunk): no gather
-                else:
-                    idx[name] = torch.tensor(heads, dtype=torch.long, device=device)
-                    idx[name + "_inv"] = torch.argsort(idx[name])
-            hit = _index_cache[key] = (order, idx)
+            grad, q = _index_tensor(order.grad, device), _index_tensor(order.q, device)
+            indices = HeadIndices(fwd=_index_tensor(order.fwd, device), grad=grad, grad_inv=_inverse(grad), q=q,
+                                  q_inv=_inverse(q))
+            hit = _index_cache[key] = (order, indices)
     return hit
 
 
@@ -270,9 +285,9 @@ class _FusedSelfAttention(torch.autograd.Function):
         B, Sp, hidden = x.shape
         order, idx = _indices(setup.plan, setup.geometry.world, hq, hkv, x.device)
         x2d = x.reshape(B * Sp, hidden)
-        w_fwd = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx["fwd"]).reshape(-1, hidden)
-        b_fwd = _gather(b_qkv.reshape(-1, D), 0, idx["fwd"]).reshape(-1) if b_qkv is not None else None
-        w_o_perm = _gather(w_o.reshape(hidden, hq, D), 1, idx["q"]).reshape(hidden, hq * D)
+        w_fwd = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx.fwd).reshape(-1, hidden)
+        b_fwd = _gather(b_qkv.reshape(-1, D), 0, idx.fwd).reshape(-1) if b_qkv is not None else None
+        w_o_perm = _gather(w_o.reshape(hidden, hq, D), 1, idx.q).reshape(hidden, hq * D)
         # needs_input_grad does not see torch.no_grad(): the caller passes the grad mode.
         save = grad_enabled and any(ctx.needs_input_grad[:5])
         rotary = (cos, sin) if cos is not None else None
@@ -297,8 +312,8 @@ class _FusedSelfAttention(torch.autograd.Function):
         order, idx = _indices(setup.plan, setup.geometry.world, hq, hkv, x.device)
         x2d, dy2d = x.reshape(B * Sp, hidden), dy.reshape(B * Sp, hidden).contiguous()
         need = ctx.needs_input_grad
-        w_grad = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx["grad"]).reshape(-1, hidden)
-        w_o_perm = _gather(w_o.reshape(hidden, hq, D), 1, idx["q"]).reshape(hidden, hq * D)
+        w_grad = _gather(w_qkv.reshape(hq + 2 * hkv, D, hidden), 0, idx.grad).reshape(-1, hidden)
+        w_o_perm = _gather(w_o.reshape(hidden, hq, D), 1, idx.q).reshape(hidden, hq * D)
         io = _LayerBackwardIo(dy2d, x2d, w_grad, w_o_perm, o_chunks, rotary, order, (B, Sp, D), x.device,
                               need=need[:5])
         with device_ctx(x.device):
@@ -310,11 +325,11 @@ class _FusedSelfAttention(torch.autograd.Function):
                 io.after_inputs()
         d_wqkv = d_bqkv = d_wo = d_bo = None
         if need[1]:
-            d_wqkv = _gather(torch.cat(io.dw_rows).view(-1, D, hidden), 0, idx["grad_inv"]).reshape(-1, hidden)
+            d_wqkv = _gather(torch.cat(io.dw_rows).view(-1, D, hidden), 0, idx.grad_inv).reshape(-1, hidden)
         if need[2]:
-            d_bqkv = _gather(torch.cat(io.db_rows).view(-1, D), 0, idx["grad_inv"]).reshape(-1)
+            d_bqkv = _gather(torch.cat(io.db_rows).view(-1, D), 0, idx.grad_inv).reshape(-1)
         if need[3]:
-            d_wo = _gather(torch.cat(io.dwo_cols, dim=1).view(hidden, hq, D), 1, idx["q_inv"]).reshape(hidden, -1)
+            d_wo = _gather(torch.cat(io.dwo_cols, dim=1).view(hidden, hq, D), 1, idx.q_inv).reshape(hidden, -1)
         if need[4]:
             d_bo = dy2d.sum(0)
         dx = io.dx.view(B, Sp, hidden) if io.dx is not None else None

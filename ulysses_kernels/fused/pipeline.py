@@ -136,7 +136,7 @@ class AttentionOptions:
         """The kernels' attention arguments for `chunk` (its query heads' sinks)."""
         sinks = self.sinks[chunk.q_off:chunk.q_off + chunk.q_cnt] if self.sinks is not None else None
         return dict(causal=self.causal, softmax_scale=self.softmax_scale, cu_seqlens=self.cu_seqlens,
-                    window=self.variant.window, softcap=self.variant.softcap, sinks=sinks)
+                    _band=self.variant.window, softcap=self.variant.softcap, sinks=sinks)
 
 
 @dataclass

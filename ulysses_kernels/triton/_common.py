@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..env import TRITON_AUTOTUNE, flag, interpreting  # noqa: F401  (interpreting: re-exported to the kernel modules)
+from ..variants import fold_causal
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -349,16 +350,16 @@ TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "HEAD_DIM_V", "BLOCK_DV", "CAUSA
 
 def kernel_band(causal, window, seqlen_q, seqlen_k):
     """(causal, band) as the kernels take a mask: band None (WINDOW off) or (left, right)
-    ints for the band rule (see in_band), causal folded into it.
+    ints for the band rule (see in_band), causal folded into it (``variants.fold_causal``).
 
     A side that hides no key becomes unbounded (None): left >= Sk - 1, right >= Sq - 1.
     No band left, or only the causal edge (left unbounded, right 0): the causal or the
     plain kernels, unchanged. Otherwise sides are clamped to where they hide every key
     (left >= -Sq, right >= -Sk), so the kernels' int32 arithmetic cannot overflow.
     """
-    left, right = window
-    if causal:
-        right = 0 if right is None else min(int(right), 0)
+    left, right = fold_causal(window, causal)
+    if causal:  # the causal edge as the band's right side (kept only if a window remains)
+        right = 0 if right is None else int(right)
     if left is not None and left >= seqlen_k - 1:
         left = None
     if right is not None and right >= seqlen_q - 1:

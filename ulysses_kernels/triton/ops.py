@@ -1,19 +1,22 @@
 """torch.library custom ops, autograd glue and the Python API of the Triton attention.
 
-Custom ops (namespace ``ulysses_kernels``; the variant arguments ``window_left``,
-``window_right`` (int or None), ``softcap`` (float, 0: off) and ``sinks`` (``[Hq]`` or
-None) default to plain attention):
+Custom ops (namespace ``ulysses_kernels``, registered so that ``torch.compile`` sees the
+kernels; the package calls them, user code calls the Python functions below). They take
+the window as the package's internal *band* ``band_left``, ``band_right`` (int of any sign,
+or None: unbounded; the Python functions take flash_attn's ``window_size`` and convert it,
+``variants.band_of_window_size``); ``softcap`` (float, 0: off) and ``sinks`` (``[Hq]`` or
+None) default to plain attention:
 
 * ``triton_flash_fwd(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False,
-  window_left=None, window_right=None, softcap=0.0, sinks=None) -> (out, lse)``
+  band_left=None, band_right=None, softcap=0.0, sinks=None) -> (out, lse)``
   (deterministic only travels to the backward)
 * ``triton_flash_bwd(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False,
-  window_left=None, window_right=None, softcap=0.0, sinks=None) -> (dq, dk, dv, dsinks)``
+  band_left=None, band_right=None, softcap=0.0, sinks=None) -> (dq, dk, dv, dsinks)``
   (dsinks fp32 ``[Hq]``; an empty ``[0]`` tensor without sinks)
 * ``triton_flash_fwd_out(q, k, v, out!, lse!, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-  window_left=None, window_right=None, softcap=0.0, sinks=None) -> ()``
+  band_left=None, band_right=None, softcap=0.0, sinks=None) -> ()``
 * ``triton_flash_bwd_out(do, q, k, v, out, lse, dq!, dk!, dv!, causal, softmax_scale, cu_seqlens,
-  seq_splits, batch, deterministic=False, window_left=None, window_right=None, softcap=0.0,
+  seq_splits, batch, deterministic=False, band_left=None, band_right=None, softcap=0.0,
   sinks=None, dsinks!=None) -> ()``
 
 Variants (docs/architecture.md, "Attention variants"), each a compile-time switch of the
@@ -43,10 +46,11 @@ layer on the all-to-all buffers.
 """
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..variants import Band, band_of_window_size, band_problem, sinks_problem, softcap_problem, window_problem
 from ._common import MAX_ROW_STRIDE, VisitCounter, block_d, interpreting, kernel_band, split_mode
 from .flash_bwd import deterministic_default, launch_bwd
 from .flash_fwd import launch_fwd
@@ -138,27 +142,28 @@ def _check_inputs(q, k, v, split: bool, name="flash_attention"):
         raise RuntimeError(f"{name}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
 
 
-def _check_variants(q, window, softcap, sinks, dsinks=None, name="flash_attention"):
-    """ValueError for variant arguments the kernels cannot take (see the module docstring)."""
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(f"{name}: window must be a pair (left, right) of ints or None, got {window!r}")
-    for side_name, side in zip(("left", "right"), window):
-        if side is not None and (isinstance(side, bool) or not isinstance(side, int)):
-            raise ValueError(f"{name}: window {side_name} side must be an int or None (unbounded), got {side!r}")
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) \
-            or softcap < 0:
-        raise ValueError(f"{name}: softcap must be a finite number >= 0 (0: off), got {softcap!r}")
-    hq = q.shape[-2]
-    if sinks is not None:
-        if not isinstance(sinks, torch.Tensor) or not sinks.dtype.is_floating_point:
-            raise ValueError(f"{name}: sinks must be a floating-point tensor [{hq}], got {sinks!r}")
-        if tuple(sinks.shape) != (hq,) or sinks.device != q.device:
-            raise ValueError(f"{name}: sinks must be [{hq}] (one logit per query head) on {q.device}, got "
-                             f"{tuple(sinks.shape)} on {sinks.device}")
+def _variant_args(q, window_size, band, softcap, sinks, dsinks=None, name="flash_attention") -> Tuple[Band, float]:
+    """(band, softcap) of a call's variant arguments (softcap None: 0.0); ValueError (``name: why``) for values the
+    kernels cannot take. The checks are ``variants.py``'s, the ones every path runs:
+    ``window_size`` is flash_attn's public window (-1 unbounded); ``band`` (the private
+    ``_band`` keyword) is the package's own form, a pair of ints of any sign or None, for the
+    ring's shifted bands. A call gives one of them."""
+    softcap = 0.0 if softcap is None else softcap
+    if band is None:
+        problem = window_problem(window_size) or softcap_problem(softcap)
+        band = None if problem else band_of_window_size(window_size)
+    elif not (isinstance(window_size, (tuple, list)) and tuple(window_size) == (-1, -1)):
+        problem = "give window_size or the package's _band, not both"
+    else:
+        problem = band_problem(band) or softcap_problem(softcap)
+    problem = problem or sinks_problem(sinks, q.shape[-2], q.device)
+    if problem is None and dsinks is not None:
+        problem = None if sinks is not None else "dsinks (the sinks' gradient) needs sinks"
+    if problem:
+        raise ValueError(f"{name}: {problem}")
     if dsinks is not None:
-        if sinks is None:
-            raise ValueError(f"{name}: dsinks (the sinks' gradient) needs sinks")
-        _check_out("dsinks", dsinks, (hq,), torch.float32, q.device)
+        _check_out("dsinks", dsinks, (q.shape[-2],), torch.float32, q.device)
+    return tuple(band), float(softcap)
 
 
 def _kernel_cu_seqlens(cu_seqlens, total):
@@ -192,7 +197,7 @@ def _kernel_sinks(sinks):
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
-def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, window=(None, None),
+def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, band=(None, None),
              softcap=0.0, sinks=None, counter=None, target=None, plan=None):
     g = _Geom(q, k, v, seq_splits, batch)
     if cu_seqlens is not None and g.batch != 1:
@@ -207,7 +212,7 @@ def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, b
         lse.copy_(sinks.float().view(1, -1, 1).expand_as(lse) if sinks is not None else
                   torch.full_like(lse, float("-inf")))
         return
-    causal, band = kernel_band(causal, window, g.sq, g.sk)
+    causal, band = kernel_band(causal, band, g.sq, g.sk)
     docs, table = _kernel_cu_seqlens(cu_seqlens, g.sk)
     launch_fwd(q, k, v, out, lse, sq_strides=g.strides(q), sk_strides=g.strides(k),
                sv_strides=g.strides(v), so_strides=g.strides(out),
@@ -218,7 +223,7 @@ def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, b
 
 
 def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             deterministic, window=(None, None), softcap=0.0, sinks=None, dsinks=None, counter=None, target=None,
+             deterministic, band=(None, None), softcap=0.0, sinks=None, dsinks=None, counter=None, target=None,
              plan=None):
     g = _Geom(q, k, v, seq_splits, batch)
     if g.batch == 0 or g.hq == 0 or g.sq == 0 or g.sk == 0:
@@ -228,7 +233,7 @@ def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlen
             if t is not None:
                 t.zero_()
         return
-    causal, band = kernel_band(causal, window, g.sq, g.sk)
+    causal, band = kernel_band(causal, band, g.sq, g.sk)
     docs, table = _kernel_cu_seqlens(cu_seqlens, g.sk)
     launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, table, strides_of=g.strides, batch=g.batch,
                seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv, head_dim=g.d,
@@ -249,19 +254,19 @@ def _out_shape(q, v):
 @torch.library.custom_op(f"{_NS}::triton_flash_fwd", mutates_args=())
 def triton_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                      softmax_scale: float, cu_seqlens: Optional[torch.Tensor],
-                     deterministic: bool = False, window_left: Optional[int] = None,
-                     window_right: Optional[int] = None, softcap: float = 0.0,
+                     deterministic: bool = False, band_left: Optional[int] = None,
+                     band_right: Optional[int] = None, softcap: float = 0.0,
                      sinks: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     B, Sq, Hq, _ = q.shape
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, 1, None, (window_left, window_right),
+    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, 1, None, (band_left, band_right),
              softcap, sinks)
     return out, lse
 
 
 @triton_flash_fwd.register_fake
-def _(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False, window_left=None, window_right=None,
+def _(q, k, v, causal, softmax_scale, cu_seqlens, deterministic=False, band_left=None, band_right=None,
       softcap=0.0, sinks=None):
     B, Sq, Hq, _ = q.shape
     return (q.new_empty(_out_shape(q, v)), q.new_empty((B, Hq, Sq), dtype=torch.float32))
@@ -276,7 +281,7 @@ def _dsinks_like(q, sinks):
 def triton_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      out: torch.Tensor, lse: torch.Tensor, causal: bool, softmax_scale: float,
                      cu_seqlens: Optional[torch.Tensor], deterministic: bool = False,
-                     window_left: Optional[int] = None, window_right: Optional[int] = None,
+                     band_left: Optional[int] = None, band_right: Optional[int] = None,
                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -284,13 +289,13 @@ def triton_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dsinks = _dsinks_like(q, sinks)
     _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, 1, None, deterministic,
-             (window_left, window_right), softcap, sinks, dsinks if sinks is not None else None)
+             (band_left, band_right), softcap, sinks, dsinks if sinks is not None else None)
     return dq, dk, dv, dsinks
 
 
 @triton_flash_bwd.register_fake
-def _(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False, window_left=None,
-      window_right=None, softcap=0.0, sinks=None):
+def _(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=False, band_left=None,
+      band_right=None, softcap=0.0, sinks=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_like(q, sinks))
 
 
@@ -298,15 +303,15 @@ def _(do, q, k, v, out, lse, causal, softmax_scale, cu_seqlens, deterministic=Fa
 def triton_flash_fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          lse: torch.Tensor, causal: bool, softmax_scale: float,
                          cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int,
-                         window_left: Optional[int] = None, window_right: Optional[int] = None,
+                         band_left: Optional[int] = None, band_right: Optional[int] = None,
                          softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> None:
     _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             (window_left, window_right), softcap, sinks)
+             (band_left, band_right), softcap, sinks)
 
 
 @triton_flash_fwd_out.register_fake
-def _(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, window_left=None,
-      window_right=None, softcap=0.0, sinks=None):
+def _(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, band_left=None,
+      band_right=None, softcap=0.0, sinks=None):
     return None
 
 
@@ -315,46 +320,51 @@ def triton_flash_bwd_out(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                          dv: torch.Tensor, causal: bool, softmax_scale: float,
                          cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int,
-                         deterministic: bool = False, window_left: Optional[int] = None,
-                         window_right: Optional[int] = None, softcap: float = 0.0,
+                         deterministic: bool = False, band_left: Optional[int] = None,
+                         band_right: Optional[int] = None, softcap: float = 0.0,
                          sinks: Optional[torch.Tensor] = None, dsinks: Optional[torch.Tensor] = None) -> None:
     _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             deterministic, (window_left, window_right), softcap, sinks, dsinks)
+             deterministic, (band_left, band_right), softcap, sinks, dsinks)
 
 
 @triton_flash_bwd_out.register_fake
 def _(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-      deterministic=False, window_left=None, window_right=None, softcap=0.0, sinks=None, dsinks=None):
+      deterministic=False, band_left=None, band_right=None, softcap=0.0, sinks=None, dsinks=None):
     return None
 
 
-# triton_flash_fwd's arguments after q, k, v (setup_context may see them without defaults).
-_FWD_OPTIONS = ("causal", "softmax_scale", "cu_seqlens", "deterministic", "window_left", "window_right",
-                "softcap", "sinks")
-_FWD_DEFAULTS = dict(deterministic=False, window_left=None, window_right=None, softcap=0.0, sinks=None)
+class _ForwardOptions(NamedTuple):
+    """triton_flash_fwd's arguments after q, k, v, in the op's order (setup_context gets them
+    positionally, the trailing defaults possibly left out)."""
+
+    causal: bool
+    softmax_scale: float
+    cu_seqlens: Optional[torch.Tensor]
+    deterministic: bool = False
+    band_left: Optional[int] = None
+    band_right: Optional[int] = None
+    softcap: float = 0.0
+    sinks: Optional[torch.Tensor] = None
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, *rest = inputs
-    options = dict(_FWD_DEFAULTS, **dict(zip(_FWD_OPTIONS, rest)))
+    options = _ForwardOptions(*rest)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, options["cu_seqlens"], options["sinks"])
-    ctx.options = {name: options[name] for name in ("causal", "softmax_scale", "deterministic", "window_left",
-                                                     "window_right", "softcap")}
+    ctx.save_for_backward(q, k, v, out, lse, options.cu_seqlens, options.sinks)
+    ctx.options = options._replace(cu_seqlens=None, sinks=None)  # the tensors travel as saved tensors
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, cu_seqlens, sinks = ctx.saved_tensors
-    no_grads = (None,) * len(_FWD_OPTIONS)
+    no_grads = _ForwardOptions(*(None,) * len(_ForwardOptions._fields))
     if grad_out is None:
-        return (None, None, None) + no_grads
+        return (None, None, None, *no_grads)
     o = ctx.options
-    dq, dk, dv, dsinks = triton_flash_bwd(grad_out, q, k, v, out, lse, o["causal"], o["softmax_scale"],
-                                          cu_seqlens, o["deterministic"], o["window_left"], o["window_right"],
-                                          o["softcap"], sinks)
-    dsinks = dsinks.to(sinks.dtype) if sinks is not None else None
-    return (dq, dk, dv) + no_grads[:-1] + (dsinks,)
+    dq, dk, dv, dsinks = triton_flash_bwd(grad_out, q, k, v, out, lse, o.causal, o.softmax_scale, cu_seqlens,
+                                          o.deterministic, o.band_left, o.band_right, o.softcap, sinks)
+    return (dq, dk, dv, *no_grads._replace(sinks=dsinks.to(sinks.dtype) if sinks is not None else None))
 
 
 triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -366,8 +376,9 @@ triton_flash_fwd.register_autograd(_backward, setup_context=_setup_context)
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     softmax_scale: Optional[float] = None,
                     cu_seqlens: Optional[torch.Tensor] = None,
-                    deterministic: Optional[bool] = None, window: Tuple[Optional[int], Optional[int]] = (None, None),
-                    softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    deterministic: Optional[bool] = None, window_size: Tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                    _band: Optional[Band] = None) -> torch.Tensor:
     """Exact attention (flash, Triton), differentiable w.r.t. q, k, v and sinks.
 
     q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]`` with any strides
@@ -375,19 +386,19 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     head ``h // (Hq // Hkv)``), D and Dv multiples of 16 up to 256, fp16/bf16 (fp32 for
     tests). causal: bottom-right aligned (query i sees key j iff ``j <= i + Sk - Sq``).
     cu_seqlens: int32 document boundaries (B == 1, Sq == Sk); attention stays within a
-    document. window: a band ``(left, right)``, query i sees key j iff
-    ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (None: that side unbounded; any
-    int, negative too). softcap: c > 0 caps the scores at ``c * tanh(s / c)``. sinks:
+    document. window_size: flash_attn's ``(left, right)``, query i sees key j iff
+    ``i + Sk - Sq - left <= j <= i + Sk - Sq + right`` (-1: that side unbounded; with
+    causal the right side is 0). softcap: c > 0 caps the scores at ``c * tanh(s / c)``. sinks:
     ``[Hq]`` logits in every row's softmax denominator. Rows that see no key give zeros.
     Returns ``[B, Sq, Hq, Dv]`` in q's dtype.
     deterministic: backward without atomics (None: ``ULYSSES_KERNELS_DETERMINISTIC``).
     Runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1``.
     """
     _check_inputs(q, k, v, split=False)
-    _check_variants(q, window, softcap, sinks)
+    band, softcap = _variant_args(q, window_size, _band, softcap, sinks)
     scale = _resolve_scale(softmax_scale, q.shape[-1])
     out, _ = triton_flash_fwd(q, k, v, bool(causal), scale, cu_seqlens, _deterministic(deterministic),
-                              window[0], window[1], float(softcap), sinks)
+                              band[0], band[1], softcap, sinks)
     return out
 
 
@@ -400,9 +411,9 @@ def _check_out(name, t, shape, dtype, device):
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                             softmax_scale: Optional[float], cu_seqlens: Optional[torch.Tensor] = None,
                             out: Optional[torch.Tensor] = None, seq_splits: int = 1,
-                            batch: Optional[int] = None, window: Tuple[Optional[int], Optional[int]] = (None, None),
-                            softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
-                            ) -> Tuple[torch.Tensor, torch.Tensor]:
+                            batch: Optional[int] = None, window_size: Tuple[int, int] = (-1, -1),
+                            softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                            _band: Optional[Band] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Low-level forward (no autograd) over ordinary or all-to-all buffer layouts.
 
     Layouts:
@@ -419,12 +430,12 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
     out is written in place when given (else allocated contiguous). Returns (out, lse)
     with lse ``[B, Hq, Sq]`` fp32 contiguous, natural log, -inf for rows that see no key;
     with sinks the LSE includes them (a row that sees no key has LSE = its sink).
-    cu_seqlens: int32 global document boundaries (B == 1). window, softcap, sinks: the
+    cu_seqlens: int32 global document boundaries (B == 1). window_size, softcap, sinks: the
     variants of :func:`flash_attention`.
     """
     split = q.dim() == 3
     _check_inputs(q, k, v, split=split)
-    _check_variants(q, window, softcap, sinks)
+    band, softcap = _variant_args(q, window_size, _band, softcap, sinks)
     if seq_splits < 1:
         raise ValueError(f"flash_attention: seq_splits must be >= 1, got {seq_splits}")
     g = _Geom(q, k, v, seq_splits, batch)
@@ -435,7 +446,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *
         _check_out("out", out, _out_shape(q, v), q.dtype, q.device)
     lse = torch.empty((g.batch, g.hq, g.sq), dtype=torch.float32, device=q.device)
     triton_flash_fwd_out(q, k, v, out, lse, bool(causal), scale, cu_seqlens, int(seq_splits),
-                         int(g.batch), window[0], window[1], float(softcap), sinks)
+                         int(g.batch), band[0], band[1], softcap, sinks)
     return out, lse
 
 
@@ -446,22 +457,22 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None,
                              dv: Optional[torch.Tensor] = None, seq_splits: int = 1,
                              batch: Optional[int] = None, deterministic: Optional[bool] = None,
-                             window: Tuple[Optional[int], Optional[int]] = (None, None), softcap: float = 0.0,
-                             sinks: Optional[torch.Tensor] = None, dsinks: Optional[torch.Tensor] = None
-                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                             sinks: Optional[torch.Tensor] = None, dsinks: Optional[torch.Tensor] = None,
+                             _band: Optional[Band] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Low-level backward (no autograd); same layouts as :func:`flash_attention_forward`.
 
     do/out have out's shape (q's with Dv), dq q's, dk k's and dv v's shape; lse is the
     forward's ``[B, Hq, Sq]`` fp32 (sink-inclusive with sinks). dq/dk/dv are written in
     place when given (e.g. views into the reverse all-to-all send buffer), else allocated
     contiguous. deterministic: no atomics (7 GEMMs instead of 5; None:
-    ``ULYSSES_KERNELS_DETERMINISTIC``). window, softcap, sinks: the forward's variants.
+    ``ULYSSES_KERNELS_DETERMINISTIC``). window_size, softcap, sinks: the forward's variants.
     dsinks: an fp32 ``[Hq]`` tensor, overwritten with the sinks' gradient (needs sinks).
     Returns (dq, dk, dv).
     """
     split = q.dim() == 3
     _check_inputs(q, k, v, split=split)
-    _check_variants(q, window, softcap, sinks, dsinks)
+    band, softcap = _variant_args(q, window_size, _band, softcap, sinks, dsinks)
     g = _Geom(q, k, v, seq_splits, batch)
     scale = _resolve_scale(softmax_scale, g.d)
     _check_out("do", do, _out_shape(q, v), q.dtype, q.device)
@@ -478,12 +489,12 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         bufs.append(t)
     dq, dk, dv = bufs
     triton_flash_bwd_out(do, q, k, v, out, lse, dq, dk, dv, bool(causal), scale, cu_seqlens,
-                         int(seq_splits), int(g.batch), _deterministic(deterministic), window[0], window[1],
-                         float(softcap), sinks, dsinks)
+                         int(seq_splits), int(g.batch), _deterministic(deterministic), band[0], band[1],
+                         softcap, sinks, dsinks)
     return dq, dk, dv
 
 
-def _count_visited_blocks(q, k, v, *, causal=False, window=(None, None), cu_seqlens=None, deterministic=True):
+def _count_visited_blocks(q, k, v, *, causal=False, band=(None, None), cu_seqlens=None, deterministic=True):
     """Tests: how many blocks each program of the kernels visits, on 4-D inputs.
 
     Runs the forward and the backward (``deterministic``: the dK/dV and dQ kernels; else
@@ -493,17 +504,17 @@ def _count_visited_blocks(q, k, v, *, causal=False, window=(None, None), cu_seql
     config: the (BLOCK_M, BLOCK_N, warps, stages) the kernel ran (never autotuned).
     """
     _check_inputs(q, k, v, split=False)
-    _check_variants(q, window, 0.0, None)
+    band, _ = _variant_args(q, (-1, -1), band, 0.0, None)
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
     counter = VisitCounter(q.device, B * Hq * -(-max(Sq, Sk) // 16))  # tiles are >= 16 rows
     scale = _resolve_scale(None, D)
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    _run_fwd(q, k, v, out, lse, causal, scale, cu_seqlens, 1, None, window, counter=counter)
+    _run_fwd(q, k, v, out, lse, causal, scale, cu_seqlens, 1, None, band, counter=counter)
     grads = [torch.empty_like(t) for t in (q, k, v)]
     _run_bwd(torch.ones_like(out), q, k, v, out, lse, *grads, causal, scale, cu_seqlens, 1, None, deterministic,
-             window, counter=counter)
+             band, counter=counter)
     result = {}
     for name, counts in counter.counts.items():
         tiles, programs = counter.grids[name]

@@ -44,7 +44,7 @@ def plan_attention(**call) -> CallPlan:
 @functools.lru_cache(maxsize=256)
 def _plan(settings, *, batch: int, seqlen_q: int, seqlen_k: int, num_q_heads: int, num_kv_heads: int,
                    head_dim: int, head_dim_v: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-                   causal: bool = False, window: Tuple[Optional[int], Optional[int]] = (None, None),
+                   causal: bool = False, band: Tuple[Optional[int], Optional[int]] = (None, None),
                    softcap: float = 0.0, sinks: bool = False, documents: Optional[Tuple[int, ...]] = None,
                    seq_splits: int = 1, deterministic: bool = False,
                    target: Target = Target("cuda", interpreting=False, sm_count=132)) -> CallPlan:
@@ -64,7 +64,7 @@ def _plan(settings, *, batch: int, seqlen_q: int, seqlen_k: int, num_q_heads: in
     cu_seqlens = torch.tensor(documents, dtype=torch.int32) if documents is not None else None
     sink_logits = _meta((num_q_heads,), torch.float32) if sinks else None
     scale = head_dim ** -0.5
-    options = dict(window=window, softcap=softcap, sinks=sink_logits, target=target)
+    options = dict(band=band, softcap=softcap, sinks=sink_logits, target=target)
     split_batch = batch if seq_splits > 1 else None
     forward: list = []
     _run_fwd(q, k, v, out, lse, causal, scale, cu_seqlens, seq_splits, split_batch, plan=forward, **options)

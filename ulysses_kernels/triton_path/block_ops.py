@@ -24,7 +24,7 @@ class TritonBlockOps:
                     TritonBlockOps._documents.clear()
                 docs = torch.tensor(block.documents, dtype=torch.int32, device=device)
                 TritonBlockOps._documents[key] = docs
-        return dict(causal=block.diagonal and block.causal, cu_seqlens=docs, window=block.band)
+        return dict(causal=block.diagonal and block.causal, cu_seqlens=docs, _band=block.band)
 
     @staticmethod
     def forward(q, k, v, block, scale, softcap=0.0):

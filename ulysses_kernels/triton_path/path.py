@@ -49,7 +49,7 @@ class TritonPath:
         (no autograd)."""
         if with_lse:
             return require_triton_kernels().flash_attention_forward(
-                q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=variant.window,
+                q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, _band=variant.window,
                 softcap=variant.softcap, sinks=sinks)
         out = select.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                                deterministic=deterministic, variant=variant, sinks=sinks)

@@ -185,7 +185,7 @@ def run(name: str, q, k, v, *, causal: bool, softmax_scale: Optional[float] = No
     if name == "triton":
         return require_triton_kernels().flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                                         cu_seqlens=cu_seqlens, deterministic=deterministic,
-                                                        window=variant.window, softcap=variant.softcap, sinks=sinks)
+                                                        _band=variant.window, softcap=variant.softcap, sinks=sinks)
     if cu_seqlens is not None or sinks is not None:
         raise ValueError(f"attention backend {name!r} takes neither cu_seqlens nor sinks")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -21,13 +21,16 @@ The buffers and exchanges are the shared torch ones (`ulysses_kernels/exchange/`
 fused path replaces them with CUDA pack kernels and the NCCL engine.
 """
 
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
 import torch
 
 from ..distributed.collectives import all_to_all
 from ..exchange.buffers import exchange_seq_to_heads, pack_for_heads, placements_for, unpack_from_heads
 from ..exchange.heads import local_sinks
 from ..extensions import require_triton_kernels
-from ..variants import PLAIN
+from ..variants import PLAIN, Variant
 from . import select
 
 
@@ -89,6 +92,21 @@ def _row_views(buffers, groups, placements):
     return views
 
 
+@dataclass(frozen=True)
+class _ExchangeRecord:
+    """What the forward's exchange leaves for the backward (besides the saved tensors)."""
+
+    group: object                 # the process group
+    rank: int
+    seq_lens: Tuple[int, ...]     # every rank's sequence length
+    causal: bool
+    softmax_scale: Optional[float]
+    placements: list              # exchange.buffers placements of q, k, v heads
+    groups: list                  # _exchange_groups: the tensors each exchange moves
+    batch: int
+    variant: Variant
+
+
 class TritonUlyssesAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, variant):
@@ -113,7 +131,7 @@ class TritonUlyssesAttention(torch.autograd.Function):
         if name == "triton":
             _, lse = kernels.flash_attention_forward(q_rows, k_rows, v_rows, causal=causal,
                                                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                                                     out=out_rows, seq_splits=world, batch=B, window=variant.window,
+                                                     out=out_rows, seq_splits=world, batch=B, _band=variant.window,
                                                      softcap=variant.softcap, sinks=sinks)
         else:
             lse = torch.empty(0)
@@ -123,14 +141,17 @@ class TritonUlyssesAttention(torch.autograd.Function):
         ctx.save_for_backward(out_rows, lse, cu_seqlens if cu_seqlens is not None else torch.empty(0),
                               sinks if sinks is not None else torch.empty(0), *buffers)
         ctx.has_cu, ctx.has_sinks = cu_seqlens is not None, sinks is not None
-        ctx.meta = (group, rank, seq_lens, causal, softmax_scale, placements, groups, B, variant)
+        ctx.record = _ExchangeRecord(group=group, rank=rank, seq_lens=tuple(seq_lens), causal=causal,
+                                     softmax_scale=softmax_scale, placements=placements, groups=groups, batch=B,
+                                     variant=variant)
         return back.permute(1, 2, 0, 3, 4).reshape(B, seq_lens[rank], Hq, v.shape[3])
 
     @staticmethod
     def backward(ctx, grad_out):
         kernels = require_triton_kernels()
         out_rows, lse, cu, sinks, *buffers = ctx.saved_tensors
-        group, rank, seq_lens, causal, softmax_scale, placements, groups, B, variant = ctx.meta
+        r = ctx.record
+        group, rank, seq_lens, placements, groups, B = r.group, r.rank, r.seq_lens, r.placements, r.groups, r.batch
         world = len(seq_lens)
         send = pack_for_heads([grad_out.to(out_rows.dtype)], placements[:1], world)
         do_rows = exchange_seq_to_heads(send, seq_lens, rank, group).view(out_rows.shape)
@@ -147,9 +168,9 @@ class TritonUlyssesAttention(torch.autograd.Function):
             if ctx.has_sinks:
                 dsinks = torch.empty(sinks.shape, dtype=torch.float32, device=sinks.device)
             kernels.flash_attention_backward(
-                do_rows, q_rows, k_rows, v_rows, out_rows, lse, causal=causal, softmax_scale=softmax_scale,
+                do_rows, q_rows, k_rows, v_rows, out_rows, lse, causal=r.causal, softmax_scale=r.softmax_scale,
                 cu_seqlens=cu if ctx.has_cu else None, dq=grads[0], dk=grads[1], dv=grads[2], seq_splits=world,
-                batch=B, window=variant.window, softcap=variant.softcap,
+                batch=B, _band=r.variant.window, softcap=r.variant.softcap,
                 sinks=sinks if ctx.has_sinks else None, dsinks=dsinks)
         results = [None] * 3
         for rows, members in zip(grad_buffers, groups):
