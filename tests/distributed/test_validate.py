@@ -319,3 +319,32 @@ def test_non_member_group_raises_and_members_proceed():
         else:
             assert report["error"] and "not a member" in report["error"], report
         assert report["recovery"] < 1e-9
+
+
+def test_descriptor_options_are_one_field_table():
+    """OPTION_FIELDS writes and reads every option: two ranks that differ in exactly one
+    option get an error naming that field and both ranks' values (no process group: the
+    table check is a pure function)."""
+    from ulysses_kernels.distributed import validate
+    from ulysses_kernels.variants import Variant
+
+    q = torch.randn(1, 4, 2, 8)
+    base = dict(causal=True, softmax_scale=0.25, backend=None, cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32),
+                variant=Variant(window=(3, None), softcap=5.0), sinks=torch.tensor([0.5, -1.0]))
+    other = dict(causal=False, softmax_scale=0.5, backend="reference",
+                 cu_seqlens=torch.tensor([0, 4, 8], dtype=torch.int32), variant=Variant(window=(2, None), softcap=5.0),
+                 sinks=torch.tensor([0.5, -2.0]))
+    assert sum(f.width for f in validate.OPTION_FIELDS) + 4 + 3 * 8 == validate.DESCRIPTOR_LEN
+    assert [f.name for f in validate.OPTION_FIELDS] == list(validate.CallOptions._fields[:4]) + [
+        "window_size", "softcap", "sinks"]
+    for name, value in other.items():
+        rows = [validate.build_descriptor("seq_to_heads", [q], **base),
+                validate.build_descriptor("seq_to_heads", [q], **dict(base, **{name: value}))]
+        err = validate.check_table("seq_to_heads", rows, ["x"])
+        field = "window_size" if name == "variant" else name
+        assert err is not None and field in err, (name, err)
+    softcap_only = dict(base, variant=Variant(window=(3, None), softcap=4.0))
+    rows = [validate.build_descriptor("seq_to_heads", [q], **base),
+            validate.build_descriptor("seq_to_heads", [q], **softcap_only)]
+    assert "softcap" in validate.check_table("seq_to_heads", rows, ["x"])
+    assert validate.check_table("seq_to_heads", [rows[0], rows[0]], ["x"]) is None

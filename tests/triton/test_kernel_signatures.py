@@ -43,3 +43,28 @@ def test_phase_calls_pass_at_most_15_arguments():
              if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id.endswith("_inner")]
     assert len(calls) >= 14, calls  # the forward's, dQ's and dK/dV's phases
     assert [c for c in calls if c[2] > MAX_PHASE_CALL_ARGUMENTS] == []
+
+
+# The host side: the launchers and the ops' runners take the call as one record
+# (_common.KernelCall, ops.CallOptions) plus the tensors and a few keywords.
+HOST_FUNCTIONS = {"launch_fwd", "launch_bwd", "launch_dkdv", "launch_dq", "_run_fwd", "_run_bwd"}
+MAX_HOST_PARAMETERS = 15
+MAX_HOST_POSITIONAL = 8
+
+
+def _host_functions():
+    for file, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name in HOST_FUNCTIONS:
+                yield file, node
+
+
+def test_host_launchers_take_a_call_record():
+    found = {node.name: node for _, node in _host_functions()}
+    assert set(found) == HOST_FUNCTIONS
+    for name, node in found.items():
+        positional, keyword = len(node.args.args), len(node.args.kwonlyargs)
+        assert positional + keyword <= MAX_HOST_PARAMETERS, f"{name} takes {positional + keyword} parameters"
+        assert positional <= MAX_HOST_POSITIONAL, f"{name} takes {positional} positional parameters"
+        names = [a.arg for a in node.args.args]
+        assert "call" in names or "options" in names, f"{name} does not take the call as one record"

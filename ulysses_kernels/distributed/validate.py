@@ -15,12 +15,12 @@ run; inputs that disagree between ranks are then the caller's responsibility.
 """
 
 import struct
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from ..layout import head_plan_error, split_heads_error, split_lengths
-from ..variants import PLAIN, band_lengths
+from ..variants import PLAIN, Variant, band_lengths
 from .collectives import first_message, gather_ints
 from .dispatch import BACKENDS
 
@@ -39,8 +39,6 @@ _DEVICE_TYPES = ["cpu", "cuda", "meta", "other"]
 _TENSOR_FIELDS = 8  # present, ndim, 4 dims, dtype, device type
 _MAX_TENSORS = 3
 _HEADER = 4  # magic, kind, number of tensors, local error flag
-_OPTIONS = 20  # causal, scale (2), backend, cu_seqlens (9), window (2), softcap, sinks (4)
-DESCRIPTOR_LEN = _HEADER + _MAX_TENSORS * _TENSOR_FIELDS + _OPTIONS
 SEQ_FIELD = _HEADER + 3  # shape[1] of the first tensor: S_local
 ERROR_FIELD = 3
 _CHECKSUM_MOD = (1 << 61) - 1
@@ -107,17 +105,68 @@ def sinks_summary(sinks) -> List[int]:
     return [1, values.numel(), _float_bits(values.sum()), _float_bits((values * weights).sum())]
 
 
-def build_descriptor(kind: str, tensors: Sequence, *, causal=False, softmax_scale=None,
-                     backend=None, cu_seqlens=None, local_error: bool = False, variant=PLAIN,
-                     sinks=None) -> List[int]:
+class CallOptions(NamedTuple):
+    """A call's options as the descriptor records them."""
+
+    causal: bool = False
+    softmax_scale: Optional[float] = None
+    backend: Optional[str] = None
+    cu_seqlens: Optional[torch.Tensor] = None
+    variant: Variant = PLAIN
+    sinks: Optional[torch.Tensor] = None
+
+
+class OptionField(NamedTuple):
+    """One option in the descriptor: `width` int64 slots, `write` fills them from the call's
+    CallOptions, `show` turns them back into the value ranks must agree on (printed in the
+    error). One table (OPTION_FIELDS) makes both the writer and the reader."""
+
+    name: str
+    width: int
+    write: Callable[[CallOptions], List[int]]
+    show: Callable[[List[int]], object]
+
+
+def _backend_code(backend) -> int:
+    return BACKENDS.index(backend) + 1 if backend in BACKENDS else 0  # 0: auto
+
+
+def _show_cu_seqlens(f) -> str:
+    present, numel, _, _, _, last, _, total, weighted = f  # cu_seqlens_summary's fields
+    return "None" if not present else f"{numel} entries, last {last}, checksum {total:x}:{weighted:x}"
+
+
+def _show_sinks(f) -> str:
+    present, numel, total, weighted = f  # sinks_summary's fields
+    return "None" if not present else \
+        f"{numel} logits, sum {_bits_float(total):.9g}, checksum {weighted & (2**64 - 1):x}"
+
+
+OPTION_FIELDS = (
+    OptionField("causal", 1, lambda o: [int(bool(o.causal))], lambda f: bool(f[0])),
+    OptionField("softmax_scale", 2, lambda o: [int(o.softmax_scale is not None), _float_bits(o.softmax_scale)],
+                lambda f: _bits_float(f[1]) if f[0] else None),
+    OptionField("backend", 1, lambda o: [_backend_code(o.backend)], lambda f: (("auto",) + BACKENDS)[f[0]]),
+    OptionField("cu_seqlens", 9, lambda o: cu_seqlens_summary(o.cu_seqlens), _show_cu_seqlens),
+    OptionField("window_size", 2, lambda o: list(band_lengths(o.variant.window)), tuple),
+    OptionField("softcap", 1, lambda o: [_float_bits(o.variant.softcap)], lambda f: _bits_float(f[0])),
+    OptionField("sinks", 4, lambda o: sinks_summary(o.sinks), _show_sinks),
+)
+_OPTIONS = sum(field.width for field in OPTION_FIELDS)
+DESCRIPTOR_LEN = _HEADER + _MAX_TENSORS * _TENSOR_FIELDS + _OPTIONS
+
+
+def build_descriptor(kind: str, tensors: Sequence, *, local_error: bool = False, **options) -> List[int]:
+    """The descriptor of one rank's call: header, tensors, then OPTION_FIELDS in order
+    (options: CallOptions' fields)."""
     row = [_MAGIC, _KINDS[kind], len(tensors), int(local_error)]
     for i in range(_MAX_TENSORS):
         row += _tensor_fields(tensors[i] if i < len(tensors) else None)
-    backend_code = BACKENDS.index(backend) + 1 if backend in BACKENDS else 0
-    row += [int(bool(causal)), int(softmax_scale is not None), _float_bits(softmax_scale), backend_code]
-    row += cu_seqlens_summary(cu_seqlens)
-    row += list(band_lengths(variant.window)) + [_float_bits(variant.softcap)]
-    row += sinks_summary(sinks)
+    call = CallOptions(**options)
+    for field in OPTION_FIELDS:
+        values = field.write(call)
+        assert len(values) == field.width, (field.name, values)
+        row += values
     assert len(row) == DESCRIPTOR_LEN
     return row
 
@@ -162,9 +211,14 @@ class _Row:
         return {"present": f[0], "ndim": ndim, "shape": tuple(f[2:2 + min(ndim, 4)]),
                 "dtype": f[6], "device": f[7]}
 
-    @property
-    def options(self):
-        return self.v[_HEADER + _MAX_TENSORS * _TENSOR_FIELDS:]
+    def option(self, name: str) -> List[int]:
+        """The slots of OPTION_FIELDS' field `name`."""
+        start = _HEADER + _MAX_TENSORS * _TENSOR_FIELDS
+        for field in OPTION_FIELDS:
+            if field.name == name:
+                return self.v[start:start + field.width]
+            start += field.width
+        raise KeyError(name)
 
 
 def _shape_str(t):
@@ -246,16 +300,7 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
         checks.append((f"the number of {name} heads", lambda r, i=i: r.tensor(i)["shape"][2]))
     if len(names) == 3:
         checks.append(("the value head dim", lambda r: r.tensor(2)["shape"][3]))
-    opts = lambda r: r.options  # noqa: E731
-    checks += [("causal", lambda r: bool(opts(r)[0])),
-               ("softmax_scale", lambda r: _bits_float(opts(r)[2]) if opts(r)[1] else None),
-               ("backend", lambda r: (("auto",) + BACKENDS)[opts(r)[3]]),
-               ("cu_seqlens", lambda r: "None" if not opts(r)[4] else
-                f"{opts(r)[5]} entries, last {opts(r)[9]}, checksum {opts(r)[11]:x}:{opts(r)[12]:x}"),
-               ("window_size", lambda r: tuple(opts(r)[13:15])),
-               ("softcap", lambda r: _bits_float(opts(r)[15])),
-               ("sinks", lambda r: "None" if not opts(r)[16] else
-                f"{opts(r)[17]} logits, sum {_bits_float(opts(r)[18]):.9g}, checksum {opts(r)[19] & (2**64 - 1):x}")]
+    checks += [(field.name, lambda r, field=field: field.show(r.option(field.name))) for field in OPTION_FIELDS]
     for what, key in checks:
         err = _disagreement(rows, what, key)
         if err:
@@ -279,7 +324,7 @@ def check_table(kind: str, table: List[List[int]], names: Sequence[str], *,
     if err or not documents:
         return err
 
-    return cu_seqlens_error(rows[0].options[4:13], sum(lengths), rows[0].tensor(0)["shape"][0])
+    return cu_seqlens_error(rows[0].option("cu_seqlens"), sum(lengths), rows[0].tensor(0)["shape"][0])
 
 
 def lengths_error(lengths: List[int]) -> Optional[str]:

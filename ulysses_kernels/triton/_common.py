@@ -85,6 +85,53 @@ class Target(NamedTuple):
         return self.device_type == "cuda" and not self.interpreting
 
 
+class KernelCall(NamedTuple):
+    """One attention call as every launcher reads it, built once per call by ``ops._run_fwd``
+    / ``_run_bwd``: the shapes as the kernels see them (one rank's heads, the SPLIT mode),
+    the mask after ``kernel_band`` (causal, band, the documents' id per key and boundary
+    table), the variant and where it runs."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    split: int                            # the SPLIT mode (split_mode)
+    seq_splits: int
+    causal: bool                          # kernel_band's
+    band: Optional[Tuple[int, int]]       # kernel_band's (None: WINDOW off)
+    softcap: float                        # c, or 0 for none
+    softmax_scale: float
+    docs: Optional[torch.Tensor]          # document id per key position (VARLEN), or None
+    cu_seqlens: Optional[torch.Tensor]    # the boundary table the kernels index, or None
+    target: Target
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def varlen(self) -> bool:
+        return self.docs is not None
+
+    def documents(self, dummy):
+        """The (ids, table) pair a kernel takes: ``dummy`` for both without documents."""
+        return (self.docs, self.cu_seqlens) if self.varlen else (dummy, dummy)
+
+
+class RowStats(NamedTuple):
+    """The per-row statistics the backward kernels read: the forward's LSE and delta =
+    rowsum(dO * O), fp32 ``[B, Hq, Sq]``, rows ``row_stride`` apart (None: Sq, contiguous;
+    the warp-specialized kernels take padded rows, ``flash_bwd.tma_row_stats``)."""
+
+    lse: torch.Tensor
+    delta: torch.Tensor
+    row_stride: Optional[int] = None
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 

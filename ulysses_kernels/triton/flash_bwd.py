@@ -14,7 +14,7 @@ import triton
 
 from ..env import BWD_HEAD_SPLITS, DETERMINISTIC, flag, integer
 from ..variants import sinks_gradient
-from ._common import PlanNote, Target
+from ._common import KernelCall, PlanNote, RowStats
 from ._common import block_d as padded_head_dim
 from .features import bwd_warp_specialize_feature, requested
 from .flash_bwd_dkdv import _launch_atomic, head_splits, launch_dkdv
@@ -48,66 +48,57 @@ def _head_splits(batch, seqlen_k, num_q_heads, num_kv_heads, block_d, target):
                     f"{group}: the smallest divisor of the group reaching 2 programs per SM")
 
 
-def launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, cu_seqlens, *, strides_of, batch, seqlen_q,
-               seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
-               split, seq_splits, deterministic, head_dim_v=None, band=None, softcap=0.0, sinks=None,
-               dsinks=None, counter=None, target=None, plan=None):
-    """strides_of(t): t's (batch, seq, head, dim) strides as the kernels address it.
-    head_dim_v: v's (default head_dim); band, softcap, counter, target, plan: see
-    flash_fwd.launch_fwd (a plan also receives the backward's mode and head splits as
-    PlanNotes); sinks (fp32 ``[Hq]``) and dsinks (fp32 ``[Hq]``, overwritten with the sinks'
-    gradient) go together."""
-    target = target or Target.of(q)
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    delta = torch.empty((batch, num_q_heads, seqlen_q), dtype=torch.float32, device=q.device)
-    common = dict(batch=batch, seqlen_q=seqlen_q, split=split, seq_splits=seq_splits)
-    shape = dict(seqlen_k=seqlen_k, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, block_d=block_d, causal=causal, softmax_scale=softmax_scale)
-    variant = dict(head_dim_v=head_dim_v, band=band, softcap=softcap, counter=counter, target=target, plan=plan)
+def launch_bwd(do, q, k, v, out, lse, grads, call: KernelCall, *, strides_of, deterministic, sinks=None,
+               dsinks=None, counter=None, plan=None):
+    """The backward of ``call`` (``_common.KernelCall``): grads = (dq, dk, dv), written in
+    place; strides_of(t): t's (batch, seq, head, dim) strides as the kernels address it;
+    counter, plan: see flash_fwd.launch_fwd (a plan also receives the backward's mode and
+    head splits as PlanNotes); sinks (fp32 ``[Hq]``) and dsinks (fp32 ``[Hq]``, overwritten
+    with the sinks' gradient) go together."""
+    c = call
+    dq, dk, dv = grads
+    bd, bdv = padded_head_dim(c.head_dim), padded_head_dim(c.head_dim_v)
+    delta = torch.empty((c.batch, c.num_q_heads, c.seqlen_q), dtype=torch.float32, device=q.device)
     if plan is None:
         # delta = rowsum(dO * O) runs over v's head dim.
         launch_preprocess(out, do, delta, so_strides=strides_of(out), sdo_strides=strides_of(do),
-                          num_q_heads=num_q_heads, head_dim=head_dim_v, block_d=padded_head_dim(head_dim_v),
-                          **common)
+                          num_q_heads=c.num_q_heads, head_dim=c.head_dim_v, block_d=bdv, batch=c.batch,
+                          seqlen_q=c.seqlen_q, split=c.split, seq_splits=c.seq_splits)
         if dsinks is not None:
             dsinks.copy_(sinks_gradient(sinks, lse, delta))
     base = tuple(strides_of(t) for t in (q, k, v, do))
-    ws_switch = bwd_warp_specialize_feature(requested(), tensors=(q, k, v, do), strides=base, split=split,
-                                            batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                            varlen=docs is not None, target=target)
+    ws_switch = bwd_warp_specialize_feature(requested(), tensors=(q, k, v, do), strides=base, split=c.split,
+                                            batch=c.batch, seqlen_q=c.seqlen_q, seqlen_k=c.seqlen_k,
+                                            varlen=c.varlen, target=c.target)
     ws = bool(ws_switch.on)
+    launched = dict(counter=counter, plan=plan)
     if plan is not None:
         plan.append(_backward_mode(deterministic, ws_switch))
     if deterministic or ws:  # the two-kernel backward: dK/dV, then dQ (bitwise reproducible)
-        rows = lse_rows(lse, delta) if ws else dict(lse=lse, delta=delta, lse_row_stride=None)
-        launch_dkdv(q, k, v, do, dk, dv, rows["lse"], rows["delta"], docs, cu_seqlens,
-                    strides=base + (strides_of(dk), strides_of(dv)), warp_specialize=ws,
-                    lse_row_stride=rows["lse_row_stride"], **shape, **common, **variant)
-        launch_dq(q, k, v, do, dq, rows["lse"], rows["delta"], docs, cu_seqlens,
-                  strides=base + (strides_of(dq),), warp_specialize=ws, lse_row_stride=rows["lse_row_stride"],
-                  **shape, **common, **variant)
+        rows = tma_row_stats(lse, delta) if ws else RowStats(lse, delta)
+        launch_dkdv(q, k, v, do, dk, dv, rows, c, strides=base + (strides_of(dk), strides_of(dv)),
+                    warp_specialize=ws, **launched)
+        launch_dq(q, k, v, do, dq, rows, c, strides=base + (strides_of(dq),), warp_specialize=ws, **launched)
         return
     # fp32 accumulators [B, H, S, block_d] by position (compile-time strides in the
     # kernel, see flash_bwd_dkdv); one elementwise pass puts them into q's/k's layout.
-    dq_acc = torch.zeros((batch, num_q_heads, seqlen_q, block_d), dtype=torch.float32, device=q.device)
-    splits, splits_why = _head_splits(batch, seqlen_k, num_q_heads, num_kv_heads,
-                                      max(block_d, padded_head_dim(head_dim_v)), target)
+    dq_acc = torch.zeros((c.batch, c.num_q_heads, c.seqlen_q, bd), dtype=torch.float32, device=q.device)
+    splits, splits_why = _head_splits(c.batch, c.seqlen_k, c.num_q_heads, c.num_kv_heads, max(bd, bdv), c.target)
     if plan is not None:
         plan.append(PlanNote("head splits", str(splits), splits_why))
     dk_out, dv_out = dk, dv
     if splits > 1:
-        dk_out, dv_out = (torch.zeros((batch, num_kv_heads, seqlen_k, width), dtype=torch.float32, device=k.device)
-                          for width in (block_d, padded_head_dim(head_dim_v)))
+        dk_out, dv_out = (torch.zeros((c.batch, c.num_kv_heads, c.seqlen_k, width), dtype=torch.float32,
+                                      device=k.device) for width in (bd, bdv))
     # dk/dv strides: those of the outputs (the kernel ignores them for the accumulators).
-    launch_dkdv(q, k, v, do, dk_out, dv_out, lse, delta, docs, cu_seqlens,
-                strides=base + (strides_of(dk), strides_of(dv)), dq_acc=dq_acc, splits=splits, **shape, **common,
-                **variant)
+    launch_dkdv(q, k, v, do, dk_out, dv_out, RowStats(lse, delta), c,
+                strides=base + (strides_of(dk), strides_of(dv)), dq_acc=dq_acc, splits=splits, **launched)
     if plan is not None:
         return
-    copy_positions(dq, dq_acc, head_dim, batch, seq_splits, scale=softmax_scale)
+    copy_positions(dq, dq_acc, c.head_dim, c.batch, c.seq_splits, scale=c.softmax_scale)
     if splits > 1:
-        copy_positions(dk, dk_out, head_dim, batch, seq_splits)
-        copy_positions(dv, dv_out, head_dim_v, batch, seq_splits)
+        copy_positions(dk, dk_out, c.head_dim, c.batch, c.seq_splits)
+        copy_positions(dv, dv_out, c.head_dim_v, c.batch, c.seq_splits)
 
 
 def _backward_mode(deterministic: bool, ws_switch) -> PlanNote:
@@ -126,18 +117,18 @@ def _backward_mode(deterministic: bool, ws_switch) -> PlanNote:
                     + (f"; {dropped}" if dropped else ""))
 
 
-def lse_rows(lse, delta):
+def tma_row_stats(lse, delta) -> RowStats:
     """lse and delta ``[B, H, Sq]`` as the warp-specialized kernels read them: 16-byte
     aligned rows of a stride that is a multiple of 4 (TMA's rules), copied only when they
     are not; the kernels' descriptors stop at Sq, so the padding is never read."""
     sq = lse.shape[-1]
     stride = -(-sq // 4) * 4
     if stride == sq and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (lse, delta)):
-        return dict(lse=lse, delta=delta, lse_row_stride=sq)
+        return RowStats(lse, delta, sq)
     padded = [torch.empty((*t.shape[:-1], stride), dtype=t.dtype, device=t.device) for t in (lse, delta)]
     for dst, src in zip(padded, (lse, delta)):
         dst[..., :sq].copy_(src)
-    return dict(lse=padded[0], delta=padded[1], lse_row_stride=stride)
+    return RowStats(padded[0], padded[1], stride)
 
 
 def copy_positions(dst, acc, head_dim, batch, seq_splits, scale=None):

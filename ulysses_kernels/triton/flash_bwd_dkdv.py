@@ -34,7 +34,8 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
-    Target,
+    KernelCall,
+    RowStats,
     TunedLauncher,
     capped_tanh,
     dot_precision,
@@ -457,52 +458,47 @@ def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_c
     return group
 
 
-def launch_dkdv(q, k, v, do, dk, dv, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q,
-                seqlen_k, num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale,
-                split, seq_splits, dq_acc=None, splits=1, head_dim_v=None, band=None, softcap=0.0,
-                counter=None, features=None, warp_specialize=False, lse_row_stride=None, target=None, plan=None):
-    """strides: (q, k, v, do, dk, dv) stride 4-tuples.
+def launch_dkdv(q, k, v, do, dk, dv, rows: RowStats, call: KernelCall, *, strides, dq_acc=None, splits=1,
+                counter=None, features=None, warp_specialize=False, plan=None):
+    """The dK/dV kernel of ``call`` (``_common.KernelCall``). rows: the forward's LSE and
+    delta (``_common.RowStats``); strides: (q, k, v, do, dk, dv) stride 4-tuples.
 
     dq_acc: atomic mode, a zero-filled fp32 ``[B, Hq, Sq, block_d]`` accumulator (by
     position) that receives the unscaled dS K. splits > 1 (atomic mode only): dk/dv are
     zero-filled fp32 ``[B, Hkv, Sk, block_d]`` / ``[B, Hkv, Sk, block_dv]`` accumulators for
-    the partial sums. head_dim_v: v's (default head_dim); band, softcap, counter, features:
-    see flash_fwd.launch_fwd. warp_specialize (dK/dV only, features.bwd_warp_specialize's
-    rule holds): the warp-specialized kernel, reading lse and delta as rows of
-    lse_row_stride (a multiple of 4: 16-byte TMA strides) padded with +inf and 0; target,
-    plan: see flash_fwd.launch_fwd. Returns the config it ran (None when autotuned)."""
-    target = target or Target.of(q)
-    fp32_dot = target.interpreting
-    varlen = docs is not None
+    the partial sums. counter, features, plan: see flash_fwd.launch_fwd. warp_specialize
+    (dK/dV only, features.bwd_warp_specialize's rule holds): the warp-specialized kernel,
+    reading lse and delta as rows of ``rows.row_stride`` (a multiple of 4: 16-byte TMA
+    strides). Returns the config it ran (None when autotuned)."""
+    c = call
+    fp32_dot = c.target.interpreting
     atomic = dq_acc is not None
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    bdv = padded_head_dim(head_dim_v)
-    if splits > 1 and (not atomic or dk.dtype != torch.float32 or (num_q_heads // num_kv_heads) % splits):
+    bd, bdv = padded_head_dim(c.head_dim), padded_head_dim(c.head_dim_v)
+    if splits > 1 and (not atomic or dk.dtype != torch.float32 or c.group % splits):
         raise ValueError("launch_dkdv: head splits need atomic mode, fp32 dk/dv and a divisor of the group")
-    variant = variant_args(band, softcap, softmax_scale)
-    dq_reduce = dq_reduce_feature(requested() if features is None else features, q=q, dq_acc=dq_acc, target=target)
+    if warp_specialize and (atomic or splits > 1):
+        raise ValueError("launch_dkdv: the warp-specialized kernel computes dK/dV only (no dQ atomics, no splits)")
+    variant = variant_args(c.band, c.softcap, c.softmax_scale)
+    dq_reduce = dq_reduce_feature(requested() if features is None else features, q=q, dq_acc=dq_acc, target=c.target)
     counts = counter.tensor("dkdv") if counter is not None else None
-    args = (q, k, v, do, (dk, dv, dq_acc if atomic else lse), (lse, delta),
-            (docs if varlen else lse, cu_seqlens if varlen else lse), counts if counts is not None else lse,
-            *(tuple(s) for s in strides),
-            (seqlen_q, seqlen_k, batch, seq_splits), (softmax_scale, softmax_scale * LOG2E, *variant.softcap),
-            variant.window, seq_bucket(max(seqlen_q, seqlen_k)), (num_q_heads, num_kv_heads),
-            num_q_heads // num_kv_heads, splits, lse_row_stride or seqlen_q)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
-                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
+    args = (q, k, v, do, (dk, dv, dq_acc if atomic else rows.lse), (rows.lse, rows.delta), c.documents(rows.lse),
+            counts if counts is not None else rows.lse, *(tuple(t) for t in strides),
+            (c.seqlen_q, c.seqlen_k, c.batch, c.seq_splits), (c.softmax_scale, c.softmax_scale * LOG2E, *variant.softcap),
+            variant.window, seq_bucket(max(c.seqlen_q, c.seqlen_k)), (c.num_q_heads, c.num_kv_heads),
+            c.group, splits, rows.row_stride or c.seqlen_q)
+    meta = dict(HEAD_DIM=c.head_dim, BLOCK_D=bd, HEAD_DIM_V=c.head_dim_v, BLOCK_DV=bdv,
+                CAUSAL=bool(c.causal), VARLEN=c.varlen, SPLIT=int(c.split),
                 DQ_ATOMIC=atomic, KV_ATOMIC=splits > 1,
-                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(block_d, bdv)),
+                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(bd, bdv)),
                 **variant.constexprs, COUNT=counts is not None,
                 **dq_reduce.constexprs(),
                 WARP_SPECIALIZE=bool(warp_specialize))
-    if warp_specialize and (atomic or splits > 1):
-        raise ValueError("launch_dkdv: the warp-specialized kernel computes dK/dV only (no dQ atomics, no splits)")
     launcher = _launch_atomic if atomic else _launch
 
     def grid(bm, bn):
-        return (triton.cdiv(seqlen_k, bn), batch * num_kv_heads * splits)
+        return (triton.cdiv(c.seqlen_k, bn), c.batch * c.num_kv_heads * splits)
 
-    config = launcher(grid, args, meta, max(block_d, bdv), fp32_dot, q.dtype == torch.float32, plan=plan,
+    config = launcher(grid, args, meta, max(bd, bdv), fp32_dot, q.dtype == torch.float32, plan=plan,
                       switches=(dq_reduce,))
     if counter is not None and plan is None:
         counter.ran("dkdv", config, grid(*config[:2]))

@@ -17,7 +17,8 @@ import triton.language as tl
 
 from ._common import (
     LOG2E,
-    Target,
+    KernelCall,
+    RowStats,
     TunedLauncher,
     capped_tanh,
     dot_precision,
@@ -164,7 +165,7 @@ def _flash_bwd_dq_kernel(
     if WARP_SPECIALIZE:
         # Triton's warp-specialized loop (features.py): descriptor loads only, before it and
         # in it; 2-D views of this (batch, head)'s rows as in the forward, and 1-D views of
-        # its LSE and delta row (rows s_lse apart: lse_rows in flash_bwd.py; 2-D views with a
+        # its LSE and delta row (rows s_lse apart: tma_row_stats in flash_bwd.py; 2-D views with a
         # [1, BLOCK_M] tile fail Triton's pass here). Rows past Sq read zeros.
         if SPLIT == 1:
             rows_q, rows_k, q_off, do_off, k_off, v_off = B * Sq, B * Sk, 0, 0, 0, 0
@@ -270,32 +271,29 @@ _launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS, fp
                         feature_configs={"WARP_SPECIALIZE": _DQ_WS_CONFIGS})
 
 
-def launch_dq(q, k, v, do, dq, lse, delta, docs, cu_seqlens, *, strides, batch, seqlen_q, seqlen_k,
-              num_q_heads, num_kv_heads, head_dim, block_d, causal, softmax_scale, split, seq_splits,
-              head_dim_v=None, band=None, softcap=0.0, counter=None, warp_specialize=False, lse_row_stride=None,
-              target=None, plan=None):
-    """strides: (q, k, v, do, dq) stride 4-tuples; head_dim_v: v's (default head_dim);
-    band, softcap, counter: see flash_fwd.launch_fwd; warp_specialize, lse_row_stride: see
-    flash_bwd_dkdv.launch_dkdv; target, plan: see flash_fwd.launch_fwd. Returns the config it
-    ran (None when autotuned)."""
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    bd, bdv = block_d, padded_head_dim(head_dim_v)
-    fp32_dot = (target or Target.of(q)).interpreting
-    varlen = docs is not None
-    variant = variant_args(band, softcap, softmax_scale)
+def launch_dq(q, k, v, do, dq, rows: RowStats, call: KernelCall, *, strides, counter=None, warp_specialize=False,
+              plan=None):
+    """The dQ kernel of ``call`` (``_common.KernelCall``). rows: the forward's LSE and delta
+    (``_common.RowStats``); strides: (q, k, v, do, dq) stride 4-tuples; counter, plan: see
+    flash_fwd.launch_fwd; warp_specialize: see flash_bwd_dkdv.launch_dkdv. Returns the
+    config it ran (None when autotuned)."""
+    c = call
+    bd, bdv = padded_head_dim(c.head_dim), padded_head_dim(c.head_dim_v)
+    fp32_dot = c.target.interpreting
+    variant = variant_args(c.band, c.softcap, c.softmax_scale)
     counts = counter.tensor("dq") if counter is not None else None
-    args = (q, k, v, do, dq, (lse, delta), (docs if varlen else lse, cu_seqlens if varlen else lse),
-            counts if counts is not None else lse, *(tuple(s) for s in strides),
-            (seqlen_q, seqlen_k, batch, seq_splits), (softmax_scale, softmax_scale * LOG2E, *variant.softcap),
-            variant.window, seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads,
-            lse_row_stride or seqlen_q)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
-                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
+    args = (q, k, v, do, dq, (rows.lse, rows.delta), c.documents(rows.lse),
+            counts if counts is not None else rows.lse, *(tuple(t) for t in strides),
+            (c.seqlen_q, c.seqlen_k, c.batch, c.seq_splits), (c.softmax_scale, c.softmax_scale * LOG2E, *variant.softcap),
+            variant.window, seq_bucket(max(c.seqlen_q, c.seqlen_k)), c.num_q_heads, c.group,
+            rows.row_stride or c.seqlen_q)
+    meta = dict(HEAD_DIM=c.head_dim, BLOCK_D=bd, HEAD_DIM_V=c.head_dim_v, BLOCK_DV=bdv,
+                CAUSAL=bool(c.causal), VARLEN=c.varlen, SPLIT=int(c.split),
                 FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(bd, bdv)),
                 **variant.constexprs, COUNT=counts is not None, WARP_SPECIALIZE=bool(warp_specialize))
 
     def grid(bm, bn):
-        return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
+        return (triton.cdiv(c.seqlen_q, bm), c.batch * c.num_q_heads)
 
     config = _launch(grid, args, meta, max(bd, bdv), fp32_dot, q.dtype == torch.float32, plan=plan)
     if counter is not None and plan is None:

@@ -25,7 +25,7 @@ import triton.language as tl
 from ._common import (
     LN2,
     LOG2E,
-    Target,
+    KernelCall,
     TunedLauncher,
     block_d,
     capped_tanh,
@@ -340,45 +340,38 @@ _launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS, _FWD
                         _FWD_FP32_CONFIGS, feature_configs={"WARP_SPECIALIZE": _FWD_WS_CONFIGS})
 
 
-def launch_fwd(q, k, v, out, lse, *, sq_strides, sk_strides, sv_strides, so_strides,
-               batch, seqlen_q, seqlen_k, num_q_heads, num_kv_heads, head_dim, head_dim_v=None,
-               causal, softmax_scale, docs, cu_seqlens, split, seq_splits,
-               band=None, softcap=0.0, sinks=None, counter=None, features=None, target=None, plan=None):
-    """Launch the forward kernel. Strides are (batch, seq, head, dim) element strides;
-    split is the SPLIT mode (_common.split_mode). band: ``_common.kernel_band``'s (causal
-    already folded in), softcap: c or 0, sinks: fp32 contiguous ``[Hq]`` or None,
-    counter: a ``_common.VisitCounter`` (tests), features: the Hopper features to try
-    (names, see features.py; None: ``ULYSSES_KERNELS_HOPPER_FEATURES``), target: where it
-    runs (default: the tensors' ``_common.Target``), plan: a list that receives the
-    launch's ``_common.LaunchPlan`` instead of a launch. Returns the config it ran (None
-    when autotuned)."""
-    head_dim_v = head_dim if head_dim_v is None else head_dim_v
-    bd, bdv = block_d(head_dim), block_d(head_dim_v)
-    target = target or Target.of(q)
-    fp32_dot = target.interpreting
-    precision = dot_precision(q.dtype, max(bd, bdv))
-    varlen = docs is not None
+def launch_fwd(q, k, v, out, lse, call: KernelCall, *, strides, sinks=None, counter=None, features=None,
+               plan=None):
+    """Launch the forward kernel of ``call`` (``_common.KernelCall``). strides: the (batch,
+    seq, head, dim) element strides of q, k, v and out; sinks: fp32 contiguous ``[Hq]`` or
+    None, counter: a ``_common.VisitCounter`` (tests), features: the Hopper features to try
+    (names, see features.py; None: ``ULYSSES_KERNELS_HOPPER_FEATURES``), plan: a list that
+    receives the launch's ``_common.LaunchPlan`` instead of a launch. Returns the config it
+    ran (None when autotuned)."""
+    sq_strides, sk_strides, sv_strides, so_strides = (tuple(t) for t in strides)
+    c = call
+    bd, bdv = block_d(c.head_dim), block_d(c.head_dim_v)
+    fp32_dot = c.target.interpreting
     dummy = lse
-    variant = variant_args(band, softcap, softmax_scale)
+    variant = variant_args(c.band, c.softcap, c.softmax_scale)
     counts = counter.tensor("fwd") if counter is not None else None
-    args = (q, k, v, out, lse, (docs if varlen else dummy, cu_seqlens if varlen else dummy),
-            sinks if sinks is not None else dummy, counts if counts is not None else dummy,
-            tuple(sq_strides), tuple(sk_strides), tuple(sv_strides), tuple(so_strides),
-            (seqlen_q, seqlen_k, batch, seq_splits), (softmax_scale * LOG2E, *variant.softcap), variant.window,
-            seq_bucket(max(seqlen_q, seqlen_k)), num_q_heads, num_q_heads // num_kv_heads)
+    args = (q, k, v, out, lse, c.documents(dummy), sinks if sinks is not None else dummy,
+            counts if counts is not None else dummy, sq_strides, sk_strides, sv_strides, so_strides,
+            (c.seqlen_q, c.seqlen_k, c.batch, c.seq_splits), (c.softmax_scale * LOG2E, *variant.softcap),
+            variant.window, seq_bucket(max(c.seqlen_q, c.seqlen_k)), c.num_q_heads, c.group)
     switches = forward_features(requested() if features is None else features, q=q, k=k, v=v,
                                 sq_strides=sq_strides, sk_strides=sk_strides, sv_strides=sv_strides,
-                                split=split, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                head_dim=head_dim, head_dim_v=head_dim_v, varlen=varlen,
-                                softmax_scale=softmax_scale, softcap=softcap, target=target)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim_v, BLOCK_DV=bdv,
-                CAUSAL=bool(causal), VARLEN=varlen, SPLIT=int(split),
-                FP32_DOT=fp32_dot, PRECISION=precision,
+                                split=c.split, batch=c.batch, seqlen_q=c.seqlen_q, seqlen_k=c.seqlen_k,
+                                head_dim=c.head_dim, head_dim_v=c.head_dim_v, varlen=c.varlen,
+                                softmax_scale=c.softmax_scale, softcap=c.softcap, target=c.target)
+    meta = dict(HEAD_DIM=c.head_dim, BLOCK_D=bd, HEAD_DIM_V=c.head_dim_v, BLOCK_DV=bdv,
+                CAUSAL=bool(c.causal), VARLEN=c.varlen, SPLIT=int(c.split),
+                FP32_DOT=fp32_dot, PRECISION=dot_precision(q.dtype, max(bd, bdv)),
                 **variant.constexprs, SINKS=sinks is not None, COUNT=counts is not None,
                 **switches.constexprs())
 
     def grid(bm, bn):
-        return (triton.cdiv(seqlen_q, bm), batch * num_q_heads)
+        return (triton.cdiv(c.seqlen_q, bm), c.batch * c.num_q_heads)
 
     config = _launch(grid, args, meta, max(bd, bdv), fp32_dot, q.dtype == torch.float32, plan=plan,
                      switches=(switches,))

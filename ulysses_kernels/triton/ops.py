@@ -51,7 +51,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from ..variants import Band, band_of_window_size, band_problem, sinks_problem, softcap_problem, window_problem
-from ._common import MAX_ROW_STRIDE, VisitCounter, block_d, interpreting, kernel_band, split_mode
+from ._common import MAX_ROW_STRIDE, KernelCall, Target, VisitCounter, interpreting, kernel_band, split_mode
 from .flash_bwd import deterministic_default, launch_bwd
 from .flash_fwd import launch_fwd
 
@@ -197,50 +197,66 @@ def _kernel_sinks(sinks):
     return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
-def _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, band=(None, None),
-             softcap=0.0, sinks=None, counter=None, target=None, plan=None):
-    g = _Geom(q, k, v, seq_splits, batch)
-    if cu_seqlens is not None and g.batch != 1:
+class CallOptions(NamedTuple):
+    """A call's options after its tensors, as ``_run_fwd`` / ``_run_bwd`` take them (the
+    custom ops and ``plan.plan_attention`` build one)."""
+
+    causal: bool
+    softmax_scale: float
+    cu_seqlens: Optional[torch.Tensor] = None
+    seq_splits: int = 1
+    batch: Optional[int] = None     # the batch of 3-D all-to-all buffer views
+    band: Band = (None, None)       # the package's band (variants.py), causal not folded yet
+    softcap: float = 0.0
+    sinks: Optional[torch.Tensor] = None
+    deterministic: bool = False     # the backward only
+
+
+def _kernel_call(g: "_Geom", o: CallOptions, target) -> KernelCall:
+    """The launchers' record of one call: the mask after kernel_band, the documents' table."""
+    causal, band = kernel_band(o.causal, o.band, g.sq, g.sk)
+    docs, table = _kernel_cu_seqlens(o.cu_seqlens, g.sk)
+    return KernelCall(batch=g.batch, seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv,
+                      head_dim=g.d, head_dim_v=g.dv, split=g.mode, seq_splits=g.seq_splits, causal=causal,
+                      band=band, softcap=float(o.softcap), softmax_scale=o.softmax_scale, docs=docs,
+                      cu_seqlens=table, target=target)
+
+
+def _run_fwd(q, k, v, out, lse, options: CallOptions, *, counter=None, target=None, plan=None):
+    o = options
+    g = _Geom(q, k, v, o.seq_splits, o.batch)
+    if o.cu_seqlens is not None and g.batch != 1:
         raise ValueError(f"flash_attention: cu_seqlens needs batch 1, got {g.batch}")
-    if cu_seqlens is not None and g.sq != g.sk:
+    if o.cu_seqlens is not None and g.sq != g.sk:
         raise ValueError(f"flash_attention: cu_seqlens needs equal query and key lengths, "
                          f"got {g.sq} and {g.sk}")
     if g.sq == 0 or g.batch == 0 or g.hq == 0:
         return
     if g.sk == 0:  # no key: out 0, LSE -inf or the sink's logit
         out.zero_()
-        lse.copy_(sinks.float().view(1, -1, 1).expand_as(lse) if sinks is not None else
+        lse.copy_(o.sinks.float().view(1, -1, 1).expand_as(lse) if o.sinks is not None else
                   torch.full_like(lse, float("-inf")))
         return
-    causal, band = kernel_band(causal, band, g.sq, g.sk)
-    docs, table = _kernel_cu_seqlens(cu_seqlens, g.sk)
-    launch_fwd(q, k, v, out, lse, sq_strides=g.strides(q), sk_strides=g.strides(k),
-               sv_strides=g.strides(v), so_strides=g.strides(out),
-               batch=g.batch, seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv,
-               head_dim=g.d, head_dim_v=g.dv, causal=causal, softmax_scale=softmax_scale, docs=docs,
-               cu_seqlens=table, split=g.mode, seq_splits=g.seq_splits, band=band, softcap=float(softcap),
-               sinks=_kernel_sinks(sinks), counter=counter, target=target, plan=plan)
+    call = _kernel_call(g, o, target or Target.of(q))
+    launch_fwd(q, k, v, out, lse, call, strides=[g.strides(t) for t in (q, k, v, out)], sinks=_kernel_sinks(o.sinks),
+               counter=counter, plan=plan)
 
 
-def _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             deterministic, band=(None, None), softcap=0.0, sinks=None, dsinks=None, counter=None, target=None,
+def _run_bwd(do, q, k, v, out, lse, grads, options: CallOptions, *, dsinks=None, counter=None, target=None,
              plan=None):
-    g = _Geom(q, k, v, seq_splits, batch)
+    """grads: (dq, dk, dv), written in place; dsinks (with sinks): overwritten."""
+    o = options
+    g = _Geom(q, k, v, o.seq_splits, o.batch)
     if g.batch == 0 or g.hq == 0 or g.sq == 0 or g.sk == 0:
         # Nothing to attend: zero gradients. (No key: out = 0, so delta = 0 and the sinks'
         # gradient is 0 too.)
-        for t in (dq, dk, dv, dsinks):
+        for t in (*grads, dsinks):
             if t is not None:
                 t.zero_()
         return
-    causal, band = kernel_band(causal, band, g.sq, g.sk)
-    docs, table = _kernel_cu_seqlens(cu_seqlens, g.sk)
-    launch_bwd(do, q, k, v, out, lse, dq, dk, dv, docs, table, strides_of=g.strides, batch=g.batch,
-               seqlen_q=g.sq, seqlen_k=g.sk, num_q_heads=g.hq, num_kv_heads=g.hkv, head_dim=g.d,
-               block_d=block_d(g.d), causal=causal, softmax_scale=softmax_scale, split=g.mode,
-               seq_splits=g.seq_splits, deterministic=deterministic, head_dim_v=g.dv, band=band,
-               softcap=float(softcap), sinks=_kernel_sinks(sinks), dsinks=dsinks, counter=counter, target=target,
-               plan=plan)
+    call = _kernel_call(g, o, target or Target.of(q))
+    launch_bwd(do, q, k, v, out, lse, grads, call, strides_of=g.strides, deterministic=o.deterministic,
+               sinks=_kernel_sinks(o.sinks), dsinks=dsinks, counter=counter, plan=plan)
 
 
 # ------------------------------------------------------------------------ custom ops
@@ -260,8 +276,8 @@ def triton_flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: 
     B, Sq, Hq, _ = q.shape
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, 1, None, (band_left, band_right),
-             softcap, sinks)
+    _run_fwd(q, k, v, out, lse, CallOptions(causal, softmax_scale, cu_seqlens, band=(band_left, band_right),
+                                            softcap=softcap, sinks=sinks))
     return out, lse
 
 
@@ -288,8 +304,9 @@ def triton_flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dsinks = _dsinks_like(q, sinks)
-    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, 1, None, deterministic,
-             (band_left, band_right), softcap, sinks, dsinks if sinks is not None else None)
+    _run_bwd(do, q, k, v, out, lse, (dq, dk, dv),
+             CallOptions(causal, softmax_scale, cu_seqlens, band=(band_left, band_right), softcap=softcap, sinks=sinks,
+                         deterministic=deterministic), dsinks=dsinks if sinks is not None else None)
     return dq, dk, dv, dsinks
 
 
@@ -305,8 +322,8 @@ def triton_flash_fwd_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out:
                          cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int,
                          band_left: Optional[int] = None, band_right: Optional[int] = None,
                          softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> None:
-    _run_fwd(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             (band_left, band_right), softcap, sinks)
+    _run_fwd(q, k, v, out, lse, CallOptions(causal, softmax_scale, cu_seqlens, seq_splits, batch,
+                                            band=(band_left, band_right), softcap=softcap, sinks=sinks))
 
 
 @triton_flash_fwd_out.register_fake
@@ -323,8 +340,9 @@ def triton_flash_bwd_out(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                          deterministic: bool = False, band_left: Optional[int] = None,
                          band_right: Optional[int] = None, softcap: float = 0.0,
                          sinks: Optional[torch.Tensor] = None, dsinks: Optional[torch.Tensor] = None) -> None:
-    _run_bwd(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-             deterministic, (band_left, band_right), softcap, sinks, dsinks)
+    _run_bwd(do, q, k, v, out, lse, (dq, dk, dv),
+             CallOptions(causal, softmax_scale, cu_seqlens, seq_splits, batch, band=(band_left, band_right),
+                         softcap=softcap, sinks=sinks, deterministic=deterministic), dsinks=dsinks)
 
 
 @triton_flash_bwd_out.register_fake
@@ -511,10 +529,10 @@ def _count_visited_blocks(q, k, v, *, causal=False, band=(None, None), cu_seqlen
     scale = _resolve_scale(None, D)
     out = torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    _run_fwd(q, k, v, out, lse, causal, scale, cu_seqlens, 1, None, band, counter=counter)
+    options = CallOptions(causal, scale, cu_seqlens, band=band, deterministic=deterministic)
+    _run_fwd(q, k, v, out, lse, options, counter=counter)
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    _run_bwd(torch.ones_like(out), q, k, v, out, lse, *grads, causal, scale, cu_seqlens, 1, None, deterministic,
-             band, counter=counter)
+    _run_bwd(torch.ones_like(out), q, k, v, out, lse, grads, options, counter=counter)
     result = {}
     for name, counts in counter.counts.items():
         tiles, programs = counter.grids[name]

@@ -20,7 +20,7 @@ import torch
 
 from ..env import BWD_HEAD_SPLITS, HOPPER_FEATURES, TRITON_AUTOTUNE, flag, integer, text
 from ._common import LaunchPlan, PlanNote, Target
-from .ops import _run_bwd, _run_fwd
+from .ops import CallOptions, _run_bwd, _run_fwd
 
 
 class CallPlan(NamedTuple):
@@ -64,15 +64,14 @@ def _plan(settings, *, batch: int, seqlen_q: int, seqlen_k: int, num_q_heads: in
     cu_seqlens = torch.tensor(documents, dtype=torch.int32) if documents is not None else None
     sink_logits = _meta((num_q_heads,), torch.float32) if sinks else None
     scale = head_dim ** -0.5
-    options = dict(band=band, softcap=softcap, sinks=sink_logits, target=target)
-    split_batch = batch if seq_splits > 1 else None
+    options = CallOptions(causal, scale, cu_seqlens, seq_splits, batch if seq_splits > 1 else None, band=band,
+                          softcap=softcap, sinks=sink_logits, deterministic=deterministic)
     forward: list = []
-    _run_fwd(q, k, v, out, lse, causal, scale, cu_seqlens, seq_splits, split_batch, plan=forward, **options)
+    _run_fwd(q, k, v, out, lse, options, target=target, plan=forward)
     backward: list = []
     grads = [torch.empty_like(t) for t in (q, k, v)]
     dsinks = _meta((num_q_heads,), torch.float32) if sinks else None
-    _run_bwd(torch.empty_like(out), q, k, v, out, lse, *grads, causal, scale, cu_seqlens, seq_splits, split_batch,
-             deterministic, dsinks=dsinks, plan=backward, **options)
+    _run_bwd(torch.empty_like(out), q, k, v, out, lse, grads, options, dsinks=dsinks, target=target, plan=backward)
     return CallPlan(tuple(forward), tuple(backward))
 
 
