@@ -240,6 +240,8 @@ def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_
            device, dtype):
     """Time every candidate config of each kernel at D=128, S=16k (non-default ones compile).
     Smoke mode: S = 32, the first config of each kernel."""
+    from ulysses_kernels.triton.configs import CONFIGS
+
     D, H, S = 128, (2 if args.smoke else 16), (32 if args.smoke else 16384)
     B = max(1, args.tokens // S)
     per_compile = 8.0  # seconds; a guess for one new kernel variant (compile + timing)
@@ -250,33 +252,31 @@ def _sweep(args, sweep, t_start, torch, timed, fwd_fn, bwd_fn, flash_fwd, flash_
         flops_fwd = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
         # (kernel, its launcher, candidates, backward mode the timing runs)
         for kname, launch, cfgs, determ in (
-                ("fwd", flash_fwd._launch, flash_fwd._FWD_CONFIGS[D], None),
-                ("bwd_atomic", flash_bwd_dkdv._launch_atomic, flash_bwd_dkdv._ATOMIC_CONFIGS[D], False),
-                ("dq", flash_bwd_dq._launch, flash_bwd_dq._DQ_CONFIGS[D], True),
-                ("dkdv", flash_bwd_dkdv._launch, flash_bwd_dkdv._DKDV_CONFIGS[D], True)):
+                ("fwd", flash_fwd._launch, CONFIGS["fwd"].plain[D], None),
+                ("bwd_atomic", flash_bwd_dkdv._launch_atomic, CONFIGS["dkdv_atomic"].plain[D], False),
+                ("dq", flash_bwd_dq._launch, CONFIGS["dq"].plain[D], True),
+                ("dkdv", flash_bwd_dkdv._launch, CONFIGS["dkdv"].plain[D], True)):
             for cfg in (cfgs[:1] if args.smoke else cfgs):
                 if args.budget_s is not None and time.time() - t_start + per_compile > args.budget_s:
                     sweep.append({"kernel": kname, "config": list(cfg), "causal": causal, "skipped": "budget"})
                     continue
                 entry = {"kernel": kname, "config": list(cfg), "causal": causal,
                          "default": cfg == launch.default(D)}
-                launch.override = cfg
                 try:
-                    if kname == "fwd":
-                        ms = timed(lambda: fwd_fn(q, k, v, causal=causal, softmax_scale=None))
-                        entry["what"] = "forward"
-                        entry["tflops"] = flops_fwd / (ms * 1e-3) / 1e12
-                    else:
-                        ms = timed(lambda: bwd_fn(do, q, k, v, out, lse, causal=causal, softmax_scale=None,
-                                                  deterministic=determ))
-                        entry["what"] = ("backward (preprocess + dK/dV + dQ), this kernel's config varied"
-                                         if determ else "backward (preprocess + 5-GEMM dK/dV/dQ), config varied")
-                        entry["tflops"] = 2.5 * flops_fwd / (ms * 1e-3) / 1e12
+                    with launch.forced(cfg):
+                        if kname == "fwd":
+                            ms = timed(lambda: fwd_fn(q, k, v, causal=causal, softmax_scale=None))
+                            entry["what"] = "forward"
+                            entry["tflops"] = flops_fwd / (ms * 1e-3) / 1e12
+                        else:
+                            ms = timed(lambda: bwd_fn(do, q, k, v, out, lse, causal=causal, softmax_scale=None,
+                                                      deterministic=determ))
+                            entry["what"] = ("backward (preprocess + dK/dV + dQ), this kernel's config varied"
+                                             if determ else "backward (preprocess + 5-GEMM dK/dV/dQ), config varied")
+                            entry["tflops"] = 2.5 * flops_fwd / (ms * 1e-3) / 1e12
                     entry["ms"] = ms
                 except Exception as exc:
                     entry["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                finally:
-                    launch.override = None
                 sweep.append(entry)
                 print(f"sweep {kname} causal={causal} {cfg}: "
                       f"{entry.get('tflops', float('nan')):.1f} TFLOP/s {entry.get('error', '')}", flush=True)

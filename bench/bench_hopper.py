@@ -142,7 +142,7 @@ def main():
 
 def sweep_configs(args, torch, timed, device, dtype, t_start, write):
     """[{kernel, features, config, causal, D, tflops | error}]: each candidate config of the
-    features' kernels, forced through the launchers' override (forward alone; the backward
+    features' kernels, forced through the launchers' forced() (forward alone; the backward
     alone, from the forward's out and LSE)."""
     from ulysses_kernels.triton import (
         flash_attention_backward,
@@ -151,6 +151,7 @@ def sweep_configs(args, torch, timed, device, dtype, t_start, write):
         flash_bwd_dq,
         flash_fwd,
     )
+    from ulysses_kernels.triton.configs import CONFIGS
 
     entries = []
     S = 64 if args.smoke else 16384
@@ -163,22 +164,21 @@ def sweep_configs(args, torch, timed, device, dtype, t_start, write):
             out, lse = flash_attention_forward(q, k, v, causal=causal, softmax_scale=None)
             flops_fwd = 4.0 * B * H * S * S * D * (0.5 if causal else 1.0)
             block_d = max(16, 1 << (D - 1).bit_length())
-            plans = [("fwd", flash_fwd._launch, "desc,fma_scale", flash_fwd._FWD_CONFIGS[block_d]),
-                     ("fwd", flash_fwd._launch, "desc,fma_scale,warp_specialize", flash_fwd._FWD_WS_CONFIGS[block_d]),
+            plans = [("fwd", flash_fwd._launch, "desc,fma_scale", CONFIGS["fwd"].plain[block_d]),
+                     ("fwd", flash_fwd._launch, "desc,fma_scale,warp_specialize", CONFIGS["fwd"].warp_specialize[block_d]),
                      ("bwd_atomic", flash_bwd_dkdv._launch_atomic, "dq_reduce",
-                      flash_bwd_dkdv._ATOMIC_CONFIGS[block_d]),
+                      CONFIGS["dkdv_atomic"].plain[block_d]),
                      ("bwd_dkdv_ws", flash_bwd_dkdv._launch, "bwd_warp_specialize",
-                      flash_bwd_dkdv._DKDV_WS_CONFIGS[block_d]),
-                     ("bwd_dq_ws", flash_bwd_dq._launch, "bwd_warp_specialize", flash_bwd_dq._DQ_WS_CONFIGS[block_d])]
+                      CONFIGS["dkdv"].warp_specialize[block_d]),
+                     ("bwd_dq_ws", flash_bwd_dq._launch, "bwd_warp_specialize", CONFIGS["dq"].warp_specialize[block_d])]
             for kernel, launch, spec, configs in plans:
                 for config in configs[:1] if args.smoke else configs:
                     entry = dict(kernel=kernel, features=spec, config=list(config), causal=causal, D=D, S=S)
                     if args.budget_s is not None and time.time() - t_start > args.budget_s:
                         entries.append(dict(entry, skipped="budget"))
                         continue
-                    launch.override = config
                     try:
-                        with hopper_features(spec):
+                        with hopper_features(spec), launch.forced(config):
                             if kernel == "fwd":
                                 ms = timed(lambda: flash_attention_forward(
                                     q, k, v, causal=causal, softmax_scale=None))
@@ -190,8 +190,6 @@ def sweep_configs(args, torch, timed, device, dtype, t_start, write):
                         entry["ms"] = ms
                     except Exception as exc:  # noqa: BLE001 - a config that fails to build is a result
                         entry["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                    finally:
-                        launch.override = None
                     entries.append(entry)
                     print(f"sweep D={D} causal={causal} {kernel} [{spec}] {tuple(config)}: "
                           + (f"{entry['tflops']:.1f} TFLOP/s" if "tflops" in entry else entry["error"]), flush=True)

@@ -328,10 +328,11 @@ def test_feature_configs_of_the_launchers():
     """A launch with WARP_SPECIALIZE takes its 4-warp candidates, by default and under
     autotuning's pruning; without it, the measured defaults, unchanged."""
     from ulysses_kernels.triton import flash_bwd_dkdv, flash_bwd_dq
+    from ulysses_kernels.triton.configs import CONFIGS
 
-    for launch, table in ((flash_fwd._launch, flash_fwd._FWD_WS_CONFIGS),
-                          (flash_bwd_dkdv._launch, flash_bwd_dkdv._DKDV_WS_CONFIGS),
-                          (flash_bwd_dq._launch, flash_bwd_dq._DQ_WS_CONFIGS)):
+    for launch, table in ((flash_fwd._launch, CONFIGS["fwd"].warp_specialize),
+                          (flash_bwd_dkdv._launch, CONFIGS["dkdv"].warp_specialize),
+                          (flash_bwd_dq._launch, CONFIGS["dq"].warp_specialize)):
         for block_d in (64, 128):
             assert launch.default(block_d, False, {"WARP_SPECIALIZE": True}) == table[block_d][0]
             assert launch.default(block_d, False, {"WARP_SPECIALIZE": False}) == launch.default(block_d)
@@ -342,6 +343,34 @@ def test_feature_configs_of_the_launchers():
         plain = launch._prune(configs, {}, BLOCK_D=128, BLOCK_DV=128, WARP_SPECIALIZE=False, VARLEN=False, SPLIT=0)
         assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in plain} == \
             set(launch.configs[128])
+
+
+def test_one_config_table_and_a_scoped_forced_config():
+    """Every launcher reads its tables from configs.CONFIGS (no table of its own), and a
+    benchmark's forced config holds inside its block only."""
+    from ulysses_kernels.triton import flash_bwd_dkdv, flash_bwd_dq
+    from ulysses_kernels.triton.configs import CONFIGS
+
+    launchers = {"fwd": flash_fwd._launch, "dkdv": flash_bwd_dkdv._launch, "dkdv_atomic": flash_bwd_dkdv._launch_atomic,
+                 "dq": flash_bwd_dq._launch}
+    for name, launch in launchers.items():
+        assert launch.config_set is CONFIGS[name]
+        assert not hasattr(launch, "override")
+    for module in (flash_fwd, flash_bwd_dkdv, flash_bwd_dq):
+        assert not [n for n in vars(module) if n.endswith("_CONFIGS") or n == "_INTERPRET_BLOCKS"], module
+    launch = flash_fwd._launch
+    options = dict(fp32_dot=False, fp32_inputs=False, autotune=False)
+    assert launch.choose(128, {}, **options)[0] == CONFIGS["fwd"].plain[128][0]
+    with launch.forced((64, 32, 4, 2)):
+        assert launch.choose(128, {}, **options) == ((64, 32, 4, 2), "forced by a benchmark (TunedLauncher.forced)")
+        assert launch.choose(128, {}, **dict(options, fp32_dot=True))[0] == (32, 16, 4, 1)  # the interpreter's
+    assert launch.choose(128, {}, **options)[0] == CONFIGS["fwd"].plain[128][0]
+    try:
+        with launch.forced((64, 32, 4, 2)):
+            raise RuntimeError("a failed build")
+    except RuntimeError:
+        pass
+    assert launch.choose(128, {}, **options)[0] == CONFIGS["fwd"].plain[128][0]
 
 
 def test_scratch_allocator_is_set_once_and_a_callers_is_kept():

@@ -37,6 +37,7 @@ instructions as before, bench/sass_report.py; docs/architecture.md, "Attention v
   iteration into ``COUNTS``; :class:`VisitCounter`).
 """
 
+import contextlib
 import math
 from typing import Dict, NamedTuple, Optional, Tuple
 
@@ -502,37 +503,39 @@ def plan_autotunes(fp32_dot: bool) -> bool:
 
 
 class TunedLauncher:
-    """Launch policy of one kernel with per-head-dim candidate configs.
-
-    ``configs`` maps the padded head dim to ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``
-    candidates, the first being the default. ``masked_configs`` (optional, same shape)
-    replaces the default for the VARLEN / per-token SPLIT=2 / WINDOW variants, whose extra
-    index arithmetic (a window: three inner loops) costs registers (a default that spills
-    there is worse than a smaller tile; see :meth:`masked`). On a GPU
-    with autotuning enabled the kernel is autotuned over the candidates of its head dim;
-    otherwise the default runs; in the interpreter the small ``interpret_blocks``
-    (BLOCK_M, BLOCK_N) keep tests fast. ``override`` (a config tuple, or None) forces one
-    config on the GPU, for benchmark sweeps. ``feature_configs`` maps a constexpr to
-    candidates of its own (same shape): a launch with that constexpr on takes them instead
-    of all the others (the warp-specialized forward needs 4-warp tiles).
+    """Launch policy of one kernel over its ``configs.ConfigSet`` (the one table,
+    ``configs.CONFIGS``): on a GPU with autotuning enabled the kernel is autotuned over the
+    candidates of its head dim (pruned per launch by the rule of :meth:`choose`); otherwise
+    the default runs; in the interpreter the small ``interpret_blocks`` keep tests fast.
+    :meth:`forced` runs one config on the GPU inside a ``with`` block (benchmark sweeps).
     """
 
-    def __init__(self, kernel, configs, interpret_blocks, masked_configs=None, fp32_configs=None,
-                 reset_to_zero=None, feature_configs=None):
+    def __init__(self, kernel, config_set, reset_to_zero=None):
         self.kernel = kernel
-        self.configs = configs
-        self.masked_configs = masked_configs or {}
-        self.feature_configs = feature_configs or {}
-        # fp32 inputs on the GPU: tiles twice the bytes, tf32x3 dots; one small config.
-        self.fp32_configs = fp32_configs or {}
-        self.interpret_blocks = interpret_blocks
-        self.override = None
+        self.config_set = config_set
+        self.configs = config_set.plain
+        self.masked_configs = config_set.masked
+        self.feature_configs = {"WARP_SPECIALIZE": config_set.warp_specialize} if config_set.warp_specialize else {}
+        self.fp32_configs = config_set.fp32
+        self.interpret_blocks = config_set.interpret_blocks
+        self._forced = None
         self.tuned = None
         if autotune_enabled():
             keys = [k for k in TUNE_KEYS if k in kernel.arg_names]
             zero = _zero_before_each_trial(reset_to_zero) if reset_to_zero else None
             self.tuned = triton.autotune(configs=self._all_configs(), key=keys,
                                          prune_configs_by={"early_config_prune": self._prune}, pre_hook=zero)(kernel)
+
+    @contextlib.contextmanager
+    def forced(self, config):
+        """Launches inside the block run ``config`` (a (BLOCK_M, BLOCK_N, warps, stages)
+        tuple) on the GPU, whatever the tables and the autotuner say; the interpreter and
+        fp32 inputs keep their own. For benchmark sweeps; restored on exit."""
+        previous, self._forced = self._forced, tuple(config)
+        try:
+            yield
+        finally:
+            self._forced = previous
 
     def _candidates(self, block_d: int):
         return self.configs.get(block_d, self.configs[128])
@@ -596,8 +599,8 @@ class TunedLauncher:
             return (*self.interpret_blocks, 4, 1), "the interpreter's small tiles"
         if fp32_inputs and self.fp32_configs:
             return self.fp32_configs.get(block_d, self.fp32_configs[128]), "fp32 inputs: the one tf32x3 config"
-        if self.override is not None:
-            return tuple(self.override), "a benchmark's override (TunedLauncher.override)"
+        if self._forced is not None:
+            return self._forced, "forced by a benchmark (TunedLauncher.forced)"
         default = self.default(block_d, self.masked(meta), meta)
         if autotune and not meta.get("COUNT"):
             return None, (f"autotuned once per call class over {len(self._allowed(block_d, meta))} candidates; "

@@ -23,7 +23,7 @@ kernel features"). The forward's (``flash_fwd._flash_fwd_kernel``):
   Triton (3.6 to 3.9) builds it on sm_90 only for a 4-warp program whose one loop follows
   descriptor loads (a second loop, or a pointer load of q, fails its pass), so the kernel
   then reads q through a descriptor too and visits every key block in one masked loop,
-  and the launcher takes 4-warp tiles (``flash_fwd._FWD_WS_CONFIGS``). Not with packed
+  and the launcher takes 4-warp tiles (``configs.FORWARD.warp_specialize``). Not with packed
   documents (their loads fail the pass either). The interpreter runs the same single
   loop, without the partitions.
 

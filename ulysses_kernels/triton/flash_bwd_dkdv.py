@@ -50,6 +50,7 @@ from ._common import (
     variant_args,
 )
 from ._common import block_d as padded_head_dim
+from .configs import CONFIGS
 from .features import dq_reduce_feature, requested
 
 LOG2E_C = tl.constexpr(LOG2E)
@@ -387,58 +388,9 @@ def _flash_bwd_dkdv_kernel(
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; first = default.
-# Deterministic mode (dK/dV only). The dK/dV accumulators (2 x BLOCK_N x D fp32) dominate
-# the registers: with D = 128 and 8 warps they take 128 per thread at BLOCK_N = 128 (the
-# Triton tutorial's Hopper tile, BLOCK_M1=32 / BLOCK_N1=128), which spills 8-16 B in every
-# layout with Triton 3.8 (bench/sass_report.py); the D = 128 default is 32x64 (205
-# registers, no spills), 32x128 stays an autotuning candidate.
-# D = 256: 8 warps only (4 warps give mma.sync instead of wgmma, and spill).
-_DKDV_CONFIGS = {
-    16: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
-    32: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
-    64: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3)],
-    128: [(32, 64, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3)],
-    256: [(16, 64, 8, 2)],
-}
-# Atomic-dQ mode (the default). BLOCK_M >= 64 would keep every wgmma at N >= 64 (K Q^T
-# and V dO^T have N = BLOCK_M) and give the 5th GEMM (dS^T)^T K a warpgroup's M = 64,
-# but no such D = 128 tile builds without spills under Triton 3.8 (sm_90, measured with
-# the sass_report build: 64x64x8w 104 B, 64x128x8w 168 B, 4 warps 344+ B; a query-major
-# loop order spilled more). K and V as wgmma A operands sit in registers, duplicated per
-# warpgroup when two split N. So the default stays 32x128 (no spills, 236 registers),
-# whose dQ GEMM (M = 32) runs on mma.sync; the BLOCK_M = 64 tiles remain autotuning
-# candidates, timed against it on the GPU.
-_ATOMIC_CONFIGS = {
-    16: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
-    32: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
-    64: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
-    128: [(32, 128, 8, 2), (64, 64, 8, 2), (64, 128, 8, 2)],
-    256: [(16, 64, 8, 2), (64, 32, 8, 2)],
-}
-_INTERPRET_BLOCKS = (16, 32)
-
-
-_DKDV_FP32_CONFIGS = {16: (16, 64, 4, 2), 32: (16, 64, 4, 2), 64: (16, 64, 4, 2), 128: (16, 64, 4, 2),
-                      256: (16, 64, 4, 1)}
-
-
-# WARP_SPECIALIZE (features.py, dK/dV only): 4-warp programs that Triton splits into
-# producer and consumer partitions; 64-row query tiles (every wgmma N >= 64) build there
-# without spills at D = 64 and for non-causal D = 128, with 16 B causal (bench/sass_report.py,
-# Triton 3.8; 32 B under 3.6).
-_DKDV_WS_CONFIGS = {
-    16: [(64, 128, 4, 2)],
-    32: [(64, 128, 4, 2)],
-    64: [(64, 128, 4, 2), (64, 128, 4, 3)],
-    128: [(64, 128, 4, 2), (64, 128, 4, 3), (64, 64, 4, 2)],
-    256: [(64, 64, 4, 2)],
-}
-
-_launch = TunedLauncher(_flash_bwd_dkdv_kernel, _DKDV_CONFIGS, _INTERPRET_BLOCKS,
-                        fp32_configs=_DKDV_FP32_CONFIGS, feature_configs={"WARP_SPECIALIZE": _DKDV_WS_CONFIGS})
+_launch = TunedLauncher(_flash_bwd_dkdv_kernel, CONFIGS["dkdv"])
 # Autotuning runs the kernel once per candidate: the accumulators restart from zero.
-_launch_atomic = TunedLauncher(_flash_bwd_dkdv_kernel, _ATOMIC_CONFIGS, _INTERPRET_BLOCKS,
-                               fp32_configs=_DKDV_FP32_CONFIGS, reset_to_zero=["grads"])
+_launch_atomic = TunedLauncher(_flash_bwd_dkdv_kernel, CONFIGS["dkdv_atomic"], reset_to_zero=["grads"])
 
 
 def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_count: int) -> int:

@@ -34,6 +34,7 @@ from ._common import (
     variant_args,
 )
 from ._common import block_d as padded_head_dim
+from .configs import CONFIGS
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -238,37 +239,7 @@ def _flash_bwd_dq_kernel(
              dq.to(DQ.dtype.element_ty), mask=tile_mask)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim; first = default.
-# Q and dO are shared-memory A operands of QK^T and dO V^T: BLOCK_N = 32 makes those two
-# wgmmas shared-memory-bandwidth bound (about 2/3 of peak), BLOCK_N = 64 does not, and
-# 128x64 with 8 warps builds for sm_90 without spills (Triton 3.6 / 3.8, VARLEN+SPLIT too).
-# D = 256: BLOCK_M must be >= 64 with 8 warps, or Triton falls back to mma.sync (no wgmma).
-_DQ_CONFIGS = {
-    16: [(128, 32, 4, 4), (64, 64, 4, 3)],
-    32: [(128, 32, 4, 4), (64, 64, 4, 3)],
-    64: [(128, 32, 4, 4), (128, 64, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 2)],
-    256: [(64, 32, 8, 2), (64, 32, 8, 3)],
-}
-_INTERPRET_BLOCKS = (32, 16)
-
-
-_DQ_FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2),
-                    256: (64, 16, 4, 1)}
-
-
-# WARP_SPECIALIZE (features.py "bwd_warp_specialize"): 4-warp programs split into producer
-# and consumer partitions, as the forward's.
-_DQ_WS_CONFIGS = {
-    16: [(128, 64, 4, 2)],
-    32: [(128, 64, 4, 2)],
-    64: [(128, 64, 4, 2), (128, 128, 4, 2)],
-    128: [(128, 64, 4, 2), (128, 128, 4, 2), (64, 64, 4, 2)],
-    256: [(64, 64, 4, 2)],
-}
-
-_launch = TunedLauncher(_flash_bwd_dq_kernel, _DQ_CONFIGS, _INTERPRET_BLOCKS, fp32_configs=_DQ_FP32_CONFIGS,
-                        feature_configs={"WARP_SPECIALIZE": _DQ_WS_CONFIGS})
+_launch = TunedLauncher(_flash_bwd_dq_kernel, CONFIGS["dq"])
 
 
 def launch_dq(q, k, v, do, dq, rows: RowStats, call: KernelCall, *, strides, counter=None, warp_specialize=False,

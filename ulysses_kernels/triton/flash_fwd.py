@@ -41,6 +41,7 @@ from ._common import (
     tile_row,
     variant_args,
 )
+from .configs import CONFIGS
 from .features import forward_features, requested
 
 LN2_C = tl.constexpr(LN2)
@@ -299,45 +300,7 @@ def _flash_fwd_kernel(
     tl.store(LSE + pid_bh * Sq + offs_m, lse, mask=m_ok)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per padded head dim, for Hopper.
-# The first entry is the default used when autotuning is off. Q is the shared-memory A
-# operand of the QK^T wgmma: with BLOCK_N = 64 its re-reads put QK^T at the shared-memory
-# bandwidth limit, BLOCK_N = 128 leaves headroom (FlashAttention-3 and the Triton tutorial
-# use 128x128 with 2 warpgroups for D = 128 on Hopper). D = 128 default: 2 stages, which
-# builds without spills for the plain layout and the buffer with affine tiles alike (3
-# stages spill 40 B there: bench/sass_report.py, Triton 3.8); 3 stages stay a candidate.
-_FWD_CONFIGS = {
-    16: [(128, 64, 4, 4), (64, 64, 4, 4)],
-    32: [(128, 64, 4, 4), (64, 64, 4, 4)],
-    64: [(128, 64, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3)],
-    128: [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3)],
-    256: [(64, 64, 8, 2), (128, 32, 8, 2)],
-}
-# VARLEN / per-token SPLIT=2 variants (more index registers): 128x128x3 stages spills there.
-# The all-to-all buffer with affine tiles (SPLIT=1) uses the plain configs.
-_FWD_MASKED_CONFIGS = {
-    128: [(128, 64, 8, 3), (128, 128, 8, 2)],
-}
-_INTERPRET_BLOCKS = (32, 16)
-
-
-# fp32 inputs (tf32x3 dots, 4-byte tiles): shared memory fits, wgmma is used.
-_FWD_FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2),
-                     256: (64, 32, 4, 1)}
-
-
-# WARP_SPECIALIZE (features.py): Triton splits a 4-warp program into producer and consumer
-# partitions (8 warps build no warp-specialized code, Triton 3.6 to 3.9); candidates per head dim.
-_FWD_WS_CONFIGS = {
-    16: [(128, 64, 4, 2)],
-    32: [(128, 64, 4, 2)],
-    64: [(128, 128, 4, 2), (128, 64, 4, 3)],
-    128: [(128, 128, 4, 2), (128, 64, 4, 2)],
-    256: [(64, 64, 4, 2)],
-}
-
-_launch = TunedLauncher(_flash_fwd_kernel, _FWD_CONFIGS, _INTERPRET_BLOCKS, _FWD_MASKED_CONFIGS,
-                        _FWD_FP32_CONFIGS, feature_configs={"WARP_SPECIALIZE": _FWD_WS_CONFIGS})
+_launch = TunedLauncher(_flash_fwd_kernel, CONFIGS["fwd"])
 
 
 def launch_fwd(q, k, v, out, lse, call: KernelCall, *, strides, sinks=None, counter=None, features=None,
