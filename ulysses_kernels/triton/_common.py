@@ -270,113 +270,6 @@ def maybe_fp32(x, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def tile_documents(offs, ok, first, last, DOCS, CU, MISSING: tl.constexpr):
-    """The documents of a tile of positions ``[first, last]`` (VARLEN): (each position's
-    document, MISSING past the sequence; the tile's documents' start lo and end hi; whether
-    the tile lies in one document). Query tiles pass MISSING = -2 and key tiles -1, so a
-    padded row never matches a padded key."""
-    doc = tl.load(DOCS + offs, mask=ok, other=MISSING)
-    first_doc = tl.load(DOCS + first)
-    last_doc = tl.load(DOCS + last)
-    return doc, tl.load(CU + first_doc), tl.load(CU + last_doc + 1), first_doc == last_doc
-
-
-@triton.jit
-def query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off, DOCS, CU,
-                         CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys a query tile `[m0, m_last]` visits, shared by the forward and the dQ kernels.
-
-    Returns (doc_q, lo, hi, unmasked_end): any row may see keys in `[lo, hi)`; every valid
-    row sees all of `[lo, unmasked_end)` (whole BLOCK_N blocks that need no mask), so only
-    `[unmasked_end, hi)` is visited with masks. doc_q is each row's document (VARLEN).
-    """
-    if VARLEN:
-        doc_q, lo, hi, one_doc = tile_documents(offs_m, m_ok, m0, m_last, DOCS, CU, -2)
-        if CAUSAL:
-            full_end = tl.where(one_doc, tl.minimum(hi, m0 + 1), lo)
-            hi = tl.minimum(hi, m_last + 1)
-        else:
-            full_end = tl.where(one_doc, hi, lo)
-    else:
-        doc_q = offs_m  # unused
-        lo = 0
-        hi = Sk
-        if CAUSAL:
-            full_end = tl.maximum(tl.minimum(Sk, m0 + causal_off + 1), 0)
-            hi = tl.maximum(tl.minimum(Sk, m_last + causal_off + 1), 0)
-        else:
-            full_end = Sk
-    unmasked_end = tl.maximum(lo + ((full_end - lo) // BLOCK_N) * BLOCK_N, lo)
-    return doc_q, lo, hi, unmasked_end
-
-
-@triton.jit
-def in_band(key_pos, query_pos, causal_off, window_left, window_right):
-    """The band rule (WINDOW): key j is visible to query i iff
-    ``i + off - left <= j <= i + off + right`` (broadcast key_pos against query_pos)."""
-    rel = key_pos - (query_pos + causal_off)  # the key's distance from the query's diagonal
-    return (rel >= -window_left) & (rel <= window_right)
-
-
-@triton.jit
-def phase_bounds(start, end, full_lo, full_hi, BLOCK: tl.constexpr):
-    """Split the visited range ``[start, end)`` into masked ``[start, a)``, unmasked
-    ``[a, b)`` and masked ``[b, end)``, where ``[full_lo, full_hi)`` holds the positions
-    every valid row (column) of the tile sees. a and b are start plus whole blocks, so the
-    three loops together visit exactly ``cdiv(end - start, BLOCK)`` blocks."""
-    a = tl.minimum(start + tl.cdiv(tl.maximum(full_lo - start, 0), BLOCK) * BLOCK, end)
-    b = a + tl.maximum(full_hi - a, 0) // BLOCK * BLOCK
-    return a, b
-
-
-@triton.jit
-def query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right, DOCS, CU,
-                          VARLEN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys a query tile ``[m0, m_last]`` visits under a band (WINDOW), for the forward and
-    the dQ kernels: ``[max(lo, m0+off-left), min(hi, m_last+off+right+1))`` with
-    ``[lo, hi)`` the sequence or the tile's documents; no block outside it is visited.
-
-    Returns (doc_q, start, a, b, end): ``[start, a)`` and ``[b, end)`` need masks,
-    every valid row sees every key of ``[a, b)`` (see phase_bounds). All bounds lie in
-    ``[lo, hi]``, so an empty phase addresses no key past the sequence.
-    """
-    if VARLEN:
-        doc_q, lo, hi, one_doc = tile_documents(offs_m, m_ok, m0, m_last, DOCS, CU, -2)
-    else:
-        doc_q = offs_m  # unused
-        lo = 0
-        hi = Sk
-        one_doc = True
-    start = tl.minimum(tl.maximum(lo, m0 + causal_off - window_left), hi)
-    end = tl.maximum(tl.minimum(hi, m_last + causal_off + window_right + 1), start)
-    if SPLIT == 1:
-        # Affine tiles must not straddle two buffer blocks: key blocks start at multiples
-        # of BLOCK_N (lo = 0 here: SPLIT 1 never has documents).
-        start = start // BLOCK_N * BLOCK_N
-    # Every row of the tile sees [m_last + off - left, m0 + off + right], if one document.
-    full_lo = tl.maximum(lo, m_last + causal_off - window_left)
-    full_hi = tl.where(one_doc, tl.minimum(hi, m0 + causal_off + window_right + 1), full_lo)
-    a, b = phase_bounds(start, end, full_lo, full_hi, BLOCK_N)
-    return doc_q, start, a, b, end
-
-
-@triton.jit
-def query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right, DOCS, CU,
-                           CAUSAL: tl.constexpr, VARLEN: tl.constexpr, WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-    """(doc_q, lo, hi): every key a query tile visits, for the warp-specialized kernels'
-    single masked loop (forward and dQ): query_tile_band_range's [start, end) under a
-    band, else query_tile_key_range's [lo, hi)."""
-    if WINDOW:
-        doc_q, lo, _a, _b, hi = query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left,
-                                                      window_right, DOCS, CU, VARLEN, SPLIT, BLOCK_N)
-    else:
-        doc_q, lo, hi, _u = query_tile_key_range(offs_m, m_ok, m0, m_last, Sk, causal_off, DOCS, CU, CAUSAL,
-                                                 VARLEN, BLOCK_N)
-    return doc_q, lo, hi
-
-
-@triton.jit
 def capped_tanh(qk, softcap_in):
     """``t = tanh(scale * qk / softcap)`` of raw dot products (SOFTCAP), the score being
     ``softcap * t``; ``softcap_in = 2 * log2(e) * scale / softcap``. Built from exp2 (no
@@ -398,7 +291,7 @@ TUNE_KEYS = ["TUNE_KEY", "HEAD_DIM", "BLOCK_D", "HEAD_DIM_V", "BLOCK_DV", "CAUSA
 
 def kernel_band(causal, window, seqlen_q, seqlen_k):
     """(causal, band) as the kernels take a mask: band None (WINDOW off) or (left, right)
-    ints for the band rule (see in_band), causal folded into it (``variants.fold_causal``).
+    ints for the band rule (see blocks.in_band), causal folded into it (``variants.fold_causal``).
 
     A side that hides no key becomes unbounded (None): left >= Sk - 1, right >= Sq - 1.
     No band left, or only the causal edge (left unbounded, right 0): the causal or the

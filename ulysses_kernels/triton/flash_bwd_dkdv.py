@@ -21,7 +21,7 @@ Query rows are visited in three phases: masked (causal diagonal / document start
 unmasked (rows that see the whole key tile), masked (document end / sequence end).
 
 Variants (see _common): ``WINDOW`` visits only the query rows of the key tile's band,
-``[n0 - off - right, n_last - off + left]`` (:func:`_band_query_rows`), in the same three
+``[n0 - off - right, n_last - off + left]`` (:func:`blocks.key_tile_band_range`), in the same three
 phases; ``SOFTCAP`` back-propagates through ``softcap * tanh(.)``
 (``dS_raw = dS * (1 - t^2)``); ``HEAD_DIM_V``: v, dO and dV have their own head dim (the
 head-split accumulators are ``[.., BLOCK_D]`` for dK and ``[.., BLOCK_DV]`` for dV). Sinks
@@ -39,17 +39,15 @@ from ._common import (
     TunedLauncher,
     capped_tanh,
     dot_precision,
-    in_band,
     kv_descriptor,
     maybe_fp32,
-    phase_bounds,
     seq_bucket,
     seq_offsets,
-    tile_documents,
     tile_row,
     variant_args,
 )
 from ._common import block_d as padded_head_dim
+from .blocks import in_band, key_tile_band_range, key_tile_query_range
 from .configs import CONFIGS
 from .features import dq_reduce_feature, requested
 
@@ -182,67 +180,6 @@ def _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter
     return dk, dv
 
 
-@triton.jit
-def _query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, DOCS, CU,
-                CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Query rows a key tile ``[n0, n_last]`` visits (no band): (doc_k, lo, a, b, hi) with
-    ``[lo, a)`` and ``[b, hi)`` masked and every row of ``[a, b)`` seeing the whole tile."""
-    # Query rows [lo, hi) that may see a key of the tile; [full_lo, full_hi) see all of it.
-    if VARLEN:
-        doc_k, lo, hi, one_doc = tile_documents(offs_n, n_ok, n0, n_last, DOCS, CU, -1)
-        if CAUSAL:
-            lo = tl.maximum(lo, n0)
-            full_lo = tl.minimum(tl.maximum(n_last, lo), hi)
-        else:
-            full_lo = lo
-        full_hi = tl.where(one_doc, hi, full_lo)
-    else:
-        doc_k = offs_n  # unused
-        lo = 0
-        hi = Sq
-        if CAUSAL:
-            lo = tl.minimum(tl.maximum(n0 - causal_off, 0), Sq)
-            full_lo = tl.minimum(tl.maximum(n_last - causal_off, lo), Sq)
-        else:
-            full_lo = lo
-        # Rows past Sq are neutral (q = dO = 0, P = 0): the last block needs no mask.
-        full_hi = Sq + BLOCK_M - 1
-    a_end = lo + tl.cdiv(full_lo - lo, BLOCK_M) * BLOCK_M
-    a_end = tl.minimum(a_end, hi)
-    b_end = a_end + tl.maximum(full_hi - a_end, 0) // BLOCK_M * BLOCK_M
-    return doc_k, lo, a_end, b_end, hi
-
-
-@triton.jit
-def _band_query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, window_left, window_right, DOCS, CU,
-                     VARLEN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Query rows a key tile ``[n0, n_last]`` visits under a band (WINDOW): key j is seen
-    by rows ``[j - off - right, j - off + left]``, so the tile by
-    ``[n0 - off - right, n_last - off + left]`` within the sequence or its documents; every
-    row of ``[n_last - off - right, n0 - off + left]`` (one document) sees all of it.
-    Returns (doc_k, start, a, b, end) as _query_rows; all bounds lie in ``[0, Sq]``."""
-    if VARLEN:
-        doc_k, lo, hi, one_doc = tile_documents(offs_n, n_ok, n0, n_last, DOCS, CU, -1)
-    else:
-        doc_k = offs_n  # unused
-        lo = 0
-        hi = Sq
-        one_doc = True
-    start = tl.minimum(tl.maximum(lo, n0 - causal_off - window_right), hi)
-    end = tl.maximum(tl.minimum(hi, n_last - causal_off + window_left + 1), start)
-    if SPLIT == 1:
-        # Affine tiles must not straddle two buffer blocks: row blocks start at multiples
-        # of BLOCK_M (lo = 0 here: SPLIT 1 never has documents).
-        start = start // BLOCK_M * BLOCK_M
-    full_lo = tl.maximum(lo, n_last - causal_off - window_right)
-    full_hi = tl.where(one_doc, tl.minimum(hi, n0 - causal_off + window_left + 1), full_lo)
-    if not VARLEN:
-        # Rows past Sq are neutral (q = dO = 0, P = 0): a band reaching the end needs no mask there.
-        full_hi = tl.where(full_hi == Sq, Sq + BLOCK_M - 1, full_hi)
-    a, b = phase_bounds(start, end, full_lo, full_hi, BLOCK_M)
-    return doc_k, start, a, b, end
-
-
 @triton.jit(do_not_specialize=["sizes", "window", "TUNE_KEY", "heads", "GROUP", "HEAD_SPLITS", "s_lse"])
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, grads, row_stats, documents, COUNTS,
@@ -329,11 +266,11 @@ def _flash_bwd_dkdv_kernel(
     v = maybe_fp32(v, FP32_DOT)
 
     if WINDOW:
-        doc_k, lo, a_end, b_end, hi = _band_query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off,
+        doc_k, lo, a_end, b_end, hi = key_tile_band_range(offs_n, n_ok, n0, n_last, Sq, causal_off,
                                                        window_left, window_right, DOCS, CU,
                                                        VARLEN, SPLIT, BLOCK_M)
     else:
-        doc_k, lo, a_end, b_end, hi = _query_rows(offs_n, n_ok, n0, n_last, Sq, causal_off, DOCS, CU,
+        doc_k, lo, a_end, b_end, hi = key_tile_query_range(offs_n, n_ok, n0, n_last, Sq, causal_off, DOCS, CU,
                                                   CAUSAL, VARLEN, BLOCK_M)
 
     if DQ_REDUCE:

@@ -22,18 +22,15 @@ from ._common import (
     TunedLauncher,
     capped_tanh,
     dot_precision,
-    in_band,
     kv_descriptor,
     maybe_fp32,
-    query_tile_band_range,
-    query_tile_key_range,
-    query_tile_visit_range,
     seq_bucket,
     seq_offsets,
     tile_row,
     variant_args,
 )
 from ._common import block_d as padded_head_dim
+from .blocks import in_band, query_tile_band_range, query_tile_key_range, query_tile_visit_range
 from .configs import CONFIGS
 
 LOG2E_C = tl.constexpr(LOG2E)

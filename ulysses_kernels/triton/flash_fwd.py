@@ -10,7 +10,7 @@ Variants (compile-time switches, see _common):
 
 * ``WINDOW``: only the keys of the tile's band ``[m0 + off - left, m_last + off + right]``
   are visited, in three phases: a masked left edge, an unmasked middle where every valid
-  row sees the whole block, a masked right edge (``_common.query_tile_band_range``).
+  row sees the whole block, a masked right edge (``blocks.query_tile_band_range``).
 * ``SOFTCAP``: scores ``softcap * tanh(scale * q.k / softcap)`` before masks and softmax.
 * ``SINKS``: the online softmax starts from the head's sink, a virtual key of logit
   ``sink`` and value 0 (``m = sink * log2e``, ``l = 1``), so the LSE includes it and a
@@ -30,17 +30,14 @@ from ._common import (
     block_d,
     capped_tanh,
     dot_precision,
-    in_band,
     kv_descriptor,
     maybe_fp32,
-    query_tile_band_range,
-    query_tile_key_range,
-    query_tile_visit_range,
     seq_bucket,
     seq_offsets,
     tile_row,
     variant_args,
 )
+from .blocks import in_band, query_tile_band_range, query_tile_key_range, query_tile_visit_range
 from .configs import CONFIGS
 from .features import forward_features, requested
 
