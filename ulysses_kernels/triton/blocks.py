@@ -33,6 +33,22 @@ def tile_documents(offs, ok, first, last, DOCS, CU, MISSING: tl.constexpr):
 
 
 @triton.jit
+def tile_extent(offs, ok, first, last, S, DOCS, CU, VARLEN: tl.constexpr, MISSING: tl.constexpr):
+    """Where a tile of positions ``[first, last]`` may look on the other side: (each
+    position's document or ``offs`` without documents; lo, hi; one_doc): the tile's
+    documents' ``[lo, hi)`` with VARLEN (tile_documents), else the other side's whole
+    sequence ``[0, S)``."""
+    if VARLEN:
+        doc, lo, hi, one_doc = tile_documents(offs, ok, first, last, DOCS, CU, MISSING)
+    else:
+        doc = offs  # unused
+        lo = 0
+        hi = S
+        one_doc = True
+    return doc, lo, hi, one_doc
+
+
+@triton.jit
 def in_band(key_pos, query_pos, causal_off, window_left, window_right):
     """The band rule (WINDOW): key j is visible to query i iff
     ``i + off - left <= j <= i + off + right`` (broadcast key_pos against query_pos)."""
@@ -119,13 +135,7 @@ def query_tile_band_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left,
     ``[max(lo, m0+off-left), min(hi, m_last+off+right+1))`` with ``[lo, hi)`` the sequence
     or the tile's documents; no block outside it is visited. Returns (doc_q, start, a, b,
     end) as band_visit_range."""
-    if VARLEN:
-        doc_q, lo, hi, one_doc = tile_documents(offs_m, m_ok, m0, m_last, DOCS, CU, -2)
-    else:
-        doc_q = offs_m  # unused
-        lo = 0
-        hi = Sk
-        one_doc = True
+    doc_q, lo, hi, one_doc = tile_extent(offs_m, m_ok, m0, m_last, Sk, DOCS, CU, VARLEN, -2)
     start, a, b, end = band_visit_range(m0 + causal_off, m_last + causal_off, lo, hi, one_doc, window_left,
                                         window_right, SPLIT, BLOCK_N, False)
     return doc_q, start, a, b, end
@@ -189,13 +199,7 @@ def key_tile_band_range(offs_n, n_ok, n0, n_last, Sq, causal_off, window_left, w
     seen by rows ``[j - off - right, j - off + left]`` (band_visit_range on ``j - off``
     with the sides swapped) within the sequence or its documents. Returns (doc_k, start, a, b, end)
     as key_tile_query_range; all bounds lie in ``[0, Sq]``."""
-    if VARLEN:
-        doc_k, lo, hi, one_doc = tile_documents(offs_n, n_ok, n0, n_last, DOCS, CU, -1)
-    else:
-        doc_k = offs_n  # unused
-        lo = 0
-        hi = Sq
-        one_doc = True
+    doc_k, lo, hi, one_doc = tile_extent(offs_n, n_ok, n0, n_last, Sq, DOCS, CU, VARLEN, -1)
     start, a, b, end = band_visit_range(n0 - causal_off, n_last - causal_off, lo, hi, one_doc, window_right,
                                         window_left, SPLIT, BLOCK_M, not VARLEN)
     return doc_k, start, a, b, end
