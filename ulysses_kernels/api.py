@@ -123,7 +123,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
                       causal: bool = False, softmax_scale: Optional[float] = None,
                       seq_lens: Optional[Sequence[int]] = None, cu_seqlens=None,
                       backend: Optional[str] = None, ring_group=None, window_size=(-1, -1),
-                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None, engine=None) -> torch.Tensor:
     """Exact attention over the global sequence, each rank holding a contiguous slice.
 
     q `[B, S_local, Hq, D]`, k `[B, S_local, Hkv, D]`, v `[B, S_local, Hkv, Dv]`; slices
@@ -144,10 +144,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     slices follow the zigzag layout of `shard_sequence(..., ring_group=...)`, `seq_lens`
     (if given) lists every SP rank's length, ring rank major, and `cu_seqlens` covers
     the global sequence. A ring group of one rank is pure Ulysses.
+
+    engine: a `ulysses_kernels.fused.Engine` the caller holds (`Engine.create(group)`, in the
+    manner of DeepEP's Buffer: its communicator and buffers live as long as the caller
+    keeps it); the fused path runs on it instead of the group's default engine, the other
+    paths need none. An engine of another group, rank or device is refused on every rank.
     """
     call = prepare_attention(q, k, v, group=group, ring_group=ring_group, causal=causal,
                              softmax_scale=softmax_scale, seq_lens=seq_lens, cu_seqlens=cu_seqlens, backend=backend,
-                             window_size=window_size, softcap=softcap, sinks=sinks)
+                             window_size=window_size, softcap=softcap, sinks=sinks, engine=engine)
     return run_attention(call, q, k, v, sinks=sinks)
 
 
@@ -166,13 +171,14 @@ class AttentionCall:
     ring: Optional[RingSpec] = None  # the ring of a Ulysses x Ring call
     variant: Variant = Variant()     # the window band and the softcap (variants.py)
     sinks: bool = False              # whether the call has sink logits (the tensor goes to run_attention)
+    engine: object = None            # the caller's fused.Engine (None: the group's default engine)
 
 
 def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = False,
                       softmax_scale: Optional[float] = None, seq_lens: Optional[Sequence[int]] = None,
                       cu_seqlens=None, backend: Optional[str] = None, window_size=(-1, -1),
                       softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
-                      local_errors: Sequence[str] = ()) -> AttentionCall:
+                      local_errors: Sequence[str] = (), engine=None) -> AttentionCall:
     """Resolve the groups and the path and validate the inputs on every rank (see
     ulysses_attention): the one preparation of pure Ulysses and Ulysses x Ring calls. q/k/v
     only need the right shapes, dtype and device here (the self-attention module passes
@@ -195,6 +201,9 @@ def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = Fa
     if isinstance(q, torch.Tensor):
         name = _collect(errors, lambda: resolve_path(backend, q.device, distributed=group is not None or ring,
                                                      tensors=(q, k, v)))
+        if engine is not None:
+            err = _engine_problem(engine, group, world, rank, q.device)
+            errors += [err] if err else []
     if seq_lens is None:
         options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                        backend=backend if backend in BACKENDS else None, variant=variant, sinks=sinks)
@@ -225,7 +234,15 @@ def prepare_attention(q, k, v, *, group=None, ring_group=None, causal: bool = Fa
                         _ring_documents(cu_seqlens, sum(all_lens), q.shape[0], host_documents), variant=variant)
     lens = list(all_lens[ring_rank * world:(ring_rank + 1) * world])
     return AttentionCall(PATHS[name], group, world, rank, lens, bool(causal), float(softmax_scale), cu_seqlens, spec,
-                         variant, sinks is not None)
+                         variant, sinks is not None, engine)
+
+
+def _engine_problem(engine, group, world: int, rank: int, device) -> Optional[str]:
+    """Why `engine` cannot serve this call (None when it can): collected before the checked
+    exchange, so every rank hears of it."""
+    if not callable(getattr(engine, "problem", None)):
+        return f"engine= must be a ulysses_kernels.fused.Engine (Engine.create(group)), got {type(engine).__name__}"
+    return engine.problem(group, world, rank, device)
 
 
 def _ring_documents(cu_seqlens, total: int, batch: int, given=None):
@@ -265,7 +282,8 @@ def run_attention(call: AttentionCall, q, k, v, *, sinks: Optional[torch.Tensor]
                                       spec=call.ring, sinks=sinks)
     return call.path.ulysses_attention(q, k, v, group=call.group, rank=call.rank, seq_lens=call.lens,
                                        causal=call.causal, softmax_scale=call.softmax_scale,
-                                       cu_seqlens=call.cu_seqlens, variant=call.variant, sinks=sinks)
+                                       cu_seqlens=call.cu_seqlens, variant=call.variant, sinks=sinks,
+                                       engine=call.engine)
 
 
 # ------------------------------------------------------------------------ exchanges

@@ -20,11 +20,13 @@ class UlyssesAttention(nn.Module):
 
     forward(q, k, v, *, seq_lens=None, cu_seqlens=None, sinks=None) with q `[B, S_local, Hq, D]`;
     `window_size` and `softcap` are the call's variants (docs/api.md, "Attention variants"),
-    `sinks` a `[Hq]` tensor passed per call (the model owns it as a parameter).
+    `sinks` a `[Hq]` tensor passed per call (the model owns it as a parameter); `engine`: a
+    `fused.Engine` the caller holds (see `ulysses_attention`).
     """
 
     def __init__(self, group=None, *, causal: bool = False, softmax_scale: Optional[float] = None,
-                 backend: Optional[str] = None, ring_group=None, window_size=(-1, -1), softcap: float = 0.0):
+                 backend: Optional[str] = None, ring_group=None, window_size=(-1, -1), softcap: float = 0.0,
+                 engine=None):
         super().__init__()
         make_variant(window_size, softcap, causal=causal)  # bad values fail here, not at the first call
         self.group = group
@@ -33,12 +35,13 @@ class UlyssesAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.backend = backend
         self.window_size, self.softcap = tuple(window_size), softcap
+        self.engine = engine
 
     def forward(self, q, k, v, *, seq_lens=None, cu_seqlens=None, sinks=None):
         return ulysses_attention(q, k, v, group=self.group, causal=self.causal,
                                  softmax_scale=self.softmax_scale, seq_lens=seq_lens,
                                  cu_seqlens=cu_seqlens, backend=self.backend, ring_group=self.ring_group,
-                                 window_size=self.window_size, softcap=self.softcap, sinks=sinks)
+                                 window_size=self.window_size, softcap=self.softcap, sinks=sinks, engine=self.engine)
 
     def extra_repr(self):
         return (f"causal={self.causal}, softmax_scale={self.softmax_scale}, backend={self.backend}, "
@@ -65,14 +68,15 @@ class UlyssesSelfAttention(nn.Module):
     `ulysses_attention`), which runs the plain composition. `window_size` and `softcap`:
     the attention variants (docs/api.md, "Attention variants"); `sinks=True` gives the
     block a learnable `[num_heads]` parameter `sinks` of sink logits (GPT-OSS), which
-    takes the plain composition on every path.
+    takes the plain composition on every path. `engine`: a `fused.Engine` the caller holds
+    (see `ulysses_attention`).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: Optional[int] = None,
                  head_dim: Optional[int] = None, *, group=None, causal: bool = True,
                  softmax_scale: Optional[float] = None, bias: bool = False, backend: Optional[str] = None,
                  overlap_projections: bool = True, device=None, dtype=None, ring_group=None,
-                 window_size=(-1, -1), softcap: float = 0.0, sinks: bool = False):
+                 window_size=(-1, -1), softcap: float = 0.0, sinks: bool = False, engine=None):
         super().__init__()
         make_variant(window_size, softcap, causal=causal)  # bad values fail here, not at the first call
         self.window_size, self.softcap = tuple(window_size), softcap
@@ -86,6 +90,7 @@ class UlyssesSelfAttention(nn.Module):
         self.group, self.causal, self.softmax_scale, self.backend = group, causal, softmax_scale, backend
         self.ring_group = ring_group
         self.overlap_projections = overlap_projections
+        self.engine = engine
         kw = dict(bias=bias, device=device, dtype=dtype)
         self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, **kw)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, **kw)
@@ -121,7 +126,7 @@ class UlyssesSelfAttention(nn.Module):
         call = prepare_attention(q, k, v, group=self.group, ring_group=self.ring_group, causal=self.causal,
                                  softmax_scale=self.softmax_scale, seq_lens=seq_lens, cu_seqlens=cu_seqlens,
                                  backend=self.backend, local_errors=errors, window_size=self.window_size,
-                                 softcap=self.softcap, sinks=self.sinks)
+                                 softcap=self.softcap, sinks=self.sinks, engine=self.engine)
         B, S, _ = x.shape
         # The layer has no ring and no sinks (a parameter its autograd function would have to return).
         if call.path is fused.PATH and call.ring is None and self.sinks is None and self._overlap_ok(x):
@@ -130,7 +135,7 @@ class UlyssesSelfAttention(nn.Module):
                 num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                 group=call.group, rank=call.rank, seq_lens=call.lens, causal=call.causal,
                 softmax_scale=call.softmax_scale, cu_seqlens=call.cu_seqlens,
-                position_embeddings=position_embeddings, variant=call.variant)
+                position_embeddings=position_embeddings, variant=call.variant, engine=call.engine)
         qkv = self.qkv_proj(x).view(B, S, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         hq, hkv = self.num_heads, self.num_kv_heads
         q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]

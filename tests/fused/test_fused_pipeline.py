@@ -207,6 +207,66 @@ def test_fused_pipeline_cpu_multirank(world, case):
     spawn(cpu_rank_worker, world, args=(case,), timeout=SLOW_SPAWN_TIMEOUT)
 
 
+# ------------------------------------------------------------------- a user-held engine
+
+def test_user_held_engine_runs_the_call_and_the_default_cache_stays_empty(monkeypatch):
+    """engine=: the call (and UlyssesAttention(engine=)) runs on the caller's engine, exact
+    against the reference; no default engine is made; bad engines get clear errors."""
+    needs_interpreter()
+    monkeypatch.setattr(fused_engine, "_engines", {})
+    q, k, v, do = make_qkv(2, 9, 4, 2, 16, dtype=torch.float32, seed=5)
+    with testing.fused_stand_ins():
+        engine = fused.Engine.create(None, device=CPU)
+        assert (engine.world, engine.rank, engine.transport.name) == (1, 0, "host")
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = uk.ulysses_attention(*leaves, causal=True, backend="fused", engine=engine)
+        assert _grad_fn(out) == "_FusedUlyssesAttentionBackward"
+        out.backward(do)
+        module_out = uk.UlyssesAttention(causal=True, backend="fused", engine=engine)(q, k, v)
+        assert engine._buffers and fused_engine._engines == {}  # the caller's engine, not the cache
+        for bad, message in [(fused.Engine(None, 2, 1, CPU, HostTransport), "made for rank 1 of 2"),
+                             ("nccl", "must be a ulysses_kernels.fused.Engine")]:
+            with pytest.raises(ValueError, match=message):
+                uk.ulysses_attention(q, k, v, causal=True, backend="fused", engine=bad)
+        engine.close()
+    want = brute_force_attention(q, k, v, do, causal=True)
+    for name, got, ref in zip(("out", "dq", "dk", "dv"), [out] + [t.grad for t in leaves], want):
+        assert rel_err(got, ref) < 2e-5, name
+    assert rel_err(module_out, want[0]) < 2e-5
+
+
+def engine_rank_worker(rank, world):
+    """Rank 1 passes an engine of another rank: every rank raises the same error (no hang);
+    then every rank passes its own engine: exact, and no default engine is made."""
+    q, k, v, do = make_qkv(1, 7 * world, 2 * world, world, 16, dtype=torch.float32, seed=77)
+    restore = testing.enable_fused_stand_ins(dist.group.WORLD)
+    try:
+        mine = fused.Engine.create(dist.group.WORLD, device=CPU)
+        wrong = fused.Engine(dist.group.WORLD, world, (rank + 1) % world, CPU, HostTransport)
+        ql, kl, vl = (shard(t, world, rank) for t in (q, k, v))
+        try:
+            uk.ulysses_attention(ql, kl, vl, causal=True, backend="fused", engine=wrong if rank == 1 else mine)
+            message = None
+        except ValueError as exc:
+            message = str(exc)
+        out = uk.ulysses_attention(ql, kl, vl, causal=True, backend="fused", engine=mine)
+        cached = len(fused_engine._engines)
+    finally:
+        restore()
+    ref, _ = reference_attention(q, k, v, causal=True)
+    return message, rel_err(out, shard(ref, world, rank)), cached
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_user_held_engine_errors_on_every_rank(world):
+    needs_interpreter()
+    reports = spawn(engine_rank_worker, world, timeout=SLOW_SPAWN_TIMEOUT)
+    messages = {message for message, _, _ in reports}
+    assert len(messages) == 1 and "engine= was made for rank" in messages.pop()
+    assert all(err < 2e-5 and cached == 0 for _, err, cached in reports)
+
+
 # ----------------------------------------------------------------------- the engine
 
 def _single_rank_group(monkeypatch, tmp_path):

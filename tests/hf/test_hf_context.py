@@ -119,6 +119,28 @@ def test_a_context_lives_on_every_module_and_follows_register():
     assert context_of(own) is mine and mine.backend == "triton" and not mine.follows_default
 
 
+def test_a_context_passes_its_engine_to_every_attention_call(monkeypatch):
+    """attach_context(engine=): the model's attention calls run with the caller's engine
+    (a stand-in here: the call itself is recorded, then run without it on CPU)."""
+    from ulysses_kernels.hf import attention as hf_attention
+
+    seen = []
+    real = hf_attention.ulysses_attention
+
+    def record(*args, engine=None, **kwargs):
+        seen.append(engine)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "ulysses_attention", record)
+    ukhf.register(None)
+    model = make_family_model("llama", "ulysses")
+    held = object()
+    context = ukhf.attach_context(model, None, engine=held)
+    assert context.engine is held
+    model(torch.randint(0, 64, (1, 12)))
+    assert seen and all(engine is held for engine in seen)
+
+
 def test_a_cache_points_decoding_at_its_models_context():
     ukhf.register(None)
     model = make_family_model("llama", "ulysses").eval()

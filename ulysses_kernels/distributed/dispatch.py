@@ -36,10 +36,11 @@ class Path(Protocol):
         whether it can run at all), phrased to follow "backend='<name>' "."""
 
     def ulysses_attention(self, q, k, v, *, group, rank: int, seq_lens, causal: bool, softmax_scale: float,
-                          cu_seqlens, variant=PLAIN, sinks=None) -> torch.Tensor:
+                          cu_seqlens, variant=PLAIN, sinks=None, engine=None) -> torch.Tensor:
         """Pure Ulysses attention (differentiable): q `[B, S_local, Hq, D]` -> `[B, S_local, Hq, Dv]`.
         `variant` (variants.py) and the global `[Hq]` `sinks` (each rank uses
-        its heads' slice) are the attention variants."""
+        its heads' slice) are the attention variants. `engine`: the caller's fused engine
+        (`fused.Engine`); the fused path runs on it, the others hold no engine and leave it."""
 
     def seq_to_heads(self, tensors, *, group, rank: int, seq_lens) -> Tuple[torch.Tensor, ...]:
         """Sequence shards `[B, S_local, H_t, D]` -> head shards `[B, S, Hl_t, D]`, one exchange

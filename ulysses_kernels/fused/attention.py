@@ -53,10 +53,12 @@ class Setup:
 
 def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *, group, rank: int,
             seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
-            num_chunks: Optional[int] = None, variant: Variant = PLAIN, sinks=None) -> Setup:
+            num_chunks: Optional[int] = None, variant: Variant = PLAIN, sinks=None,
+            engine: Optional[Engine] = None) -> Setup:
     """Engine, geometry, options and chunk plan for a validated call whose q is
     `q_shape = [B, S_p, Hq, D]` (shared by the attention op and layer.py); `sinks`: this
-    rank's local query heads' (detached: the autograd function returns their gradient)."""
+    rank's local query heads' (detached: the autograd function returns their gradient);
+    `engine`: the caller's (Engine.create), else the group's default one (get_engine)."""
     lens = tuple(int(n) for n in seq_lens)
     world = len(lens)
     B, _, Hq, D = q_shape
@@ -72,7 +74,13 @@ def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *,
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
     attn = AttentionOptions(causal=bool(causal), softmax_scale=float(softmax_scale), cu_seqlens=cu_seqlens,
                             variant=variant, sinks=sinks.detach() if sinks is not None else None)
-    return Setup(get_engine(group, world, rank, device), geo, attn, plan)
+    if engine is None:
+        engine = get_engine(group, world, rank, device)
+    else:
+        why = engine.problem(group, world, rank, device)
+        if why:
+            raise ValueError(f"fused ulysses_attention: {why}")
+    return Setup(engine, geo, attn, plan)
 
 
 class _AttentionIo:
@@ -141,11 +149,13 @@ class _FusedUlyssesAttention(torch.autograd.Function):
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, rank: int,
                       seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
-                      num_chunks: Optional[int] = None, variant: Variant = PLAIN, sinks=None) -> torch.Tensor:
+                      num_chunks: Optional[int] = None, variant: Variant = PLAIN, sinks=None,
+                      engine: Optional[Engine] = None) -> torch.Tensor:
     """Fused Ulysses attention (differentiable). Called by `ulysses_kernels.ulysses_attention`
     after it validated the inputs: `seq_lens` is every rank's local length, `group` None
     means the default group (or a single process when torch.distributed is not initialised).
-    `variant` and the global `[Hq]` `sinks` are the attention variants (variants.py).
+    `variant` and the global `[Hq]` `sinks` are the attention variants (variants.py);
+    `engine`: the caller's engine (Engine.create), else the group's default one.
     """
     why = problem(q.device, (q, k, v))
     if why:
@@ -153,5 +163,5 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     sinks = local_sinks(sinks, rank, len(seq_lens))
     setup = prepare(q.shape, k.shape[2], q.dtype, q.device, group=group, rank=rank, seq_lens=seq_lens,
                     causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, num_chunks=num_chunks,
-                    variant=variant, sinks=sinks)
+                    variant=variant, sinks=sinks, engine=engine)
     return _FusedUlyssesAttention.apply(q, k, v, sinks, setup, torch.is_grad_enabled())

@@ -50,7 +50,41 @@ def _default_transport(device: torch.device) -> Callable:
 
 
 class Engine:
-    """Per (group, device): transport, comm stream, reusable buffers."""
+    """Per (group, device): transport, comm stream, reusable buffers.
+
+    Held by the caller, in the manner of DeepEP's ``Buffer``: ``Engine.create(group)`` makes
+    one and ``engine=`` passes it to ``ulysses_attention``, ``UlyssesAttention``,
+    ``UlyssesSelfAttention`` or a model's ``SequenceParallelContext``; its lifetime is then
+    the caller's (``close()``). Without ``engine=`` the fused path takes the default engine
+    of the call's group (``get_engine``, cached per group and device)."""
+
+    @classmethod
+    def create(cls, group=None, *, device: Optional[torch.device] = None, transport: Optional[Callable] = None
+               ) -> "Engine":
+        """An engine of `group` (None: the default group, or a single process) on `device`
+        (default: the current CUDA device), with `transport(group, world, rank, device)`
+        (default: the group's `use_transport` choice, else `choose_transport`'s)."""
+        from ..distributed.groups import resolve_group
+
+        group, world, rank = resolve_group(group)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        if transport is None:
+            transport = _transport_for.get(_group_key(group)) or _default_transport(device)
+        return cls(group, world, rank, torch.device(device), transport)
+
+    def problem(self, group, world: int, rank: int, device: torch.device) -> Optional[str]:
+        """Why this engine cannot serve a call of (group, world, rank) on `device` (None when
+        it can)."""
+        if _group_key(group) != _group_key(self.group):
+            return "engine= was made for another process group than the call's"
+        if (world, rank) != (self.world, self.rank):
+            return f"engine= was made for rank {self.rank} of {self.world}, the call runs on rank {rank} of {world}"
+        if torch.device(device) != self.device and not (self.device.index is None and
+                                                        torch.device(device).type == self.device.type):
+            return f"engine= is on {self.device}, the call's tensors on {device}"
+        return None
 
     def __init__(self, group, world: int, rank: int, device: torch.device, transport=NcclTransport):
         self.group, self.world, self.rank, self.device = group, world, rank, device

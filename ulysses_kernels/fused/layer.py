@@ -338,18 +338,19 @@ class _FusedSelfAttention(torch.autograd.Function):
 
 def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: int, head_dim: int, group,
                    rank: int, seq_lens, causal: bool, softmax_scale: float, cu_seqlens=None,
-                   position_embeddings=None, num_chunks=None, variant: Variant = PLAIN):
+                   position_embeddings=None, num_chunks=None, variant: Variant = PLAIN, engine=None):
     """`o_proj(ulysses_attention(split(qkv_proj(x))))` on the fused path with the projections
     overlapped (differentiable in x and every weight). Called by UlyssesSelfAttention
     after `ulysses_attention`'s validation; x `[B, S_local, hidden]`, w_qkv
     `[(Hq + 2*Hkv) * D, hidden]` (rows: q heads, then k heads, then v heads), w_o `[hidden, Hq * D]`,
     position_embeddings an optional rotary (cos, sin) pair of this rank's tokens (rotary.py;
     not differentiated); `variant` a window and softcap (variants.py; sinks, which are
-    parameters with a gradient, take the unfused composition: UlyssesSelfAttention)."""
+    parameters with a gradient, take the unfused composition: UlyssesSelfAttention); `engine`:
+    the caller's (fused.Engine.create), else the group's default one."""
     B, Sp, _ = x.shape
     setup = prepare((B, Sp, num_heads, head_dim), num_kv_heads, x.dtype, x.device, group=group, rank=rank,
                     seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                    num_chunks=num_chunks, variant=variant)
+                    num_chunks=num_chunks, variant=variant, engine=engine)
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     if cos is not None:
         # [B, S_p, D] views with a contiguous last dim, as the rotary pack reads them.

@@ -352,7 +352,8 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     vouched = trusted or context.forward_memo.get("checked_lengths") == lens
     out = ulysses_attention(q, k, v, group=context.ulysses()[0], causal=bool(causal), softmax_scale=scaling,
                             seq_lens=lens if vouched else None, cu_seqlens=cu_seqlens,
-                            backend=context.backend, ring_group=context.ring_group, **variants)
+                            backend=context.backend, ring_group=context.ring_group, engine=context.engine,
+                            **variants)
     if not vouched and context.depth > 0:   # inside a hooked forward: its memo is this forward's
         context.forward_memo["checked_lengths"] = list(lens)
     return out, None

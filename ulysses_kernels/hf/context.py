@@ -32,15 +32,18 @@ class SequenceParallelContext:
 
     groups: a process group (pure Ulysses; None: the default group), or the
     `ParallelGroups` of `init_sequence_parallel` (Ulysses x Ring too); ring_group: the ring
-    group beside a plain Ulysses group; backend: the execution path (None: automatic).
+    group beside a plain Ulysses group; backend: the execution path (None: automatic);
+    engine: a `ulysses_kernels.fused.Engine` the caller holds for this model's fused
+    attention (None: the group's default engine).
     A context made by `following_default()` has no groups of its own: it reads those of
     the default context (`register`) at every call, so registering other groups moves
     the models that never got their own.
     """
 
-    def __init__(self, groups=None, *, ring_group=None, backend: Optional[str] = None):
+    def __init__(self, groups=None, *, ring_group=None, backend: Optional[str] = None, engine=None):
         self._group, self._ring_group = split_groups(groups, ring_group)
         self._backend = backend
+        self._engine = engine
         self.follows_default = False
         self.inference_cache = None        # the HeadShardedCache of a prefill / decode in progress
         self.attention_calls = 0           # calls of the attention function so far (guard.py counts them)
@@ -76,6 +79,11 @@ class SequenceParallelContext:
     @property
     def backend(self) -> Optional[str]:
         return self._source()._backend
+
+    @property
+    def engine(self):
+        """The caller's fused engine for this model (None: the group's default one)."""
+        return self._source()._engine
 
     def ulysses(self):
         """(group, world, rank) of the Ulysses group."""
@@ -195,15 +203,17 @@ def context_for_config(config) -> Optional[SequenceParallelContext]:
 
 
 def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: Optional[str] = None,
-                   context: Optional[SequenceParallelContext] = None) -> SequenceParallelContext:
+                   context: Optional[SequenceParallelContext] = None, engine=None) -> SequenceParallelContext:
     """Give `model` a sequence-parallel context of its own: its ``"ulysses"`` attention,
     mask, loss and generation then run on `groups` whatever `register` set (groups as
     for `register`: a process group or `init_sequence_parallel`'s groups). Checks the
     model first (`guard.check_model`: a model the package cannot make exactly
-    sequence-parallel raises the same ValueError on every rank). Returns the context."""
+    sequence-parallel raises the same ValueError on every rank). `engine`: a
+    `fused.Engine` the caller holds for this model (see `ulysses_attention`). Returns the
+    context."""
     model = unwrap(model)
     context = context if context is not None else SequenceParallelContext(groups, ring_group=ring_group,
-                                                                          backend=backend)
+                                                                          backend=backend, engine=engine)
     install_adapters(model)
     try:
         check_model(model)

@@ -30,7 +30,7 @@ class ReferencePath:
 
     @staticmethod
     def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, variant=PLAIN,
-                          sinks=None):
+                          sinks=None, engine=None):
         qh, kh, vh = heads.exchange_qkv(heads.seq_to_heads, q, k, v, group=group, rank=rank, seq_lens=seq_lens)
         out, _ = _attention(qh, kh, vh, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                             variant=variant, sinks=heads.local_sinks(sinks, rank, len(seq_lens)),

@@ -182,7 +182,7 @@ class TritonUlyssesAttention(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, *, group, rank, seq_lens, causal, softmax_scale, cu_seqlens, variant=PLAIN,
-                      sinks=None):
+                      sinks=None, engine=None):
     """Pure Ulysses attention on this path (differentiable; validated by the caller); `sinks`
     `[Hq]` are the global heads' (this rank's slice is used)."""
     return TritonUlyssesAttention.apply(q, k, v, local_sinks(sinks, rank, len(seq_lens)), group, rank,
