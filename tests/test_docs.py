@@ -3,6 +3,7 @@ names an existing heading, the environment-variable table (docs/env.md) is the o
 package generates from its own definitions and lists every variable the code reads, and
 the README stays a front page."""
 
+import os
 import re
 import subprocess
 import sys
@@ -95,3 +96,27 @@ def test_readme_is_a_front_page():
     assert "ulysses-kernels demo" in readme and 'pytest -m "not slow"' in readme
     for doc in re.findall(r"\(docs/([a-z_]+\.md)", readme):
         assert (ROOT / "docs" / doc).exists(), doc
+
+
+def test_status_page_is_generated_and_its_citations_resolve():
+    """docs/status.md is the sass report's page (bench/sass_report.py --status), linked from
+    docs/architecture.md; every `status.md` row the docs and the kernels' comments cite
+    (by kernel, and layout when named; `*` a wildcard) is a row of it."""
+    import fnmatch
+
+    status = open(os.path.join(ROOT, "docs", "status.md")).read()
+    assert status.startswith("# Status") and "python bench/sass_report.py --status docs/status.md" in status
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]) for line in status.splitlines()
+            if line.startswith("| ") and not line.startswith("| kernel")}
+    assert "](status.md)" in open(os.path.join(ROOT, "docs", "architecture.md")).read()
+    citing = ["docs/architecture.md", "ulysses_kernels/triton/configs.py", "ulysses_kernels/triton/_common.py"]
+    cited = []
+    for path in citing:
+        text = open(os.path.join(ROOT, path)).read()
+        for match in re.finditer(r"status\.md([^)]*)\)", text):
+            items = re.findall(r"`([^`]+)`", match.group(1).replace("\n", " "))
+            cited += [(path, item) for item in items if re.fullmatch(r"[a-z_]+[\w@+*]*( [\w/=+.]+)?", item)]
+    assert len(cited) >= 10, cited
+    for path, item in cited:
+        name, _, layout = item.partition(" ")
+        assert any(fnmatch.fnmatch(r[0], name) and (not layout or r[1] == layout) for r in rows), (path, item)

@@ -323,3 +323,23 @@ def test_hopper_feature_builds(report_rows):
     for layout in ("plain", "buffer", "noncausal", "window", "softcap"):  # and its dQ kernel
         dq_ws = by[("bwd_dq+ws", layout)]
         assert dq_ws["total"]["setmaxreg"] > 0 and not sass_report.spills(dq_ws), layout
+
+
+def test_status_document():
+    """docs/status.md is the report as a page: every build's row, how to regenerate it, the
+    Triton version; no timings and no checkout path (it is committed)."""
+    def row(name, layout, regs, stack, instrs):
+        return dict(name=name, layout=layout, dtype="bf16", block_m=128, block_n=64, warps=8, stages=3, regs=regs,
+                    stack=stack, local=0, smem=131072, compile_s=3.25, total={"hgmma": 24, "spill": 0},
+                    loops=[dict(header=64, site="flash_fwd.py:284", masked=False, instrs=instrs, hgmma=12, gload=8,
+                                idiv=0, cvt=0, wide=15)])
+
+    rows = [row("fwd", "plain", 224, 0, 381), row("bwd_dq", "window", 226, 0, 330)]
+    page = sass_report.status_document(rows, ["a note"], triton_version="3.8.0", head_dim=128, dtype="bf16",
+                                       date="2026-12-03")
+    assert page.startswith("# Status") and sass_report.STATUS_COMMAND in page and "Triton 3.8.0" in page
+    assert "| fwd | plain | 128x64 | 8/3 | 224 | 0 | 128.0 | 24 | 381 |" in page
+    assert "| bwd_dq | window | 128x64 | 8/3 | 226 | 0 |" in page and "- a note" in page
+    assert "3.25" not in page and str(ROOT) not in page
+    assert page == sass_report.status_document(rows, ["a note"], triton_version="3.8.0", head_dim=128, dtype="bf16",
+                                               date="2026-12-03")

@@ -275,7 +275,7 @@ def capped_tanh(qk, softcap_in):
     ``softcap * t``; ``softcap_in = 2 * log2(e) * scale / softcap``. Built from exp2 (no
     libdevice tanh on every Triton): ``tanh(x) = 1 - 2 / (e^(2x) + 1)``, exactly +-1
     where exp2 overflows or underflows. Each score pays one more exp2 and a reciprocal
-    (two MUFU ops; the forward's sm_90 inner loop grows from 583 to 1096 instructions at
+    (two MUFU ops; the forward's main loop: status.md rows `fwd plain` and `fwd softcap`,
     D = 128, bench/sass_report.py)."""
     return 1.0 - 2.0 / (tl.math.exp2(qk * softcap_in) + 1.0)
 
