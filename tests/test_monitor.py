@@ -185,3 +185,13 @@ def test_every_rank_sees_every_ranks_peak():
     assert all(r[1] == 2 for r in results)
     assert peaks[2] - peaks[0] > 100 * MIB, peaks
     assert [r[2] for r in results] == [10, 20, 30]
+
+
+def test_no_expectation_for_a_model_the_planner_cannot_count():
+    """A mixture-of-experts model: the monitor measures but expects nothing (the planner's
+    dense count would understate it) and says why."""
+    shape = planner.shape_from_dict(dict(LLAMA_LIKE, num_local_experts=8))
+    monitor = StepMonitor(shape=shape)
+    assert monitor.shape is None and "mixture-of-experts models (8 routed experts" in monitor.expectation_problem
+    assert monitor.expected_activation_bytes(4096) is None
+    assert StepMonitor(shape=planner.shape_from_dict(LLAMA_LIKE)).expectation_problem is None

@@ -2,6 +2,7 @@
 presets, the JSON contract, what each option saves, max_seq_len at the edge, and the
 model against measured peak memory of training steps on CPU (bench/plan_validation.py)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -156,6 +157,9 @@ def test_hybrid_configs_count_their_token_mixers():
 
     qwen = shape_from_dict(transformers.Qwen3NextConfig().to_dict())
     assert qwen.mixer.kind == "gated_deltanet" and qwen.mixer.layers == 36 and qwen.attention_layer_count == 12
+    # Qwen3-Next's MLPs are a mixture of experts, which the planner does not count: its
+    # prefill is refused (test_mixture_of_experts_is_refused); its mixers' states are not MoE.
+    qwen = dataclasses.replace(qwen, routed_experts=0)
     bamba = shape_from_dict(transformers.BambaConfig(attn_layer_indices=[3, 7]).to_dict())
     assert bamba.mixer.kind == "mamba2" and bamba.mixer.layers == bamba.layers - 2 and bamba.attention_layer_count == 2
     for shape in (qwen, bamba):
@@ -165,3 +169,37 @@ def test_hybrid_configs_count_their_token_mixers():
         assert short[states] == long[states] > 0
         assert long["KV cache (this rank's heads)"] == 8 * short["KV cache (this rank's heads)"]
         assert shape.mixer.state_bytes(8) < shape.mixer.state_bytes(2)   # heads split over more ranks
+
+
+def test_mixture_of_experts_is_refused():
+    """The planner counts dense MLPs: a mixture-of-experts config (each family keeps its
+    expert count under its own key) gets a clear ValueError from the training and prefill
+    terms and from `ulysses-kernels plan`, never an understated plan; dense configs plan."""
+    transformers = pytest.importorskip("transformers")
+    from ulysses_kernels.planner import PlanOptions, memory_terms, prefill_terms, shape_from_dict
+
+    moe = {"Mixtral": (transformers.MixtralConfig(), 8), "Qwen3-MoE": (transformers.Qwen3MoeConfig(), 128),
+           "DeepSeek-V3": (transformers.DeepseekV3Config(), 256), "GPT-OSS": (transformers.GptOssConfig(), 128),
+           "Qwen3-Next": (transformers.Qwen3NextConfig(), 512)}
+    for name, (config, experts) in moe.items():
+        shape = shape_from_dict(config.to_dict())
+        assert shape.routed_experts == experts, name
+        with pytest.raises(ValueError, match=f"mixture-of-experts models \\({experts} routed experts"):
+            memory_terms(shape, PlanOptions(seq_len=4096, gpus_per_node=8))
+        with pytest.raises(ValueError, match="mixture-of-experts"):
+            prefill_terms(shape, 4096, 8)
+    for config in (transformers.LlamaConfig(), transformers.Qwen2Config(), transformers.MistralConfig()):
+        shape = shape_from_dict(config.to_dict())
+        assert shape.routed_experts == 0 and shape.dense_mlp_problem() is None
+        assert sum(memory_terms(shape, PlanOptions(seq_len=4096, gpus_per_node=8)).values()) > 0
+    assert shape_from_dict(dict(transformers.LlamaConfig().to_dict(), num_local_experts=1)).routed_experts == 0
+
+
+def test_plan_cli_refuses_a_mixture_of_experts_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(transformers.MixtralConfig().to_dict()))
+    for extra in ([], ["--inference"]):
+        out = _cli("--model", str(tmp_path), "--seq-len", "4096", *extra)
+        assert out.returncode == 2, out.stdout
+        assert "mixture-of-experts models (8 routed experts per MLP) are not modelled" in out.stderr

@@ -124,7 +124,10 @@ class StepMonitor:
         self.group = group
         if shape is None and model is not None:
             shape = planner.shape_from_dict(_text_config(model))
-        self.shape = shape
+        # No expectation for a model the planner cannot count (a mixture of experts): an
+        # understated one would mislead.
+        self.expectation_problem = shape.dense_mlp_problem() if shape is not None else None
+        self.shape = shape if self.expectation_problem is None else None
         self.sp_size, self.ring_size = sp_size, ring_size
         self.options = {**(plan_defaults(model) if model is not None else {}), **options}
         if device is None and model is not None:

@@ -83,6 +83,18 @@ class ModelShape:
     qkv_bias: bool = False
     mixer: Optional[MixerShape] = None          # a hybrid's linear-attention or state-space layers
     attention_layers: Optional[int] = None      # layers with attention (None: every layer)
+    routed_experts: int = 0                     # a mixture-of-experts MLP's experts (0: dense)
+
+    def dense_mlp_problem(self) -> Optional[str]:
+        """Why the planner cannot count this model's weights and MLP activations (None when
+        it can): its terms describe dense MLPs of `intermediate` width. A mixture of experts
+        (every expert's weights, top-k routed tokens, shared experts, dense first layers:
+        each family its own) is not modelled, and counting it as dense would understate it
+        several-fold (Mixtral 8x7B: 7.2e9 parameters instead of 4.7e10)."""
+        if self.routed_experts:
+            return (f"mixture-of-experts models ({self.routed_experts} routed experts per MLP) are not modelled: "
+                    "the planner counts dense MLPs only, so its weights and activations would be understated")
+        return None
 
     @property
     def attention_layer_count(self) -> int:
@@ -145,7 +157,19 @@ def shape_from_dict(cfg: dict) -> ModelShape:
                       intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                       tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                       qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-                      mixer=mixer, attention_layers=sum(k in ATTENTION_KINDS for k in kinds) if mixer else None)
+                      mixer=mixer, attention_layers=sum(k in ATTENTION_KINDS for k in kinds) if mixer else None,
+                      routed_experts=routed_experts(cfg))
+
+
+# Where the configs of transformers' MoE families keep their routed expert count (Mixtral,
+# GPT-OSS: num_local_experts; Qwen2/3-MoE, Qwen3-Next: num_experts; DeepSeek-V2/V3: n_routed_experts).
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def routed_experts(cfg: dict) -> int:
+    """The routed experts of a config's MLPs (0: dense; one expert is a dense MLP)."""
+    experts = max([int(cfg.get(key) or 0) for key in EXPERT_KEYS] + [0])
+    return experts if experts > 1 else 0
 
 
 def layer_kinds(cfg: dict) -> list:
@@ -238,8 +262,16 @@ def dq_accumulator_bytes(shape: ModelShape, heads: int, queries: int) -> int:
     return heads * queries * max(16, 1 << (shape.head_dim - 1).bit_length()) * 4
 
 
+def _require_dense(shape: ModelShape) -> None:
+    problem = shape.dense_mlp_problem()
+    if problem:
+        raise ValueError(f"planner: {problem}")
+
+
 def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
-    """Bytes per GPU, by term, for one training step at o.seq_len tokens."""
+    """Bytes per GPU, by term, for one training step at o.seq_len tokens. A model the
+    planner cannot count (ModelShape.dense_mlp_problem) raises ValueError."""
+    _require_dense(shape)
     world = o.gpus_per_node * o.nodes
     sp = o.sp_size or world
     S, p = o.seq_len, o.dtype_bytes
@@ -390,7 +422,9 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
     no KV cache but their conv window and recurrent state, of this rank's heads, whatever
     the prompt's length (`MixerShape.state_bytes`). `chunk`: tokens per forward of a
     chunked prefill (the activations are the chunk's; the cache still holds every token).
-    A model, not a measurement."""
+    A model, not a measurement. A model the planner cannot count (ModelShape.dense_mlp_problem)
+    raises ValueError."""
+    _require_dense(shape)
     active = min(seq_len, chunk or seq_len)
     local = math.ceil(active / sp) * batch
     total = active * batch
