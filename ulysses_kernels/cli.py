@@ -306,8 +306,9 @@ def plan(args) -> int:
         print(f"ulysses-kernels plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
               f"readable config.json: {exc}", file=sys.stderr)
         return 2
-    if shape.dense_mlp_problem():
-        print(f"ulysses-kernels plan: --model {args.model!r}: {shape.dense_mlp_problem()}", file=sys.stderr)
+    problem = shape.dense_mlp_problem()
+    if problem:
+        print(f"ulysses-kernels plan: --model {args.model!r}: {problem}", file=sys.stderr)
         return 2
     if args.inference:
         return _plan_inference(args, shape)

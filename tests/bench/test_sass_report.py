@@ -326,8 +326,10 @@ def test_hopper_feature_builds(report_rows):
 
 
 def test_status_document():
-    """docs/status.md is the report as a page: every build's row, how to regenerate it, the
-    Triton version; no timings and no checkout path (it is committed)."""
+    """docs/status.md's generated section is the report: every build's row, how to
+    regenerate it, the Triton version; no timings and no checkout path (it is committed).
+    It replaces only the text between the page's markers, and a page without them is
+    refused (the hand-written status and limits are never overwritten)."""
     def row(name, layout, regs, stack, instrs):
         return dict(name=name, layout=layout, dtype="bf16", block_m=128, block_n=64, warps=8, stages=3, regs=regs,
                     stack=stack, local=0, smem=131072, compile_s=3.25, total={"hgmma": 24, "spill": 0},
@@ -337,9 +339,18 @@ def test_status_document():
     rows = [row("fwd", "plain", 224, 0, 381), row("bwd_dq", "window", 226, 0, 330)]
     page = sass_report.status_document(rows, ["a note"], triton_version="3.8.0", head_dim=128, dtype="bf16",
                                        date="2026-12-03")
-    assert page.startswith("# Status") and sass_report.STATUS_COMMAND in page and "Triton 3.8.0" in page
+    assert sass_report.STATUS_COMMAND in page and "Triton 3.8.0" in page
     assert "| fwd | plain | 128x64 | 8/3 | 224 | 0 | 128.0 | 24 | 381 |" in page
     assert "| bwd_dq | window | 128x64 | 8/3 | 226 | 0 |" in page and "- a note" in page
     assert "3.25" not in page and str(ROOT) not in page
     assert page == sass_report.status_document(rows, ["a note"], triton_version="3.8.0", head_dim=128, dtype="bf16",
                                                date="2026-12-03")
+
+    hand = "# Status and limits\n\n## Limits\n\n- a limit\n\n%s\nold rows\n%s\n" % (sass_report.STATUS_BEGIN,
+                                                                                   sass_report.STATUS_END)
+    updated = sass_report.replace_status_section(hand, page)
+    assert updated.startswith("# Status and limits\n\n## Limits\n\n- a limit\n")
+    assert "old rows" not in updated and page in updated and updated.endswith(sass_report.STATUS_END + "\n")
+    assert sass_report.replace_status_section(updated, page) == updated
+    with pytest.raises(ValueError, match="no generated section"):
+        sass_report.replace_status_section("# Status and limits\n\n## Limits\n", page)

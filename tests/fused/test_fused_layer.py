@@ -17,6 +17,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, needs_extension, needs_interpreter, para
 
 import ulysses_kernels as uk
 from ulysses_kernels import env, fused, testing
+from ulysses_kernels.fused import engine as fused_engine
 from ulysses_kernels.fused.layer import LayerHeads, _FusedSelfAttention
 from ulysses_kernels.fused.pipeline import AttentionOptions, Geometry
 from ulysses_kernels.launch import spawn
@@ -183,6 +184,25 @@ class _CountingTransport(HostTransport):
     def all_to_all(self, send, recv, send_counts, recv_counts):
         self.calls += 1
         super().all_to_all(send, recv, send_counts, recv_counts)
+
+
+def test_self_attention_module_runs_on_a_held_engine(monkeypatch):
+    """UlyssesSelfAttention(engine=): the overlapped fused layer exchanges through the
+    caller's engine (its transport counts the calls), not the group's cached one, and
+    equals the reference path."""
+    needs_interpreter()
+    monkeypatch.setattr(fused_engine, "_engines", {})
+    monkeypatch.setenv(env.NUM_CHUNKS.name, "2")
+    torch.manual_seed(6)
+    x = torch.randn(1, 9, 32)
+    with testing.fused_stand_ins():
+        engine = fused.Engine(None, 1, 0, CPU, _CountingTransport)
+        layer = uk.UlyssesSelfAttention(32, 4, 2, 16, causal=True, backend="fused", engine=engine)
+        y = layer(x)
+        assert type(y.grad_fn).__name__ == "_FusedSelfAttentionBackward"
+        assert engine.transport.calls > 0 and fused_engine._engines == {}
+    layer.backend, layer.engine = "reference", None
+    torch.testing.assert_close(y, layer(x), rtol=2e-4, atol=2e-5)
 
 
 def test_fused_layer_frozen_weights_and_no_grad():

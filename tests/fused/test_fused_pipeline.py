@@ -225,6 +225,7 @@ def test_user_held_engine_runs_the_call_and_the_default_cache_stays_empty(monkey
         module_out = uk.UlyssesAttention(causal=True, backend="fused", engine=engine)(q, k, v)
         assert engine._buffers and fused_engine._engines == {}  # the caller's engine, not the cache
         for bad, message in [(fused.Engine(None, 2, 1, CPU, HostTransport), "made for rank 1 of 2"),
+                             (fused.Engine(None, 1, 0, torch.device("meta"), HostTransport), "is on meta"),
                              ("nccl", "must be a ulysses_kernels.fused.Engine")]:
             with pytest.raises(ValueError, match=message):
                 uk.ulysses_attention(q, k, v, causal=True, backend="fused", engine=bad)
@@ -236,25 +237,29 @@ def test_user_held_engine_runs_the_call_and_the_default_cache_stays_empty(monkey
 
 
 def engine_rank_worker(rank, world):
-    """Rank 1 passes an engine of another rank: every rank raises the same error (no hang);
-    then every rank passes its own engine: exact, and no default engine is made."""
+    """Rank 1 passes an engine of another rank, then every rank one of another group: every
+    rank raises the same error each time (no hang); then every rank passes its own engine:
+    exact, and no default engine is made."""
     q, k, v, do = make_qkv(1, 7 * world, 2 * world, world, 16, dtype=torch.float32, seed=77)
     restore = testing.enable_fused_stand_ins(dist.group.WORLD)
     try:
         mine = fused.Engine.create(dist.group.WORLD, device=CPU)
         wrong = fused.Engine(dist.group.WORLD, world, (rank + 1) % world, CPU, HostTransport)
         ql, kl, vl = (shard(t, world, rank) for t in (q, k, v))
-        try:
-            uk.ulysses_attention(ql, kl, vl, causal=True, backend="fused", engine=wrong if rank == 1 else mine)
-            message = None
-        except ValueError as exc:
-            message = str(exc)
+        other_group = fused.Engine.create(dist.new_group(list(range(world))), device=CPU, transport=HostTransport)
+        messages = []
+        for engine in (wrong if rank == 1 else mine, other_group):
+            try:
+                uk.ulysses_attention(ql, kl, vl, causal=True, backend="fused", engine=engine)
+                messages.append(None)
+            except ValueError as exc:
+                messages.append(str(exc))
         out = uk.ulysses_attention(ql, kl, vl, causal=True, backend="fused", engine=mine)
         cached = len(fused_engine._engines)
     finally:
         restore()
     ref, _ = reference_attention(q, k, v, causal=True)
-    return message, rel_err(out, shard(ref, world, rank)), cached
+    return messages, rel_err(out, shard(ref, world, rank)), cached
 
 
 @pytest.mark.slow
@@ -262,8 +267,9 @@ def engine_rank_worker(rank, world):
 def test_user_held_engine_errors_on_every_rank(world):
     needs_interpreter()
     reports = spawn(engine_rank_worker, world, timeout=SLOW_SPAWN_TIMEOUT)
-    messages = {message for message, _, _ in reports}
-    assert len(messages) == 1 and "engine= was made for rank" in messages.pop()
+    for i, expected in enumerate(("engine= was made for rank", "engine= was made for another process group")):
+        messages = {report[0][i] for report in reports}
+        assert len(messages) == 1 and expected in messages.pop(), messages
     assert all(err < 2e-5 and cached == 0 for _, err, cached in reports)
 
 

@@ -42,7 +42,12 @@ def choose_transport(device: torch.device) -> Tuple[Optional[Callable], str]:
     return SymmTransport, f"{env.TRANSPORT.name}=symm (not yet run on a GPU; {bound})"
 
 
-def _default_transport(device: torch.device) -> Callable:
+def _transport_of(group, device: torch.device) -> Callable:
+    """The transport factory of a new engine of `group` on `device`: the one `use_transport`
+    set for the group (it wins over ULYSSES_KERNELS_TRANSPORT), else `choose_transport`'s."""
+    factory = _transport_for.get(_group_key(group))
+    if factory is not None:
+        return factory
     factory, why = choose_transport(device)
     if factory is None:
         raise RuntimeError(f"ulysses_kernels: {why}; unset it or use {env.TRANSPORT.name}=nccl")
@@ -70,9 +75,8 @@ class Engine:
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
                 else torch.device("cpu")
-        if transport is None:
-            transport = _transport_for.get(_group_key(group)) or _default_transport(device)
-        return cls(group, world, rank, torch.device(device), transport)
+        device = torch.device(device)
+        return cls(group, world, rank, device, transport if transport is not None else _transport_of(group, device))
 
     def problem(self, group, world: int, rank: int, device: torch.device) -> Optional[str]:
         """Why this engine cannot serve a call of (group, world, rank) on `device` (None when
@@ -165,8 +169,7 @@ def get_engine(group, world: int, rank: int, device: torch.device) -> Engine:
     with _engines_lock:
         engine = _engines.get(key)
         if engine is None or engine.world != world or engine.rank != rank:
-            # A transport set by use_transport wins over ULYSSES_KERNELS_TRANSPORT.
-            transport = _transport_for.get(key[0]) or _default_transport(device)
+            transport = _transport_of(group, device)
             if engine is not None:
                 stale.append(engine)
             for k in [k for k, e in _engines.items() if k != key and _group_destroyed(e.group)]:
