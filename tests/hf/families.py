@@ -9,7 +9,6 @@ single-device reference and every rank hold the same weights.
 """
 
 import contextlib
-import inspect
 
 import pytest
 import torch
@@ -125,27 +124,64 @@ def over_grids(world: int, grids: dict, cases):
     return results
 
 
+def gated_delta_rule_float64(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                             use_qk_l2norm_in_kernel=False, **kwargs):
+    """The gated delta rule by its definition, token by token, in float64: the arguments and
+    results of transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`
+    (q, k `[B, S, Hk, Dk]`, v `[B, S, Hv, Dv]`, g, beta `[B, S, Hv]`; q and k L2-normalised
+    when asked, q scaled by `Dk ** -0.5`; per token the state decays by `exp(g)`, then
+    `S += k (beta (v - S^T k))^T` and the output is `S^T q`). Equal to the chunked form in
+    exact arithmetic; `chunk_size` only chooses the chunking there."""
+    if kwargs.get("cu_seqlens") is not None:
+        raise ValueError("gated_delta_rule_float64 keeps no packed documents apart (neither does transformers' "
+                         "torch rule without flash-linear-attention)")
+    initial_dtype = query.dtype
+
+    def l2norm(x):   # transformers' l2norm (eps 1e-6)
+        return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+    if key.shape[2] != value.shape[2]:   # each key head serves Hv / Hk consecutive value heads
+        query, key = (x.repeat_interleave(value.shape[2] // key.shape[2], dim=2) for x in (query, key))
+    query, key, value, beta, g = (x.transpose(1, 2).to(torch.float64) for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        query, key = l2norm(query), l2norm(key)
+    query = query * query.shape[-1] ** -0.5
+    B, H, S, Dk = key.shape
+    state = (torch.zeros(B, H, Dk, value.shape[-1], dtype=torch.float64, device=value.device)
+             if initial_state is None else initial_state.to(torch.float64))
+    out = []
+    for t in range(S):
+        state = state * g[:, :, t].exp()[..., None, None]
+        remembered = (state * key[:, :, t, :, None]).sum(dim=-2)
+        delta = (value[:, :, t] - remembered) * beta[:, :, t, None]
+        state = state + key[:, :, t, :, None] * delta[:, :, None, :]
+        out.append((state * query[:, :, t, :, None]).sum(dim=-2))
+    out = torch.stack(out, dim=2) if out else value.new_zeros(value.shape)
+    return out.transpose(1, 2).contiguous().to(initial_dtype), (state if output_final_state else None)
+
+
 @contextlib.contextmanager
 def float64_delta_rule():
-    """transformers' chunked gated delta rule with its float32 casts made float64, in every
-    Gated DeltaNet modeling module. Its float32 sums of the decay gradients cancel: on one
-    device, float32 against float64 moves A_log's and dt_bias's gradients by 0.4 % (tiny
-    Qwen3-Next) to 17 % (tiny Qwen3.5), so a different but exact order of the same float32
-    work (the ring's chunks) differs from the one-device run at that level. In float64 the
-    ring must match to rounding."""
+    """Every Gated DeltaNet modeling module's gated delta rule (chunked and recurrent) made
+    `gated_delta_rule_float64`, through the module attributes that transformers' layers and
+    the package's adapter (gated_deltanet.py) call. transformers' own rule computes in
+    float32 whatever the inputs' dtype, and its float32 sums of the decay gradients cancel:
+    on one device, float32 against float64 moves A_log's and dt_bias's gradients by 0.4 %
+    (tiny Qwen3-Next) to 17 % (tiny Qwen3.5), so a different but exact order of the same
+    float32 work (the ring's chunks) differs from the one-device run at that level. In
+    float64 the ring must match to rounding. The rule is replaced, not rewritten from
+    transformers' source text (which 5.25 wraps in a hub-kernel module)."""
     import importlib
 
+    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
     patched = []
-    for name in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
-        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-        original = module.torch_chunk_gated_delta_rule
-        source = "\n".join(line for line in inspect.getsource(original).splitlines() if not line.startswith("@"))
-        namespace = dict(vars(module))
-        exec(source.replace("torch.float32", "torch.float64"), namespace)   # noqa: S102 - a test's float64 twin
-        module.torch_chunk_gated_delta_rule = namespace["torch_chunk_gated_delta_rule"]
-        patched.append((module, original))
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name in names:
+            patched.append((module, name, getattr(module, name)))
+            setattr(module, name, gated_delta_rule_float64)
     try:
         yield
     finally:
-        for module, original in patched:
-            module.torch_chunk_gated_delta_rule = original
+        for module, name, original in patched:
+            setattr(module, name, original)

@@ -18,6 +18,8 @@ mixin.
 """
 
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
@@ -25,7 +27,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install 'ulysses-kernels[hf]')")
 
-from families import float64_delta_rule  # noqa: E402
+from families import float64_delta_rule, gated_delta_rule_float64  # noqa: E402
 from sweep import DOCUMENTS, largest_error, reference_step, sp_step  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
@@ -193,6 +195,102 @@ def test_ring_training_equals_one_process(ulysses):
     assert len(messages) == 1 and "ring" in messages.pop()
 
 
+# ------------------------------------------------- what transformers does to a model afterwards
+
+MODE_SWITCHES = ("train", "eval", "train")   # the mode each step runs in, switched before it
+# float64 weights, but the delta rule and parts of the Mamba2 path compute in float32: about
+# 2e-7 at the first step, growing with the updates (5e-7 at the third); the adapters' lost
+# forward was 3e-2 off.
+MODE_SWITCH_TOLERANCE = 1e-5
+
+
+def _mode_switch_worker(rank, world, families, folder):
+    """Per family: the tiny model saved, then loaded twice with `from_pretrained` and the
+    hub kernels at transformers' default (`use_kernels` left unset: True since 5.25, whose
+    every train() / eval() re-runs the kernel setup); one SP step per mode of
+    MODE_SWITCHES, each followed by the same SGD update on both, against the one-process
+    model."""
+    from families import register_exact_eager
+    from transformers import AutoModelForCausalLM
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    out = {}
+    for family in families:
+        path = Path(folder) / family
+        if rank == 0:
+            hybrid_model(family, "sdpa", world).save_pretrained(path)
+        torch.distributed.barrier()
+        load = dict(dtype=torch.float64, experts_implementation="eager")
+        reference = AutoModelForCausalLM.from_pretrained(path, attn_implementation=register_exact_eager(), **load)
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="ulysses", **load)
+        out[(family, "hub kernels")] = bool(getattr(model, "use_kernels", False))
+        for step, mode in enumerate(MODE_SWITCHES):
+            for m in (reference, model):
+                getattr(m, mode)()
+                m.zero_grad(set_to_none=True)
+            want = reference_step(reference, DOCUMENTS["two packed documents"])
+            got = sp_step(model, DOCUMENTS["two packed documents"], groups)
+            out[(family, step)] = largest_error(got, want)
+            with torch.no_grad():
+                for m in (reference, model):
+                    for p in m.parameters():
+                        if p.grad is not None:
+                            p -= 0.1 * p.grad
+        out[(family, "adapted")] = sum(1 for m in model.modules() if adapted_kind(m) is not None)
+    return out
+
+
+@pytest.mark.slow
+def test_mode_switches_and_hub_kernels_keep_the_adapters(tmp_path):
+    """A hybrid model loaded with `from_pretrained`, hub kernels at their default, switched
+    train / eval between SP steps: every step equals one process (transformers 5.25's
+    kernel setup on every mode switch deleted the adapters' forward, silently)."""
+    import transformers
+    from packaging.version import Version
+
+    families = ("qwen3_5_text", "bamba")
+    per_rank = spawn(_mode_switch_worker, 2, args=(families, str(tmp_path)), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, out in enumerate(per_rank):
+        for family in families:
+            if Version(transformers.__version__) >= Version("5.25"):
+                assert out[(family, "hub kernels")], family   # the path this test is about
+            assert out[(family, "adapted")] >= 1, family
+            for step, mode in enumerate(MODE_SWITCHES):
+                error, where = out[(family, step)]
+                assert error < MODE_SWITCH_TOLERANCE, (rank, family, step, mode, error, where)
+
+
+def test_a_forward_replaced_after_adaptation_is_refused():
+    """What replaces an adapted mixer's forward after the package adapted it (a hub kernel,
+    a user's patch) is refused at the model's next forward, not run on the local shard;
+    the hub kernels' own setup skips an adapted class (its `kernel_condition`)."""
+    from ulysses_kernels.hf.mixers import uninstall_adapters
+
+    ukhf.register(None)
+    model = hybrid_model("qwen3_5_text", "ulysses", 2)
+    ids = torch.randint(0, 50, (1, 11))
+    ukhf.attach_context(model)
+    layer = next(m for m in model.modules() if adapted_kind(m) is not None)
+    base = type(layer)._ulysses_base_class
+    assert type(layer).__name__ == "Qwen3_5GatedDeltaNet" and type(layer).__module__.startswith("transformers.")
+    assert not type(layer).kernel_condition(layer)
+    model(input_ids=ids, use_cache=False)
+    model.train()
+    model.eval()
+    model(input_ids=ids, use_cache=False)   # mode switches keep the adapted class
+    layer.forward = base.forward.__get__(layer)
+    with pytest.raises(ukhf.NotSequenceParallelError, match="got a forward of its own"):
+        model(input_ids=ids, use_cache=False)
+    del layer.forward
+    model(input_ids=ids, use_cache=False)
+    uninstall_adapters(model)   # a refused model runs as transformers wrote it
+    assert adapted_kind(layer) is None and type(layer) is base
+    with pytest.raises(ukhf.NotSequenceParallelError, match="no longer the package's adapted class"):
+        model(input_ids=ids, use_cache=False)
+
+
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("qwen3")])   # Mamba2: test_hf_mamba2.py
 def test_the_layer_keeps_packed_documents_apart_on_one_process(family):
     """One process: the adapted layer over a packed row equals the layer over each document
@@ -209,6 +307,34 @@ def test_the_layer_keeps_packed_documents_apart_on_one_process(family):
     assert (packed - apart).norm() / apart.norm() < 1e-12
     assert (whole - leaked).norm() / leaked.norm() < 1e-12
     assert (leaked - apart).norm() / apart.norm() > 1e-2   # what the packed row would be without the documents
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_the_float64_twin_is_transformers_rule(family):
+    """The tests' float64 gated delta rule (families.py) equals transformers' chunked and
+    recurrent rules to their float32 rounding: grouped key heads (the twin's grouping against
+    heads repeated by hand), an initial state, the final state, L2-normalised q and k, a
+    length that is no multiple of the chunk."""
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    gen = torch.Generator().manual_seed(3)
+    B, S, Hk, Hv, Dk, Dv = 2, 37, 2, 4, 8, 6
+    q, k = (torch.randn(B, S, Hk, Dk, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, S, Hv, Dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(B, S, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, S, Hv, generator=gen, dtype=torch.float64)
+    initial = torch.randn(B, Hv, Dk, Dv, generator=gen, dtype=torch.float32)
+    want, want_state = gated_delta_rule_float64(q, k, v, g, beta, initial_state=initial, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+    q_in, k_in = (x.repeat_interleave(Hv // Hk, dim=2) for x in (q, k))   # a head per value head: any version
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
+        rule = getattr(module, name)
+        got, state = rule(q_in, k_in, v, g=g, beta=beta, initial_state=initial, output_final_state=True,
+                          use_qk_l2norm_in_kernel=True)
+        assert got.dtype == torch.float64 and rel_err(got, want) < 1e-5, (name, rel_err(got, want))
+        assert rel_err(state.double(), want_state) < 1e-5, name
+    assert gated_delta_rule_float64(q, k, v, g, beta)[1] is None
 
 
 def test_a_value_head_count_without_placement_is_refused():

@@ -20,7 +20,7 @@ from torch import nn
 from ..distributed.groups import ParallelGroups, resolve_group
 from .batch import split_groups
 from .guard import check_model, decoder_layers, install_call_checks, refusal
-from .mixers import adapted_problem, install_adapters, uninstall_adapters
+from .mixers import adaptable_modules, adapted_problem, install_adapters, replaced_adapter_problem, uninstall_adapters
 from .vision import install_vision
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
@@ -120,12 +120,26 @@ def _enter_forward(module, args, kwargs):
     if context is None:
         return
     if context.depth == 0:   # the outermost forward: a new forward's inputs
+        _check_adapters(module)
         context.forward_inputs = {}
         context.forward_memo = {}
     context.depth += 1
     for key in FORWARD_INPUTS:
         if kwargs.get(key) is not None:
             context.forward_inputs[key] = kwargs[key]
+
+
+def _check_adapters(module: nn.Module) -> None:
+    """Refuse a forward in which an adapted token mixer would not run its adapted forward
+    (mixers.py): the same on every rank, since every rank did the same to its model. The
+    mixers under `module` are found at its first forward and kept on it."""
+    watched = vars(module).get("_ulysses_watched_mixers")
+    if watched is None:
+        watched = adaptable_modules(module)
+        object.__setattr__(module, "_ulysses_watched_mixers", watched)
+    problem = replaced_adapter_problem(watched)
+    if problem:
+        raise refusal(module, problem)
 
 
 def _leave_forward(module, args, kwargs, output):

@@ -16,9 +16,15 @@ state and the convolution's inputs pass from chunk to chunk of the ring (mixer_r
 in generation each rank keeps its heads' states on the head-sharded cache
 (`chunk_head_parallel`, hf/cache.py).
 
-An adapter replaces the forward of one module instance (`install_adapters`, called when
-the package meets a model: `attach_context`); the module is marked `_ulysses_mixer` and
-the guard lets it (and its layer kind) through. Each adapted forward starts with
+An adapter gives one module instance the sequence-parallel forward (`install_adapters`,
+called when the package meets a model: `attach_context`) by moving it to a subclass of its
+own class (same name and module) whose forward is the adapter: an instance attribute would
+not survive what transformers does to a model afterwards (since 5.25 every `train()` /
+`eval()` re-runs the hub-kernel setup, which deletes a module's own `forward`), a class
+does, and the subclass refuses hub kernels (`kernel_condition`), which would run the
+one-device layer on the local shard. The module is marked `_ulysses_mixer` and the guard
+lets it (and its layer kind) through; every outermost forward checks that no adapted
+module's forward was replaced since (`replaced_adapter_problem`). Each adapted forward starts with
 `attention.token_mixer_call`, which counts it as a call of the package's token mixers
 (`context.attention_calls`, as the attention function does) and gives it the forward's
 lengths and documents.
@@ -58,36 +64,78 @@ def adapted_kind(module: nn.Module) -> Optional[str]:
     return getattr(module, MIXER_ATTRIBUTE, None)
 
 
+# transformers class -> its adapted subclass (one per class, so that every adapted module of
+# a class shares it and `type(a) is type(b)` still holds between them)
+_ADAPTED_CLASSES: Dict[type, type] = {}
+
+
+def _refuse_hub_kernels(module: nn.Module) -> bool:
+    """The `kernel_condition` of an adapted class: the `kernels` library skips a module for
+    which it returns False (a hub kernel of the layer would mix the local shard only)."""
+    return False
+
+
+def adapted_class(base: type) -> type:
+    """The subclass of `base` whose forward is its adapter (ADAPTERS), made once per class."""
+    made = _ADAPTED_CLASSES.get(base)
+    if made is None:
+        kind, forward, _ = ADAPTERS[base.__name__]
+        made = type(base.__name__, (base,), {
+            "forward": forward, MIXER_ATTRIBUTE: kind, "_ulysses_base_class": base,
+            "kernel_condition": staticmethod(_refuse_hub_kernels),
+            "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+        _ADAPTED_CLASSES[base] = made
+    return made
+
+
 def install_adapters(model: nn.Module) -> List[nn.Module]:
     """Give every module of a registered class its sequence-parallel forward (once per
-    module; the original forward is kept as `_ulysses_original_forward`)."""
+    module; the forward it ran before is kept as `_ulysses_original_forward`)."""
     adapted = []
     for module in model.modules():
-        entry = ADAPTERS.get(type(module).__name__)
-        if entry is None:
+        if type(module).__name__ not in ADAPTERS:
             continue
-        kind, forward, _ = entry
         if adapted_kind(module) is None:
-            object.__setattr__(module, "_ulysses_own_forward", vars(module).get("forward"))   # an instance's own
-            object.__setattr__(module, "_ulysses_original_forward", module.forward)
-            module.forward = types.MethodType(forward, module)
-            object.__setattr__(module, MIXER_ATTRIBUTE, kind)
+            own = vars(module).pop("forward", None)   # an instance's own forward would shadow the class's
+            object.__setattr__(module, "_ulysses_own_forward", own)
+            object.__setattr__(module, "_ulysses_original_forward",
+                               own if own is not None else types.MethodType(type(module).forward, module))
+            module.__class__ = adapted_class(type(module))
         adapted.append(module)
     return adapted
 
 
 def uninstall_adapters(model: nn.Module) -> None:
-    """Give every adapted module its original forward back (a model the package refused
+    """Give every adapted module its class and forward back (a model the package refused
     must run as transformers wrote it, without sequence parallelism)."""
     for module in model.modules():
-        if adapted_kind(module) is not None:
-            own = module._ulysses_own_forward
-            if own is None:
-                del module.forward   # the class's forward again
-            else:
-                module.forward = own
-            for name in ("_ulysses_own_forward", "_ulysses_original_forward", MIXER_ATTRIBUTE):
-                object.__delattr__(module, name)
+        if adapted_kind(module) is None or type(module) is not _ADAPTED_CLASSES.get(module._ulysses_base_class):
+            continue
+        module.__class__ = module._ulysses_base_class
+        vars(module).pop("forward", None)
+        if module._ulysses_own_forward is not None:
+            module.forward = module._ulysses_own_forward
+        for name in ("_ulysses_own_forward", "_ulysses_original_forward"):
+            object.__delattr__(module, name)
+
+
+def adaptable_modules(model: nn.Module) -> List[tuple]:
+    """(name, module) of every module of `model` whose class has an adapter."""
+    return [(name, module) for name, module in model.named_modules() if type(module).__name__ in ADAPTERS]
+
+
+def replaced_adapter_problem(modules) -> Optional[str]:
+    """Why one of `modules` ((name, module) of `adaptable_modules`) would no longer run its
+    adapted forward (None: every one does): a forward set on the instance since, or its
+    class changed back. Checked at every outermost forward of a model with a context, so
+    that nothing done to the model after `attach_context` leaves a token mixer local."""
+    for name, module in modules:
+        if adapted_kind(module) is None:
+            return f"{name} ({type(module).__name__}) is no longer the package's adapted class"
+        if "forward" in vars(module):
+            return (f"{name} ({type(module).__name__}) got a forward of its own after the package adapted it "
+                    f"({vars(module)['forward']!r}), which would mix each rank's slice of the sequence only")
+    return None
 
 
 def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
