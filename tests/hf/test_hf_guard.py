@@ -183,9 +183,9 @@ def test_a_model_whose_attention_is_not_ulysses_is_refused_on_more_ranks_only():
 
 # ------------------------------------------------------------------- attention tables
 
-def test_every_causal_lm_family_with_its_own_attention_table_is_known():
-    """OWN_ATTENTION_TABLES covers every causal LM family whose modeling file keeps an
-    attention-class table keyed by attn_implementation (a KeyError at load otherwise)."""
+def _own_attention_tables():
+    """{family: table} of the installed transformers' causal LM modeling files that keep an
+    attention-class table keyed by attn_implementation."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -196,11 +196,27 @@ def test_every_causal_lm_family_with_its_own_attention_table_is_known():
         for path in (root / folder).glob("modeling_*.py"):
             for table in re.findall(r"^(\w+_ATTENTION_CLASSES)\s*=\s*\{", path.read_text(), flags=re.M):
                 found[folder] = table
-    assert found == guard.OWN_ATTENTION_TABLES
+    return found
+
+
+def test_every_causal_lm_family_with_its_own_attention_table_is_known():
+    """OWN_ATTENTION_TABLES covers every causal LM family whose modeling file keeps an
+    attention-class table keyed by attn_implementation (a KeyError at load otherwise); an
+    entry the installed transformers lacks is one an earlier supported version has
+    (falcon's, until 5.24)."""
+    import transformers
+    from packaging.version import Version
+
+    found = _own_attention_tables()
+    assert found.items() <= guard.OWN_ATTENTION_TABLES.items()
+    former = {"falcon"} if Version(transformers.__version__) >= Version("5.25") else set()
+    assert set(guard.OWN_ATTENTION_TABLES) - set(found) == former
 
 
 @pytest.mark.parametrize("family", sorted(guard.OWN_ATTENTION_TABLES))
 def test_families_with_their_own_attention_table_are_refused_at_load(registered, family):
+    if family not in _own_attention_tables():
+        pytest.skip(f"{family} has no attention table of its own in this transformers (the sweep covers it)")
     with pytest.raises(ukhf.NotSequenceParallelError, match="table of its own"):
         build_tiny_model(family, "ulysses")
 

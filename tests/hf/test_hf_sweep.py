@@ -7,8 +7,9 @@ documents, against the same weights on one process (sweep.py).
 Every family must be exact (loss and every parameter gradient) or refused with
 `NotSequenceParallelError` on every rank; nothing silently wrong, nothing raised on some
 ranks only, no other error, no hang. What each family does is pinned in
-`sweep_outcomes.json` (a change shows up here) and listed with the reasons in docs/hf.md
-("Model families: the sweep").
+`sweep_outcomes.json`, per supported transformers minor version (a change shows up here; a
+minor without an entry is one nobody has swept yet), and listed with the reasons in
+docs/hf.md ("Model families: the sweep", the newest pinned version).
 """
 
 import json
@@ -33,6 +34,22 @@ OUTCOMES = Path(__file__).with_name("sweep_outcomes.json")
 TOLERANCE = 1e-6
 # Measured on 2 cores: the two ranks run every family in about 60 s.
 SWEEP_TIMEOUT = 420
+
+
+def pinned_outcomes(version=None):
+    """{family: outcome} pinned for transformers `version` (a minor such as "5.25"; None:
+    the installed one)."""
+    import transformers
+
+    by_version = json.loads(OUTCOMES.read_text())
+    version = version or ".".join(transformers.__version__.split(".")[:2])
+    assert version in by_version, (f"{OUTCOMES.name} pins no outcomes for transformers {version} (pinned: "
+                                   f"{sorted(by_version)}): run this sweep on it and pin what it prints")
+    return by_version[version]
+
+
+def newest_pinned_version():
+    return max(json.loads(OUTCOMES.read_text()), key=lambda v: tuple(int(part) for part in v.split(".")))
 
 
 def sweep_families():
@@ -83,25 +100,26 @@ def test_every_family_is_exact_or_refused_on_every_rank(tmp_path):
     bad = {m: r for m, r in report.items() if r[0] not in ("exact", "refused", "unbuilt")}
     assert not bad, "families neither exact nor refused on every rank:\n" + "\n".join(
         f"{m}: {o}: {d}" for m, (o, d) in sorted(bad.items()))
-    pinned = json.loads(OUTCOMES.read_text())
+    pinned = pinned_outcomes()
     changed = {m: (pinned.get(m), o) for m, (o, _) in report.items() if pinned.get(m) != o}
     assert not changed, f"outcomes differ from {OUTCOMES.name} (pinned, now): {changed}"
 
 
 def test_the_pinned_outcomes_cover_this_transformers():
     """sweep_outcomes.json names every family of the installed transformers, and the
-    families people train are among the exact ones."""
-    pinned = json.loads(OUTCOMES.read_text())
-    assert sorted(pinned) == sweep_families()
-    for family in ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3",
-                   "llama4_text"):
-        assert pinned[family] == "exact", family
-    assert set(pinned.values()) <= {"exact", "refused", "unbuilt"}
+    families people train are among the exact ones, in every pinned version."""
+    assert sorted(pinned_outcomes()) == sweep_families()
+    for version, pinned in json.loads(OUTCOMES.read_text()).items():
+        for family in ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "gpt_oss", "deepseek_v3",
+                       "llama4_text"):
+            assert pinned[family] == "exact", (version, family)
+        assert set(pinned.values()) <= {"exact", "refused", "unbuilt"}, version
 
 
 def test_docs_list_every_refused_and_unbuilt_family():
-    """docs/hf.md's sweep table has a row for every family, with its pinned outcome."""
-    pinned = json.loads(OUTCOMES.read_text())
+    """docs/hf.md's sweep table has a row for every family of the newest pinned transformers,
+    with its pinned outcome."""
+    pinned = pinned_outcomes(newest_pinned_version())
     text = (ROOT / "docs" / "hf.md").read_text()
     table = text[text.index("### Model families: the sweep"):]
     table = table[:table.index("\n### ", 1)] if "\n### " in table[1:] else table

@@ -75,6 +75,9 @@ FAMILY_OVERRIDES: Dict[str, dict] = {
     "mamba2": dict(num_heads=8, head_dim=16),                                       # heads x head dim = 2 x hidden
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),                       # an assistant has none
     "zaya": dict(num_experts_per_tok=1),                                            # its only choice
+    # per-layer K/V sources and indexer layers name layer indices: one indexed, one sliding layer
+    "kolibri1_1": dict(num_hidden_layers=2, layer_types=["indexed_attention", "sliding_attention"],
+                       kv_source_layers=[0, 1], index_layers=[0], mlp_only_layers=[], index_num_heads=2),
     # to_dict writes each layer as two blocks (attention, mlp): three layers, one per stage
     "dory": dict(num_hidden_layers=6, n_input_layers=2, n_recurrent_layers=2, n_output_layers=2,
                  layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"]),

@@ -414,6 +414,7 @@ def _sees_later_tokens(mask_kwargs: dict) -> bool:
 # transformers modeling files of causal LM families that pick their attention class from a
 # table of their own, keyed by attn_implementation (a KeyError at load time for any other
 # name). tests/hf/test_hf_guard.py checks that this covers the installed transformers.
+# Falcon's is in transformers 5.24 only: 5.25 moved falcon to the attention interface.
 OWN_ATTENTION_TABLES = {"falcon": "FALCON_ATTENTION_CLASSES", "git": "GIT_SELF_ATTENTION_CLASSES",
                         "gpt_neo": "GPT_NEO_ATTENTION_CLASSES"}
 
