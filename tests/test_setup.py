@@ -109,3 +109,76 @@ def test_every_subpackage_is_listed_for_the_wheel():
     found = {".".join(p.relative_to(ROOT).parent.parts) for p in (ROOT / "ulysses_kernels").rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
     assert "ulysses_kernels.triton" in listed and (ROOT / "ulysses_kernels" / "triton" / "__init__.py").exists()
+
+
+# ------------------------------------------------------------ the pinned test environment
+
+def _requirements():
+    """{name: Requirement} of the package's dependencies and its hf / deepspeed extras."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = project["dependencies"] + project["optional-dependencies"]["hf"] + \
+        project["optional-dependencies"]["deepspeed"]
+    return {Requirement(line).name: Requirement(line) for line in lines}
+
+
+def _pins():
+    """{name: version} of .ci/constraints.txt."""
+    pins = {}
+    for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name.strip().lower().replace("_", "-")] = version.strip()
+    return pins
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+# Requirements tested on a newer minor than the one pinned, and how: {name: (minor, how)}.
+CHECKED_BEYOND_THE_PIN = {"triton": ("3.9", "torch 2.14.1 pins Triton 3.8; every kernel is also built on 3.6 and 3.9 "
+                                            "(bench/sass_report.py) and the GPU image has 3.6")}
+
+
+def test_requirements_are_ranges_capped_at_the_tested_minor_and_the_pins_meet_them():
+    """Every requirement has an upper bound below the next minor version (a user never
+    gets an untested minor by default); the integrations' ranges span TESTED_VERSIONS
+    (hf/trainer.py) and the pins sit at its newest; every pin meets its range."""
+    import ast
+
+    from packaging.version import Version
+
+    requirements, pins = _requirements(), _pins()
+    for name, requirement in requirements.items():
+        uppers = [Version(s.version) for s in requirement.specifier if s.operator == "<"]
+        assert uppers, f"{name}: no upper bound ({requirement})"
+        assert name in pins and requirement.specifier.contains(pins[name]), (name, pins.get(name), str(requirement))
+        newest_tested = CHECKED_BEYOND_THE_PIN.get(name, (_minor(pins[name]),))[0]
+        major, minor = (int(part) for part in newest_tested.split("."))
+        assert uppers[0] == Version(f"{major}.{minor + 1}"), \
+            f"{name}: capped below {uppers[0]}, but the newest tested minor is {newest_tested}"
+    source = (ROOT / "ulysses_kernels" / "hf" / "trainer.py").read_text()
+    tested = ast.literal_eval(re.search(r"^TESTED_VERSIONS = (\{.*\})$", source, flags=re.M).group(1))
+    for name, minors in tested.items():
+        lowers = [s.version for s in requirements[name].specifier if s.operator == ">="]
+        assert [_minor(v) for v in lowers] == [minors[0]], (name, lowers, minors)
+        assert _minor(pins[name]) == minors[-1], (name, pins[name], minors)
+
+
+def test_the_test_command_installs_the_pins():
+    """The README's test command and .ci/run install every package with the constraints
+    (a fresh machine gets what CI proved); the README's main job stays one command."""
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if "pip install" in line and line.rstrip().endswith("pytest"))
+    installs = re.findall(r"pip install [^&]*", command)
+    assert len(installs) == 3 and all("-c .ci/constraints.txt" in i for i in installs), installs
+    ci = (ROOT / ".ci" / "run").read_text()
+    pinned_part = ci[ci.index('if [ "${1:-}" = "--newest" ]'):]
+    pinned_part = pinned_part[pinned_part.index("\nfi\n"):]
+    ci_installs = re.findall(r"pip install [^&\n]*", pinned_part)
+    assert len(ci_installs) == 3 and all("-c .ci/constraints.txt" in i for i in ci_installs), ci_installs
+    assert "--newest" in ci and "tests/hf/test_hf_sweep.py" in ci

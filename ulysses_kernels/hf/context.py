@@ -108,7 +108,7 @@ class _Default:
 
 
 # What the attention function needs from a forward's inputs. transformers hands the
-# model's keyword arguments down to the attention function (every family of 5.24 that the
+# model's keyword arguments down to the attention function (every family of 5.24 / 5.25 that the
 # guard lets through does), but a decoder layer may drop them: the model's own forward
 # hooks keep them on the context for the attention function to read
 # (`install_input_hooks`).

@@ -1,7 +1,7 @@
 """The Gated DeltaNet layers of Qwen3-Next and Qwen3.5 (dense and MoE), sequence-parallel by
 heads (docs/hf.md, "Hybrid models"; the shared rule: mixers.py).
 
-One layer, as transformers 5.24 computes it on one device: projections give q, k (key
+One layer, as transformers 5.24 and 5.25 compute it on one device: projections give q, k (key
 heads), v, z (value heads), b and a (one value per value head); q|k|v go through a
 depthwise causal convolution and SiLU; the gated delta rule runs per value head (its key
 head shared by `Hv / Hk` value heads, q and k L2-normalised inside), with decay

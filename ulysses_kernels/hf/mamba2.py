@@ -1,7 +1,7 @@
 """The Mamba2 mixers of Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid and Zamba2,
 sequence-parallel by heads (docs/hf.md, "Hybrid models"; the shared rule: mixers.py).
 
-One layer, as transformers 5.24 computes it on one device (its torch path): `in_proj`
+One layer, as transformers 5.24 and 5.25 compute it on one device (its torch path): `in_proj`
 gives the gate z, x (heads x head_dim), B and C (groups x state size) and dt (one value
 per head); x|B|C go through a depthwise causal convolution and the activation; the
 selective scan runs per head, head h reading group `h // (heads / groups)`:
