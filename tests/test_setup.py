@@ -116,7 +116,6 @@ def test_every_subpackage_is_listed_for_the_wheel():
 def _requirements():
     """{name: Requirement} of the package's dependencies and its hf / deepspeed extras."""
     import tomllib
-
     from packaging.requirements import Requirement
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
