@@ -115,6 +115,19 @@ def test_generate_refuses_unsupported_modes_before_any_collective():
     mask[1, 0] = 0
     with pytest.raises(ValueError, match="padded prompts"):
         ukhf.generate(model, ids, max_new_tokens=2, attention_mask=mask)
+    # no attention_mask: transformers masks the prompt's pad tokens, from kwargs or a generation
+    # config, so that is padding too; a pad token that is an eos token, or one the prompt does
+    # not hold, masks nothing, and the tokens are model.generate's
+    from transformers import GenerationConfig
+
+    pad = int(ids[1, 4])
+    for given in (dict(pad_token_id=pad, max_new_tokens=2), dict(generation_config=GenerationConfig(pad_token_id=pad))):
+        with pytest.raises(ValueError, match=f"padded prompts .*pad_token_id {pad}"):
+            ukhf.generate(model, ids, **given)
+    absent = next(t for t in range(model.config.vocab_size) if not bool((ids == t).any()))
+    for tokens in (dict(pad_token_id=pad, eos_token_id=pad), dict(pad_token_id=absent)):
+        assert torch.equal(ukhf.generate(model, ids, max_new_tokens=4, do_sample=False, **tokens),
+                           gen_model("llama", "eager", {}).generate(ids, max_new_tokens=4, do_sample=False, **tokens))
     # a sliding-window model generates (a window of 4 over a prompt of 9), like model.generate
     sliding = dict(use_sliding_window=True, sliding_window=4, max_window_layers=0,
                    layer_types=["sliding_attention", "sliding_attention"])

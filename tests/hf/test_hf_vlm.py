@@ -263,6 +263,18 @@ def test_vision_tower_text_only_batches_and_errors():
 # -------------------------------------------------------------------------- generation
 
 NEW_TOKENS = 6
+# Generation prompts: (items, text runs). "two_images" for every family; "sizes" (two
+# images of different sizes, the larger 8 x 8 patch grid first, between text runs of 7, 9
+# and 11 tokens) for Qwen2-VL at SP 2.
+GENERATION_PROMPTS = {
+    "two_images": ([("image", (1, 4, 4)), ("image", (1, 2, 6))], 3),
+    "sizes": ([("image", (1, 8, 8)), ("image", (1, 4, 4))], (7, 9, 11)),
+}
+SIZES_FAMILIES = ("qwen2_vl",)
+
+
+def _generation_prompts(family, ring_size):
+    return ["two_images"] + (["sizes"] if family in SIZES_FAMILIES and ring_size == 1 else [])
 
 
 def _generation_worker(rank, world, ring_size, families):
@@ -270,18 +282,20 @@ def _generation_worker(rank, world, ring_size, families):
     ukhf.register(groups)
     out = {}
     for family in families:
-        row = make_row([("image", (1, 4, 4)), ("image", (1, 2, 6))], seed=21)
-        prompt = collate([row])
-        kwargs = vision_kwargs(prompt, family)
         reference = build_vlm(family, "sdpa", world=world).eval()
         model = build_vlm(family, "ulysses", world=world).eval()
-        with torch.no_grad():
-            want = reference.generate(prompt["input_ids"], **kwargs, max_new_tokens=NEW_TOKENS, do_sample=False)
-            want_logits = reference(input_ids=prompt["input_ids"], **kwargs).logits[:, -1]
-        got = ukhf.generate(model, prompt["input_ids"], groups, **kwargs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        logits, _ = ukhf.prefill(model, prompt["input_ids"], groups, chunk_size=9, **kwargs)
-        out[family] = dict(same=torch.equal(got, want), new=want[0, -NEW_TOKENS:].tolist(),
-                           logits=rel_err(logits, want_logits))
+        for name in _generation_prompts(family, ring_size):   # one model for every prompt: nothing carries over
+            items, text = GENERATION_PROMPTS[name]
+            prompt = collate([make_row(items, seed=21, text=text)])
+            kwargs = vision_kwargs(prompt, family)
+            with torch.no_grad():
+                want = reference.generate(prompt["input_ids"], **kwargs, max_new_tokens=NEW_TOKENS, do_sample=False)
+                want_logits = reference(input_ids=prompt["input_ids"], **kwargs).logits[:, -1]
+            got = ukhf.generate(model, prompt["input_ids"], groups, **kwargs, max_new_tokens=NEW_TOKENS,
+                                do_sample=False)
+            logits, _ = ukhf.prefill(model, prompt["input_ids"], groups, chunk_size=9, **kwargs)
+            out[family, name] = dict(same=torch.equal(got, want), new=want[0, -NEW_TOKENS:].tolist(),
+                                     logits=rel_err(logits, want_logits))
     return out
 
 
@@ -291,13 +305,34 @@ def test_generate_with_images_equals_model_generate(world, ring_size):
     families = ("qwen2_vl", "qwen3_vl", "qwen3_5") if ring_size == 1 else ("qwen2_5_vl", "qwen3_vl")
     per_rank = spawn(_generation_worker, world, args=(ring_size, families), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=PRELOAD)
+    cases = [(family, name) for family in families for name in _generation_prompts(family, ring_size)]
+    assert (ring_size == 1) == (("qwen2_vl", "sizes") in cases), cases
     for rank, out in enumerate(per_rank):
-        for family in families:
-            assert out[family]["same"], (rank, family, out[family])
-            assert out[family]["logits"] < 1e-6, (rank, family, out[family])
+        assert sorted(out) == sorted(cases), (rank, sorted(out))
+        for case in cases:
+            assert out[case]["same"], (rank, case, out[case])
+            assert out[case]["logits"] < 1e-6, (rank, case, out[case])
 
 
 # ------------------------------------------------------------------------- unit tests
+
+def test_make_row_lays_out_the_text_runs():
+    """The "sizes" generation prompt: 7 text tokens, the 8 x 8 patch grid's 16 placeholders
+    between a vision start and end token, 9 text tokens, the 4 x 4 grid's 4, 11 text tokens."""
+    import itertools
+
+    from vlm_cases import END, START
+
+    items, text = GENERATION_PROMPTS["sizes"]
+    row = make_row(items, seed=21, text=text)
+    kinds = ["text" if t == 0 and i not in (START, END) else i for i, t in zip(row["ids"], row["types"])]
+    runs = [(kind, len(list(run))) for kind, run in itertools.groupby(kinds)]
+    assert runs == [("text", 7), (START, 1), (IMAGE, 16), (END, 1), ("text", 9), (START, 1), (IMAGE, 4), (END, 1),
+                    ("text", 11)], runs
+    assert row["pixels"]["image"].shape[0] == 64 + 16   # one row per patch
+    with pytest.raises(ValueError, match="text runs"):
+        make_row([("image", (1, 2, 2))], seed=0, text=(3,))
+
 
 def test_balanced_blocks_cut_at_image_boundaries():
     assert balanced_blocks([16, 12, 8, 4], 2) == [0, 1, 4]

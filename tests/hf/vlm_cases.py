@@ -10,7 +10,7 @@ mRoPE positions) and returns the loss over every target of the batch and every p
 gradient; `sp_step` runs the batch through the documented calls.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -96,19 +96,24 @@ def build_vlm(family: str, attn: str, *, world: int = 2, seed: int = 0, dtype=to
 Item = Tuple[str, Tuple[int, int, int]]   # ("image" | "video", (t, h, w) in patches)
 
 
-def make_row(items: Sequence[Item], *, seed: int, text: int = 3) -> Dict[str, object]:
-    """One sample: `text` random tokens, then per item its placeholders and `text` tokens."""
+def make_row(items: Sequence[Item], *, seed: int, text: Union[int, Sequence[int]] = 3) -> Dict[str, object]:
+    """One sample: `text` random tokens, then per item its placeholders (between a vision
+    start and end token) and `text` tokens; `text` a sequence: the lengths of the text runs,
+    before, between and after the items (`len(items) + 1` of them)."""
     g = torch.Generator().manual_seed(seed)
+    runs = [text] * (len(items) + 1) if isinstance(text, int) else list(text)
+    if len(runs) != len(items) + 1:
+        raise ValueError(f"make_row: {len(items)} items need {len(items) + 1} text runs, got {len(runs)}")
 
     def words(n):
         return torch.randint(0, 80, (n,), generator=g).tolist()
 
-    ids, types = words(text), [0] * text
-    for kind, (t, h, w) in items:
+    ids, types = words(runs[0]), [0] * runs[0]
+    for (kind, (t, h, w)), after in zip(items, runs[1:]):
         n = GEMMA_TOKENS if kind == "gemma" else t * h * w // MERGE ** 2
         code = 2 if kind == "video" else 1
-        ids += [START] + [VIDEO if code == 2 else IMAGE] * n + [END] + words(text)
-        types += [0] + [code] * n + [0] + [0] * text
+        ids += [START] + [VIDEO if code == 2 else IMAGE] * n + [END] + words(after)
+        types += [0] + [code] * n + [0] + [0] * after
     pixels = {kind: torch.randn(sum(t * h * w for k, (t, h, w) in items if k == kind), PIXEL_ROW,
                                 generator=g, dtype=torch.float64) for kind in ("image", "video")}
     pixels["gemma"] = torch.randn(sum(k == "gemma" for k, _ in items), 3, 8, 8, generator=g, dtype=torch.float64)

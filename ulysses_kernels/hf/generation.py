@@ -253,16 +253,49 @@ def forward_spans(S: int, chunk_size: int, start: int, attention_chunk: Optional
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def _check_generation_kwargs(kwargs):
+def _check_generation_kwargs(model, input_ids, kwargs):
     config = kwargs.get("generation_config")
     for name, (neutral, what) in _UNSUPPORTED_GENERATION.items():
         value = kwargs.get(name, getattr(config, name, neutral) if config is not None else neutral)
         if value not in (neutral, None):   # None: a GenerationConfig's unset field (the default mode)
             raise ValueError(f"ulysses_kernels.hf.generate: {what} ({name}={value!r}) is not supported")
+    padding = _prompt_padding(model, input_ids, kwargs)
+    if padding:
+        raise ValueError(f"ulysses_kernels.hf.generate: padded prompts ({padding}) are not supported; generate "
+                         "prompts of one length together, or one at a time")
+
+
+def _prompt_padding(model, input_ids, kwargs) -> Optional[str]:
+    """What transformers' generate would mask of the prompt as padding, or None. The prefill
+    attends to every prompt token and the cache takes no padding mask (docs/hf.md, "Not
+    supported"), so a prompt with padding is refused here, from the arguments alone, on every
+    rank, before the prefill: not by the mask function at transformers' first forward (its
+    prefill of the last token). The mask is the one given, or the one transformers infers
+    without it: `input_ids != pad_token_id` where the prompt holds the pad token, unless the
+    pad token is an eos token."""
     mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.bool().all()):
-        raise ValueError("ulysses_kernels.hf.generate: padded prompts (attention_mask with zeros) are not "
-                         "supported; generate prompts of one length together, or one at a time")
+    if mask is not None:
+        return None if bool(mask.bool().all()) else "attention_mask with zeros"
+    pad, eos = _special_tokens(model, kwargs)
+    if pad is None or pad in eos or not bool((input_ids == pad).any()):
+        return None
+    return (f"the prompt holds pad_token_id {pad}, which transformers' generate masks as padding when no "
+            "attention_mask is given")
+
+
+def _special_tokens(model, kwargs):
+    """(pad token id or None, eos token ids) of the generation `model.generate(**kwargs)` runs:
+    transformers' own merge (kwargs over `generation_config` over the model's)."""
+    kwargs = dict(kwargs)
+    config = kwargs.pop("generation_config", None)
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is not None:
+        config, _ = prepare(config, **kwargs)
+    elif config is None:
+        config = getattr(model, "generation_config", None)
+    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    eos = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
+    return (None if pad is None else int(pad)), eos
 
 
 def _check_last_token_is_text(input_ids, multimodal):
@@ -299,9 +332,10 @@ def generate(model, input_ids: torch.Tensor, group=None, *, prefill_chunk_size: 
     draws from the first rank's RNG state, copied to every rank first; the ranks' tokens
     are compared at the end (a difference raises). Sliding windows, softcap, sinks and MLA
     run like on one device (the module doc). Not supported, with a ValueError on every
-    rank: beam search and the other multi-candidate modes, padded prompts.
+    rank: beam search and the other multi-candidate modes, padded prompts (an attention_mask
+    with zeros, or the pad token in a prompt passed without one: transformers masks it).
     """
-    _check_generation_kwargs(generation_kwargs)
+    _check_generation_kwargs(model, input_ids, generation_kwargs)
     multimodal = {k: generation_kwargs.pop(k) for k in VISION_KEYS if k in generation_kwargs}
     cache = make_cache(model, group)
     _check_prompt(input_ids, cache, "generate")
