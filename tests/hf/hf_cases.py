@@ -151,6 +151,11 @@ def error_cases(rank, world):
     report["custom_4d"] = _catch(lambda: model(**batch.model_inputs(), attention_mask=custom))
     drop = make_model("llama", "ulysses", attention_dropout=0.1)
     report["dropout"] = _catch(lambda: drop(**batch.model_inputs()))
+    # a keyword the attention function would ignore (a sparse attention's selection) reaching it
+    picked = torch.arange(batch.input_ids.shape[1]).reshape(1, -1, 1)
+    report["indices"] = _catch(lambda: model(**batch.model_inputs(), indices=picked))
+    # labels to the model: its own loss would be this rank's local mean
+    report["labels"] = _catch(lambda: model(**batch.model_inputs(), labels=batch.labels))
     # the group still works afterwards
     ref_model = make_model("llama", "ulysses")
     report["after"] = ref_model(**batch.model_inputs()).logits.detach()

@@ -70,6 +70,10 @@ def test_unsupported_masks_raise_on_every_rank():
         assert rep["all_ones_ok"]
         assert rep["custom_4d"] and "mask" in rep["custom_4d"], rep["custom_4d"]
         assert rep["dropout"] and "dropout" in rep["dropout"], rep["dropout"]
+        assert rep["indices"] and "got indices=, which the attention function does not honour" in rep["indices"]
+        assert rep["indices"] == per_rank[0]["indices"], (r, rep["indices"])
+        assert rep["labels"] and "labels= given to the model at SP 2" in rep["labels"], rep["labels"]
+        assert rep["labels"] == per_rank[0]["labels"], (r, rep["labels"])
     ref_logits, _, _ = reference(dict(kind="llama", S=21, batch_seed=1))
     got = torch.cat([rep["after"] for rep in per_rank], dim=1)
     assert rel_err(got, ref_logits) < TOL

@@ -271,3 +271,68 @@ def test_refusals_are_the_same_on_every_rank():
     assert "'sdpa'" in per_rank[0]["sdpa loss"]
     assert "later tokens" in per_rank[0]["gemma3 image blocks"]
     assert per_rank[0]["llama after"] == per_rank[1]["llama after"]
+
+
+# ------------------------------------------------------------------------ heads
+
+def _head_model(family, head):
+    """The family's tiny model with the transformers head class `<Family>For<head>`."""
+    import transformers
+    from tiny_models import tiny_config
+
+    config = tiny_config(family)
+    config.pad_token_id = 0
+    base = type(build_tiny_model(family, "sdpa")).__name__.replace("ForCausalLM", "")
+    model_class = getattr(transformers, f"{base}For{head}")
+    return model_class._from_config(config, attn_implementation="ulysses").double()
+
+
+@pytest.mark.parametrize("head", ["SequenceClassification", "QuestionAnswering"])
+def test_heads_that_pool_over_the_sequence_are_refused(registered, head):
+    """A head that pools over the sequence (a row's last token, a span's ends) would pool
+    each rank's slice: refused where the package meets the model, not computed locally."""
+    model = _head_model("llama", head)
+    with pytest.raises(ukhf.NotSequenceParallelError, match=f"its head \\(LlamaFor{head}\\) pools over the sequence"):
+        ukhf.attach_context(model)
+    assert guard.head_problem(_head_model("llama", "TokenClassification")) is None   # per token: exact
+
+
+def test_a_head_that_drops_the_positions_is_refused(registered):
+    """Falcon's token-classification head does not pass position_ids on to its base model,
+    which would number each rank's tokens from 0: refused at the forward, where the given
+    positions fail to reach the model that numbers them (a causal LM head passes them)."""
+    if "falcon" in _own_attention_tables():   # transformers 5.24: refused at load already
+        with pytest.raises(ukhf.NotSequenceParallelError, match="table of its own"):
+            _head_model("falcon", "TokenClassification")
+        return
+    model = _head_model("falcon", "TokenClassification")
+    ukhf.attach_context(model)
+    ids = torch.randint(1, 50, (1, 9))
+    with pytest.raises(ukhf.NotSequenceParallelError, match="position_ids given to the model did not reach FalconModel"):
+        model(input_ids=ids, position_ids=torch.arange(9).unsqueeze(0))
+    model(input_ids=ids)   # no positions given: nothing to lose
+    causal = build_tiny_model("llama", "ulysses")
+    ukhf.attach_context(causal)
+    causal(input_ids=ids, position_ids=torch.arange(9).unsqueeze(0), use_cache=False)
+
+
+def test_a_pooler_in_the_text_model_is_refused(registered):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, is_decoder=True)
+    assert "BertPooler" in guard.head_problem(BertModel(config))
+    assert guard.head_problem(BertModel(config, add_pooling_layer=False)) is None
+
+
+def test_keywords_the_attention_function_would_ignore():
+    """A sparse attention's key selection is refused wherever it comes from; any other
+    keyword with a value is refused when the model's layers added it on the way down, and
+    passes when it was an input of the model's forward (a collator's extra field)."""
+    from ulysses_kernels.hf.attention import ignored_keyword_problem
+
+    assert ignored_keyword_problem(dict(position_ids=1, use_cache=False, sliding_window=4, s_aux=None)) is None
+    assert ignored_keyword_problem(dict(indices=1, block_indices=2), {"indices"}) == "block_indices=, indices="
+    assert ignored_keyword_problem(dict(compressed_keys=1)) == "compressed_keys="
+    assert ignored_keyword_problem(dict(second_per_grid_ts=1), {"second_per_grid_ts"}) is None
+    assert ignored_keyword_problem(dict(second_per_grid_ts=None)) is None

@@ -272,6 +272,31 @@ _UNSUPPORTED_KW = {
     "position_bias": "an additive position bias",
 }
 
+# The keyword arguments the attention function reads (`layer_variants`, FORWARD_INPUTS) or may
+# ignore because they do not change its result: flags of the forward, the cache (generation
+# runs on the package's own), and transformers' varlen boundaries, which its collators
+# derive from the position ids the package reads the documents from.
+_READ_OR_HARMLESS_KW = frozenset(FORWARD_INPUTS) | {
+    "sliding_window", "softcap", "s_aux", "sinks",
+    "use_cache", "output_attentions", "output_hidden_states", "output_router_logits", "return_dict",
+    "logits_to_keep", "labels", "cache_position", "past_key_values", "past_key_value", "layer_idx",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+}
+# What a sparse attention selects keys with: never honoured here, wherever it comes from.
+_SELECTION_KW = frozenset({"indices", "block_indices", "topk_indices", "selected_indices", "block_mask",
+                           "attention_bias"})
+
+
+def ignored_keyword_problem(kwargs, model_keys=frozenset()) -> Optional[str]:
+    """The keyword arguments with a value that the attention function would ignore and that
+    may change its result, named (None: there are none): a key selection (`_SELECTION_KW`),
+    or any keyword the model's own layers added on the way down, which is not among the
+    inputs given to its transformers models (`model_keys`: a collator's extra inputs, such
+    as Qwen2-VL's `second_per_grid_ts`, travel down as keywords too, and are theirs)."""
+    ignored = sorted(k for k, v in kwargs.items() if v is not None and k not in _READ_OR_HARMLESS_KW
+                     and (k in _SELECTION_KW or k not in model_keys))
+    return ", ".join(f"{k}=" for k in ignored) if ignored else None
+
 
 def layer_variants(module: nn.Module, kwargs, causal: bool) -> dict:
     """The attention variants (docs/api.md, "Attention variants") of one transformers
@@ -321,6 +346,12 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     for kw, what in _UNSUPPORTED_KW.items():
         if kwargs.get(kw) is not None:
             raise refusal(None, f"{where}: {what} ({kw}) is added to the scores by the model itself")
+    # the keys of the last forward's models: a checkpointed layer recomputed in the backward
+    # runs outside the forward's hooks, on that forward's inputs
+    ignored = ignored_keyword_problem(kwargs, context.forward_keys)
+    if ignored:
+        raise refusal(None, f"{where} got {ignored}, which the attention function does not honour (a sparse "
+                            "attention's selection, a bias or another input that changes the result)")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     variants = layer_variants(module, kwargs, bool(causal))
     chunk = layer_chunk_size(module)

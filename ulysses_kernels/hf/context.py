@@ -19,7 +19,7 @@ from torch import nn
 
 from ..distributed.groups import ParallelGroups, resolve_group
 from .batch import split_groups
-from .guard import check_model, decoder_layers, install_call_checks, refusal
+from .guard import check_model, decoder_layers, install_call_checks, positions_holder, refusal
 from .mixers import adaptable_modules, adapted_problem, install_adapters, replaced_adapter_problem, uninstall_adapters
 from .vision import install_vision
 
@@ -50,6 +50,7 @@ class SequenceParallelContext:
         self.warned_local_positions = False
         self.forward_memo = {}             # what one forward derives once for all its layers
         self.forward_inputs = {}           # this forward's FORWARD_INPUTS, whatever reaches the attention
+        self.forward_keys = set()          # the keywords given to this forward's transformers models
         self.depth = 0                     # nesting of the model's (and its base model's) forwards
         self.implementation_checked = False   # sequence_parallel_model found the "ulysses" attention
 
@@ -121,9 +122,17 @@ def _enter_forward(module, args, kwargs):
         return
     if context.depth == 0:   # the outermost forward: a new forward's inputs
         _check_adapters(module)
+        _check_labels(module, context, kwargs)
         context.forward_inputs = {}
         context.forward_memo = {}
+        context.forward_keys = set()
+    elif vars(module).get("_ulysses_positions_holder") and "position_ids" in context.forward_keys \
+            and kwargs.get("position_ids") is None:
+        raise refusal(module, f"the position_ids given to the model did not reach {type(module).__name__}, which "
+                              "numbers the positions: a head on the way drops them, so each rank's tokens would be "
+                              "numbered from 0 (local positions)")
     context.depth += 1
+    context.forward_keys.update(k for k, v in kwargs.items() if v is not None)
     for key in FORWARD_INPUTS:
         if kwargs.get(key) is not None:
             context.forward_inputs[key] = kwargs[key]
@@ -140,6 +149,22 @@ def _check_adapters(module: nn.Module) -> None:
     problem = replaced_adapter_problem(watched)
     if problem:
         raise refusal(module, problem)
+
+
+def _check_labels(module: nn.Module, context, kwargs) -> None:
+    """Refuse `labels=` given to a model on more than one rank: transformers' heads compute
+    their loss from this rank's tokens (a local mean; a causal LM shifts the labels
+    `shard_batch` already shifted, again). The exact losses take this rank's share of the
+    whole batch's targets (`causal_lm_loss`, `sequence_parallel_loss`; the tiled loss reads
+    `ulysses_labels=`)."""
+    own = vars(module).get("forward")   # the package's own replacement (logprobs, patch) reads them itself
+    if own is not None and getattr(getattr(own, "__func__", own), "_ulysses_takes_labels", False):
+        return
+    if kwargs.get("labels") is not None and context.sp_size > 1:
+        raise refusal(module, f"labels= given to the model at {context.describe()}: its own loss would be this "
+                              "rank's local mean (and a causal LM would shift the already shifted labels again)",
+                      "Compute the loss with ulysses_kernels.hf.causal_lm_loss(model, batch, groups) or "
+                      "sequence_parallel_loss(logits, batch.labels, group), and call the model without labels.")
 
 
 def _leave_forward(module, args, kwargs, output):
@@ -243,6 +268,9 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
         object.__setattr__(module, _ATTRIBUTE, context)   # a plain attribute: not a submodule
     _remember_configs(model, context)
     install_input_hooks(model)
+    holder = positions_holder(model)
+    if holder is not None and holder is not model:   # checked at each forward that the positions reach it
+        object.__setattr__(holder, "_ulysses_positions_holder", True)
     install_call_checks(model, context)
     return context
 

@@ -218,11 +218,7 @@ def position_problem(model: nn.Module) -> Optional[str]:
     embedding = get() if callable(get) else None
     if embedding is None:
         return None
-    holder = None
-    for module in model.modules():   # outer to inner: the last transformers model holding it
-        if hasattr(module, "base_model_prefix") and hasattr(module, "config") \
-                and any(m is embedding for m in module.modules()):
-            holder = module
+    holder = positions_holder(model)
     if holder is not None and not _takes(holder, "position_ids"):
         return (f"{type(holder).__name__}.forward takes no position_ids: it numbers each rank's tokens from 0 "
                 "(local positions)")
@@ -231,6 +227,45 @@ def position_problem(model: nn.Module) -> Optional[str]:
             return (f"{name} numbers positions from its padding index ({module.padding_idx} + 1, RoBERTa's "
                     "convention), not from the global positions shard_batch passes")
     return None
+
+
+# Heads that pool over the sequence or read positions across it (a row's last token, a span's
+# start and end, the first token): on a sequence shard each rank would pool its own slice of
+# the packed sequence, one value per rank instead of one per row.
+POOLING_HEADS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultipleChoice",
+                 "ForNextSentencePrediction", "ForPreTraining")
+
+
+def head_problem(model: nn.Module) -> Optional[str]:
+    """Why the model's head or a pooler in its text model reads across the sequence (None:
+    every head it has is per token). Vision towers run whole images on each rank (vision.py):
+    their poolers are theirs."""
+    name = type(model).__name__
+    suffix = next((s for s in POOLING_HEADS if name.endswith(s)), None)
+    if suffix is not None:
+        return (f"its head ({name}) pools over the sequence: each rank would pool its own slice of the packed "
+                "sequence, one value per rank instead of one per row")
+    towers = vision_towers(model)
+    for sub_name, module in model.named_modules():
+        if type(module).__name__.endswith("Pooler") and not any(_inside(module, tower) for tower in towers):
+            return (f"{sub_name} ({type(module).__name__}) pools the sequence (its first token): each rank would "
+                    "pool its own slice")
+    return None
+
+
+def positions_holder(model: nn.Module) -> Optional[nn.Module]:
+    """The innermost transformers model holding the input embedding: the one that numbers
+    the positions (None: no input embedding)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if embedding is None:
+        return None
+    holder = None
+    for module in model.modules():   # outer to inner: the last transformers model holding it
+        if hasattr(module, "base_model_prefix") and hasattr(module, "config") \
+                and any(m is embedding for m in module.modules()):
+            holder = module
+    return holder
 
 
 def adapted_layer_kinds(model: nn.Module) -> frozenset:
@@ -258,7 +293,7 @@ def check_model(model: nn.Module) -> None:
     `install_adapters`, which runs first) and their layer kinds pass."""
     config = getattr(model, "config", None)
     problem = ((config_problem(config, adapted_layer_kinds(model)) if config is not None else None)
-               or interface_problem(model) or position_problem(model) or module_problem(model))
+               or head_problem(model) or interface_problem(model) or position_problem(model) or module_problem(model))
     if problem:
         raise refusal(model, problem)
 

@@ -95,6 +95,7 @@ def forward_replaced(inner, forward):
     forward it had (an instance attribute, such as TRL's fused head, or the class's)."""
     had_own = "forward" in vars(inner)
     previous = vars(inner).get("forward")
+    forward._ulysses_takes_labels = True   # it reads labels= itself (context._check_labels)
     inner.forward = types.MethodType(forward, inner)
     try:
         yield

@@ -143,3 +143,6 @@ def _tiled_loss_forward(self, *args, ulysses_labels=None, **kwargs):
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(loss=local_sum, logits=None)
+
+
+_tiled_loss_forward._ulysses_takes_labels = True   # it refuses labels= itself, saying what to pass
