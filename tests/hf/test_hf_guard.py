@@ -250,6 +250,13 @@ def _refusals(rank, world):
     token_types[:, 2:5] = 1   # image tokens on rank 0's shard only
     gemma = build_tiny_model("gemma3", "ulysses")
     attempt("gemma3 image blocks", lambda: gemma(**batch.model_inputs(), token_type_ids=batch.shard_tokens(token_types)))
+    # the issue's reward model: right-padded rows of unequal lengths, the documented calls
+    rows = torch.randint(1, 50, (3, 11), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(rows)
+    mask[0, 7:] = 0
+    mask[2, 4:] = 0
+    padded = ukhf.shard_batch(rows.masked_fill(mask == 0, 0), groups, attention_mask=mask)
+    attempt("reward model forward", lambda: _head_model("llama", "SequenceClassification")(**padded.model_inputs()))
     ok = build_tiny_model("llama", "ulysses")
     out["llama after"] = float(ukhf.causal_lm_loss(ok, batch, groups))   # the group stays usable
     return out
@@ -270,6 +277,7 @@ def test_refusals_are_the_same_on_every_rank():
     assert "'conv'" in per_rank[0]["lfm2 generate"]
     assert "'sdpa'" in per_rank[0]["sdpa loss"]
     assert "later tokens" in per_rank[0]["gemma3 image blocks"]
+    assert "its head (LlamaForSequenceClassification) pools over the sequence" in per_rank[0]["reward model forward"]
     assert per_rank[0]["llama after"] == per_rank[1]["llama after"]
 
 
