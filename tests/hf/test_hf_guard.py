@@ -250,13 +250,13 @@ def _refusals(rank, world):
     token_types[:, 2:5] = 1   # image tokens on rank 0's shard only
     gemma = build_tiny_model("gemma3", "ulysses")
     attempt("gemma3 image blocks", lambda: gemma(**batch.model_inputs(), token_type_ids=batch.shard_tokens(token_types)))
-    # the issue's reward model: right-padded rows of unequal lengths, the documented calls
+    # a question-answering head on right-padded rows of unequal lengths, the documented calls
     rows = torch.randint(1, 50, (3, 11), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(rows)
     mask[0, 7:] = 0
     mask[2, 4:] = 0
     padded = ukhf.shard_batch(rows.masked_fill(mask == 0, 0), groups, attention_mask=mask)
-    attempt("reward model forward", lambda: _head_model("llama", "SequenceClassification")(**padded.model_inputs()))
+    attempt("question answering forward", lambda: _head_model("llama", "QuestionAnswering")(**padded.model_inputs()))
     ok = build_tiny_model("llama", "ulysses")
     out["llama after"] = float(ukhf.causal_lm_loss(ok, batch, groups))   # the group stays usable
     return out
@@ -277,31 +277,35 @@ def test_refusals_are_the_same_on_every_rank():
     assert "'conv'" in per_rank[0]["lfm2 generate"]
     assert "'sdpa'" in per_rank[0]["sdpa loss"]
     assert "later tokens" in per_rank[0]["gemma3 image blocks"]
-    assert "its head (LlamaForSequenceClassification) pools over the sequence" in per_rank[0]["reward model forward"]
+    assert "its head (LlamaForQuestionAnswering) pools over the sequence" in per_rank[0]["question answering forward"]
     assert per_rank[0]["llama after"] == per_rank[1]["llama after"]
 
 
 # ------------------------------------------------------------------------ heads
 
-def _head_model(family, head):
-    """The family's tiny model with the transformers head class `<Family>For<head>`."""
+def _head_model(family, head, base=None):
+    """The family's tiny model with the transformers head class `<base>For<head>` (`base`:
+    the causal LM's class name without `ForCausalLM`)."""
     import transformers
     from tiny_models import tiny_config
 
     config = tiny_config(family)
     config.pad_token_id = 0
-    base = type(build_tiny_model(family, "sdpa")).__name__.replace("ForCausalLM", "")
+    base = base or type(build_tiny_model(family, "sdpa")).__name__.replace("ForCausalLM", "")
     model_class = getattr(transformers, f"{base}For{head}")
     return model_class._from_config(config, attn_implementation="ulysses").double()
 
 
-@pytest.mark.parametrize("head", ["SequenceClassification", "QuestionAnswering"])
-def test_heads_that_pool_over_the_sequence_are_refused(registered, head):
-    """A head that pools over the sequence (a row's last token, a span's ends) would pool
-    each rank's slice: refused where the package meets the model, not computed locally."""
-    model = _head_model("llama", head)
-    with pytest.raises(ukhf.NotSequenceParallelError, match=f"its head \\(LlamaFor{head}\\) pools over the sequence"):
+def test_heads_that_pool_over_the_sequence_are_refused(registered):
+    """A head that pools over the sequence (a span's ends) would pool each rank's slice:
+    refused where the package meets the model, not computed locally. transformers' generic
+    sequence-classification head is made exact by register() (heads.py); a family's own
+    sequence-classification class is refused."""
+    model = _head_model("llama", "QuestionAnswering")
+    with pytest.raises(ukhf.NotSequenceParallelError, match="its head \\(LlamaForQuestionAnswering\\) pools over"):
         ukhf.attach_context(model)
+    assert guard.head_problem(_head_model("llama", "SequenceClassification")) is None   # heads.py
+    assert "pools over the sequence" in guard.head_problem(_head_model("gpt2", "SequenceClassification", "GPT2"))
     assert guard.head_problem(_head_model("llama", "TokenClassification")) is None   # per token: exact
 
 

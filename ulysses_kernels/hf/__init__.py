@@ -87,7 +87,8 @@ context per model), `guard.py` (what is refused), `chunked.py` (Llama 4), `gener
 (`shard_batch`, unpadding, `repad`), `loss.py`, `parallel.py` (gradient reduction, DDP,
 FSDP2), `tiling.py` (tiled MLP and loss), `logprobs.py` (per-token log-probs and entropy, tiled), `rl.py` (row sums,
 GRPO and DPO losses), `offload.py` (checkpoint offload), `patch.py` (`patch_model`), `vision.py` (vision-language
-models), `mixers.py` / `gated_deltanet.py` / `mamba2.py` / `mixer_ring.py` (hybrid models).
+models), `mixers.py` / `gated_deltanet.py` / `mamba2.py` / `mixer_ring.py` (hybrid models), `heads.py`
+(sequence classification: reward models).
 """
 
 from . import gated_deltanet, mamba2  # noqa: F401, I001 - register their adapters (mixers.py)

@@ -37,6 +37,7 @@ from .guard import (
     refusal,
     refuse_in_own_attention_tables,
 )
+from .heads import make_sequence_classification_exact
 from .vision import (
     BLOCKS_KEY,
     SHARD_KEY,
@@ -101,6 +102,7 @@ def register(group=None, *, ring_group=None, backend: Optional[str] = None, name
     if AttentionMaskInterface is not None:
         AttentionMaskInterface.register(name, ulysses_mask_function)
     refuse_in_own_attention_tables(name)
+    make_sequence_classification_exact()
     set_sequence_parallel_group(group, ring_group=ring_group, backend=backend)
     return name
 

@@ -233,6 +233,17 @@ def gather_tokens(values: torch.Tensor, batch: "SequenceParallelBatch", group=No
 
 # ------------------------------------------------------------------ the batch
 
+@dataclass(frozen=True)
+class BatchRows:
+    """The row of the batch given to `shard_batch` that each of this rank's tokens came
+    from (`rows`, int64, laid out like `input_ids`) and how many rows it had (`count`,
+    padded rows included): what a head that pools per row needs (hf/heads.py). It reaches
+    the model as `ulysses_rows=` (`SequenceParallelBatch.model_inputs`)."""
+
+    rows: torch.Tensor
+    count: int
+
+
 @dataclass
 class SequenceParallelBatch:
     """This rank's slice of a batch (see `shard_batch`).
@@ -264,7 +275,15 @@ class SequenceParallelBatch:
         lengths = dict(ulysses_cu_seqlens=self.cu_seqlens, ulysses_seq_lens=list(self.seq_lens))
         if self.multimodal is not None:
             return dict(self.multimodal, use_cache=False, **lengths)
-        return dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False, **lengths)
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids, use_cache=False,
+                    ulysses_rows=self.rows(), **lengths)
+
+    def rows(self) -> BatchRows:
+        """Which row of the batch given to `shard_batch` each of this rank's tokens came from."""
+        count = self.padding.shape[0] if self.padding is not None else self.input_ids.shape[0]
+        width = self.padding.shape[1] if self.padding is not None else sum(self.seq_lens)
+        rows = torch.arange(count, device=self.input_ids.device).unsqueeze(1).expand(count, width)
+        return BatchRows(self.shard_tokens(rows), count)
 
     @property
     def num_valid_tokens(self) -> int:

@@ -20,7 +20,13 @@ from torch import nn
 from ..distributed.groups import ParallelGroups, resolve_group
 from .batch import split_groups
 from .guard import check_model, decoder_layers, install_call_checks, positions_holder, refusal
-from .mixers import adaptable_modules, adapted_problem, install_adapters, replaced_adapter_problem, uninstall_adapters
+from .mixers import (
+    adaptable_modules,
+    adapted_problem,
+    install_adapters,
+    replaced_adapter_problem,
+    uninstall_adapters,
+)
 from .vision import install_vision
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
@@ -113,7 +119,8 @@ class _Default:
 # guard lets through does), but a decoder layer may drop them: the model's own forward
 # hooks keep them on the context for the attention function to read
 # (`install_input_hooks`).
-FORWARD_INPUTS = ("ulysses_seq_lens", "ulysses_cu_seqlens", "position_ids", "ulysses_shard", "ulysses_image_blocks")
+FORWARD_INPUTS = ("ulysses_seq_lens", "ulysses_cu_seqlens", "position_ids", "ulysses_shard", "ulysses_image_blocks",
+                  "ulysses_rows")
 
 
 def _enter_forward(module, args, kwargs):
@@ -159,6 +166,8 @@ def _check_labels(module: nn.Module, context, kwargs) -> None:
     `ulysses_labels=`)."""
     own = vars(module).get("forward")   # the package's own replacement (logprobs, patch) reads them itself
     if own is not None and getattr(getattr(own, "__func__", own), "_ulysses_takes_labels", False):
+        return
+    if getattr(type(module).forward, "_ulysses_exact_head", False):   # its loss: the whole batch's scores (heads.py)
         return
     if kwargs.get("labels") is not None and context.sp_size > 1:
         raise refusal(module, f"labels= given to the model at {context.describe()}: its own loss would be this "

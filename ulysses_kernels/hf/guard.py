@@ -242,7 +242,7 @@ def head_problem(model: nn.Module) -> Optional[str]:
     their poolers are theirs."""
     name = type(model).__name__
     suffix = next((s for s in POOLING_HEADS if name.endswith(s)), None)
-    if suffix is not None:
+    if suffix is not None and not getattr(type(model).forward, "_ulysses_exact_head", False):   # heads.py's
         return (f"its head ({name}) pools over the sequence: each rank would pool its own slice of the packed "
                 "sequence, one value per rank instead of one per row")
     towers = vision_towers(model)

@@ -1,0 +1,154 @@
+"""Sequence classification (reward models) under sequence parallelism (ulysses_kernels/hf/heads.py):
+a tiny float64 `LlamaForSequenceClassification` called with `shard_batch(...).model_inputs()`
+returns the whole batch's `[B, num_labels]` scores on every rank, equal to one process; the
+same loss on every rank followed by `allreduce_gradients` gives the one-process gradients;
+`labels=` gives the one-process loss. At SP 1, 2, 3, 4 and on a 2x2 Ulysses x Ring grid, on
+right- and left-padded rows of unequal lengths (a row whose last token is the pad token:
+transformers pools the token before it) and on rows without padding.
+
+The reference runs each row's valid tokens on their own (one process, float64 eager
+attention): what transformers computes for the padded batch with the positions counted from
+each row's first token.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from families import register_exact_eager
+from helpers import SLOW_SPAWN_TIMEOUT, rel_err
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install 'ulysses-kernels[hf]')")
+
+import ulysses_kernels as uk  # noqa: E402
+from ulysses_kernels import hf as ukhf  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+# float64 weights and eager float64 reference attention; RMSNorm computes in float32 only
+# when its input is 16-bit: measured 1e-15 .. 1e-13.
+TOL = 1e-9
+PAD = 0
+LABELS = 3
+# Each row's tokens at columns [first, end) of S columns; None: no padding (no mask).
+CASES = {
+    "right": (13, [(0, 13), (0, 8), (0, 11)]),
+    "left": (13, [(5, 13), (0, 13), (2, 13)]),
+    "unpadded": (11, None),
+}
+GRIDS = {1: [(1, 1)], 2: [(2, 1)], 3: [(3, 1)], 4: [(4, 1), (2, 2)]}   # world: [(ulysses, ring)]
+
+
+def head_model(attn, ulysses=2, pad_token_id=PAD):
+    """A tiny float64 Llama reward model with `LABELS` scores (same weights every call)."""
+    from tiny_models import tiny_config
+    from transformers import LlamaForSequenceClassification
+
+    config = tiny_config("llama")
+    config.num_labels, config.pad_token_id = LABELS, pad_token_id
+    if ulysses == 3:
+        config.num_attention_heads, config.num_key_value_heads = 6, 3
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification._from_config(config, attn_implementation=attn).double().train()
+
+
+def case_batch(case):
+    """(input_ids, attention_mask or None, labels): fresh tokens that are not the pad token,
+    but row 1's last one (a pad token that ends the content: pooled past)."""
+    S, spans = CASES[case]
+    rows = 3 if spans is None else len(spans)
+    g = torch.Generator().manual_seed(S + len(case))
+    ids = torch.randint(1, 96, (rows, S), generator=g)
+    labels = torch.randint(0, LABELS, (rows,), generator=g)
+    if spans is None:
+        ids[1, -1] = PAD
+        return ids, None, labels
+    mask = torch.zeros_like(ids)
+    for r, (first, end) in enumerate(spans):
+        mask[r, first:end] = 1
+    ids[1, spans[1][1] - 1] = PAD
+    return ids.masked_fill(mask == 0, PAD), mask, labels
+
+
+def reference(case, ulysses):
+    """(scores [B, L], loss, {name: grad}) of one process, row by row."""
+    ids, mask, labels = case_batch(case)
+    model = head_model(register_exact_eager(), ulysses)
+    rows = [ids[r] if mask is None else ids[r][mask[r] == 1] for r in range(ids.shape[0])]
+    scores = torch.cat([model(input_ids=row.unsqueeze(0), use_cache=False).logits for row in rows])
+    loss = F.cross_entropy(scores, labels)
+    loss.backward()
+    return scores.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def sp_run(groups, case, ulysses):
+    """The documented calls: (scores, loss, {name: grad}, the model's own loss with labels=)."""
+    ids, mask, labels = case_batch(case)
+    model = head_model("ulysses", ulysses)
+    batch = ukhf.shard_batch(ids, groups, attention_mask=mask)
+    scores = model(**batch.model_inputs()).logits
+    loss = F.cross_entropy(scores, labels)
+    loss.backward()
+    ukhf.allreduce_gradients(model, groups)
+    with torch.no_grad():
+        inside = model(**batch.model_inputs(), labels=labels).loss
+    return scores.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, inside
+
+
+def compare(got, want):
+    """The largest relative error of (scores, loss, gradients, the labels= loss)."""
+    scores, loss, grads, inside = got
+    want_scores, want_loss, want_grads = want
+    errors = [rel_err(scores, want_scores), rel_err(loss, want_loss), rel_err(inside, want_loss)]
+    errors += [rel_err(grads[n], g) for n, g in want_grads.items()]
+    return max(errors)
+
+
+def _worker(rank, world):
+    ukhf.register(None)
+    out = {}
+    for ulysses, ring in GRIDS[world]:
+        groups = uk.init_sequence_parallel(world, ring_size=ring)
+        ukhf.register(groups)
+        for case in CASES:
+            out[(ulysses, ring, case)] = compare(sp_run(groups, case, ulysses), reference(case, ulysses))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sequence_classification_equals_one_process(world):
+    per_rank = spawn(_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, out in enumerate(per_rank):
+        assert set(out) == {(u, r, c) for u, r in GRIDS[world] for c in CASES}
+        for key, error in out.items():
+            assert error < TOL, (rank, key, error)
+
+
+def test_sequence_classification_on_one_process():
+    """SP 1: the padded batch unpadded by shard_batch still gives one score per row."""
+    ukhf.register(None)
+    for case in CASES:
+        error = compare(sp_run(None, case, 2), reference(case, 2))
+        assert error < TOL, (case, error)
+
+
+def test_sequence_classification_refusals():
+    """What transformers refuses it refuses too (several rows without a pad token), and so
+    are rows with nothing but the pad token (transformers would pool a padding position) and
+    a call that does not say where the rows are, on more than one rank (world 1: as
+    transformers)."""
+    ukhf.register(None)
+    ids, mask, _ = case_batch("unpadded")
+    batch = ukhf.shard_batch(ids, None)
+    with pytest.raises(ValueError, match="Cannot handle batch sizes > 1 if no padding token is defined"):
+        head_model("ulysses", pad_token_id=None)(**batch.model_inputs())
+    one = ukhf.shard_batch(ids[:1], None)
+    head_model("ulysses", pad_token_id=None)(**one.model_inputs())   # one row: its last token
+    empty = ids.clone()
+    empty[2] = PAD
+    with pytest.raises(ukhf.NotSequenceParallelError, match=r"row\(s\) \[2\] of the batch hold no token other"):
+        head_model("ulysses")(**ukhf.shard_batch(empty, None).model_inputs())
+    model = head_model("ulysses")
+    assert torch.equal(model(input_ids=ids).logits, head_model("sdpa")(input_ids=ids).logits.detach()) or \
+        rel_err(model(input_ids=ids).logits, head_model("sdpa")(input_ids=ids).logits) < TOL
