@@ -152,3 +152,77 @@ def test_sequence_classification_refusals():
     model = head_model("ulysses")
     assert torch.equal(model(input_ids=ids).logits, head_model("sdpa")(input_ids=ids).logits.detach()) or \
         rel_err(model(input_ids=ids).logits, head_model("sdpa")(input_ids=ids).logits) < TOL
+
+
+# ------------------------------------------------------------------ per-token heads
+
+def token_model(attn, ulysses, labels):
+    """A tiny float64 Llama token classifier (`labels` = 1: a critic's value head)."""
+    from tiny_models import tiny_config
+    from transformers import LlamaForTokenClassification
+
+    config = tiny_config("llama")
+    config.num_labels, config.pad_token_id = labels, PAD
+    config.classifier_dropout = 0.0   # transformers' default is 0.1: random masks differ between the runs
+    if ulysses == 3:
+        config.num_attention_heads, config.num_key_value_heads = 6, 3
+    torch.manual_seed(1)
+    return LlamaForTokenClassification._from_config(config, attn_implementation=attn).double().train()
+
+
+def token_reference(case, ulysses, labels):
+    """(values [B, S, L] with 0 at padding, loss: the mean of values^2 over the valid tokens,
+    {name: grad}) of one process, row by row."""
+    ids, mask, _ = case_batch(case)
+    mask = torch.ones_like(ids) if mask is None else mask
+    model = token_model(register_exact_eager(), ulysses, labels)
+    values = torch.zeros(*ids.shape, labels, dtype=torch.float64)
+    for r in range(ids.shape[0]):
+        keep = mask[r] == 1
+        values[r, keep] = model(input_ids=ids[r][keep].unsqueeze(0), use_cache=False).logits[0]
+    loss = values.square().sum() / mask.sum()
+    loss.backward()
+    return values.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _token_worker(rank, world):
+    out = {}
+    for ulysses, ring in GRIDS[world]:
+        groups = uk.init_sequence_parallel(world, ring_size=ring)
+        ukhf.register(groups)
+        for case in ("right", "left"):
+            for labels in (1, 3):
+                ids, mask, _ = case_batch(case)
+                model = token_model("ulysses", ulysses, labels)
+                batch = ukhf.shard_batch(ids, groups, attention_mask=mask)
+                values = model(**batch.model_inputs()).logits          # this rank's tokens
+                loss = ukhf.global_mean_from_sum(values.square().sum(), batch.input_ids.numel(), groups)
+                loss.backward()
+                ukhf.allreduce_gradients(model, groups)
+                gathered = ukhf.gather_tokens(values.detach(), batch, groups)
+                want_values, want_loss, want_grads = token_reference(case, ulysses, labels)
+                errors = [rel_err(gathered, want_values), rel_err(loss.detach(), want_loss)]
+                errors += [rel_err(p.grad, want_grads[n]) for n, p in model.named_parameters()]
+                try:
+                    model(**batch.model_inputs(), labels=batch.shard_tokens(torch.zeros_like(ids)))
+                    refused = None
+                except ukhf.NotSequenceParallelError as error:
+                    refused = str(error)
+                out[(ulysses, ring, case, labels)] = (max(errors), refused)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_token_classification_and_a_critic_equal_one_process(world):
+    """Per-token heads (`num_labels` 3, and 1 as verl and OpenRLHF build critics): this
+    rank's tokens' values, gathered to the padded layout with `gather_tokens`, and a loss
+    over every valid token with its gradients, equal one process; the model's own loss with
+    `labels=` (a local mean) is refused with the same error on every rank."""
+    per_rank = spawn(_token_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, out in enumerate(per_rank):
+        for key, (error, refused) in out.items():
+            assert error < TOL, (rank, key, error)
+            assert refused is not None and "labels= given to the model" in refused, (rank, key, refused)
+            assert refused == per_rank[0][key][1], (rank, key)
