@@ -11,6 +11,9 @@ attention): what transformers computes for the padded batch with the positions c
 each row's first token.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -226,3 +229,50 @@ def test_token_classification_and_a_critic_equal_one_process(world):
             assert error < TOL, (rank, key, error)
             assert refused is not None and "labels= given to the model" in refused, (rank, key, refused)
             assert refused == per_rank[0][key][1], (rank, key)
+
+
+# ------------------------------------------------------------------ the head sweep
+
+HEAD_OUTCOMES = Path(__file__).with_name("head_sweep_outcomes.json")
+HEAD_SWEEP_TIMEOUT = 420
+
+
+def pinned_head_outcomes():
+    import transformers
+
+    by_version = json.loads(HEAD_OUTCOMES.read_text())
+    version = ".".join(transformers.__version__.split(".")[:2])
+    assert version in by_version, (f"{HEAD_OUTCOMES.name} pins no outcomes for transformers {version}: run the "
+                                   "head sweep on it and pin what it prints")
+    return by_version[version]
+
+
+@pytest.mark.slow
+def test_every_head_is_exact_or_refused_on_every_rank(tmp_path):
+    """The head sweep (head_sweep.py): every decoder family's sequence-classification,
+    token-classification and question-answering head, at SP 2, exact (< 1e-6) or refused
+    with the same error on both ranks; the outcomes are pinned per transformers minor."""
+    from head_sweep import head_cases, head_sweep_worker
+    from test_hf_sweep import classify
+
+    cases = head_cases()
+    try:
+        per_rank = spawn(head_sweep_worker, 2, args=(cases, str(tmp_path)), timeout=HEAD_SWEEP_TIMEOUT,
+                         start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
+    except TimeoutError as error:
+        logs = {p.name: p.read_text().splitlines()[-1:] for p in tmp_path.glob("rank*.log")}
+        raise AssertionError(f"the head sweep hung or ran past {HEAD_SWEEP_TIMEOUT} s; last case per rank: {logs}") \
+            from error
+    report = {case: classify(case, per_rank) for case in cases}
+    counts = {}
+    for outcome, _ in report.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    print(f"\nhead sweep of {len(cases)} cases: {counts}\n" +
+          "\n".join(f"{c:48s} {o:10s} {d[:160]}" for c, (o, d) in sorted(report.items())))
+    bad = {c: r for c, r in report.items() if r[0] not in ("exact", "refused", "unbuilt")}
+    assert not bad, "heads neither exact nor refused on every rank:\n" + "\n".join(
+        f"{c}: {o}: {d}" for c, (o, d) in sorted(bad.items()))
+    pinned = pinned_head_outcomes()
+    changed = {c: (pinned.get(c), o) for c, (o, _) in report.items() if pinned.get(c) != o}
+    assert not changed, f"outcomes differ from {HEAD_OUTCOMES.name} (pinned, now): {changed}"
+    assert sorted(pinned) == cases

@@ -38,7 +38,10 @@ def _package_caller():
     an edit above it must not change the count's key)."""
     for frame in traceback.extract_stack()[:-2][::-1]:
         if "/ulysses_kernels/" in frame.filename:
-            return f"{frame.filename.split('/ulysses_kernels/')[-1]} {frame.name}"
+            where = f"{frame.filename.split('/ulysses_kernels/')[-1]} {frame.name}"
+            if where == "hf/context.py __call__":   # the first-call check around transformers' own forward
+                continue
+            return where
     return None
 
 

@@ -270,12 +270,14 @@ def tiny_config(model_type: str):
     return config_class(**fields)
 
 
-def build_tiny_model(model_type: str, attn_implementation: str, *, seed: int = 0, overrides: Optional[dict] = None):
+def build_tiny_model(model_type: str, attn_implementation: str, *, seed: int = 0, overrides: Optional[dict] = None,
+                     model_class=None):
     """The family's tiny model, float64, train mode, weights from `seed`; `overrides`: config
-    fields set after the tiny rule (head counts for a test's SP size)."""
+    fields set after the tiny rule (head counts for a test's SP size); `model_class`: another
+    head of the family (its causal LM by default)."""
     if model_type in NOT_TOKEN_ROWS:
         raise CannotBuildTiny(NOT_TOKEN_ROWS[model_type])
-    model_class = causal_lm_class(model_type)
+    model_class = model_class or causal_lm_class(model_type)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

@@ -25,6 +25,7 @@ from .context import (
     context_for_config,
     context_of,
     default_context,
+    meet_models_at_their_first_call,
     model_context,
     require_default_context,
     set_default_context,
@@ -103,6 +104,7 @@ def register(group=None, *, ring_group=None, backend: Optional[str] = None, name
         AttentionMaskInterface.register(name, ulysses_mask_function)
     refuse_in_own_attention_tables(name)
     make_sequence_classification_exact()
+    meet_models_at_their_first_call()
     set_sequence_parallel_group(group, ring_group=ring_group, backend=backend)
     return name
 

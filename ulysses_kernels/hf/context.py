@@ -330,6 +330,29 @@ def sequence_parallel_model(model: nn.Module, groups=None) -> SequenceParallelCo
     return context
 
 
+def meet_models_at_their_first_call() -> None:
+    """Give transformers' `PreTrainedModel` a `__call__` that, for a model called with
+    `shard_batch`'s inputs (`ulysses_seq_lens=`) and no context yet, attaches the default
+    context and checks the model (`sequence_parallel_model`: the guard, and a model whose
+    attention is not "ulysses" on more than one rank) before its forward starts. Without it
+    the package first meets such a model inside its forward (the mask function), too late
+    for what the forward already began (its head), or never (attention written by hand).
+    Any other call passes through unchanged. Idempotent (`register` calls it)."""
+    from transformers import PreTrainedModel
+
+    call = PreTrainedModel.__call__
+    if getattr(call, "_ulysses_meets", False):
+        return
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("ulysses_seq_lens") is not None and context_of(self) is None:
+            sequence_parallel_model(self)
+        return call(self, *args, **kwargs)
+
+    __call__._ulysses_meets = True
+    PreTrainedModel.__call__ = __call__
+
+
 def _first_context(groups) -> SequenceParallelContext:
     if isinstance(groups, ParallelGroups):
         return SequenceParallelContext(groups)

@@ -86,7 +86,10 @@ def sequence_parallel_forward(self, input_ids=None, attention_mask=None, positio
                             "inputs_embeds", "Pass input_ids.")
     out = getattr(self, self.base_model_prefix)(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                                 inputs_embeds=inputs_embeds, **kwargs)
-    context = context_of(self)   # the first call attaches it inside the base model (the mask function)
+    context = context_of(self)   # attached at the model's first call (context.meet_models_at_their_first_call)
+    if context is None:
+        raise refusal(self, "the model has no sequence-parallel context", "Call ulysses_kernels.hf.register(groups) "
+                            "first, or ulysses_kernels.hf.attach_context(model, groups).")
     logits = self.score(out.last_hidden_state)
     lens = kwargs.get("ulysses_seq_lens") or context.forward_inputs.get("ulysses_seq_lens")
     pooled = pooled_scores(logits, input_ids, rows, self.config.get_text_config().pad_token_id, context, lens, self)
