@@ -276,3 +276,24 @@ def test_every_head_is_exact_or_refused_on_every_rank(tmp_path):
     changed = {c: (pinned.get(c), o) for c, (o, _) in report.items() if pinned.get(c) != o}
     assert not changed, f"outcomes differ from {HEAD_OUTCOMES.name} (pinned, now): {changed}"
     assert sorted(pinned) == cases
+
+
+def test_docs_list_every_head_with_its_pinned_outcome():
+    """docs/hf.md's head sweep table lists every case of the newest pinned transformers,
+    with its outcome."""
+    from helpers import ROOT
+
+    by_version = json.loads(HEAD_OUTCOMES.read_text())
+    pinned = by_version[max(by_version, key=lambda v: tuple(int(p) for p in v.split(".")))]
+    text = (ROOT / "docs" / "hf.md").read_text()
+    table = text[text.index("### Heads: the head sweep"):]
+    table = table[:table.index("\n### ", 1)]
+    heads = {"sequence classification": "SequenceClassification", "token classification": "TokenClassification",
+             "question answering": "QuestionAnswering"}
+    listed = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] in heads:
+            for family in cells[2].split(","):
+                listed[f"{family.strip()}/{heads[cells[0]]}"] = cells[1]
+    assert listed == pinned
