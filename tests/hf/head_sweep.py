@@ -115,19 +115,13 @@ def head_error(got, want):
 
 def run_case(case, groups):
     """("ran", step) | ("refused", message) | ("unbuilt", why) | ("raised", what) on this rank."""
-    from sweep import _first_line, _where
-    from tiny_models import CannotBuildTiny
+    from sweep import _first_line, _where, build_outcome
 
     from ulysses_kernels.hf import NotSequenceParallelError
 
-    try:
-        model = build_head(case, "ulysses")
-    except CannotBuildTiny as error:
-        return ("unbuilt", str(error))
-    except NotSequenceParallelError as error:   # refused at load time (an attention table of its own)
-        return ("refused", str(error))
-    except Exception as error:  # noqa: BLE001 - the family's own construction failed
-        return ("unbuilt", f"construction: {_first_line(error)}")
+    model, outcome = build_outcome(lambda: build_head(case, "ulysses"))
+    if outcome is not None:
+        return outcome
     try:
         return ("ran", sp_head_step(model, case.split("/")[1], groups))
     except NotSequenceParallelError as error:

@@ -76,20 +76,33 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def run_family(model_type, groups, progress):
-    """What one family does on this rank (see the module doc)."""
-    from tiny_models import CannotBuildTiny, build_tiny_model
+def build_outcome(build):
+    """(model, None) from `build()`, or (None, outcome): ("unbuilt", why) when the family
+    cannot be built tiny, ("refused", message) when it is refused at load time (an
+    attention table of its own)."""
+    from tiny_models import CannotBuildTiny
 
     from ulysses_kernels.hf import NotSequenceParallelError
 
     try:
-        model = build_tiny_model(model_type, "ulysses")
+        return build(), None
     except CannotBuildTiny as error:
-        return ("unbuilt", str(error))
-    except NotSequenceParallelError as error:   # refused at load time (an attention table of its own)
-        return ("refused", str(error))
+        return None, ("unbuilt", str(error))
+    except NotSequenceParallelError as error:
+        return None, ("refused", str(error))
     except Exception as error:  # noqa: BLE001 - the family's own construction failed
-        return ("unbuilt", f"construction: {_first_line(error)}")
+        return None, ("unbuilt", f"construction: {_first_line(error)}")
+
+
+def run_family(model_type, groups, progress):
+    """What one family does on this rank (see the module doc)."""
+    from tiny_models import build_tiny_model
+
+    from ulysses_kernels.hf import NotSequenceParallelError
+
+    model, outcome = build_outcome(lambda: build_tiny_model(model_type, "ulysses"))
+    if outcome is not None:
+        return outcome
     results = {}
     for case, documents in DOCUMENTS.items():
         progress(f"{model_type} / {case}")
