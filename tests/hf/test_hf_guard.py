@@ -257,6 +257,11 @@ def _refusals(rank, world):
     mask[2, 4:] = 0
     padded = ukhf.shard_batch(rows.masked_fill(mask == 0, 0), groups, attention_mask=mask)
     attempt("question answering forward", lambda: _head_model("llama", "QuestionAnswering")(**padded.model_inputs()))
+    # met at its first call with shard_batch's inputs: another attention implementation on 2 ranks
+    attempt("sdpa forward", lambda: build_tiny_model("llama", "sdpa")(**batch.model_inputs()))
+    # the exact sequence-classification head, called without the rows of the batch
+    rowless = {k: v for k, v in padded.model_inputs().items() if k != "ulysses_rows"}
+    attempt("scores without rows", lambda: _head_model("llama", "SequenceClassification")(**rowless))
     ok = build_tiny_model("llama", "ulysses")
     out["llama after"] = float(ukhf.causal_lm_loss(ok, batch, groups))   # the group stays usable
     return out
@@ -278,6 +283,8 @@ def test_refusals_are_the_same_on_every_rank():
     assert "'sdpa'" in per_rank[0]["sdpa loss"]
     assert "later tokens" in per_rank[0]["gemma3 image blocks"]
     assert "its head (LlamaForQuestionAnswering) pools over the sequence" in per_rank[0]["question answering forward"]
+    assert "its attention implementation is 'sdpa'" in per_rank[0]["sdpa forward"]
+    assert "did not say which row each token" in per_rank[0]["scores without rows"]
     assert per_rank[0]["llama after"] == per_rank[1]["llama after"]
 
 

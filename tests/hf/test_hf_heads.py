@@ -11,7 +11,6 @@ attention): what transformers computes for the padded batch with the positions c
 each row's first token.
 """
 
-import json
 from pathlib import Path
 
 import pytest
@@ -237,23 +236,13 @@ HEAD_OUTCOMES = Path(__file__).with_name("head_sweep_outcomes.json")
 HEAD_SWEEP_TIMEOUT = 420
 
 
-def pinned_head_outcomes():
-    import transformers
-
-    by_version = json.loads(HEAD_OUTCOMES.read_text())
-    version = ".".join(transformers.__version__.split(".")[:2])
-    assert version in by_version, (f"{HEAD_OUTCOMES.name} pins no outcomes for transformers {version}: run the "
-                                   "head sweep on it and pin what it prints")
-    return by_version[version]
-
-
 @pytest.mark.slow
 def test_every_head_is_exact_or_refused_on_every_rank(tmp_path):
     """The head sweep (head_sweep.py): every decoder family's sequence-classification,
     token-classification and question-answering head, at SP 2, exact (< 1e-6) or refused
     with the same error on both ranks; the outcomes are pinned per transformers minor."""
     from head_sweep import head_cases, head_sweep_worker
-    from test_hf_sweep import classify
+    from test_hf_sweep import classify, pinned_outcomes
 
     cases = head_cases()
     try:
@@ -272,7 +261,7 @@ def test_every_head_is_exact_or_refused_on_every_rank(tmp_path):
     bad = {c: r for c, r in report.items() if r[0] not in ("exact", "refused", "unbuilt")}
     assert not bad, "heads neither exact nor refused on every rank:\n" + "\n".join(
         f"{c}: {o}: {d}" for c, (o, d) in sorted(bad.items()))
-    pinned = pinned_head_outcomes()
+    pinned = pinned_outcomes(path=HEAD_OUTCOMES)
     changed = {c: (pinned.get(c), o) for c, (o, _) in report.items() if pinned.get(c) != o}
     assert not changed, f"outcomes differ from {HEAD_OUTCOMES.name} (pinned, now): {changed}"
     assert sorted(pinned) == cases
@@ -282,9 +271,9 @@ def test_docs_list_every_head_with_its_pinned_outcome():
     """docs/hf.md's head sweep table lists every case of the newest pinned transformers,
     with its outcome."""
     from helpers import ROOT
+    from test_hf_sweep import newest_pinned_version, pinned_outcomes
 
-    by_version = json.loads(HEAD_OUTCOMES.read_text())
-    pinned = by_version[max(by_version, key=lambda v: tuple(int(p) for p in v.split(".")))]
+    pinned = pinned_outcomes(newest_pinned_version(HEAD_OUTCOMES), HEAD_OUTCOMES)
     text = (ROOT / "docs" / "hf.md").read_text()
     table = text[text.index("### Heads: the head sweep"):]
     table = table[:table.index("\n### ", 1)]

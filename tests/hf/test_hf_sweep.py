@@ -36,20 +36,20 @@ TOLERANCE = 1e-6
 SWEEP_TIMEOUT = 420
 
 
-def pinned_outcomes(version=None):
-    """{family: outcome} pinned for transformers `version` (a minor such as "5.25"; None:
-    the installed one)."""
+def pinned_outcomes(version=None, path=OUTCOMES):
+    """{case: outcome} pinned in `path` for transformers `version` (a minor such as "5.25";
+    None: the installed one)."""
     import transformers
 
-    by_version = json.loads(OUTCOMES.read_text())
+    by_version = json.loads(path.read_text())
     version = version or ".".join(transformers.__version__.split(".")[:2])
-    assert version in by_version, (f"{OUTCOMES.name} pins no outcomes for transformers {version} (pinned: "
-                                   f"{sorted(by_version)}): run this sweep on it and pin what it prints")
+    assert version in by_version, (f"{path.name} pins no outcomes for transformers {version} (pinned: "
+                                   f"{sorted(by_version)}): run its sweep on it and pin what it prints")
     return by_version[version]
 
 
-def newest_pinned_version():
-    return max(json.loads(OUTCOMES.read_text()), key=lambda v: tuple(int(part) for part in v.split(".")))
+def newest_pinned_version(path=OUTCOMES):
+    return max(json.loads(path.read_text()), key=lambda v: tuple(int(part) for part in v.split(".")))
 
 
 def sweep_families():

@@ -15,7 +15,7 @@ from ..api import gather_sequence, ulysses_attention
 from ..distributed.collectives import first_message, gather_ints, max_over_ranks
 from ..distributed.groups import collective_device
 from ..layout import split_lengths
-from ..ring.layout import local_ranges, sp_lengths
+from ..ring.layout import sp_lengths
 from .batch import cu_seqlens_from_position_ids
 from .chunked import chunked_cu_seqlens, layer_chunk_size, positions_in_documents, retune_queries, tunes_temperature
 from .context import (
@@ -376,7 +376,7 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
     if cu_seqlens is not None and query.shape[0] != 1:
         raise ValueError(f"{where}: packed documents need batch size 1, got {query.shape[0]}")
     if tunes_temperature(module):   # HF scaled by arange(S_local): rescale by the tokens' true positions
-        true = positions_in_documents(_token_ranges(context, lens), documents, query.device)
+        true = positions_in_documents(context.token_ranges(lens), documents, query.device)
         query = retune_queries(module, query, torch.arange(query.shape[2], device=query.device), true)
 
     q = query.transpose(1, 2)
@@ -468,10 +468,3 @@ def _chunk_documents(context, cu_seqlens, total, chunk, query, where):
                          f"{chunk} tokens")
     context.forward_memo[key] = (cu_seqlens, chunks)
     return chunks
-
-
-def _token_ranges(context, lens):
-    """The global (start, length) ranges of the sequence this rank holds."""
-    _, world, rank = context.ulysses()
-    _, ring_world, ring_rank = context.ring()
-    return local_ranges(sum(lens), ring_world, world, ring_rank, rank)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.groups import ParallelGroups, resolve_group
+from ..ring.layout import local_ranges
 from .batch import split_groups
 from .guard import check_model, decoder_layers, install_call_checks, positions_holder, refusal
 from .mixers import (
@@ -100,6 +101,18 @@ class SequenceParallelContext:
         """(group, world, rank) of the ring group; (None, 1, 0) without a ring."""
         return resolve_group(self.ring_group) if self.ring_group is not None else (None, 1, 0)
 
+    def reduction_groups(self):
+        """The groups a sum (or maximum) over the whole SP grid runs over, one after the
+        other: the Ulysses group, then the ring group, each only when it has several ranks."""
+        return [group for group, world, _ in (self.ulysses(), self.ring()) if world > 1]
+
+    def token_ranges(self, lens):
+        """The global (start, length) ranges of the (packed) sequence this rank holds, in
+        local order, from every SP rank's length `lens` (zigzag with a ring)."""
+        _, world, rank = self.ulysses()
+        _, ring_world, ring_rank = self.ring()
+        return local_ranges(sum(lens), ring_world, world, ring_rank, rank)
+
     @property
     def sp_size(self) -> int:
         return self.ulysses()[1] * self.ring()[1]
@@ -164,11 +177,9 @@ def _check_labels(module: nn.Module, context, kwargs) -> None:
     `shard_batch` already shifted, again). The exact losses take this rank's share of the
     whole batch's targets (`causal_lm_loss`, `sequence_parallel_loss`; the tiled loss reads
     `ulysses_labels=`)."""
-    own = vars(module).get("forward")   # the package's own replacement (logprobs, patch) reads them itself
-    if own is not None and getattr(getattr(own, "__func__", own), "_ulysses_takes_labels", False):
-        return
-    if getattr(type(module).forward, "_ulysses_exact_head", False):   # its loss: the whole batch's scores (heads.py)
-        return
+    forward = vars(module).get("forward") or type(module).forward   # the instance's own, or its class's
+    if getattr(getattr(forward, "__func__", forward), "_ulysses_takes_labels", False):
+        return   # the package's own forward (logprobs, patch, heads.py) reads them itself
     if kwargs.get("labels") is not None and context.sp_size > 1:
         raise refusal(module, f"labels= given to the model at {context.describe()}: its own loss would be this "
                               "rank's local mean (and a causal LM would shift the already shifted labels again)",

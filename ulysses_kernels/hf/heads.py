@@ -33,7 +33,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.groups import collective_device
-from ..ring.layout import local_ranges
 from .context import context_of
 from .guard import refusal
 from .loss import sum_over_group
@@ -66,7 +65,8 @@ def make_sequence_classification_exact() -> None:
         arguments.pop("self")
         return sequence_parallel_forward(self, **arguments, **extra)
 
-    forward._ulysses_exact_head = True
+    forward._ulysses_exact_head = True   # guard.head_problem lets it through
+    forward._ulysses_takes_labels = True   # its loss is on the whole batch's scores (context._check_labels)
     generic.forward = forward
 
 
@@ -132,25 +132,21 @@ def _global_positions(context, lens, device) -> torch.Tensor:
     if lens is None:
         raise ValueError("ulysses_kernels.hf: the sequence-classification head needs every rank's length "
                          "(ulysses_seq_lens=, from shard_batch(...).model_inputs())")
-    _, world, rank = context.ulysses()
-    _, ring_world, ring_rank = context.ring()
-    ranges = local_ranges(sum(lens), ring_world, world, ring_rank, rank)
-    return torch.cat([torch.arange(start, start + n, device=device) for start, n in ranges])
+    return torch.cat([torch.arange(start, start + n, device=device) for start, n in context.token_ranges(lens)])
 
 
 def _max_over_sp(context, values: torch.Tensor) -> torch.Tensor:
-    for group, world in ((context.ulysses()[0], context.ulysses()[1]), (context.ring()[0], context.ring()[1])):
-        if world > 1:
-            shared = values.to(collective_device(group))
-            dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
-            values = shared.to(values.device)
+    """The elementwise maximum over the SP grid (integers: no gradient)."""
+    for group in context.reduction_groups():
+        shared = values.to(collective_device(group))
+        dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=group)
+        values = shared.to(values.device)
     return values
 
 
 def _sum_over_sp(context, local: torch.Tensor) -> torch.Tensor:
-    """The sum over the Ulysses and the ring group, value global, gradient through `local`."""
-    total = local
-    for group, world in ((context.ulysses()[0], context.ulysses()[1]), (context.ring()[0], context.ring()[1])):
-        if world > 1:
-            total = sum_over_group(total, group)
-    return total
+    """The sum over the SP grid, value global, gradient through `local` (`sum_over_group`
+    per group: each keeps the gradient on what it was given)."""
+    for group in context.reduction_groups():
+        local = sum_over_group(local, group)
+    return local

@@ -24,8 +24,8 @@ not survive what transformers does to a model afterwards (since 5.25 every `trai
 does, and the subclass refuses hub kernels (`kernel_condition`), which would run the
 one-device layer on the local shard. The module is marked `_ulysses_mixer` and the guard
 lets it (and its layer kind) through; every outermost forward checks that no adapted
-module's forward was replaced since (`replaced_adapter_problem`). Each adapted forward starts with
-`attention.token_mixer_call`, which counts it as a call of the package's token mixers
+module's forward was replaced since (`replaced_adapter_problem`). Each adapted forward
+starts with `attention.token_mixer_call`, which counts it as a call of the package's token mixers
 (`context.attention_calls`, as the attention function does) and gives it the forward's
 lengths and documents.
 """
