@@ -15,9 +15,15 @@ None) default to plain attention:
   (dsinks fp32 ``[Hq]``; an empty ``[0]`` tensor without sinks)
 * ``triton_flash_fwd_out(q, k, v, out!, lse!, causal, softmax_scale, cu_seqlens, seq_splits, batch,
   band_left=None, band_right=None, softcap=0.0, sinks=None) -> ()``
-* ``triton_flash_bwd_out(do, q, k, v, out, lse, dq!, dk!, dv!, causal, softmax_scale, cu_seqlens,
-  seq_splits, batch, deterministic=False, band_left=None, band_right=None, softcap=0.0,
-  sinks=None, dsinks!=None) -> ()``
+* ``triton_flash_bwd_out(do, q, k, v, out, lse, dq!, dk!, dv!, dsinks!, causal, softmax_scale,
+  cu_seqlens, seq_splits, batch, deterministic=False, band_left=None, band_right=None,
+  softcap=0.0, sinks=None) -> ()`` (dsinks: None without sinks)
+
+No argument an op writes has a default value: before torch 2.14 the ADInplaceOrView kernel of
+a custom op indexed its written arguments by position in an argument list from which the
+dispatcher had dropped the trailing defaults, so a written ``dsinks=None`` at the end raised
+IndexError on every backward (the second GPU run, torch 2.11; tests/triton/test_triton_ops.py
+checks the rule).
 
 Variants (docs/architecture.md, "Attention variants"), each a compile-time switch of the
 kernels, so a call without them runs exactly the plain kernels:
@@ -335,19 +341,19 @@ def _(q, k, v, out, lse, causal, softmax_scale, cu_seqlens, seq_splits, batch, b
 @torch.library.custom_op(f"{_NS}::triton_flash_bwd_out", mutates_args=("dq", "dk", "dv", "dsinks"))
 def triton_flash_bwd_out(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          out: torch.Tensor, lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                         dv: torch.Tensor, causal: bool, softmax_scale: float,
+                         dv: torch.Tensor, dsinks: Optional[torch.Tensor], causal: bool, softmax_scale: float,
                          cu_seqlens: Optional[torch.Tensor], seq_splits: int, batch: int,
                          deterministic: bool = False, band_left: Optional[int] = None,
                          band_right: Optional[int] = None, softcap: float = 0.0,
-                         sinks: Optional[torch.Tensor] = None, dsinks: Optional[torch.Tensor] = None) -> None:
+                         sinks: Optional[torch.Tensor] = None) -> None:
     _run_bwd(do, q, k, v, out, lse, (dq, dk, dv),
              CallOptions(causal, softmax_scale, cu_seqlens, seq_splits, batch, band=(band_left, band_right),
                          softcap=softcap, sinks=sinks, deterministic=deterministic), dsinks=dsinks)
 
 
 @triton_flash_bwd_out.register_fake
-def _(do, q, k, v, out, lse, dq, dk, dv, causal, softmax_scale, cu_seqlens, seq_splits, batch,
-      deterministic=False, band_left=None, band_right=None, softcap=0.0, sinks=None, dsinks=None):
+def _(do, q, k, v, out, lse, dq, dk, dv, dsinks, causal, softmax_scale, cu_seqlens, seq_splits, batch,
+      deterministic=False, band_left=None, band_right=None, softcap=0.0, sinks=None):
     return None
 
 
@@ -506,9 +512,9 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             _check_out(name, t, ref.shape, ref.dtype, ref.device)
         bufs.append(t)
     dq, dk, dv = bufs
-    triton_flash_bwd_out(do, q, k, v, out, lse, dq, dk, dv, bool(causal), scale, cu_seqlens,
+    triton_flash_bwd_out(do, q, k, v, out, lse, dq, dk, dv, dsinks, bool(causal), scale, cu_seqlens,
                          int(seq_splits), int(g.batch), _deterministic(deterministic), band[0], band[1],
-                         softcap, sinks, dsinks)
+                         softcap, sinks)
     return dq, dk, dv
 
 
