@@ -9,8 +9,9 @@ of `torch.autograd.graph.saved_tensors_hooks` that is active around each block's
 - pack (forward): a device tensor saved by the block goes to a host buffer from a reusable
   pool (pinned on CUDA), copied on a side stream after the compute stream has produced it;
   the device memory returns to the allocator once the copy is done (`record_stream`).
-- unpack (backward): the tensor comes back to the device; the host buffer returns to the
-  pool when that copy has finished. Blocks are unpacked in reverse order, and each unpack
+- unpack (backward): the tensor comes back to the device, into memory allocated on the
+  side stream that copies it; the host buffer returns to the pool when that copy has
+  finished. Blocks are unpacked in reverse order, and each unpack
   starts the copy of the previous block's inputs on the side stream, so it is on the GPU
   when the backward reaches it.
 
@@ -124,11 +125,16 @@ class CheckpointOffload:
         return handle
 
     def _to_device(self, h: _Offloaded, stream) -> Tuple[torch.Tensor, object]:
-        flat = torch.empty(h.host.numel(), dtype=torch.uint8, device=h.device)
         if stream is None:
+            flat = torch.empty(h.host.numel(), dtype=torch.uint8, device=h.device)
             flat.copy_(h.host)
             return flat.view(h.dtype).view(h.shape), None
         with torch.cuda.stream(stream):
+            # Allocated on the side stream that writes it: memory from the compute stream's
+            # pool can still be in use by compute kernels queued before its free, and a side
+            # stream write into it would race them. The compute stream's use is recorded in
+            # _unpack (record_stream), so the block is not reused before that use is done.
+            flat = torch.empty(h.host.numel(), dtype=torch.uint8, device=h.device)
             if h.copied is not None:
                 stream.wait_event(h.copied)
             flat.copy_(h.host, non_blocking=True)
