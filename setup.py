@@ -126,6 +126,9 @@ def _compiler_libstdcxx(compiler):
     return os.path.realpath(out) if os.path.isabs(out) and os.path.exists(out) else None
 
 
+HOST_COMPILER_NOTE = ""  # the compiler the build chose and why (the build log, _build_info.py)
+
+
 def match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=shutil.which):
     """The C++ compiler to build with, and why, or (None, None) to keep the default.
 
@@ -133,7 +136,9 @@ def match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=s
     load fine and still crash the process on its first C++ exception (seen on the first GPU
     run: the image's CXX, a second GCC under /opt, segfaulted in every TORCH_CHECK; the
     system g++ built a working one). So when CXX's libstdc++ is not the loaded one, a g++
-    on PATH whose libstdc++ is, is used instead.
+    on PATH whose libstdc++ is, is used instead. A compiler that names no shared libstdc++
+    (`-print-file-name` finds none: it may link a static one) counts as not matching: the
+    second GPU run kept such a CXX and crashed the same way.
     """
     variable = _load_env_module().HOST_COMPILER.name
     forced = environ.get(variable)
@@ -141,13 +146,14 @@ def match_host_compiler(environ, loaded, runtime_of=_compiler_libstdcxx, which=s
         return forced, variable
     current = environ.get("CXX") or "c++"
     mine = runtime_of(current)
-    if loaded is None or mine is None or mine == loaded:
+    if loaded is None or mine == loaded:
         return None, None
+    links = mine or "no shared libstdc++ it can name"
     for candidate in ("g++", "c++", "/usr/bin/g++", "/usr/bin/c++"):
         path = which(candidate)
         if path and runtime_of(path) == loaded:
-            return path, f"CXX={current} links {mine}, torch runs with {loaded}"
-    print(f"ulysses-kernels: warning: CXX={current} links {mine} but torch runs with {loaded}, "
+            return path, f"CXX={current} links {links}, torch runs with {loaded}"
+    print(f"ulysses-kernels: warning: CXX={current} links {links} but torch runs with {loaded}, "
           "and no g++ on PATH matches: C++ errors of the extension may crash the process; set "
           f"{variable}", file=sys.stderr)
     return None, None
@@ -176,12 +182,19 @@ def cuda_extension_or_reason(build_dir):
 
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
-    compiler, why = match_host_compiler(os.environ, _loaded_libstdcxx())
+    loaded = _loaded_libstdcxx()
+    compiler, why = match_host_compiler(os.environ, loaded)
     if compiler:
         # CXX: the C++ files and the link. CC (nvcc's -ccbin) stays: that combination is the
         # one the first GPU run verified, and nvcc accepts only some GCC versions.
         os.environ["CXX"] = compiler
-        print(f"ulysses-kernels: host compiler {compiler} ({why})", file=sys.stderr)
+    # Always stated (build log, and _build_info for the doctor): the GPU image's crash on C++
+    # errors is diagnosed from this line.
+    global HOST_COMPILER_NOTE
+    chosen = os.environ.get("CXX") or "c++"
+    HOST_COMPILER_NOTE = (f"{chosen} (libstdc++ {_compiler_libstdcxx(chosen)}; torch runs with {loaded}; "
+                          f"{'chosen because ' + why if compiler else 'kept'})")
+    print(f"ulysses-kernels: host compiler {HOST_COMPILER_NOTE}", file=sys.stderr)
     # NCCL's folder, and from the other wheels only what the toolkit lacks.
     includes = [os.path.join(root, "nccl", "include")]
     extra = link_missing_toolkit_headers(root, torch.version.cuda.split(".")[0], cuda_home,
@@ -261,6 +274,7 @@ class BuildExtension(_BaseBuild):
             f.write("# Written by setup.py's build; read by `ulysses-kernels doctor`.\n")
             f.write(f"CUDA_EXTENSION_SKIPPED_REASON = {reason!r}\n")
             f.write(f"TORCH_CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST', '')!r}\n")
+            f.write(f"HOST_COMPILER = {HOST_COMPILER_NOTE!r}\n")
 
     def get_outputs(self):
         return super().get_outputs() + [self._build_info_path()]

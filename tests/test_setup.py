@@ -67,11 +67,23 @@ def test_mismatched_cxx_is_replaced_by_a_matching_gxx():
     assert compiler == "/usr/bin/g++" and "/opt/gcc/lib64" in why and LOADED in why
 
 
-def test_matching_or_unknown_runtime_keeps_the_default():
+def test_a_cxx_without_a_shared_libstdcxx_is_replaced_too():
+    """A compiler whose shared libstdc++ cannot be named (it may link a static one) is not
+    taken for a match: the second GPU run kept such a CXX and its C++ errors crashed."""
+    match = _helpers()["match_host_compiler"]
+    compiler, why = match({"CXX": "/opt/static/g++"}, LOADED, RUNTIMES.get,
+                          _which({"g++": "/opt/static/g++", "/usr/bin/g++": "/usr/bin/g++"}))
+    assert compiler == "/usr/bin/g++" and "no shared libstdc++" in why
+
+
+def test_matching_or_unknown_runtime_keeps_the_default(capsys):
     match = _helpers()["match_host_compiler"]
     assert match({"CXX": "/usr/bin/g++"}, LOADED, RUNTIMES.get, _which({})) == (None, None)
     assert match({"CXX": "/opt/gcc/bin/g++"}, None, RUNTIMES.get, _which({})) == (None, None)
+    assert capsys.readouterr().err == ""
+    # no libstdc++ named and no g++ that matches: kept, with the warning
     assert match({}, LOADED, lambda c: None, _which({})) == (None, None)
+    assert "ULYSSES_KERNELS_HOST_COMPILER" in capsys.readouterr().err
 
 
 def test_no_matching_compiler_warns_and_keeps_cxx(capsys):

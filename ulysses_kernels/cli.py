@@ -77,6 +77,7 @@ def doctor(args) -> int:
         _line("  fused path", "available" if why is None else f"unavailable: the fused path {why}")
         broken = extensions.error_path_problem()
         _line("  C++ errors", "raised as RuntimeError" if broken is None else f"BROKEN: {broken}")
+        _line("  host compiler", extensions.build_info("HOST_COMPILER") or "not recorded")
     else:
         _line("CUDA extension", f"not available: {reason}")
     kernels, why = extensions.triton_kernels()
