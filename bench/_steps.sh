@@ -63,7 +63,10 @@ step() {  # step NAME TIMEOUT_S CMD...
     echo "error: simulated build failure (GPU_CHECK_SIMULATE_BUILD_FAILURE=1)" >"$log"
     false
   else
-    timeout --kill-after="$KILL_GRACE" "$limit" "$@" >"$log" 2>&1
+    # Each failing test's report as it happens (tests/conftest.py): a step cut off at its
+    # limit never reaches pytest's own summary of why.
+    ULYSSES_KERNELS_FAILURE_LOG="$RESULTS/gpu_check_${STEP_PREFIX}${name}_failures.txt" \
+      timeout --kill-after="$KILL_GRACE" "$limit" "$@" >"$log" 2>&1
   fi
   local rc=$?
   local dt=$((SECONDS - t0))
@@ -121,6 +124,11 @@ publish_results() {  # outermost script only, and only when $OUT is set
       printf '\n## last 60 lines of gpu_check_%s.log (failed)\n\n```\n' "$name"
       tail -n 60 "$RESULTS/gpu_check_${name}.log"
       printf '```\n'
+      if [ -s "$RESULTS/gpu_check_${name}_failures.txt" ]; then
+        printf '\n## failing tests of %s (first 150 lines of their reports)\n\n```\n' "$name"
+        head -n 150 "$RESULTS/gpu_check_${name}_failures.txt"
+        printf '```\n'
+      fi
     done
   } > "$report"
   tar -czf "$OUT/gpu_check_results.tar.gz" -C "$RESULTS" .

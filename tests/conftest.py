@@ -65,6 +65,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Each failing test's report, appended to ULYSSES_KERNELS_FAILURE_LOG as soon as it arrives
+# (in the xdist controller too): pytest prints the reasons only at the end of the session,
+# which a GPU-check step cut off at its time limit never reaches.
+FAILURE_LOG = "ULYSSES_KERNELS_FAILURE_LOG"
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(FAILURE_LOG)
+    if not path or not report.failed:
+        return
+    with open(path, "a") as log:
+        log.write(f"\n===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 # Per-test time limit in seconds (bench/gpu_check.sh sets it for the GPU steps, where
 # pytest-timeout may be missing): a test that runs past it fails with TimeoutError instead
 # of eating the whole step. Unset, empty or 0: no limit.

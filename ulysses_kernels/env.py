@@ -102,6 +102,9 @@ TEST_TIMEOUT = Variable("ULYSSES_KERNELS_TEST_TIMEOUT", "number", "0 (no limit)"
 GPU_ISOLATE = Variable("ULYSSES_KERNELS_GPU_ISOLATE", "flag", "0", "tests/conftest.py",
                        "End a pytest worker whose CUDA context broke after a GPU test (the GPU check sets it "
                        "under pytest-xdist, so one fault costs one test).")
+FAILURE_LOG = Variable("ULYSSES_KERNELS_FAILURE_LOG", "path", "(unset: none)", "tests/conftest.py",
+                       "A file each failing test's report is appended to as soon as it fails (the GPU check "
+                       "sets one per step, so a step cut off at its time limit still tells why its tests failed).")
 GPU_CHECK_DRY_RUN = Variable("GPU_CHECK_DRY_RUN", "flag", "0", "bench/_steps.sh, bench/*.py",
                              "Walk `bench/gpu_check.sh` on a CPU with the GPU parts stubbed (CI runs it).")
 GPU_CHECK_STEPS = Variable("GPU_CHECK_STEPS", "text", "every default step", "bench/gpu_check.sh",
@@ -113,7 +116,7 @@ VARIABLES = (BACKEND, ATTENTION, CACHE_DIR, DETERMINISTIC, BWD_HEAD_SPLITS, TRIT
              HOPPER_FEATURES,
              NUM_CHUNKS, TRANSPORT, NCCL_TIMEOUT, NCCL_CHECK, NCCL_BLOCKING,
              SKIP_CUDA_BUILD, FORCE_CUDA_BUILD, HOST_COMPILER,
-             TEST_TIMEOUT, GPU_ISOLATE, GPU_CHECK_DRY_RUN, GPU_CHECK_STEPS, GPU_CHECK_SIMULATE_BUILD_FAILURE)
+             TEST_TIMEOUT, GPU_ISOLATE, FAILURE_LOG, GPU_CHECK_DRY_RUN, GPU_CHECK_STEPS, GPU_CHECK_SIMULATE_BUILD_FAILURE)
 
 Name = Union[Variable, str]
 

@@ -41,3 +41,26 @@ def test_bad_dry_run_value_is_an_error(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh")], cwd=ROOT, env=run_env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "is not a boolean" in proc.stdout
+
+
+def test_failing_tests_are_logged_as_they_fail(tmp_path, monkeypatch):
+    """tests/conftest.py appends each failing report to ULYSSES_KERNELS_FAILURE_LOG at once:
+    on the second GPU run a step cut off at its limit lost every reason its tests failed."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("_conftest_under_test", ROOT / "tests" / "conftest.py")
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    log = tmp_path / "failures.txt"
+    monkeypatch.setenv("ULYSSES_KERNELS_FAILURE_LOG", str(log))
+    conftest.pytest_runtest_logreport(SimpleNamespace(failed=False, nodeid="t::ok", when="call", longreprtext=""))
+    assert not log.exists()
+    for name in ("t::first", "t::second"):
+        conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, nodeid=name, when="call",
+                                                          longreprtext=f"E  IndexError in {name}"))
+    text = log.read_text()
+    assert "===== t::first (call)\nE  IndexError in t::first" in text and text.index("t::first") < text.index("t::second")
+    monkeypatch.delenv("ULYSSES_KERNELS_FAILURE_LOG")
+    conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, nodeid="t::x", when="call", longreprtext="x"))
+    assert "t::x" not in log.read_text()
