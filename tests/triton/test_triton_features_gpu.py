@@ -97,8 +97,6 @@ def test_features_on_the_gpu_match_float64(case, feature_list, dtype, monkeypatc
     if name not in _REFERENCE:
         _REFERENCE[name] = brute_force_attention(q, k, v, do, sinks=sinks, **options)
     want = _REFERENCE[name]
-    left, right = options.pop("window_size", (-1, -1))
-    options["window"] = (None if left < 0 else left, None if right < 0 else right)
     device = torch.device("cuda")
     q, k, v, do = (t.to(device, dtype) for t in (q, k, v, do))
     sinks = sinks.to(device) if sinks is not None else None
