@@ -41,3 +41,20 @@ def test_loss_for_world_average_scales_by_the_sp_size_and_checks_the_engine():
         loss_for_world_average(loss, 4)
     with pytest.raises(ValueError, match="averages gradients over 1 of the 1 ranks \\(sequence_parallel_size 2\\)"):
         loss_for_world_average(loss, groups, engine=SimpleNamespace(dp_world_size=1, sequence_parallel_size=2))
+
+
+def test_gradient_for_world_average_keeps_the_value_and_scales_the_gradient():
+    """Global values (the reward mixin's scores): the value as it is, the gradient x sp_size,
+    nothing at SP 1; anything but init_sequence_parallel's groups is refused."""
+    from ulysses_kernels import ParallelGroups
+    from ulysses_kernels.hf import gradient_for_world_average
+
+    groups = ParallelGroups(*[None] * len(ParallelGroups._fields))._replace(sp_size=3)
+    x = torch.randn(4, 1, dtype=torch.float64, requires_grad=True)
+    y = gradient_for_world_average(x, groups)
+    assert torch.equal(y, x)
+    (y.square().sum()).backward()
+    assert torch.allclose(x.grad, 3 * 2 * x.detach(), rtol=0, atol=1e-15)
+    assert gradient_for_world_average(x, groups._replace(sp_size=1)) is x
+    with pytest.raises(TypeError, match="init_sequence_parallel"):
+        gradient_for_world_average(x, 3)

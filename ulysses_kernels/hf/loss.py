@@ -147,3 +147,30 @@ def loss_for_world_average(loss: torch.Tensor, groups, engine=None) -> torch.Ten
                              f"{world} ranks (sequence_parallel_size {engine_sp}); the scale assumes all of "
                              "them. Call deepspeed.initialize without mpu= and without sequence_parallel_size.")
     return loss * groups.sp_size
+
+
+class _GradientTimes(torch.autograd.Function):
+    """`x` unchanged; its gradient times `factor`."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def gradient_for_world_average(values: torch.Tensor, groups: ParallelGroups) -> torch.Tensor:
+    """`values` as they are, their gradient times the SP size. For values that are global on
+    every rank of an SP group with a gradient through this rank's tokens only (the pooled
+    scores of heads.py, `rl.row_sums`) that feed a loss computed the same on every rank and
+    a backward through an engine that averages gradients over the whole world (DDP,
+    DeepSpeed): that mean then gives the SUM over each SP group and the MEAN over the DP
+    groups, while the loss value (what a trainer logs) stays the true one. The counterpart of
+    `loss_for_world_average`, which scales the loss value itself."""
+    if not isinstance(groups, ParallelGroups):
+        raise TypeError("gradient_for_world_average needs init_sequence_parallel(...)'s groups (its sp_size), got "
+                        f"{type(groups).__name__}")
+    return values if groups.sp_size == 1 else _GradientTimes.apply(values, float(groups.sp_size))

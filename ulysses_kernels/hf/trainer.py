@@ -195,7 +195,20 @@ class DataParallelView:
         return torch.utils._pytree.tree_map_only(torch.Tensor, one, tensor)
 
     def gather_for_metrics(self, tensor, use_gather_object: bool = False):
-        return self.gather_object(tensor) if use_gather_object else self.gather(tensor)
+        """`Accelerator.gather_for_metrics` over the DP groups: the gather, then, on the last
+        batch of a dataloader whose dataset does not divide into whole global batches, the
+        samples the dataloader repeated to even the ranks dropped (the dataloaders are sharded
+        over DP, so the remainder is a DP-only run's). Anything but tensors is gathered as
+        objects, as accelerate does."""
+        leaves = torch.utils._pytree.tree_leaves(tensor)
+        use_gather_object = use_gather_object or not all(isinstance(t, torch.Tensor) for t in leaves)
+        data = self.gather_object(tensor) if use_gather_object else self.gather(tensor)
+        state = self._accelerator.gradient_state
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return data
+        if use_gather_object:
+            return data[:state.remainder]
+        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t[:state.remainder], data)
 
     def gather_object(self, obj):
         """Every DP group's picklable `obj`, lists flattened (as `accelerate.utils.gather_object`)."""
