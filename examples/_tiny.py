@@ -17,6 +17,20 @@ def tiny_model(attn_implementation, hidden=64, layers=2, heads=4, kv_heads=2, se
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).float()
 
 
+def tiny_reward_model(attn_implementation, hidden=64, layers=2, heads=4, kv_heads=2, seed=0):
+    """The tiny Llama with a one-score sequence-classification head (a reward model); its
+    pad token is the tokenizer's, which the head pools past."""
+    import transformers
+    from transformers import AutoModelForSequenceClassification
+
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=VOCAB,
+                                      max_position_embeddings=1 << 16, attention_dropout=0.0, use_cache=False,
+                                      num_labels=1, pad_token_id=VOCAB - 2)
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation).float()
+
+
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -13,6 +13,7 @@ from trainer_cases import (
     forget_deepspeed,
     initial_parameters,
     make_model,
+    parameters,
     recording,
     start_from_initial,
     tiny_tokenizer,
@@ -173,3 +174,67 @@ def run_dpo(out, sp=None, **extra):
     trainer = recording(base)(model=model, ref_model=ref_model, **kwargs)
     trainer.train()
     return finish(trainer), trainer
+
+
+def scored_pairs():
+    """`preference_pairs` with a margin per pair (TRL's reward loss subtracts it)."""
+    g = torch.Generator().manual_seed(9)
+    return preference_pairs().add_column("margin", (torch.rand(N_PAIRS, generator=g) - 0.5).tolist())
+
+
+def reward_args(out, **extra):
+    import torch.distributed as dist
+    from trl import RewardConfig
+
+    common = dict(output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=3, max_steps=2,
+                  center_rewards_coefficient=0.1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                  seed=0, disable_tqdm=True, bf16=False, ddp_backend="gloo" if dist.is_initialized() else None,
+                  **{**OPTIMIZER, "learning_rate": 0.05})   # the LM tests' 0.5 makes the scores diverge
+    common.update(extra)
+    return RewardConfig(**common)
+
+
+# The eval metrics a reward run is compared on (trainer_cases.compare: values that are no
+# parameter).
+REWARD_EVAL = ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward")
+_REWARD_INITIAL = {}
+
+
+def reward_initial_parameters():
+    """The parameters every reward run starts from (the seeded tiny reward model): what
+    compare measures the updates from."""
+    from _tiny import tiny_reward_model
+
+    if not _REWARD_INITIAL:
+        _REWARD_INITIAL.update(parameters(tiny_reward_model("eager")))
+    return _REWARD_INITIAL
+
+
+def run_reward(out, sp=None, ring=1, **extra):
+    """A RewardTrainer run (margins, centred rewards; DP only when `sp` is None, else SP `sp`
+    (of which `ring` ring ranks) x DP world / sp), trained, then evaluated on 8 pairs in
+    batches of 3 a rank (the last one uneven at DP 2): (losses, params) as trainer_cases.finish,
+    with REWARD_EVAL among the params, and the trainer."""
+    from _tiny import tiny_reward_model
+    from trl import RewardTrainer
+
+    forget_deepspeed()
+    args = reward_args(out, **extra)
+    kwargs = dict(args=args, train_dataset=scored_pairs(), processing_class=tiny_tokenizer())
+    attention = "eager"
+    base = RewardTrainer
+    if sp is not None:
+        import ulysses_kernels as uk
+        from ulysses_kernels import hf as ukhf
+
+        groups = uk.init_sequence_parallel(sp, ring_size=ring)
+        ukhf.register(groups)
+        attention = "ulysses"
+        base = type("SPRewardTrainer", (ukhf.SequenceParallelRewardMixin, RewardTrainer), {})
+        kwargs["sp_groups"] = groups
+    trainer = recording(base)(model=tiny_reward_model(attention), **kwargs)
+    trainer.train()
+    metrics = trainer.evaluate(eval_dataset=scored_pairs())
+    losses, params = finish(trainer)
+    params.update({name: torch.tensor(metrics[name], dtype=torch.float64) for name in REWARD_EVAL})
+    return (losses, params), trainer

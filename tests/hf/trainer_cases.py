@@ -260,32 +260,35 @@ def start_from_initial(model):
     return model
 
 
-def differences(got, want):
-    """How far a run `got` is from the reference `want`, both (losses, {name: parameter}),
-    relative: the per-step losses, the worst parameter update (name, error) and the eval loss."""
+def differences(got, want, initial=None):
+    """How far a run `got` is from the reference `want`, both (losses, {name: value}),
+    relative: the per-step losses, every parameter's update from `initial` (default
+    initial_parameters()) with the worst (name, error), and the values that are no
+    parameter of `initial` (the eval loss and other metrics) as they are."""
     (losses, params), (ref_losses, ref_params) = got, want
-    initial = initial_parameters()
+    initial = initial_parameters() if initial is None else initial
     updates = {name: rel_err(params[name] - initial[name], ref - initial[name])
-               for name, ref in ref_params.items() if name != "eval_loss"}
+               for name, ref in ref_params.items() if name in initial}
+    metrics = {name: rel_err(params[name], ref) for name, ref in ref_params.items() if name not in initial}
     worst = max(updates, key=updates.get)
-    evals = rel_err(params["eval_loss"], ref_params["eval_loss"]) if "eval_loss" in params and "eval_loss" in ref_params else None
-    return dict(losses=rel_err(losses, ref_losses), worst_update=(worst, updates[worst]), updates=updates, eval_loss=evals)
+    return dict(losses=rel_err(losses, ref_losses), worst_update=(worst, updates[worst]), updates=updates,
+                metrics=metrics)
 
 
-def compare(got, want, what, tol=TOL, update_tol=UPDATE_TOL):
+def compare(got, want, what, tol=TOL, update_tol=UPDATE_TOL, initial=None):
     """Differences of a run `got` from the reference `want` above the tolerances: the
-    per-step losses above `tol` and every parameter's update above `update_tol`, relative.
-    The measured values are printed (shown with pytest -s)."""
+    per-step losses and the metrics above `tol` and every parameter's update above
+    `update_tol`, relative (see differences). The measured values are printed (shown with
+    pytest -s)."""
     (losses, _), (ref_losses, _) = got, want
-    found = differences(got, want)
+    found = differences(got, want, initial)
     name, worst = found["worst_update"]
     print(f"{what}: losses rel err {found['losses']:.2e}, worst update rel err {worst:.2e} ({name})"
-          + (f", eval loss rel err {found['eval_loss']:.2e}" if found["eval_loss"] is not None else ""))
+          + "".join(f", {m} rel err {e:.2e}" for m, e in found["metrics"].items()))
     errors = []
     if not found["losses"] < tol:
         errors.append(f"{what}: losses {losses.tolist()} vs {ref_losses.tolist()}")
-    if found["eval_loss"] is not None and not found["eval_loss"] < tol:
-        errors.append(f"{what}: eval loss rel err {found['eval_loss']:.2e}")
+    errors += [f"{what}: {m} rel err {e:.2e}" for m, e in found["metrics"].items() if not e < tol]
     errors += [f"{what}: {n} update rel err {e:.2e}" for n, e in found["updates"].items() if not e < update_tol]
     return errors
 

@@ -88,7 +88,8 @@ context per model), `guard.py` (what is refused), `chunked.py` (Llama 4), `gener
 FSDP2), `tiling.py` (tiled MLP and loss), `logprobs.py` (per-token log-probs and entropy, tiled), `rl.py` (row sums,
 GRPO and DPO losses), `offload.py` (checkpoint offload), `patch.py` (`patch_model`), `vision.py` (vision-language
 models), `mixers.py` / `gated_deltanet.py` / `mamba2.py` / `mixer_ring.py` (hybrid models), `heads.py`
-(sequence classification: reward models).
+(sequence classification: reward models), `grpo_trainer.py` / `dpo_trainer.py` / `reward_trainer.py` (TRL's
+RL trainers' mixins).
 """
 
 from . import gated_deltanet, mamba2  # noqa: F401, I001 - register their adapters (mixers.py)
@@ -114,7 +115,13 @@ from .context import SequenceParallelContext, attach_context, context_of
 from .generation import decoding, generate, make_cache, prefill
 from .guard import NotSequenceParallelError
 from .logprobs import token_logprobs
-from .loss import causal_lm_loss, global_mean_from_sum, loss_for_world_average, sequence_parallel_loss
+from .loss import (
+    causal_lm_loss,
+    global_mean_from_sum,
+    gradient_for_world_average,
+    loss_for_world_average,
+    sequence_parallel_loss,
+)
 from .offload import CheckpointOffload, HostBufferPool
 from .parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .patch import patch_model, unpatch_model
@@ -122,6 +129,7 @@ from .rl import dpo_loss, grpo_loss, row_sums
 from .tiling import tiled_cross_entropy_sum, tiled_mlp
 from .dpo_trainer import SequenceParallelDPOMixin
 from .grpo_trainer import SequenceParallelGRPOMixin
+from .reward_trainer import SequenceParallelRewardMixin
 from .trainer import SequenceParallelTrainerMixin
 
 __all__ = [
@@ -129,8 +137,9 @@ __all__ = [
     "NotSequenceParallelError", "set_sequence_parallel_group", "get_sequence_parallel_group",
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
     "SequenceParallelBatch", "shard_batch", "PaddingInfo", "repad", "gather_tokens", "count_targets",
-    "SequenceParallelTrainerMixin", "SequenceParallelGRPOMixin", "SequenceParallelDPOMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
-    "causal_lm_loss", "loss_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
+    "SequenceParallelTrainerMixin", "SequenceParallelGRPOMixin", "SequenceParallelDPOMixin",
+    "SequenceParallelRewardMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
+    "causal_lm_loss", "loss_for_world_average", "gradient_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
     "token_logprobs", "row_sums", "grpo_loss", "dpo_loss",
 ]
