@@ -38,7 +38,7 @@ from .guard import (
     refusal,
     refuse_in_own_attention_tables,
 )
-from .heads import make_sequence_classification_exact
+from .heads import make_sequence_classification_exact, make_token_classification_exact
 from .vision import (
     BLOCKS_KEY,
     SHARD_KEY,
@@ -104,6 +104,7 @@ def register(group=None, *, ring_group=None, backend: Optional[str] = None, name
         AttentionMaskInterface.register(name, ulysses_mask_function)
     refuse_in_own_attention_tables(name)
     make_sequence_classification_exact()
+    make_token_classification_exact()
     meet_models_at_their_first_call()
     set_sequence_parallel_group(group, ring_group=ring_group, backend=backend)
     return name

@@ -22,6 +22,14 @@ on the pooled scores (the one-device loss, on every rank).
 every family that inherits it, before any model's first call); it runs transformers' own
 forward for a call without `ulysses_rows=` on one rank (a plain batch, as transformers takes
 it). A family whose head is its own class stays refused (guard.py, `head_problem`).
+
+Token classification (`GenericForTokenClassification`, a critic's value head with
+`num_labels=1` too) is per token: its logits are this rank's tokens' as they are. Its loss
+with `labels=` (this rank's tokens' labels, `batch.shard_tokens(labels)`) would be this
+rank's mean; `make_token_classification_exact` gives the class a forward that returns
+transformers' loss over the whole batch instead: the cross-entropy sum (in float32, as
+transformers computes it) and the count of labels that are not -100, each summed over the
+SP grid with the same convention.
 """
 
 import functools
@@ -68,6 +76,57 @@ def make_sequence_classification_exact() -> None:
     forward._ulysses_exact_head = True   # guard.head_problem lets it through
     forward._ulysses_takes_labels = True   # its loss is on the whole batch's scores (context._check_labels)
     generic.forward = forward
+
+
+def _generic_token_classification() -> Optional[type]:
+    try:
+        from transformers.modeling_layers import GenericForTokenClassification
+    except ImportError:
+        return None
+    return GenericForTokenClassification
+
+
+def make_token_classification_exact() -> None:
+    """Give transformers' `GenericForTokenClassification` a forward whose `labels=` loss is
+    the whole batch's mean (the module doc); idempotent."""
+    generic = _generic_token_classification()
+    if generic is None or getattr(generic.forward, "_ulysses_takes_labels", False):
+        return
+    original = generic.forward
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        labels = bound.arguments.get("labels")
+        context = context_of(self)
+        if labels is None or context is None or context.sp_size == 1:
+            return original(self, *args, **kwargs)
+        bound.arguments["labels"] = None   # this rank's logits; the loss below
+        out = original(*bound.args, **bound.kwargs)
+        logits = out[0] if isinstance(out, tuple) else out.logits
+        loss = token_classification_loss(logits, labels, self.config.num_labels, context)
+        if isinstance(out, tuple):   # return_dict=False: transformers puts the loss first
+            return (loss, *out)
+        out.loss = loss
+        return out
+
+    forward._ulysses_takes_labels = True   # its loss is the whole batch's (context._check_labels)
+    generic.forward = forward
+
+
+def token_classification_loss(logits: torch.Tensor, labels: torch.Tensor, num_labels: int, context,
+                              ignore_index: int = -100) -> torch.Tensor:
+    """transformers' token-classification loss (cross-entropy in float32, the mean over the
+    labels that are not `ignore_index`) over the whole batch, from this rank's `logits`
+    `[b, s, num_labels]` and `labels` `[b, s]`: value global, gradient through this rank's
+    tokens."""
+    flat = logits.reshape(-1, num_labels).float()
+    targets = labels.reshape(-1).to(flat.device)
+    local = torch.stack([nn.functional.cross_entropy(flat, targets, ignore_index=ignore_index, reduction="sum"),
+                         (targets != ignore_index).sum().to(flat.dtype)])
+    total, count = _sum_over_sp(context, local)
+    return total / count.detach().clamp_min(1.0)
 
 
 def sequence_parallel_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
