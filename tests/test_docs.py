@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import ROOT
@@ -144,3 +145,63 @@ def test_status_page_is_generated_and_its_citations_resolve():
     for path, item in cited:
         name, _, layout = item.partition(" ")
         assert any(fnmatch.fnmatch(r[0], name) and (not layout or r[1] == layout) for r in rows), (path, item)
+
+
+@pytest.mark.slow
+def test_the_readme_use_snippet_runs_as_pasted(tmp_path):
+    """The README's "Use" script, copied as it is, under torchrun with 2 CPU ranks (gloo)."""
+    import socket
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Use"):]
+    script = section[section.index("```python\n") + len("```python\n"):section.index("\n```\n")]
+    (tmp_path / "use.py").write_text(script)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), str(tmp_path / "use.py")],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: out (1, 2048, 32, 128), q.grad (1, 2048, 32, 128)" in proc.stdout, proc.stdout
+
+
+def _architecture_tree():
+    """{folder ('' for the package's top level): the file-name patterns its entry names} of
+    docs/architecture.md's package tree."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text[text.index("```\nulysses_kernels/\n") + 4:]
+    block = block[:block.index("```")]
+    entries, folder = {}, None
+    for line in block.splitlines()[1:]:
+        if not line.startswith("  "):
+            break   # csrc/, tests/, bench/: outside the package
+        head = line[2:].split(" ", 1)[0] if not line.startswith("   ") else None
+        if head:
+            folder = head.rstrip("/") if head.endswith("/") else ""
+            if folder == "":
+                entries.setdefault("", set()).update(re.findall(r"[\w*]+\.py", head + " " + line))
+                continue
+        entries.setdefault(folder, set()).update(re.findall(r"[\w*]+\.py", line))
+    return entries
+
+
+def test_every_package_file_is_in_the_architecture_tree():
+    """docs/architecture.md's tree names every module of the package (a glob like
+    flash_bwd*.py counts): a new file without its line fails here."""
+    import fnmatch
+
+    tree = _architecture_tree()
+    missing = []
+    for path in sorted((ROOT / "ulysses_kernels").rglob("*.py")):
+        relative = path.relative_to(ROOT / "ulysses_kernels")
+        if path.name in ("__init__.py", "_build_info.py") and relative.parent != Path("."):
+            continue
+        if path.name == "_build_info.py":
+            continue
+        folder = "" if relative.parent == Path(".") else str(relative.parent)
+        if not any(fnmatch.fnmatch(path.name, pattern) for pattern in tree.get(folder, ())):
+            missing.append(str(relative))
+    assert not missing, f"docs/architecture.md's tree does not name {missing}"
