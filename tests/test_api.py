@@ -176,3 +176,19 @@ def test_ring_documents_are_read_once_per_tensor(monkeypatch):
     assert api._ring_documents(torch.tensor([0, 12]), 12, 1, given=[0, 3, 12]) == (0, 3, 12) and reads == [1]
     with pytest.raises(ValueError, match="must rise from 0"):
         api._ring_documents(torch.tensor([0, 12]), 12, 1, given=[0, 13, 12])
+
+
+def test_hf_without_transformers_says_how_to_install_it():
+    """`import ulysses_kernels` works without transformers; `import ulysses_kernels.hf` raises an
+    ImportError that names the extra and the checkout install (not a bare error from a file
+    inside the package)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "import ulysses_kernels\n"
+            "try:\n    import ulysses_kernels.hf\nexcept ImportError as e:\n    print('ImportError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ImportError: ulysses_kernels.hf needs Hugging Face transformers: pip install --no-build-isolation " \
+           "-e '.[hf]' in the ulysses-kernels checkout" in out.stdout, out.stdout

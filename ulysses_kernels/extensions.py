@@ -15,6 +15,10 @@ from typing import Optional, Tuple
 
 import torch
 
+# How to add the Hugging Face extras: the package installs from its checkout (README, "Two
+# commands"), not from an index.
+HF_INSTALL_HINT = "pip install --no-build-isolation -e '.[hf]' in the ulysses-kernels checkout"
+
 
 @functools.lru_cache(maxsize=None)
 def load_extension() -> Tuple[Optional[object], Optional[str]]:

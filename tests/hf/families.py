@@ -14,7 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 VOCAB = 96
 WINDOW = 7  # shorter than every test sequence: the window changes the result

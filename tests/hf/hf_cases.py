@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from helpers import ROOT, SLOW_SPAWN_TIMEOUT, SpawnedRuns  # noqa: E402
 

@@ -18,7 +18,7 @@ import torch
 from helpers import SPAWN_TIMEOUT
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from tiny_models import build_tiny_model, tiny_config  # noqa: E402
 from torch import nn  # noqa: E402

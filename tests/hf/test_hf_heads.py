@@ -20,7 +20,7 @@ from families import register_exact_eager
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402

@@ -25,7 +25,7 @@ import torch
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from families import float64_delta_rule, gated_delta_rule_float64  # noqa: E402
 from sweep import DOCUMENTS, largest_error, reference_step, sp_step  # noqa: E402

@@ -17,7 +17,7 @@ import torch
 from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns, rel_err
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from families import over_grids, register_exact_eager  # noqa: E402
 from sweep import DOCUMENTS, reference_step, sp_step  # noqa: E402

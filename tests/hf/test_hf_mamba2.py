@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from helpers import SLOW_SPAWN_TIMEOUT, randn, rel_err, shard
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from ulysses_kernels.hf.mamba2 import (  # noqa: E402 - registers the adapters
     placement_problem,

@@ -9,7 +9,7 @@ import torch
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from hf_cases import VOCAB, make_model  # noqa: E402
 

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="the RL losses are compared with TRL's (pip install 'ulysses-kernels[hf]')")
+pytest.importorskip("trl", reason="the RL losses are compared with TRL's (pip install -e '.[hf]' in the checkout)")
 
 from ulysses_kernels import hf as ukhf  # noqa: E402
 

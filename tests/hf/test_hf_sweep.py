@@ -20,7 +20,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from helpers import ROOT  # noqa: E402
 from sweep import sweep_worker  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
-                                           "(pip install 'ulysses-kernels[hf]')")
+                                           "(pip install -e '.[hf]' in the checkout)")
 
 from families import float64_delta_rule  # noqa: E402
 from sweep import largest_error  # noqa: E402

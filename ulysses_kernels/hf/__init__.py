@@ -1,7 +1,8 @@
 """Hugging Face transformers integration: Ulysses sequence parallelism for HF causal LMs.
 
-transformers is an optional dependency (`pip install ulysses-kernels[hf]`); this module
-imports it lazily, so the rest of the package works without it.
+transformers is an optional dependency of the package (the `hf` extra: `pip install
+--no-build-isolation -e '.[hf]'` in the checkout): `ulysses_kernels` works without it, and
+importing this module without it raises an ImportError that says so.
 
 Typical training step (every rank of an SP group holds the same full batch; each DP
 group a different one)::
@@ -10,7 +11,7 @@ group a different one)::
     from ulysses_kernels import hf as ukhf
 
     groups = uk.init_sequence_parallel(sp_size)
-    ukhf.register(groups.sp_group)                      # attn_implementation="ulysses"; the default context
+    ukhf.register(groups)                               # attn_implementation="ulysses"; the default context
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="ulysses")
     ukhf.patch_model(model)                              # optional: tiled MLP + tiled loss
     model = ukhf.apply_fsdp(model, groups)               # or apply_ddp, or neither
@@ -92,7 +93,14 @@ models), `mixers.py` / `gated_deltanet.py` / `mamba2.py` / `mixer_ring.py` (hybr
 RL trainers' mixins).
 """
 
-from . import gated_deltanet, mamba2  # noqa: F401, I001 - register their adapters (mixers.py)
+from ..extensions import HF_INSTALL_HINT
+
+try:
+    import transformers  # noqa: F401 - every module below builds on it
+except ImportError as _error:
+    raise ImportError(f"ulysses_kernels.hf needs Hugging Face transformers: {HF_INSTALL_HINT}") from _error
+
+from . import gated_deltanet, mamba2  # noqa: F401, E402, I001 - register their adapters (mixers.py)
 from .attention import (
     ATTN_IMPLEMENTATION,
     get_sequence_parallel_group,

@@ -14,6 +14,7 @@ from torch import nn
 from ..api import gather_sequence, ulysses_attention
 from ..distributed.collectives import first_message, gather_ints, max_over_ranks
 from ..distributed.groups import collective_device
+from ..extensions import HF_INSTALL_HINT
 from ..layout import split_lengths
 from ..ring.layout import sp_lengths
 from .batch import cu_seqlens_from_position_ids
@@ -54,8 +55,7 @@ def _require_transformers():
     try:
         import transformers  # noqa: F401
     except ImportError as exc:  # pragma: no cover - exercised only without transformers
-        raise ImportError("ulysses_kernels.hf needs Hugging Face transformers: "
-                          "pip install 'ulysses-kernels[hf]' (or 'transformers>=5.24')") from exc
+        raise ImportError(f"ulysses_kernels.hf needs Hugging Face transformers: {HF_INSTALL_HINT}") from exc
     return transformers
 
 

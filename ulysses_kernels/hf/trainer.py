@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from ..distributed.collectives import all_gather_tensor, gather_objects, max_over_ranks
 from ..distributed.groups import ParallelGroups, collective_device, tensor_collective_device
+from ..extensions import HF_INSTALL_HINT
 from ..monitor import StepMonitor
 from .attention import register
 from .batch import IGNORE_INDEX, count_targets, shard_batch
@@ -270,7 +271,7 @@ class SequenceParallelTrainerMixin(DataParallelData):
             if not ok]
         if missing:
             raise RuntimeError(f"SequenceParallelTrainerMixin needs {', '.join(missing)}; tested with "
-                               f"{TESTED_VERSIONS} (pip install 'ulysses-kernels[hf]')")
+                               f"{TESTED_VERSIONS} ({HF_INSTALL_HINT})")
         # The loss is computed here, normalised over the whole step: Trainer must neither
         # pass num_items_in_batch to the model nor divide by the accumulation steps.
         self.model_accepts_loss_kwargs = False
