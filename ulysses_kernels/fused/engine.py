@@ -39,7 +39,7 @@ def choose_transport(device: torch.device) -> Tuple[Optional[Callable], str]:
     if why is not None:
         return None, f"{env.TRANSPORT.name}=symm, but the symmetric-memory transport {why}"
     bound = "barriers bounded" if symm_transport.barrier_is_bounded() else "barriers UNBOUNDED (no timeout_ms)"
-    return SymmTransport, f"{env.TRANSPORT.name}=symm (not yet run on a GPU; {bound})"
+    return SymmTransport, f"{env.TRANSPORT.name}=symm (its fused attention not yet run on a GPU; {bound})"
 
 
 def _transport_of(group, device: torch.device) -> Callable:

@@ -1,8 +1,9 @@
 """`SymmTransport`: the fused path's exchanges through torch's symmetric memory inside one
 node, by copy-engine reads of the peers' windows (docs/architecture.md, "Fused path").
 
-NOT YET RUN ON A GPU. Written against the symmetric-memory API that torch 2.11 and 2.14
-share (`torch.distributed._symmetric_memory.empty` / `rendezvous(tensor, group)`, the
+On a GPU so far: its all-to-all matched gloo at P = 2 and 4 processes on one H200 (torch
+2.11, 2026-12-04); its fused attention has not passed there yet. Written against the
+symmetric-memory API that torch 2.11 and 2.14 share (`torch.distributed._symmetric_memory.empty` / `rendezvous(tensor, group)`, the
 handle's `get_buffer(rank, sizes, dtype, storage_offset)` and `barrier(channel,
 timeout_ms)`); `ULYSSES_KERNELS_TRANSPORT=symm` selects it, `auto` still means NCCL
 until its GPU tests (tests/fused/test_symm_transport.py, `bench/gpu_check.sh` step
