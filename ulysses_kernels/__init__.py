@@ -18,7 +18,7 @@ from .api import (
     ulysses_attention,
     ulysses_head_parallel,
 )
-from .distributed.groups import ParallelGroups, init_sequence_parallel
+from .distributed.groups import ParallelGroups, groups_from_mesh, init_sequence_parallel
 from .layout import HeadPlan, choose_ring_size, split_lengths
 from .modules import UlyssesAttention, UlyssesSelfAttention
 from .monitor import StepMonitor, StepRecord
@@ -30,6 +30,6 @@ __version__ = "0.1.0"
 __all__ = [
     "ulysses_attention", "UlyssesAttention", "UlyssesSelfAttention", "flash_attention", "reference_attention",
     "seq_to_heads", "heads_to_seq", "qkv_seq_to_heads", "ulysses_head_parallel", "shard_sequence", "gather_sequence",
-    "init_sequence_parallel", "ParallelGroups", "split_lengths", "HeadPlan", "choose_ring_size", "sp_lengths",
+    "init_sequence_parallel", "groups_from_mesh", "ParallelGroups", "split_lengths", "HeadPlan", "choose_ring_size", "sp_lengths",
     "StepMonitor", "StepRecord",
 ]

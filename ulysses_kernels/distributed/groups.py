@@ -7,10 +7,39 @@ import torch.distributed as dist
 
 from ..layout import choose_ring_size
 
+GROUP_KINDS = ("a torch.distributed ProcessGroup, a 1-D DeviceMesh (mesh['sp']) or the ParallelGroups of "
+               "uk.init_sequence_parallel / uk.groups_from_mesh")
+
+
+def as_process_group(group):
+    """`group` as a ProcessGroup: a ProcessGroup or None as it is, a 1-D DeviceMesh its group.
+    Anything else raises a ValueError naming what to pass; the answer depends on the
+    argument alone, so every rank raises the same."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            raise ValueError(f"a DeviceMesh of {group.ndim} dimensions {group.mesh_dim_names} was passed as a group: "
+                             "pass its sequence-parallel dimension (mesh['sp']), or "
+                             "uk.groups_from_mesh(mesh, sp=..., dp=...) where a call takes ParallelGroups")
+        return group.get_group()
+    raise ValueError(f"group must be {GROUP_KINDS} (or None), got {type(group).__name__}")
+
+
+def _device_mesh_type():
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:   # torch without device meshes
+        return None
+    return DeviceMesh
+
 
 def resolve_group(group):
-    """(group, world, rank) for `group` (None = the default group), or (None, 1, 0) when
-    torch.distributed is not initialised and no group was given: a single process."""
+    """(group, world, rank) for `group` (None = the default group; a 1-D DeviceMesh: its
+    group), or (None, 1, 0) when torch.distributed is not initialised and no group was
+    given: a single process."""
+    group = as_process_group(group)
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None, 1, 0
     if not (dist.is_available() and dist.is_initialized()):
@@ -19,8 +48,6 @@ def resolve_group(group):
         group = dist.group.WORLD
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(f"rank {dist.get_rank()} is not a member of the given process group")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError(f"rank {dist.get_rank()} is not a member of the given process group")
@@ -122,3 +149,74 @@ def init_sequence_parallel(sp_size: int, *, ring_size: Union[int, str] = 1, num_
     return groups._replace(ulysses_group=usp_mesh.get_group("ulysses"), ring_group=usp_mesh.get_group("ring"),
                            ulysses_rank=sp_rank % ulysses_size, ulysses_size=ulysses_size,
                            ring_rank=sp_rank // ulysses_size, ring_size=ring_size, usp_mesh=usp_mesh)
+
+
+def groups_from_mesh(mesh, *, sp="sp", dp=None, ring=None) -> ParallelGroups:
+    """`ParallelGroups` from the user's own DeviceMesh (collective: every rank of the mesh
+    calls it, as it builds the flattened groups).
+
+    sp: the name of the sequence-parallel dimension, or several names (flattened, in
+    order, into one Ulysses group); ring: the name of an optional outer ring dimension (the
+    SP group is then ring x Ulysses, SP rank ``ring_rank * ulysses_size + ulysses_rank``, as
+    `init_sequence_parallel` numbers it); dp: the name(s) of the dimensions whose ranks hold
+    different batches (None: every rank of the mesh outside the SP group holds the same
+    batch, DP size 1). The other dimensions (tensor, expert, pipeline parallel) are left
+    alone. `mesh` of the result: the `(dp, sp)` sub-mesh (FSDP2's HSDP mesh), or the SP
+    mesh without dp.
+    """
+    mesh_type = _device_mesh_type()
+    if mesh_type is None or not isinstance(mesh, mesh_type):
+        raise ValueError(f"groups_from_mesh: mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    sp_dims, dp_dims, ring_dims = _dim_names(sp), _dim_names(dp), _dim_names(ring)
+    if not sp_dims or len(ring_dims) > 1:
+        raise ValueError(f"groups_from_mesh: sp names one or more dimensions and ring at most one (sp={sp!r}, "
+                         f"ring={ring!r})")
+    chosen = sp_dims + dp_dims + ring_dims
+    unknown = [d for d in chosen if d not in names]
+    if unknown or len(set(chosen)) != len(chosen):
+        raise ValueError(f"groups_from_mesh: sp={sp!r}, dp={dp!r}, ring={ring!r} must name distinct dimensions of "
+                         f"the mesh {names}")
+    ulysses_mesh = _flat(mesh, sp_dims)
+    sp_mesh = _flat(mesh, ring_dims + sp_dims)
+    ulysses_rank, ulysses_size = ulysses_mesh.get_local_rank(), ulysses_mesh.size()
+    groups = ParallelGroups(sp_group=sp_mesh.get_group(), dp_group=None, sp_rank=sp_mesh.get_local_rank(),
+                            sp_size=sp_mesh.size(), dp_rank=0, dp_size=1, mesh=sp_mesh,
+                            ulysses_group=ulysses_mesh.get_group(), ulysses_rank=ulysses_rank,
+                            ulysses_size=ulysses_size)
+    if dp_dims:
+        dp_mesh = _flat(mesh, dp_dims)
+        groups = groups._replace(dp_group=dp_mesh.get_group(), dp_rank=dp_mesh.get_local_rank(),
+                                 dp_size=dp_mesh.size(), mesh=_root(mesh)[(_flat_name(dp_dims), _flat_name(ring_dims + sp_dims))])
+    else:
+        own, _ = dist.new_subgroups(group_size=1)   # DP size 1: this rank alone (a collective over the world)
+        groups = groups._replace(dp_group=own)
+    if ring_dims:
+        ring_mesh = mesh[ring_dims[0]]
+        groups = groups._replace(ring_group=ring_mesh.get_group(), ring_rank=ring_mesh.get_local_rank(),
+                                 ring_size=ring_mesh.size())
+    return groups
+
+
+def _dim_names(arg):
+    if arg is None:
+        return ()
+    return (arg,) if isinstance(arg, str) else tuple(arg)
+
+
+def _flat_name(dims) -> str:
+    return dims[0] if len(dims) == 1 else "_".join(dims)
+
+
+def _root(mesh):
+    """The mesh `mesh` was sliced from (itself for a root mesh): flattened dimensions are
+    sliced from there."""
+    return getattr(mesh, "_root_mesh", None) or mesh
+
+
+def _flat(mesh, dims):
+    """The 1-D mesh of `dims` (one dimension as it is; several flattened under their joined
+    name, which torch keeps: flattening the same dimensions again returns that mesh)."""
+    if len(dims) == 1:
+        return mesh[dims[0]]
+    return mesh[dims]._flatten(_flat_name(dims))

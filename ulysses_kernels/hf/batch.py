@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..api import gather_sequence
-from ..distributed.groups import ParallelGroups, resolve_group
+from ..distributed.groups import ParallelGroups, as_process_group, resolve_group
 from ..ring.layout import local_ranges, sp_lengths
 from ..ring.shard import cut_ranges
 from .vision import SHARD_KEY, TokenShard, check_vision_mode, has_images, image_blocks, vision_inputs
@@ -23,12 +23,12 @@ def split_groups(group, ring_group=None):
         if ring_group is not None:
             raise ValueError("pass either init_sequence_parallel's groups or a ring_group, not both")
         return group.ulysses_group, group.ring_group
-    return group, ring_group
+    return as_process_group(group), as_process_group(ring_group)
 
 
 def sp_group_of(group):
     """The whole SP group (for the loss and gradient sums) from a group or `ParallelGroups`."""
-    return group.sp_group if isinstance(group, ParallelGroups) else group
+    return group.sp_group if isinstance(group, ParallelGroups) else as_process_group(group)
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:

@@ -1,0 +1,133 @@
+"""The user's own DeviceMesh (`uk.groups_from_mesh`, and a 1-D mesh wherever a group is
+taken), four ranks on CPU with gloo: a tiny float64 Llama trains one step equal to one
+process on a ("dp", "sp") mesh, on a ("ring", "sp") mesh as Ulysses 2 x ring 2, and with two
+dimensions flattened into one Ulysses group of 4; the groups are the ranks the mesh says;
+what is not a group raises the same error on every rank.
+"""
+
+import pytest
+import torch
+from families import make_family_model
+from helpers import SLOW_SPAWN_TIMEOUT, rel_err
+from sweep import DOCUMENTS, reference_step, sp_step
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install -e '.[hf]' in the checkout)")
+
+import torch.distributed as dist  # noqa: E402
+
+import ulysses_kernels as uk  # noqa: E402
+from ulysses_kernels import hf as ukhf  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+PACKED = DOCUMENTS["two packed documents"]
+
+
+def _ranks(group):
+    return dist.get_process_group_ranks(group)
+
+
+def _step(groups):
+    ukhf.register(groups)
+    return sp_step(make_family_model("llama", "ulysses"), PACKED, groups)
+
+
+def _error(call):
+    try:
+        call()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def mesh_jobs(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    dp_sp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "sp"))
+    groups = uk.groups_from_mesh(dp_sp, sp="sp", dp="dp")
+    out["dp_sp ranks"] = (_ranks(groups.sp_group), _ranks(groups.dp_group), groups.sp_rank, groups.dp_rank,
+                          groups.sp_size, groups.dp_size, groups.ring_group is None,
+                          tuple(groups.mesh.mesh_dim_names))
+    out["dp_sp"] = _step(groups)    # both DP groups take the same batch: the DP mean is the one-process step
+    out["1-D mesh"] = _step(dp_sp["sp"])   # the mesh dimension itself where a group is taken
+
+    ring_sp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "sp"))
+    ring = uk.groups_from_mesh(ring_sp, sp="sp", ring="ring")
+    out["ring ranks"] = (_ranks(ring.sp_group), _ranks(ring.ulysses_group), _ranks(ring.ring_group),
+                         ring.sp_rank, ring.ulysses_rank, ring.ring_rank, ring.sp_size, ring.dp_size)
+    out["ring"] = _step(ring)
+
+    two = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    flat = uk.groups_from_mesh(two, sp=("a", "b"))
+    out["flat ranks"] = (_ranks(flat.sp_group), flat.sp_rank, flat.sp_size, flat.dp_size, _ranks(flat.dp_group))
+    out["flat"] = _step(flat)
+
+    q = torch.randn(1, 4, 4, 16, dtype=torch.float64)
+    out["errors"] = [
+        _error(lambda: uk.ulysses_attention(q, q, q, group=dp_sp)),
+        _error(lambda: ukhf.register(dp_sp)),
+        _error(lambda: ukhf.shard_batch(torch.zeros(1, 8, dtype=torch.long), [0, 1])),
+        _error(lambda: uk.groups_from_mesh(dp_sp, sp="cp")),
+        _error(lambda: uk.groups_from_mesh(dp_sp, sp="sp", dp="sp")),
+        _error(lambda: uk.groups_from_mesh(dp_sp["sp"].get_group())),
+    ]
+    ukhf.register(None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_rank():
+    return spawn(mesh_jobs, 4, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                 preload=["torch", "transformers", "ulysses_kernels.hf"])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_step(make_family_model("llama", "eager64"), PACKED)
+
+
+def _assert_step(got, want, what):
+    (loss, grads), (want_loss, want_grads) = got, want
+    assert rel_err(loss, want_loss) < 1e-9, what
+    assert set(grads) == set(want_grads), what
+    worst = max(rel_err(grads[n], g) for n, g in want_grads.items())
+    assert worst < 1e-9, (what, worst)
+
+
+@pytest.mark.slow
+def test_a_dp_sp_mesh_gives_the_groups_it_names_and_trains_like_one_process(per_rank, reference):
+    for rank, out in enumerate(per_rank):
+        sp_ranks, dp_ranks, sp_rank, dp_rank, sp_size, dp_size, no_ring, names = out["dp_sp ranks"]
+        assert sp_ranks == [2 * (rank // 2), 2 * (rank // 2) + 1] and dp_ranks == [rank % 2, rank % 2 + 2]
+        assert (sp_rank, dp_rank, sp_size, dp_size, no_ring, names) == (rank % 2, rank // 2, 2, 2, True,
+                                                                        ("dp", "sp"))
+        _assert_step(out["dp_sp"], reference, f"dp_sp rank {rank}")
+        _assert_step(out["1-D mesh"], reference, f"1-D mesh rank {rank}")
+
+
+@pytest.mark.slow
+def test_a_ring_dimension_and_flattened_dimensions(per_rank, reference):
+    """("ring", "sp"): SP 4 = ring 2 x Ulysses 2, SP rank ring_rank * 2 + ulysses_rank (the
+    numbering of init_sequence_parallel); ("a", "b") flattened: one Ulysses group of 4, DP 1."""
+    for rank, out in enumerate(per_rank):
+        sp, ulysses, ring, sp_rank, ulysses_rank, ring_rank, sp_size, dp_size = out["ring ranks"]
+        assert sp == [0, 1, 2, 3] and ulysses == [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert ring == [rank % 2, rank % 2 + 2]
+        assert (sp_rank, ulysses_rank, ring_rank, sp_size, dp_size) == (rank, rank % 2, rank // 2, 4, 1)
+        _assert_step(out["ring"], reference, f"ring rank {rank}")
+        assert out["flat ranks"] == ([0, 1, 2, 3], rank, 4, 1, [rank])
+        _assert_step(out["flat"], reference, f"flat rank {rank}")
+
+
+@pytest.mark.slow
+def test_what_is_not_a_group_is_refused_the_same_on_every_rank(per_rank):
+    errors = per_rank[0]["errors"]
+    assert all(out["errors"] == errors for out in per_rank), [out["errors"] for out in per_rank]
+    two_dims, registered, a_list, unknown, twice, not_a_mesh = errors
+    assert two_dims is not None and "a DeviceMesh of 2 dimensions ('dp', 'sp')" in two_dims
+    assert registered == two_dims
+    assert a_list is not None and "group must be a torch.distributed ProcessGroup, a 1-D DeviceMesh" in a_list
+    assert unknown is not None and "must name distinct dimensions of the mesh ('dp', 'sp')" in unknown
+    assert twice is not None and "distinct" in twice
+    assert not_a_mesh is not None and "mesh must be a torch DeviceMesh" in not_a_mesh
