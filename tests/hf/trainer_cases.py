@@ -264,12 +264,14 @@ def differences(got, want, initial=None):
     """How far a run `got` is from the reference `want`, both (losses, {name: value}),
     relative: the per-step losses, every parameter's update from `initial` (default
     initial_parameters()) with the worst (name, error), and the values that are no
-    parameter of `initial` (the eval loss and other metrics) as they are."""
+    parameter of `initial` (the eval loss and other metrics) as they are, where both runs
+    have them."""
     (losses, params), (ref_losses, ref_params) = got, want
     initial = initial_parameters() if initial is None else initial
     updates = {name: rel_err(params[name] - initial[name], ref - initial[name])
                for name, ref in ref_params.items() if name in initial}
-    metrics = {name: rel_err(params[name], ref) for name, ref in ref_params.items() if name not in initial}
+    metrics = {name: rel_err(params[name], ref) for name, ref in ref_params.items()
+               if name not in initial and name in params}   # a run that did not evaluate has none
     worst = max(updates, key=updates.get)
     return dict(losses=rel_err(losses, ref_losses), worst_update=(worst, updates[worst]), updates=updates,
                 metrics=metrics)
