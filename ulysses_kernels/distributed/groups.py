@@ -15,8 +15,8 @@ def as_process_group(group):
     """`group` as a ProcessGroup: a ProcessGroup or None as it is, a 1-D DeviceMesh its group.
     Anything else raises a ValueError naming what to pass; the answer depends on the
     argument alone, so every rank raises the same."""
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return group
+    if group is None or isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
+        return group   # (a non-member's group: resolve_group says so)
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(group, mesh_type):
         if group.ndim != 1:
@@ -39,11 +39,11 @@ def resolve_group(group):
     """(group, world, rank) for `group` (None = the default group; a 1-D DeviceMesh: its
     group), or (None, 1, 0) when torch.distributed is not initialised and no group was
     given: a single process."""
-    group = as_process_group(group)
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return None, 1, 0
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("a process group was passed but torch.distributed is not initialized")
+    group = as_process_group(group)
     if group is None:
         group = dist.group.WORLD
     if group is dist.GroupMember.NON_GROUP_MEMBER:
