@@ -47,6 +47,22 @@ def test_plan_cli_json_contract_and_options():
     assert bad.returncode == 2 and "neither a preset" in bad.stderr
 
 
+def test_plan_ring_auto_and_an_sp_the_heads_do_not_allow():
+    """--ring auto takes the smallest ring the heads allow (32 query heads on SP 64: ring 2);
+    without it, SP 64 as pure Ulysses over 32 heads exits 2 naming the fix (it planned it
+    silently); --ring takes 'auto' or an integer >= 1."""
+    base = ["--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "8", "--nodes", "8", "--sp", "64"]
+    auto = _cli(*base, "--ring", "auto", "--json")
+    assert auto.returncode == 0, auto.stderr
+    assert "SP 64 (ring 2)" in _cli(*base, "--ring", "auto").stdout
+    refused = _cli(*base)
+    assert refused.returncode == 2 and "SP 64 with --ring 1 is Ulysses 64" in refused.stderr, refused.stderr
+    assert "use --ring 2 (Ulysses 32) or --ring auto" in refused.stderr
+    assert _cli(*base, "--ring", "4").returncode == 0
+    bad = _cli(*base, "--ring", "0")
+    assert bad.returncode == 2 and "must be 'auto' or an integer >= 1" in bad.stderr
+
+
 @pytest.mark.slow
 def test_plan_from_a_config_file(tmp_path):
     cfg = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Optional, Tuple
 
 
 def _line(name, value):
@@ -275,7 +276,8 @@ def _plan_arguments(p):
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel size (default: all GPUs)")
-    p.add_argument("--ring", type=int, default=1, help="ring degree of Ulysses x Ring (default 1)")
+    p.add_argument("--ring", type=_ring_degree, default=1,
+                   help="ring degree of Ulysses x Ring, or 'auto': the smallest the model's heads allow (default 1)")
     p.add_argument("--offload", action="store_true", help="checkpoint offload + FSDP2 CPU offload of parameters, "
                                                           "gradients and optimizer states")
     p.add_argument("--checkpoint-offload", action="store_true")
@@ -292,6 +294,39 @@ def _plan_arguments(p):
                         "a training step; --tiled-mlp with patch_model's tile")
     p.add_argument("--chunk", type=int, default=None, help="with --inference: tokens per prefill chunk")
     p.add_argument("--json", action="store_true")
+
+
+def _ring_degree(value: str):
+    """--ring: "auto" or an integer >= 1."""
+    if value == "auto":
+        return value
+    try:
+        ring = int(value)
+    except ValueError:
+        ring = 0
+    if ring < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}")
+    return ring
+
+
+def _plan_ring(args, shape) -> Tuple[Optional[int], Optional[str]]:
+    """(the ring degree of the plan, None), or (None, why the Ulysses degree does not fit the
+    model's heads and what to pass instead). --ring auto: the smallest degree that fits
+    (`layout.choose_ring_size`)."""
+    from .layout import choose_ring_size, head_plan_error
+
+    sp = args.sp or args.gpus * args.nodes
+    if args.ring == "auto":
+        return choose_ring_size(sp, shape.heads, shape.kv_heads), None
+    if sp % args.ring:
+        return args.ring, None   # the planner's own error names it
+    why = head_plan_error(sp // args.ring, shape.heads, shape.kv_heads)
+    if why is None:
+        return args.ring, None
+    fit = choose_ring_size(sp, shape.heads, shape.kv_heads)
+    return None, (f"SP {sp} with --ring {args.ring} is Ulysses {sp // args.ring}, which the model's heads "
+                  f"({shape.heads} query, {shape.kv_heads} key/value) do not allow: {why}; use --ring {fit} "
+                  f"(Ulysses {sp // fit}) or --ring auto")
 
 
 def plan(args) -> int:
@@ -311,10 +346,15 @@ def plan(args) -> int:
     if problem:
         print(f"ulysses-kernels plan: --model {args.model!r}: {problem}", file=sys.stderr)
         return 2
+    ring, problem = _plan_ring(args, shape)
+    if problem:
+        print(f"ulysses-kernels plan: --model {args.model!r}: {problem}", file=sys.stderr)
+        return 2
+    args.ring = ring
     if args.inference:
         return _plan_inference(args, shape)
     options = PlanOptions(seq_len=args.seq_len, gpus_per_node=args.gpus, nodes=args.nodes,
-                          gpu_memory_gib=args.gpu_memory_gib, sp_size=args.sp, ring_size=args.ring,
+                          gpu_memory_gib=args.gpu_memory_gib, sp_size=args.sp, ring_size=ring,
                           fsdp=not args.no_fsdp, fsdp_cpu_offload=args.offload or args.fsdp_cpu_offload,
                           checkpointing=not args.no_checkpointing,
                           checkpoint_offload=args.offload or args.checkpoint_offload,
