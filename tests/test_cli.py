@@ -35,6 +35,9 @@ def test_doctor_reports_versions_and_paths():
         for op in ("pack_into", "unpack_into", "nccl_all_to_all", "build_info"):
             assert op in listed, ops_line
         assert "fused path" in out.stdout, out.stdout
+        # the build's recorded choice of host compiler (setup.py, _build_info), with why
+        host = next(line for line in out.stdout.splitlines() if line.strip().startswith("host compiler"))
+        assert "libstdc++" in host and "torch runs with" in host and ("kept" in host or "chosen because" in host), host
 
 
 def test_demo_rejects_bad_head_counts_before_spawning():

@@ -78,16 +78,39 @@ def saved_and_loaded(model, out, attention):
     return AutoModelForCausalLM.from_pretrained(path, attn_implementation=attention).float()
 
 
-def grpo_args(out, **extra):
+def _common_args(out, options, extra):
+    """What every RL run's TRL config shares (one step a log line, no saving, CPU, SGD
+    without clipping: trainer_cases.OPTIMIZER), then the trainer's `options`, then the
+    test's `extra` (each may override what comes before)."""
     import torch.distributed as dist
+
+    return {**dict(output_dir=out, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+                   disable_tqdm=True, bf16=False, ddp_backend="gloo" if dist.is_initialized() else None, **OPTIMIZER),
+            **options, **extra}
+
+
+def _sequence_parallel_setup(trl_class, mixin: str, sp, ring, kwargs):
+    """(trainer class, attention implementation) of a run: TRL's class with eager attention
+    when `sp` is None, else the package's `mixin` before it on SP `sp` (`ring` ring ranks)
+    with the "ulysses" attention; `kwargs` gets the groups."""
+    if sp is None:
+        return trl_class, "eager"
+    import ulysses_kernels as uk
+    from ulysses_kernels import hf as ukhf
+
+    groups = uk.init_sequence_parallel(sp, ring_size=ring)
+    ukhf.register(groups)
+    kwargs["sp_groups"] = groups
+    return type(f"SP{trl_class.__name__}", (getattr(ukhf, mixin), trl_class), {}), "ulysses"
+
+
+def grpo_args(out, **extra):
     from trl import GRPOConfig
 
-    common = dict(output_dir=out, per_device_train_batch_size=NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
-                  steps_per_generation=2, max_completion_length=8, max_steps=GRPO_STEPS, temperature=0.7,
-                  logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                  bf16=False, ddp_backend="gloo" if dist.is_initialized() else None, **OPTIMIZER)
-    common.update(extra)
-    return GRPOConfig(**common)
+    return GRPOConfig(**_common_args(out, dict(per_device_train_batch_size=NUM_GENERATIONS,
+                                               num_generations=NUM_GENERATIONS, steps_per_generation=2,
+                                               max_completion_length=8, max_steps=GRPO_STEPS, temperature=0.7),
+                                     extra))
 
 
 def run_grpo(out, sp=None, stub=True, ring=1, **extra):
@@ -99,17 +122,7 @@ def run_grpo(out, sp=None, stub=True, ring=1, **extra):
     initial_parameters()
     args = grpo_args(out, **extra)
     kwargs = dict(reward_funcs=reward_tokens, args=args, train_dataset=prompts(), processing_class=tiny_tokenizer())
-    attention = "eager" if sp is None else "ulysses"
-    if sp is None:
-        base = GRPOTrainer
-    else:
-        import ulysses_kernels as uk
-        from ulysses_kernels import hf as ukhf
-
-        groups = uk.init_sequence_parallel(sp, ring_size=ring)
-        ukhf.register(groups)
-        base = type("SPGRPOTrainer", (ukhf.SequenceParallelGRPOMixin, GRPOTrainer), {})
-        kwargs["sp_groups"] = groups
+    base, attention = _sequence_parallel_setup(GRPOTrainer, "SequenceParallelGRPOMixin", sp, ring, kwargs)
     model = start_from_initial(make_model(attention))
     if args.beta != 0.0:   # TRL builds the reference model from the policy's path
         model = saved_and_loaded(model, out, attention)
@@ -138,15 +151,10 @@ N_PAIRS = 8
 
 
 def dpo_args(out, **extra):
-    import torch.distributed as dist
     from trl import DPOConfig
 
-    common = dict(output_dir=out, per_device_train_batch_size=2, max_steps=2, beta=0.5,
-                  loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5], logging_steps=1, save_strategy="no",
-                  report_to=[], use_cpu=True, seed=0, disable_tqdm=True, bf16=False,
-                  ddp_backend="gloo" if dist.is_initialized() else None, **OPTIMIZER)
-    common.update(extra)
-    return DPOConfig(**common)
+    return DPOConfig(**_common_args(out, dict(per_device_train_batch_size=2, max_steps=2, beta=0.5,
+                                              loss_type=["sigmoid", "ipo"], loss_weights=[1.0, 0.5]), extra))
 
 
 def run_dpo(out, sp=None, **extra):
@@ -158,17 +166,7 @@ def run_dpo(out, sp=None, **extra):
     initial_parameters()
     args = dpo_args(out, **extra)
     kwargs = dict(args=args, train_dataset=preference_pairs(), processing_class=tiny_tokenizer())
-    attention = "eager"
-    base = DPOTrainer
-    if sp is not None:
-        import ulysses_kernels as uk
-        from ulysses_kernels import hf as ukhf
-
-        groups = uk.init_sequence_parallel(sp)
-        ukhf.register(groups)
-        attention = "ulysses"
-        base = type("SPDPOTrainer", (ukhf.SequenceParallelDPOMixin, DPOTrainer), {})
-        kwargs["sp_groups"] = groups
+    base, attention = _sequence_parallel_setup(DPOTrainer, "SequenceParallelDPOMixin", sp, 1, kwargs)
     model = start_from_initial(make_model(attention))
     ref_model = start_from_initial(make_model(attention))
     trainer = recording(base)(model=model, ref_model=ref_model, **kwargs)
@@ -183,15 +181,12 @@ def scored_pairs():
 
 
 def reward_args(out, **extra):
-    import torch.distributed as dist
     from trl import RewardConfig
 
-    common = dict(output_dir=out, per_device_train_batch_size=2, per_device_eval_batch_size=3, max_steps=2,
-                  center_rewards_coefficient=0.1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                  seed=0, disable_tqdm=True, bf16=False, ddp_backend="gloo" if dist.is_initialized() else None,
-                  **{**OPTIMIZER, "learning_rate": 0.05})   # the LM tests' 0.5 makes the scores diverge
-    common.update(extra)
-    return RewardConfig(**common)
+    # learning_rate: the LM tests' 0.5 makes the scores diverge
+    return RewardConfig(**_common_args(out, dict(per_device_train_batch_size=2, per_device_eval_batch_size=3,
+                                                 max_steps=2, center_rewards_coefficient=0.1, learning_rate=0.05),
+                                       extra))
 
 
 # The eval metrics a reward run is compared on (trainer_cases.compare: values that are no
@@ -221,17 +216,7 @@ def run_reward(out, sp=None, ring=1, **extra):
     forget_deepspeed()
     args = reward_args(out, **extra)
     kwargs = dict(args=args, train_dataset=scored_pairs(), processing_class=tiny_tokenizer())
-    attention = "eager"
-    base = RewardTrainer
-    if sp is not None:
-        import ulysses_kernels as uk
-        from ulysses_kernels import hf as ukhf
-
-        groups = uk.init_sequence_parallel(sp, ring_size=ring)
-        ukhf.register(groups)
-        attention = "ulysses"
-        base = type("SPRewardTrainer", (ukhf.SequenceParallelRewardMixin, RewardTrainer), {})
-        kwargs["sp_groups"] = groups
+    base, attention = _sequence_parallel_setup(RewardTrainer, "SequenceParallelRewardMixin", sp, ring, kwargs)
     trainer = recording(base)(model=tiny_reward_model(attention), **kwargs)
     trainer.train()
     metrics = trainer.evaluate(eval_dataset=scored_pairs())

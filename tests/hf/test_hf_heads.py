@@ -172,9 +172,9 @@ def token_model(attn, ulysses, labels):
     return LlamaForTokenClassification._from_config(config, attn_implementation=attn).double().train()
 
 
-def token_reference(case, ulysses, labels):
-    """(values [B, S, L] with 0 at padding, loss: the mean of values^2 over the valid tokens,
-    {name: grad}) of one process, row by row."""
+def _row_by_row(case, ulysses, labels):
+    """(model, values [B, S, L] with 0 at padding, mask) of one process: each row's valid
+    tokens run alone."""
     ids, mask, _ = case_batch(case)
     mask = torch.ones_like(ids) if mask is None else mask
     model = token_model(register_exact_eager(), ulysses, labels)
@@ -182,6 +182,13 @@ def token_reference(case, ulysses, labels):
     for r in range(ids.shape[0]):
         keep = mask[r] == 1
         values[r, keep] = model(input_ids=ids[r][keep].unsqueeze(0), use_cache=False).logits[0]
+    return model, values, mask
+
+
+def token_reference(case, ulysses, labels):
+    """(values [B, S, L] with 0 at padding, loss: the mean of values^2 over the valid tokens,
+    {name: grad}) of one process, row by row."""
+    model, values, mask = _row_by_row(case, ulysses, labels)
     loss = values.square().sum() / mask.sum()
     loss.backward()
     return values.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -202,13 +209,7 @@ def token_targets(case, labels):
 def token_labels_reference(case, ulysses, labels):
     """(loss, {name: grad}) of transformers' own `labels=` loss on one process: the logits of
     each row's valid tokens alone, the loss over the whole padded batch (padding ignored)."""
-    ids, mask, _ = case_batch(case)
-    mask = torch.ones_like(ids) if mask is None else mask
-    model = token_model(register_exact_eager(), ulysses, labels)
-    logits = torch.zeros(*ids.shape, labels, dtype=torch.float64)
-    for r in range(ids.shape[0]):
-        keep = mask[r] == 1
-        logits[r, keep] = model(input_ids=ids[r][keep].unsqueeze(0), use_cache=False).logits[0]
+    model, logits, _ = _row_by_row(case, ulysses, labels)
     loss = model.loss_function(logits, token_targets(case, labels), model.config)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -235,7 +236,10 @@ def _token_worker(rank, world):
                 label_errors = [0.0]
                 if labels > 1:   # the model's own loss (one class: cross-entropy is 0)
                     model.zero_grad(set_to_none=True)
-                    own = model(**batch.model_inputs(), labels=batch.shard_tokens(token_targets(case, labels)))
+                    targets = batch.shard_tokens(token_targets(case, labels))
+                    as_tuple = model(**batch.model_inputs(), labels=targets, return_dict=False)
+                    own = model(**batch.model_inputs(), labels=targets)
+                    assert torch.equal(as_tuple[0], own.loss) and torch.equal(as_tuple[1], own.logits)
                     own.loss.backward()
                     ukhf.allreduce_gradients(model, groups)
                     want_loss, want_grads = token_labels_reference(case, ulysses, labels)

@@ -46,19 +46,23 @@ from .guard import refusal
 from .loss import sum_over_group
 
 
-def _generic_sequence_classification() -> Optional[type]:
+def _unadapted_head(name: str, marker: str) -> Optional[type]:
+    """transformers' generic head class `name` (modeling_layers) whose forward does not
+    carry `marker` yet, or None (adapted already, or another transformers: no head is
+    adapted, the guard refuses them)."""
     try:
-        from transformers.modeling_layers import GenericForSequenceClassification
-    except ImportError:   # another transformers: no head is adapted, the guard refuses them
+        import transformers.modeling_layers as layers
+    except ImportError:
         return None
-    return GenericForSequenceClassification
+    generic = getattr(layers, name, None)
+    return None if generic is None or getattr(generic.forward, marker, False) else generic
 
 
 def make_sequence_classification_exact() -> None:
     """Give transformers' `GenericForSequenceClassification` the sequence-parallel forward
     (the module doc); idempotent."""
-    generic = _generic_sequence_classification()
-    if generic is None or getattr(generic.forward, "_ulysses_exact_head", False):
+    generic = _unadapted_head("GenericForSequenceClassification", "_ulysses_exact_head")
+    if generic is None:
         return
     original = generic.forward
     signature = inspect.signature(original)
@@ -78,19 +82,11 @@ def make_sequence_classification_exact() -> None:
     generic.forward = forward
 
 
-def _generic_token_classification() -> Optional[type]:
-    try:
-        from transformers.modeling_layers import GenericForTokenClassification
-    except ImportError:
-        return None
-    return GenericForTokenClassification
-
-
 def make_token_classification_exact() -> None:
     """Give transformers' `GenericForTokenClassification` a forward whose `labels=` loss is
     the whole batch's mean (the module doc); idempotent."""
-    generic = _generic_token_classification()
-    if generic is None or getattr(generic.forward, "_ulysses_takes_labels", False):
+    generic = _unadapted_head("GenericForTokenClassification", "_ulysses_takes_labels")
+    if generic is None:
         return
     original = generic.forward
     signature = inspect.signature(original)
