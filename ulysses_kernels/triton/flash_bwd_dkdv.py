@@ -50,6 +50,7 @@ from ._common import block_d as padded_head_dim
 from .blocks import in_band, key_tile_band_range, key_tile_query_range
 from .configs import CONFIGS
 from .features import dq_reduce_feature, requested
+from .program import LoopDims, LoopSwitches
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -75,26 +76,10 @@ def _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter
     qk_scale, softcap_in, softcap_out = score
     DQ_ACC, dq_desc = dq_out
     COUNTS, count_slot = counter
-    CAUSAL: tl.constexpr = SWITCHES[0]
-    VARLEN: tl.constexpr = SWITCHES[1]
-    SPLIT: tl.constexpr = SWITCHES[2]
-    WINDOW: tl.constexpr = SWITCHES[3]
-    SOFTCAP: tl.constexpr = SWITCHES[4]
-    COUNT: tl.constexpr = SWITCHES[5]
-    DQ_ATOMIC: tl.constexpr = SWITCHES[6]
-    DQ_REDUCE: tl.constexpr = SWITCHES[7]
-    WARP_SPECIALIZE: tl.constexpr = SWITCHES[8]
-    BLOCK_M: tl.constexpr = DIMS[0]
-    HEAD_DIM: tl.constexpr = DIMS[1]
-    BLOCK_D: tl.constexpr = DIMS[2]
-    HEAD_DIM_V: tl.constexpr = DIMS[3]
-    BLOCK_DV: tl.constexpr = DIMS[4]
-    FP32_DOT: tl.constexpr = DIMS[5]
-    PRECISION: tl.constexpr = DIMS[6]
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
-    local_m = tl.arange(0, BLOCK_M)
-    nblk = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
+    d_ok = offs_d < DIMS.HEAD_DIM
+    dv_ok = offs_dv < DIMS.HEAD_DIM_V
+    local_m = tl.arange(0, DIMS.BLOCK_M)
+    nblk = tl.cdiv(tl.maximum(hi - lo, 0), DIMS.BLOCK_M)
     # Every address the body forms must lie inside the tensors for ANY `it`, the empty
     # loop's included: the software pipeliner may issue a first iteration's loads ahead of
     # the trip-count test. With `it // nblk` and an empty phase (nblk = 0, the non-causal
@@ -103,78 +88,79 @@ def _dkdv_inner(dk, dv, keys, queries, group, tile, mask, score, dq_out, counter
     # docs/architecture.md, "First GPU run"). Hence a divisor >= 1, the head clamped to
     # the group and the per-row reads (LSE, delta, documents) clamped to the sequence.
     per_head = tl.maximum(nblk, 1)
-    for it in tl.range(0, nblk * g_cnt, warp_specialize=WARP_SPECIALIZE):
-        if COUNT:  # tests: one more block visited by this program
+    for it in tl.range(0, nblk * g_cnt, warp_specialize=SWITCHES.WARP_SPECIALIZE):
+        if SWITCHES.COUNT:  # tests: one more block visited by this program
             tl.atomic_add(COUNTS + count_slot, 1)
         g = tl.minimum(it // per_head, g_cnt - 1)
         h = (hk * GROUP + g_lo + g).to(tl.int64)
         lse_base = (b * HQ + h) * Sq
-        start_m = lo + (it - g * per_head) * BLOCK_M
+        start_m = lo + (it - g * per_head) * DIMS.BLOCK_M
         offs_m = start_m + local_m
         m_ok = offs_m < Sq
         addr_m = tl.minimum(offs_m, Sq - 1)
-        if WARP_SPECIALIZE:
+        if SWITCHES.WARP_SPECIALIZE:
             # Descriptor loads only (see the kernel): q and dO tiles of head h, and the LSE
             # and delta rows of (b, h) from the host's padded copies (padding: LSE +inf and
             # delta 0, so padded rows give P = 0 like the pointer loads' `other`).
             q_desc, do_desc, lse_desc, delta_desc = descs
-            row = tile_row(start_m, b, Sq, B, P, SPLIT)
-            q = tl.reshape(q_desc.load([h.to(tl.int32), row, 0]), [BLOCK_M, BLOCK_D])
-            do = tl.reshape(do_desc.load([h.to(tl.int32), row, 0]), [BLOCK_M, BLOCK_DV])
-            lse = tl.reshape(lse_desc.load([(b * HQ + h).to(tl.int32), start_m]), [BLOCK_M])
-            delta = tl.reshape(delta_desc.load([(b * HQ + h).to(tl.int32), start_m]), [BLOCK_M])
-            q = maybe_fp32(q, FP32_DOT)
+            row = tile_row(start_m, b, Sq, B, P, SWITCHES.SPLIT)
+            q = tl.reshape(q_desc.load([h.to(tl.int32), row, 0]), [DIMS.BLOCK_M, DIMS.BLOCK_D])
+            do = tl.reshape(do_desc.load([h.to(tl.int32), row, 0]), [DIMS.BLOCK_M, DIMS.BLOCK_DV])
+            lse = tl.reshape(lse_desc.load([(b * HQ + h).to(tl.int32), start_m]), [DIMS.BLOCK_M])
+            delta = tl.reshape(delta_desc.load([(b * HQ + h).to(tl.int32), start_m]), [DIMS.BLOCK_M])
+            q = maybe_fp32(q, DIMS.FP32_DOT)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-            do = maybe_fp32(do, FP32_DOT)
+            do = maybe_fp32(do, DIMS.FP32_DOT)
         else:
             tile_mask = m_ok[:, None] & d_ok[None, :]
-            q_base, q_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sq_b, sq_s, SPLIT)
-            do_base, do_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sdo_b, sdo_s, SPLIT)
+            q_base, q_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sq_b, sq_s, SWITCHES.SPLIT)
+            do_base, do_rows = seq_offsets(addr_m, start_m, local_m, b, Sq, B, P, sdo_b, sdo_s, SWITCHES.SPLIT)
             q = tl.load(Q + (h * sq_h + q_base) + (q_rows[:, None] + offs_d[None, :] * sq_d),
                         mask=tile_mask, other=0.0)
-            q = maybe_fp32(q, FP32_DOT)
+            q = maybe_fp32(q, DIMS.FP32_DOT)
             lse = tl.load(LSE + lse_base + addr_m, mask=m_ok, other=float("inf"))
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
             delta = tl.load(DELTA + lse_base + addr_m, mask=m_ok, other=0.0)
             do = tl.load(DO + (h * sdo_h + do_base) + (do_rows[:, None] + offs_dv[None, :] * sdo_d),
                          mask=m_ok[:, None] & dv_ok[None, :], other=0.0)
-            do = maybe_fp32(do, FP32_DOT)
-        qkT = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        if SOFTCAP:
+            do = maybe_fp32(do, DIMS.FP32_DOT)
+        qkT = tl.dot(k, tl.trans(q), input_precision=DIMS.PRECISION)
+        if SWITCHES.SOFTCAP:
             tT = capped_tanh(qkT, softcap_in)
             pT = tl.math.exp2(tT * softcap_out - lse2[None, :])
         else:
             pT = tl.math.exp2(qkT * qk_scale - lse2[None, :])
         if MASKED:
             valid = m_ok[None, :]
-            if CAUSAL:
+            if SWITCHES.CAUSAL:
                 valid = valid & (offs_n[:, None] <= offs_m[None, :] + causal_off)
-            if WINDOW:
+            if SWITCHES.WINDOW:
                 valid = valid & in_band(offs_n[:, None], offs_m[None, :], causal_off, window_left, window_right)
-            if VARLEN:
+            if SWITCHES.VARLEN:
                 doc_q = tl.load(DOCS + addr_m, mask=m_ok, other=-2)
                 valid = valid & (doc_k[:, None] == doc_q[None, :])
             pT = tl.where(valid, pT, 0.0)
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=DIMS.PRECISION)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DIMS.PRECISION)
         dsT = pT * (dpT - delta[None, :])
-        if SOFTCAP:
+        if SWITCHES.SOFTCAP:
             dsT = dsT * (1.0 - tT * tT)  # d(softcap * tanh(x / softcap)) / dx
         dsT = dsT.to(q.dtype)
-        dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
-        if DQ_ATOMIC:
+        dk = tl.dot(dsT, q, dk, input_precision=DIMS.PRECISION)
+        if SWITCHES.DQ_ATOMIC:
             # dQ rows of this block += dS K (unscaled; the host scales the fp32 sum). The
             # accumulator is [B, HQ, Sq, BLOCK_D] by position, whatever q's layout: with
             # compile-time strides the atomics' addresses are one base register plus
             # immediates (runtime strides cost a 64-bit address per element: spills).
-            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)
-            if DQ_REDUCE:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=DIMS.PRECISION)
+            if SWITCHES.DQ_REDUCE:
                 # One TMA reduce-add of the tile (staged in shared memory) instead of
                 # BLOCK_M x BLOCK_D atomics issued by the compute warps; rows past Sq fall
                 # outside the descriptor's [B*HQ, Sq, BLOCK_D] bounds and are dropped.
-                dq_desc.atomic_add([(b * HQ + h).to(tl.int32), start_m, 0], tl.reshape(dq, [1, BLOCK_M, BLOCK_D]))
+                dq_desc.atomic_add([(b * HQ + h).to(tl.int32), start_m, 0],
+                                   tl.reshape(dq, [1, DIMS.BLOCK_M, DIMS.BLOCK_D]))
             else:
-                dq_ptrs = DQ_ACC + ((b * HQ + h) * Sq + start_m) * BLOCK_D + (local_m[:, None] * BLOCK_D
+                dq_ptrs = DQ_ACC + ((b * HQ + h) * Sq + start_m) * DIMS.BLOCK_D + (local_m[:, None] * DIMS.BLOCK_D
                                                                              + offs_d[None, :])
                 tl.atomic_add(dq_ptrs, dq, mask=m_ok[:, None], sem="relaxed")
     return dk, dv
@@ -289,9 +275,11 @@ def _flash_bwd_dkdv_kernel(
     score = (qk_scale, softcap_in, softcap_out)
     dq_out = (DQ_ACC, dq_desc)
     counter = (COUNTS, count_slot)
-    SWITCHES: tl.constexpr = tl.constexpr((CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, DQ_ATOMIC, DQ_REDUCE,
-                                           WARP_SPECIALIZE))
-    DIMS: tl.constexpr = tl.constexpr((BLOCK_M, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION))
+    SWITCHES: tl.constexpr = LoopSwitches(
+        CAUSAL=CAUSAL, VARLEN=VARLEN, SPLIT=SPLIT, WINDOW=WINDOW, SOFTCAP=SOFTCAP, COUNT=COUNT,
+        WARP_SPECIALIZE=WARP_SPECIALIZE, DQ_ATOMIC=DQ_ATOMIC, DQ_REDUCE=DQ_REDUCE)
+    DIMS: tl.constexpr = LoopDims(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                  HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV, FP32_DOT=FP32_DOT, PRECISION=PRECISION)
     if WARP_SPECIALIZE:
         # One masked loop over every row (see above), from a multiple of BLOCK_M: the LSE and
         # delta tiles' offsets must be 16-byte aligned (the rows added before lo see no key

@@ -32,6 +32,7 @@ from ._common import (
 from ._common import block_d as padded_head_dim
 from .blocks import in_band, query_tile_band_range, query_tile_key_range, query_tile_visit_range
 from .configs import CONFIGS
+from .program import LoopDims, LoopSwitches
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -49,71 +50,57 @@ def _dq_inner(dq, rows, kv, tile, mask, score, counter, lo, hi,
     doc_q, DOCS, causal_off, window_left, window_right = mask
     qk_scale, softcap_in, softcap_out = score
     COUNTS, count_slot = counter
-    CAUSAL: tl.constexpr = SWITCHES[0]
-    VARLEN: tl.constexpr = SWITCHES[1]
-    SPLIT: tl.constexpr = SWITCHES[2]
-    WINDOW: tl.constexpr = SWITCHES[3]
-    SOFTCAP: tl.constexpr = SWITCHES[4]
-    COUNT: tl.constexpr = SWITCHES[5]
-    WARP_SPECIALIZE: tl.constexpr = SWITCHES[6]
-    BLOCK_N: tl.constexpr = DIMS[0]
-    HEAD_DIM: tl.constexpr = DIMS[1]
-    BLOCK_D: tl.constexpr = DIMS[2]
-    HEAD_DIM_V: tl.constexpr = DIMS[3]
-    BLOCK_DV: tl.constexpr = DIMS[4]
-    FP32_DOT: tl.constexpr = DIMS[5]
-    PRECISION: tl.constexpr = DIMS[6]
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
-    local_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        if COUNT:  # tests: one more block visited by this program
+    d_ok = offs_d < DIMS.HEAD_DIM
+    dv_ok = offs_dv < DIMS.HEAD_DIM_V
+    local_n = tl.arange(0, DIMS.BLOCK_N)
+    for start_n in tl.range(lo, hi, DIMS.BLOCK_N, warp_specialize=SWITCHES.WARP_SPECIALIZE):
+        if SWITCHES.COUNT:  # tests: one more block visited by this program
             tl.atomic_add(COUNTS + count_slot, 1)
         offs_n = start_n + local_n
         n_ok = offs_n < Sk
-        if WARP_SPECIALIZE:  # descriptor loads: zeros past Sk and past the head dims
-            k_row = tile_row(start_n, b, Sk, B, P, SPLIT)
+        if SWITCHES.WARP_SPECIALIZE:  # descriptor loads: zeros past Sk and past the head dims
+            k_row = tile_row(start_n, b, Sk, B, P, SWITCHES.SPLIT)
             k = k_desc.load([k_row, 0])
             v = v_desc.load([k_row, 0])
         else:
-            k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-            v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+            k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SWITCHES.SPLIT)
+            v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SWITCHES.SPLIT)
             k_ptrs = K + (k_head + k_base) + (k_rows[:, None] + offs_d[None, :] * sk_d)
             v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
             if MASKED:
                 k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
                 v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
             else:  # whole key blocks: mask padded dims only
-                if HEAD_DIM == BLOCK_D:
+                if DIMS.HEAD_DIM == DIMS.BLOCK_D:
                     k = tl.load(k_ptrs)
                 else:
                     k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-                if HEAD_DIM_V == BLOCK_DV:
+                if DIMS.HEAD_DIM_V == DIMS.BLOCK_DV:
                     v = tl.load(v_ptrs)
                 else:
                     v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-        k = maybe_fp32(k, FP32_DOT)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if SOFTCAP:
+        k = maybe_fp32(k, DIMS.FP32_DOT)
+        qk = tl.dot(q, tl.trans(k), input_precision=DIMS.PRECISION)
+        if SWITCHES.SOFTCAP:
             t = capped_tanh(qk, softcap_in)
             p = tl.math.exp2(t * softcap_out - lse2[:, None])
         else:
             p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             valid = n_ok[None, :]
-            if CAUSAL:
+            if SWITCHES.CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-            if WINDOW:
+            if SWITCHES.WINDOW:
                 valid = valid & in_band(offs_n[None, :], offs_m[:, None], causal_off, window_left, window_right)
-            if VARLEN:
+            if SWITCHES.VARLEN:
                 doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
                 valid = valid & (doc_k[None, :] == doc_q[:, None])
             p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, tl.trans(maybe_fp32(v, FP32_DOT)), input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(maybe_fp32(v, DIMS.FP32_DOT)), input_precision=DIMS.PRECISION)
         ds = p * (dp - delta[:, None])
-        if SOFTCAP:
+        if SWITCHES.SOFTCAP:
             ds = ds * (1.0 - t * t)  # d(softcap * tanh(x / softcap)) / dx
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DIMS.PRECISION)
     return dq
 
 
@@ -203,8 +190,11 @@ def _flash_bwd_dq_kernel(
     tile = (b, Sk, B, P, offs_m, offs_d, offs_dv)
     score = (qk_scale, softcap_in, softcap_out)
     counter = (COUNTS, count_slot)
-    SWITCHES: tl.constexpr = tl.constexpr((CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, WARP_SPECIALIZE))
-    DIMS: tl.constexpr = tl.constexpr((BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION))
+    SWITCHES: tl.constexpr = LoopSwitches(
+        CAUSAL=CAUSAL, VARLEN=VARLEN, SPLIT=SPLIT, WINDOW=WINDOW, SOFTCAP=SOFTCAP, COUNT=COUNT,
+        WARP_SPECIALIZE=WARP_SPECIALIZE)
+    DIMS: tl.constexpr = LoopDims(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                  HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV, FP32_DOT=FP32_DOT, PRECISION=PRECISION)
     if WARP_SPECIALIZE:  # one masked loop: the warp-specialized loop must be the only one
         doc_q, lo, hi = query_tile_visit_range(offs_m, m_ok, m0, m_last, Sk, causal_off, window_left, window_right,
                                                DOCS, CU, CAUSAL, VARLEN, WINDOW, SPLIT, BLOCK_N)

@@ -40,6 +40,7 @@ from ._common import (
 from .blocks import in_band, query_tile_band_range, query_tile_key_range, query_tile_visit_range
 from .configs import CONFIGS
 from .features import forward_features, requested
+from .program import LoopDims, LoopSwitches
 
 LN2_C = tl.constexpr(LN2)
 LOG2E_C = tl.constexpr(LOG2E)
@@ -54,7 +55,8 @@ def _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, lo, hi,
     """Keys ``[lo, hi)`` of one query tile, MASKED or not; the bundles are built by the
     kernel (``_flash_fwd_kernel``): kv (k/v pointers, descriptors, head offsets, strides),
     tile (batch, key count, layout, the tile's offsets), mask (documents, causal offset,
-    band), score (scale, softcap), counter (tests); SWITCHES and DIMS: constexpr tuples."""
+    band), score (scale, softcap), counter (tests); SWITCHES and DIMS: the constexpr bundles
+    (program.LoopSwitches, program.LoopDims), read by name."""
     K, V, k_desc, v_desc, k_head, v_head, k_strides, v_strides = kv
     sk_b, sk_s, sk_h, sk_d = k_strides
     sv_b, sv_s, sv_h, sv_d = v_strides
@@ -62,69 +64,52 @@ def _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, lo, hi,
     doc_q, DOCS, causal_off, window_left, window_right = mask
     qk_scale, softcap_in, softcap_out = score
     COUNTS, count_slot = counter
-    CAUSAL: tl.constexpr = SWITCHES[0]
-    VARLEN: tl.constexpr = SWITCHES[1]
-    SPLIT: tl.constexpr = SWITCHES[2]
-    WINDOW: tl.constexpr = SWITCHES[3]
-    SOFTCAP: tl.constexpr = SWITCHES[4]
-    COUNT: tl.constexpr = SWITCHES[5]
-    KV_DESC: tl.constexpr = SWITCHES[6]
-    FMA_SCALE: tl.constexpr = SWITCHES[7]
-    LAZY_RESCALE: tl.constexpr = SWITCHES[8]
-    WARP_SPECIALIZE: tl.constexpr = SWITCHES[9]
-    BLOCK_N: tl.constexpr = DIMS[0]
-    HEAD_DIM: tl.constexpr = DIMS[1]
-    BLOCK_D: tl.constexpr = DIMS[2]
-    HEAD_DIM_V: tl.constexpr = DIMS[3]
-    BLOCK_DV: tl.constexpr = DIMS[4]
-    FP32_DOT: tl.constexpr = DIMS[5]
-    PRECISION: tl.constexpr = DIMS[6]
-    d_ok = offs_d < HEAD_DIM
-    dv_ok = offs_dv < HEAD_DIM_V
-    local_n = tl.arange(0, BLOCK_N)
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        if COUNT:  # tests: one more block visited by this program
+    d_ok = offs_d < DIMS.HEAD_DIM
+    dv_ok = offs_dv < DIMS.HEAD_DIM_V
+    local_n = tl.arange(0, DIMS.BLOCK_N)
+    for start_n in tl.range(lo, hi, DIMS.BLOCK_N, warp_specialize=SWITCHES.WARP_SPECIALIZE):
+        if SWITCHES.COUNT:  # tests: one more block visited by this program
             tl.atomic_add(COUNTS + count_slot, 1)
         offs_n = start_n + local_n
         n_ok = offs_n < Sk
-        if KV_DESC:
+        if SWITCHES.KV_DESC:
             # TMA: the descriptor's bounds zero-fill keys past Sk and dims past the head dim.
-            kt = k_desc.load([tile_row(start_n, b, Sk, B, P, SPLIT), 0]).T
+            kt = k_desc.load([tile_row(start_n, b, Sk, B, P, SWITCHES.SPLIT), 0]).T
         else:
-            k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SPLIT)
-            v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SPLIT)
+            k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SWITCHES.SPLIT)
+            v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SWITCHES.SPLIT)
             # Scalar base + tile offsets (loop invariant for SPLIT 0/1): see _common.
             kt_ptrs = K + (k_head + k_base) + (k_rows[None, :] + offs_d[:, None] * sk_d)
             v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
             if MASKED:
                 kt = tl.load(kt_ptrs, mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            elif HEAD_DIM == BLOCK_D:  # whole blocks of keys and no padded dims: no mask at all
+            elif DIMS.HEAD_DIM == DIMS.BLOCK_D:  # whole blocks of keys and no padded dims: no mask at all
                 kt = tl.load(kt_ptrs)
             else:
                 kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
-        qk = tl.dot(maybe_fp32(q, FP32_DOT), maybe_fp32(kt, FP32_DOT), input_precision=PRECISION)
-        if SOFTCAP:
+        qk = tl.dot(maybe_fp32(q, DIMS.FP32_DOT), maybe_fp32(kt, DIMS.FP32_DOT), input_precision=DIMS.PRECISION)
+        if SWITCHES.SOFTCAP:
             qk = capped_tanh(qk, softcap_in) * softcap_out  # softcap * tanh(.), in log2 units
-        elif not FMA_SCALE:
+        elif not SWITCHES.FMA_SCALE:
             qk = qk * qk_scale
         if MASKED:
             valid = n_ok[None, :]
-            if CAUSAL:
+            if SWITCHES.CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None] + causal_off)
-            if WINDOW:
+            if SWITCHES.WINDOW:
                 valid = valid & in_band(offs_n[None, :], offs_m[:, None], causal_off, window_left, window_right)
-            if VARLEN:
+            if SWITCHES.VARLEN:
                 doc_k = tl.load(DOCS + offs_n, mask=n_ok, other=-1)
                 valid = valid & (doc_k[None, :] == doc_q[:, None])
             qk = tl.where(valid, qk, float("-inf"))
         # The row maxima m are in log2 units. FMA_SCALE: the max of the raw scores times
         # the (positive) scale is the max of the scaled scores, and each score costs one
         # FFMA (qk * scale - m) instead of a multiply and a subtract.
-        if FMA_SCALE and not SOFTCAP:
+        if SWITCHES.FMA_SCALE and not SWITCHES.SOFTCAP:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-        if LAZY_RESCALE:
+        if SWITCHES.LAZY_RESCALE:
             # Keep the old maxima while no row's grows by more than RESCALE_THRESHOLD (then
             # p <= 2**8: fp32 sums and 16-bit p stay exact to rounding); out = acc / l and
             # the LSE use the same m, so the result is the same softmax.
@@ -141,29 +126,29 @@ def _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, lo, hi,
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_shift = m_new
-        if FMA_SCALE and not SOFTCAP:
+        if SWITCHES.FMA_SCALE and not SWITCHES.SOFTCAP:
             p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
         else:
             p = tl.math.exp2(qk - m_shift[:, None])
-        if LAZY_RESCALE:
+        if SWITCHES.LAZY_RESCALE:
             l_i = l_i + tl.sum(p, 1)
         else:
             alpha = tl.math.exp2(m_i - m_shift)
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None]
-        if KV_DESC:
-            v = v_desc.load([tile_row(start_n, b, Sk, B, P, SPLIT), 0])
+        if SWITCHES.KV_DESC:
+            v = v_desc.load([tile_row(start_n, b, Sk, B, P, SWITCHES.SPLIT), 0])
         elif MASKED:
             v = tl.load(v_ptrs, mask=n_ok[:, None] & dv_ok[None, :], other=0.0)
-        elif HEAD_DIM_V == BLOCK_DV:
+        elif DIMS.HEAD_DIM_V == DIMS.BLOCK_DV:
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-        if FP32_DOT:
-            acc = tl.dot(p, v.to(tl.float32), acc, input_precision=PRECISION)
+        if DIMS.FP32_DOT:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision=DIMS.PRECISION)
         else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
-        if not LAZY_RESCALE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DIMS.PRECISION)
+        if not SWITCHES.LAZY_RESCALE:
             m_i = m_new
     return acc, l_i, m_i
 
@@ -247,13 +232,13 @@ def _flash_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     kv = (K, V, k_desc, v_desc, k_head, v_head, k_strides, v_strides)
-    # The constexprs the loop needs travel as two constexpr tuples built here, never passed
-    # to the launch (constexpr tuple launch arguments had an unpacking bug, triton PR
-    # #10279); the loop reads them by index into annotated constexprs (unpacking a constexpr
-    # tuple fails on Triton 3.9, a plain assignment makes a tensor of the value).
-    SWITCHES: tl.constexpr = tl.constexpr((CAUSAL, VARLEN, SPLIT, WINDOW, SOFTCAP, COUNT, KV_DESC, FMA_SCALE,
-                                           LAZY_RESCALE, WARP_SPECIALIZE))
-    DIMS: tl.constexpr = tl.constexpr((BLOCK_N, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, FP32_DOT, PRECISION))
+    # The constexprs the loop needs travel as two NamedTuples of constexprs built here and
+    # read by name (program.py says why this construction: it works on every Triton).
+    SWITCHES: tl.constexpr = LoopSwitches(
+        CAUSAL=CAUSAL, VARLEN=VARLEN, SPLIT=SPLIT, WINDOW=WINDOW, SOFTCAP=SOFTCAP, COUNT=COUNT,
+        WARP_SPECIALIZE=WARP_SPECIALIZE, KV_DESC=KV_DESC, FMA_SCALE=FMA_SCALE, LAZY_RESCALE=LAZY_RESCALE)
+    DIMS: tl.constexpr = LoopDims(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, BLOCK_D=BLOCK_D,
+                                  HEAD_DIM_V=HEAD_DIM_V, BLOCK_DV=BLOCK_DV, FP32_DOT=FP32_DOT, PRECISION=PRECISION)
     score = (qk_scale, softcap_in, softcap_out)
     counter = (COUNTS, count_slot)
     tile = (b, Sk, B, P, offs_m, offs_d, offs_dv)
