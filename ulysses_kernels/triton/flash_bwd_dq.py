@@ -32,7 +32,7 @@ from ._common import (
 from ._common import block_d as padded_head_dim
 from .blocks import in_band, query_tile_band_range, query_tile_key_range, query_tile_visit_range
 from .configs import CONFIGS
-from .program import LoopDims, LoopSwitches
+from .program import LoopDims, LoopSwitches, program_tile, query_tile_program
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -127,23 +127,11 @@ def _flash_bwd_dq_kernel(
     Sq, Sk, B, P = sizes
     sm_scale, qk_scale, softcap_in, softcap_out = scores
     window_left, window_right = window
-    num_m = tl.cdiv(Sq, BLOCK_M)
-    pid_m = num_m - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1).to(tl.int64)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    hk = h // GROUP
-    m0 = pid_m * BLOCK_M
-    local_m = tl.arange(0, BLOCK_M)
-    offs_m = m0 + local_m
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < Sq
-    d_ok = offs_d < HEAD_DIM
-    m_last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    pid_m, pid_bh, b, h, hk, count_slot = query_tile_program(Sq, HQ, GROUP, BLOCK_M)
+    m0, local_m, offs_m, offs_d, offs_dv, m_ok, d_ok, m_last = program_tile(pid_m, Sq, BLOCK_M, HEAD_DIM, BLOCK_D,
+                                                                            BLOCK_DV)
     causal_off = Sk - Sq
     tile_mask = m_ok[:, None] & d_ok[None, :]
-    count_slot = pid_bh * num_m + pid_m
 
     k_head = hk * sk_h
     v_head = hk * sv_h
