@@ -1,7 +1,7 @@
 """Peak memory of per-token log-probs and entropy at one long shard: `ukhf.token_logprobs`
 (the LM head tiled, `[tile, vocab]` logits at a time) against the usual computation from the
 model's full logits (`model(...).logits`, float32 `log_softmax`, gather, entropy: what TRL's
-GRPO trainer does per rank), forward and backward (docs/hf.md, "RL").
+GRPO trainer does per rank), forward and backward (docs/hf_rl.md, "RL").
 
 Each variant runs in a fresh process on CPU; the number is the growth of the peak resident
 set (`ru_maxrss`) over the process's resident set after the model and inputs exist, so both

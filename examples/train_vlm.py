@@ -1,5 +1,5 @@
 """Train a vision-language model with Ulysses sequence parallelism, then generate from an
-image prompt (docs/hf.md, "Vision-language models").
+image prompt (docs/hf_vlm.md, "Vision-language models").
 
     torchrun --nproc-per-node 2 examples/train_vlm.py --sp 2 --steps 5 --vision split
 

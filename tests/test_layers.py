@@ -39,6 +39,10 @@ def test_the_contracts_hold():
     ("ring/merge.py", "\nfrom ..reference import attention  # noqa: F401,E402\n", "Layers"),
     # the fused path reaching into the Triton path's modules instead of its interface
     ("fused/plan.py", "\nfrom ..triton_path import select  # noqa: F401,E402\n", "package interface"),
+    # a model family reaching up into the core of the Hugging Face layer, inside a function
+    ("hf/families/llama4.py", "\n\ndef _up():\n    from ..core import attention  # noqa: F401\n", "rooms one way down"),
+    # training and generation are independent rooms
+    ("hf/training/loss.py", "\nfrom ..inference import cache  # noqa: F401,E402\n", "rooms one way down"),
 ])
 def test_a_broken_import_fails(tmp_path, module, line, contract):
     root = _copy(tmp_path)
@@ -48,3 +52,14 @@ def test_a_broken_import_fails(tmp_path, module, line, contract):
     assert run.returncode != 0, run.stdout[-3000:]
     assert "Broken contracts" in run.stdout, run.stdout[-3000:]
     assert contract in run.stdout.split("Broken contracts", 1)[1], run.stdout[-3000:]
+
+
+def test_the_hugging_face_rooms_stay_small():
+    """docs/architecture.md, "The Hugging Face layer": no file of ulysses_kernels/hf over 400
+    lines, and at most three modules at its top level besides __init__.py (the rest lives in
+    its rooms)."""
+    hf = ROOT / "ulysses_kernels" / "hf"
+    long = {str(p.relative_to(hf)): n for p in hf.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+    top = sorted(p.name for p in hf.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 3, top

@@ -158,7 +158,7 @@ CHECKED_BEYOND_THE_PIN = {"triton": ("3.9", "torch 2.14.1 pins Triton 3.8; every
 def test_requirements_are_ranges_capped_at_the_tested_minor_and_the_pins_meet_them():
     """Every requirement has an upper bound below the next minor version (a user never
     gets an untested minor by default); the integrations' ranges span TESTED_VERSIONS
-    (hf/trainer.py) and the pins sit at its newest; every pin meets its range."""
+    (hf/training/trainer.py) and the pins sit at its newest; every pin meets its range."""
     import ast
 
     from packaging.version import Version
@@ -172,7 +172,7 @@ def test_requirements_are_ranges_capped_at_the_tested_minor_and_the_pins_meet_th
         major, minor = (int(part) for part in newest_tested.split("."))
         assert uppers[0] == Version(f"{major}.{minor + 1}"), \
             f"{name}: capped below {uppers[0]}, but the newest tested minor is {newest_tested}"
-    source = (ROOT / "ulysses_kernels" / "hf" / "trainer.py").read_text()
+    source = (ROOT / "ulysses_kernels" / "hf" / "training" / "trainer.py").read_text()
     tested = ast.literal_eval(re.search(r"^TESTED_VERSIONS = (\{.*\})$", source, flags=re.M).group(1))
     for name, minors in tested.items():
         lowers = [s.version for s in requirements[name].specifier if s.operator == ">="]

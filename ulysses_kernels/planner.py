@@ -25,7 +25,7 @@ SAVED_HIDDEN, SAVED_QKV, SAVED_OUT, SAVED_MLP, TRANSIENT_MLP = 4, 3, 2, 4, 3
 @dataclass(frozen=True)
 class MixerShape:
     """The linear-attention (Gated DeltaNet) or state-space (Mamba2) layers of a hybrid model
-    (docs/hf.md, "Hybrid models"), sequence-parallel by heads. heads: value heads (GDN) or
+    (docs/hf_hybrids.md, "Hybrid models"), sequence-parallel by heads. heads: value heads (GDN) or
     heads (Mamba2); groups: key heads (GDN) or groups of B and C (Mamba2); key_dim: the key
     head dim (GDN) or the state size (Mamba2); value_dim: the value head dim (GDN) or the
     head dim (Mamba2)."""
@@ -57,7 +57,7 @@ class MixerShape:
                 + inner * self.norm + inner * hidden)                         # the gated norm, out_proj
 
     def state_bytes(self, sp: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
-        """One layer's generation state on one of `sp` Ulysses ranks (hf/cache.py's
+        """One layer's generation state on one of `sp` Ulysses ranks (hf/inference/cache.py's
         `mixer_states`): the last `conv_kernel - 1` inputs of this rank's channels (in the
         compute dtype) and the recurrent state of its heads (float32 at least: transformers'
         gated delta rule computes in float32, the package's Mamba2 scan in float32 or wider).
@@ -212,12 +212,12 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
 
 
 def mlp_tile_tokens(hidden: int) -> int:
-    """patch_model's default MLP tile (hf/patch.py uses this function)."""
+    """patch_model's default MLP tile (hf/training/patch.py uses this function)."""
     return max(16, hidden)
 
 
 def loss_tile_tokens(vocab: int) -> int:
-    """patch_model's default loss tile: about 16M logits (hf/patch.py uses this function)."""
+    """patch_model's default loss tile: about 16M logits (hf/training/patch.py uses this function)."""
     return max(16, (1 << 24) // vocab)
 
 

@@ -1,4 +1,4 @@
-"""The "ulysses" attention implementation (ulysses_kernels/hf/attention.py) in tiny random
+"""The "ulysses" attention implementation (ulysses_kernels/hf/core/attention.py) in tiny random
 Llama / Qwen2 / Qwen3 GQA models at SP 2 and 4 (and Ulysses 2 x ring 2, and a 28/4-head
 model at SP 8 with a ring) against a single-process eager run: logits, loss and every
 parameter gradient (float32, relative error < 1e-5); masks it cannot honour raise on every

@@ -1,4 +1,4 @@
-"""`shard_batch` and `cu_seqlens_from_position_ids` (ulysses_kernels/hf/batch.py)."""
+"""`shard_batch` and `cu_seqlens_from_position_ids` (ulysses_kernels/hf/core/batch.py)."""
 
 import pytest
 import torch

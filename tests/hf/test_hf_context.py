@@ -21,7 +21,8 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.context import context_of, default_context, sequence_parallel_model  # noqa: E402
+from ulysses_kernels.hf.context import context_of, default_context
+from ulysses_kernels.hf.core.attach import sequence_parallel_model  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 PROMPT, NEW = 11, 5
@@ -122,7 +123,7 @@ def test_a_context_lives_on_every_module_and_follows_register():
 def test_a_context_passes_its_engine_to_every_attention_call(monkeypatch):
     """attach_context(engine=): the model's attention calls run with the caller's engine
     (a stand-in here: the call itself is recorded, then run without it on CPU)."""
-    from ulysses_kernels.hf import attention as hf_attention
+    from ulysses_kernels.hf.core import attention as hf_attention
 
     seen = []
     real = hf_attention.ulysses_attention

@@ -1,6 +1,6 @@
 """Training parity of the model families people train on long contexts under
-`attn_implementation="ulysses"` (ulysses_kernels/hf/attention.py's `layer_variants`,
-hf/loss.py, hf/patch.py over every attention variant): Mistral (window shorter than the
+`attn_implementation="ulysses"` (ulysses_kernels/hf/core/attention.py's `layer_variants`,
+hf/training/loss.py, hf/training/patch.py over every attention variant): Mistral (window shorter than the
 sequence), Qwen2 with `use_sliding_window` and packed documents, Gemma 2 (softcap, final
 softcap, alternating windows; also with the tiled loss), Gemma 3 (alternating windows,
 one KV head: fewer than the ranks), GPT-OSS (sinks, windows, MoE; also with the router's
@@ -17,7 +17,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 import ulysses_kernels as uk
 from ulysses_kernels import hf as ukhf
-from ulysses_kernels.hf.loss import router_aux_loss
+from ulysses_kernels.hf.training.loss import router_aux_loss
 from ulysses_kernels.launch import spawn
 
 S = 23  # > 3 windows of 7, not a multiple of any SP size
@@ -176,7 +176,7 @@ def test_layer_variants_follow_the_layer_arguments():
     window; softcap and sinks (either keyword) pass through."""
     from torch import nn
 
-    from ulysses_kernels.hf.attention import layer_variants
+    from ulysses_kernels.hf.core.attention import layer_variants
 
     layer, sinks = nn.Module(), torch.zeros(4)
     assert layer_variants(layer, dict(sliding_window=8), causal=True)["window_size"] == (7, 0)

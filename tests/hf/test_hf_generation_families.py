@@ -180,7 +180,7 @@ def test_a_windowed_layer_keeps_what_later_queries_see():
     """One process: chunks of 5, 3, 1, 1, 4, 1 tokens through a layer with a window of 4
     (window_size (3, 0)), softcap, sinks and v 8 wide against attention over every key so
     far; the layer holds the last 3 tokens after each chunk; a full layer beside it all."""
-    from ulysses_kernels.hf.cache import HeadShardedCache
+    from ulysses_kernels.hf.inference.cache import HeadShardedCache
 
     g = torch.Generator().manual_seed(0)
     cache = HeadShardedCache(_stand_in_model())
@@ -206,7 +206,7 @@ def test_a_windowed_layer_keeps_what_later_queries_see():
 def test_a_layer_expanding_a_latent_cache():
     """One process: a layer that caches a one-head latent (values of their own width) and
     expands it into every query head's keys and values (MLA) attends like the reference."""
-    from ulysses_kernels.hf.cache import HeadShardedCache
+    from ulysses_kernels.hf.inference.cache import HeadShardedCache
 
     g = torch.Generator().manual_seed(1)
     cache = HeadShardedCache(_stand_in_model(heads=4, kv_heads=4))
@@ -231,7 +231,7 @@ def test_a_layer_expanding_a_latent_cache():
 def test_the_cache_refuses_what_it_cannot_hold():
     """One process: cached tensors of an unknown head count, and an attention call without
     its layer's update, raise a ValueError that says so."""
-    from ulysses_kernels.hf.cache import HeadShardedCache
+    from ulysses_kernels.hf.inference.cache import HeadShardedCache
 
     cache = HeadShardedCache(_stand_in_model(heads=6, kv_heads=2))
     x = torch.zeros(1, 3, 2, 8)

@@ -1,4 +1,4 @@
-"""The guard (ulysses_kernels/hf/guard.py): what the package cannot make exactly
+"""The guard (ulysses_kernels/hf/core/guard.py): what the package cannot make exactly
 sequence-parallel raises `NotSequenceParallelError`, at the first place the package
 meets the model (an entry point, or the model's first forward), the same on every rank.
 
@@ -24,7 +24,7 @@ from tiny_models import build_tiny_model, tiny_config  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf import guard  # noqa: E402
+from ulysses_kernels.hf.core import guard, masks  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 
@@ -155,7 +155,7 @@ def test_gemma3_image_blocks_are_refused(registered):
 def test_a_mask_request_from_an_unknown_model_is_checked_by_its_config(registered):
     """The mask function called outside any model's forward (no model to find) still refuses
     a config it cannot honour, and lets a plain one through."""
-    from ulysses_kernels.hf.attention import ulysses_mask_function
+    from ulysses_kernels.hf.core.masks import ulysses_mask_function
 
     with pytest.raises(ukhf.NotSequenceParallelError, match="model_type 'qwen3_next'.*linear_attention"):
         ulysses_mask_function(config=tiny_config("qwen3_next"))
@@ -163,19 +163,19 @@ def test_a_mask_request_from_an_unknown_model_is_checked_by_its_config(registere
 
 
 def test_a_mask_overlay_is_refused():
-    assert "overlays its own mask function" in guard.mask_request_problem(dict(use_vmap=True))
-    assert guard.mask_request_problem(dict(allow_is_bidirectional_skip=True, use_vmap=False)) is None
+    assert "overlays its own mask function" in masks.mask_request_problem(dict(use_vmap=True))
+    assert masks.mask_request_problem(dict(allow_is_bidirectional_skip=True, use_vmap=False)) is None
     causal = dict(allow_is_causal_skip=False, batch_size=1, q_length=6, kv_length=6,
                   mask_function=lambda b, h, q, kv: kv <= q)
-    assert guard.mask_request_problem(causal) is None
+    assert masks.mask_request_problem(causal) is None
     opened = dict(causal, mask_function=lambda b, h, q, kv: (kv <= q) | ((q == 2) & (kv == 3)))
-    assert "later tokens" in guard.mask_request_problem(opened)
+    assert "later tokens" in masks.mask_request_problem(opened)
 
 
 def test_a_model_whose_attention_is_not_ulysses_is_refused_on_more_ranks_only():
     """causal_lm_loss of a model loaded with attn_implementation="sdpa" is fine on one
     process (SP 1) and is refused on more (slow test below)."""
-    from ulysses_kernels.hf.context import uses_ulysses_attention
+    from ulysses_kernels.hf.core.attach import uses_ulysses_attention
 
     assert not uses_ulysses_attention(build_tiny_model("llama", "sdpa"))
     assert uses_ulysses_attention(build_tiny_model("llama", "ulysses"))
@@ -348,7 +348,7 @@ def test_keywords_the_attention_function_would_ignore():
     """A sparse attention's key selection is refused wherever it comes from; any other
     keyword with a value is refused when the model's layers added it on the way down, and
     passes when it was an input of the model's forward (a collator's extra field)."""
-    from ulysses_kernels.hf.attention import ignored_keyword_problem
+    from ulysses_kernels.hf.core.attention import ignored_keyword_problem
 
     assert ignored_keyword_problem(dict(position_ids=1, use_cache=False, sliding_window=4, s_aux=None)) is None
     assert ignored_keyword_problem(dict(indices=1, block_indices=2), {"indices"}) == "block_indices=, indices="

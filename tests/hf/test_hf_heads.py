@@ -1,4 +1,4 @@
-"""Sequence classification (reward models) under sequence parallelism (ulysses_kernels/hf/heads.py):
+"""Sequence classification (reward models) under sequence parallelism (ulysses_kernels/hf/core/heads.py):
 a tiny float64 `LlamaForSequenceClassification` called with `shard_batch(...).model_inputs()`
 returns the whole batch's `[B, num_labels]` scores on every rank, equal to one process; the
 same loss on every rank followed by `allreduce_gradients` gives the one-process gradients;
@@ -309,15 +309,15 @@ def test_every_head_is_exact_or_refused_on_every_rank(tmp_path):
 
 
 def test_docs_list_every_head_with_its_pinned_outcome():
-    """docs/hf.md's head sweep table lists every case of the newest pinned transformers,
+    """docs/hf_families.md's head sweep table lists every case of the newest pinned transformers,
     with its outcome."""
     from helpers import ROOT
     from test_hf_sweep import newest_pinned_version, pinned_outcomes
 
     pinned = pinned_outcomes(newest_pinned_version(HEAD_OUTCOMES), HEAD_OUTCOMES)
-    text = (ROOT / "docs" / "hf.md").read_text()
-    table = text[text.index("### Heads: the head sweep"):]
-    table = table[:table.index("\n### ", 1)]
+    text = (ROOT / "docs" / "hf_families.md").read_text()
+    table = text[text.index("## Heads: the head sweep"):]
+    table = table[:table.index("\n## ", 1)] if "\n## " in table[1:] else table
     heads = {"sequence classification": "SequenceClassification", "token classification": "TokenClassification",
              "question answering": "QuestionAnswering"}
     listed = {}

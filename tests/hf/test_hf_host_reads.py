@@ -1,5 +1,5 @@
 """The documented training step reads nothing back to the host and runs no collective in
-the package's mask function (ulysses_kernels/hf/attention.py, `_agreed_inputs`): after
+the package's mask function (ulysses_kernels/hf/core/attention.py, `_agreed_inputs`): after
 `shard_batch` every rank holds the same whole batch, so a forward without a mask and with a
 plain causal request has nothing to agree on. Counted on CPU at SP 2 (a tiny Llama, one
 document and two packed documents): host reads (`Tensor.item`, `tolist`, `__bool__`,
@@ -25,7 +25,7 @@ from hf_cases import make_batch, make_model  # noqa: E402
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.guard import never_opens_later  # noqa: E402
+from ulysses_kernels.hf.core.masks import never_opens_later  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 HOST_READS = ("item", "tolist", "__bool__", "__int__")
@@ -39,7 +39,7 @@ def _package_caller():
     for frame in traceback.extract_stack()[:-2][::-1]:
         if "/ulysses_kernels/" in frame.filename:
             where = f"{frame.filename.split('/ulysses_kernels/')[-1]} {frame.name}"
-            if where == "hf/context.py __call__":   # the first-call check around transformers' own forward
+            if where == "hf/core/attach.py __call__":   # the first-call check around transformers' own forward
                 continue
             return where
     return None
@@ -96,7 +96,7 @@ def test_a_trusted_training_step_reads_nothing_back_in_package_code(documents):
         assert own == {}, (rank, reads)
         # 2 layers x (q|k|v forward, output forward, and their two backward exchanges), the loss's sum
         assert collectives == {"all_to_all_single distributed/collectives.py all_to_all": 8,
-                               "all_reduce hf/loss.py sum_over_group": 1}, (rank, collectives)
+                               "all_reduce hf/groups.py sum_over_group": 1}, (rank, collectives)
 
 
 def test_transformers_causal_mask_functions_are_recognised_by_construction():

@@ -1,4 +1,4 @@
-"""Hybrid models under sequence parallelism (ulysses_kernels/hf/mixers.py, gated_deltanet.py,
+"""Hybrid models under sequence parallelism (ulysses_kernels/hf/families/mixers.py, gated_deltanet.py,
 mamba2.py): Qwen3-Next (MoE, eager experts), Qwen3.5 (dense and MoE), Bamba, Nemotron-H,
 Falcon-H1 and GraniteMoeHybrid through the
 documented calls only (`register`, `attn_implementation="ulysses"`, `shard_batch`,
@@ -33,7 +33,7 @@ from tiny_models import build_tiny_model  # noqa: E402
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.mixers import ADAPTERS, adapted_kind, install_adapters  # noqa: E402
+from ulysses_kernels.hf.families.mixers import ADAPTERS, adapted_kind, install_adapters  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 from ulysses_kernels.planner import shape_from_dict  # noqa: E402
 
@@ -266,7 +266,7 @@ def test_a_forward_replaced_after_adaptation_is_refused():
     """What replaces an adapted mixer's forward after the package adapted it (a hub kernel,
     a user's patch) is refused at the model's next forward, not run on the local shard;
     the hub kernels' own setup skips an adapted class (its `kernel_condition`)."""
-    from ulysses_kernels.hf.mixers import uninstall_adapters
+    from ulysses_kernels.hf.families.mixers import uninstall_adapters
 
     ukhf.register(None)
     model = hybrid_model("qwen3_5_text", "ulysses", 2)
@@ -338,7 +338,7 @@ def test_the_float64_twin_is_transformers_rule(family):
 
 
 def test_a_value_head_count_without_placement_is_refused():
-    from ulysses_kernels.hf.gated_deltanet import placement_problem
+    from ulysses_kernels.hf.families.gated_deltanet import placement_problem
 
     layer = next(m for m in hybrid_model("qwen3_next", "sdpa", 3).modules()
                  if type(m).__name__ == "Qwen3NextGatedDeltaNet")
@@ -401,10 +401,10 @@ def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
     values and the gradients of every input."""
     import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 
-    from ulysses_kernels.hf.gated_deltanet import DeltaRuleChunks
-    from ulysses_kernels.hf.mamba2 import ScanChunks, scan_documents
-    from ulysses_kernels.hf.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
-    from ulysses_kernels.hf.mixers import causal_conv1d, document_bounds, document_starts, over_documents
+    from ulysses_kernels.hf.families.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.families.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
+    from ulysses_kernels.hf.families.mixers import causal_conv1d, document_bounds, document_starts, over_documents
+    from ulysses_kernels.hf.families.ssd_scan import ScanChunks, scan_documents
 
     g = torch.Generator().manual_seed(total)
     draw = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g)  # noqa: E731
@@ -464,10 +464,10 @@ def _ring_chunks_worker(rank, world, cases):
     import torch.distributed as dist
     import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 
-    from ulysses_kernels.hf.gated_deltanet import DeltaRuleChunks
-    from ulysses_kernels.hf.mamba2 import ScanChunks, scan_documents
-    from ulysses_kernels.hf.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
-    from ulysses_kernels.hf.mixers import causal_conv1d, document_bounds, document_starts, over_documents
+    from ulysses_kernels.hf.families.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.families.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
+    from ulysses_kernels.hf.families.mixers import causal_conv1d, document_bounds, document_starts, over_documents
+    from ulysses_kernels.hf.families.ssd_scan import ScanChunks, scan_documents
     from ulysses_kernels.ring.layout import zigzag_segments
 
     errors = []

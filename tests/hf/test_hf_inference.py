@@ -1,4 +1,4 @@
-"""Sequence-parallel inference (ulysses_kernels/hf/generation.py, cache.py): `generate` and
+"""Sequence-parallel inference (ulysses_kernels/hf/inference/generation.py, cache.py): `generate` and
 `prefill` against single-device `model.generate` at SP 2, 3, 4 and Ulysses 2 x ring 2, on
 the reference path and on the fused path with its CPU stand-ins; the refused modes."""
 

@@ -1,4 +1,4 @@
-"""Llama 4 under sequence parallelism (ulysses_kernels/hf/chunked.py): its chunked layers
+"""Llama 4 under sequence parallelism (ulysses_kernels/hf/families/llama4.py): its chunked layers
 see the keys of their own chunk only (`attention_chunk_size` = 5 here, shorter than the
 23-token sequence), chunks cut from each packed document's start; its NoPE layer scales
 the queries by position (temperature tuning, `floor_scale` = 4, so the factor changes
@@ -24,7 +24,7 @@ from sweep import DOCUMENTS, reference_step, sp_step  # noqa: E402
 from test_hf_generation_families import decode_greedily  # noqa: E402
 
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.chunked import chunk_bounds, retune_queries, temperature  # noqa: E402
+from ulysses_kernels.hf.families.llama4 import chunk_bounds, retune_queries, temperature  # noqa: E402
 
 CHUNK, FLOOR = 5, 4
 PROMPT, NEW_TOKENS, DECODE_STEPS = 13, 6, 4
@@ -152,7 +152,7 @@ def test_a_chunked_layer_keeps_its_current_chunk():
     attend to the keys of their own chunk only; a forward crossing a chunk boundary raises."""
     from test_hf_generation_families import _stand_in_model
 
-    from ulysses_kernels.hf.cache import HeadShardedCache
+    from ulysses_kernels.hf.inference.cache import HeadShardedCache
     from ulysses_kernels.reference.attention import reference_attention
 
     g = torch.Generator().manual_seed(0)
@@ -181,7 +181,7 @@ def test_a_chunked_layer_keeps_its_current_chunk():
 
 
 def test_prefill_cuts_its_forwards_at_the_chunks():
-    from ulysses_kernels.hf.generation import forward_spans
+    from ulysses_kernels.hf.inference.generation import forward_spans
 
     assert forward_spans(13, 13, 0, 5) == [(0, 5), (5, 10), (10, 13)]
     assert forward_spans(13, 4, 0, 5) == [(0, 4), (4, 5), (5, 8), (8, 10), (10, 12), (12, 13)]

@@ -1,5 +1,5 @@
 """The Mamba2 mixers of Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid and Zamba2 under
-sequence parallelism (ulysses_kernels/hf/mamba2.py).
+sequence parallelism (ulysses_kernels/hf/families/mamba2.py).
 
 Fast tier (one process): the chunked scan against the step-by-step recurrence, with
 initial states and several documents; the convolution with documents against each
@@ -27,12 +27,9 @@ from helpers import SLOW_SPAWN_TIMEOUT, randn, rel_err, shard
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from ulysses_kernels.hf.mamba2 import (  # noqa: E402 - registers the adapters
-    placement_problem,
-    scan_documents,
-    ssd_scan,
-)
-from ulysses_kernels.hf.mixers import causal_conv1d, document_starts, install_adapters  # noqa: E402
+from ulysses_kernels.hf.families.mamba2 import placement_problem
+from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts, install_adapters  # noqa: E402
+from ulysses_kernels.hf.families.ssd_scan import scan_documents, ssd_scan
 from ulysses_kernels.layout import split_lengths  # noqa: E402
 
 HIDDEN, STATE, CONV, CHUNK = 64, 8, 4, 8

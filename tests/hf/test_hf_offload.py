@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ulysses_kernels.hf.offload import CheckpointOffload, enable_checkpoint_offload
+from ulysses_kernels.hf.training.offload import CheckpointOffload, enable_checkpoint_offload
 
 
 class Block(nn.Module):

@@ -1,4 +1,4 @@
-"""Padded batches in `shard_batch` (ulysses_kernels/hf/batch.py), in one process: the
+"""Padded batches in `shard_batch` (ulysses_kernels/hf/core/batch.py), in one process: the
 unpadded layout (one packed row of every row's valid tokens, positions restarting at 0,
 no target at a row's end or at padding), `repad` / `gather_tokens` / `shard_tokens`,
 `count_targets`, and the masks that are refused. No transformers needed (the fast tier);

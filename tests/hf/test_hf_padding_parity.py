@@ -1,5 +1,5 @@
 """Training on padded batches under sequence parallelism (`shard_batch(...,
-attention_mask=mask)`, ulysses_kernels/hf/batch.py) equals single-device training on the
+attention_mask=mask)`, ulysses_kernels/hf/core/batch.py) equals single-device training on the
 valid tokens: a tiny float64 Llama (families.py) under `attn_implementation="ulysses"` at
 SP 2, 3, 4 and on a 2x2 Ulysses x Ring grid, one step on batches with right padding, left
 padding and a mix (both sides, none, a row that is all padding); the right-padded one

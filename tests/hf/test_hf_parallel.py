@@ -1,4 +1,4 @@
-"""DP x SP training (ulysses_kernels/hf/parallel.py, loss.py): FSDP2 over the world or inside
+"""DP x SP training (ulysses_kernels/hf/training/parallel.py, loss.py): FSDP2 over the world or inside
 SP groups, DDP and manual all-reduces at DP 2 x SP 2 against the single-process mean, and
 examples/train_hf.py."""
 

@@ -1,4 +1,4 @@
-"""`patch_model` (ulysses_kernels/hf/patch.py) on transformers models: tiling with activation
+"""`patch_model` (ulysses_kernels/hf/training/patch.py) on transformers models: tiling with activation
 checkpointing against the eager model, and checkpoint offload exact at SP 2, with its
 host buffers from the pool (and pinned on a GPU)."""
 

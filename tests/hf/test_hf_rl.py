@@ -1,4 +1,4 @@
-"""RL under sequence parallelism (ulysses_kernels/hf/logprobs.py, rl.py): per-token log-probs
+"""RL under sequence parallelism (ulysses_kernels/hf/rl/logprobs.py, rl.py): per-token log-probs
 and entropy through the tiled LM head on TRL-shaped rollouts (left-padded prompts,
 right-padded completions of unequal lengths) against the single-device float64 model run
 row by row, at SP 2, 3 and a 2 x 2 ring, at a temperature != 1, tiled and untiled; the GRPO
@@ -173,7 +173,7 @@ def test_token_fields_give_trl_fused_head_fields():
     """token_fields (what the DPO mixin reads): the mean logit over the vocabulary after the
     temperature and whether the label is the argmax, equal to the model's own logits', in
     one tiled pass with the log-probs; 0 / False where the label is -100."""
-    from ulysses_kernels.hf.logprobs import token_fields
+    from ulysses_kernels.hf.rl.logprobs import token_fields
 
     ukhf.register(None)
     model = make_model("llama", "ulysses", **CONFIG).double()

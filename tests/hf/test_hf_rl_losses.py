@@ -1,4 +1,4 @@
-"""The RL losses (ulysses_kernels/hf/rl.py) against TRL 1.16's own code on one process: TRL's
+"""The RL losses (ulysses_kernels/hf/rl/losses.py) against TRL 1.16's own code on one process: TRL's
 `GRPOTrainer._compute_loss` and `DPOTrainer._compute_loss`, called on a stand-in trainer
 whose log-probs come from one float64 logits tensor, and ours on the same log-probs laid
 out as `shard_batch` lays them out (left-padded prompts, right-padded completions). Loss

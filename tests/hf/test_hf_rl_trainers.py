@@ -146,7 +146,7 @@ def test_mixins_refuse_what_they_do_not_make_sequence_parallel():
 
     from trl import DPOConfig, GRPOConfig
 
-    from ulysses_kernels.hf import dpo_trainer, grpo_trainer
+    from ulysses_kernels.hf.rl import dpo_trainer, grpo_trainer
 
     groups = types.SimpleNamespace(dp_size=3)
     common = dict(output_dir="/tmp/uk_unused", use_cpu=True, report_to=[], per_device_train_batch_size=4,
@@ -183,7 +183,7 @@ def test_reward_mixin_refuses_inputs_it_does_not_shard():
     import torch
     from _tiny import tiny_reward_model
 
-    from ulysses_kernels.hf import reward_trainer
+    from ulysses_kernels.hf.rl import reward_trainer
 
     with pytest.raises(ValueError, match="needs sp_groups"):
         type("T", (reward_trainer.SequenceParallelRewardMixin, object), {})(sp_groups=None)

@@ -9,7 +9,7 @@ Every family must be exact (loss and every parameter gradient) or refused with
 ranks only, no other error, no hang. What each family does is pinned in
 `sweep_outcomes.json`, per supported transformers minor version (a change shows up here; a
 minor without an entry is one nobody has swept yet), and listed with the reasons in
-docs/hf.md ("Model families: the sweep", the newest pinned version).
+docs/hf_families.md ("Model families: the sweep", the newest pinned version).
 """
 
 import json
@@ -117,12 +117,12 @@ def test_the_pinned_outcomes_cover_this_transformers():
 
 
 def test_docs_list_every_refused_and_unbuilt_family():
-    """docs/hf.md's sweep table has a row for every family of the newest pinned transformers,
+    """docs/hf_families.md's sweep table has a row for every family of the newest pinned transformers,
     with its pinned outcome."""
     pinned = pinned_outcomes(newest_pinned_version())
-    text = (ROOT / "docs" / "hf.md").read_text()
-    table = text[text.index("### Model families: the sweep"):]
-    table = table[:table.index("\n### ", 1)] if "\n### " in table[1:] else table
+    text = (ROOT / "docs" / "hf_families.md").read_text()
+    table = text[text.index("## Model families: the sweep"):]
+    table = table[:table.index("\n## ", 1)] if "\n## " in table[1:] else table
     rows = {}
     for line in table.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

@@ -1,4 +1,4 @@
-"""The tiled MLP and the tiled LM head + loss (ulysses_kernels/hf/tiling.py) against the plain
+"""The tiled MLP and the tiled LM head + loss (ulysses_kernels/hf/training/tiling.py) against the plain
 modules: outputs and gradients."""
 
 import pytest

@@ -1,36 +1,33 @@
-"""The sequence-parallel context of one model: the groups, ring and backend its
-``"ulysses"`` attention runs on, and what a forward in progress needs (the decoding cache,
-the count of attention calls).
+"""The sequence-parallel context of one model and the documents of the forward in progress
+(docs/architecture.md, "The Hugging Face layer").
 
-A context lives with its model: `attach_context` sets it on every submodule, so the
-attention function finds it on the `module` transformers passes it, and the mask
-function through the model's config. Two models on two SP groups therefore live in one
-process (a policy and a reference model, a draft and its target). `register(groups)`
-sets the *default* context: a model met without a context of its own gets one that
-follows it, the first time the package meets the model (an entry point, or its first
-forward).
+A context holds the groups, ring and backend a model's ``"ulysses"`` attention runs on, and
+what a forward in progress derived once for all its layers (the lengths of every rank, the
+documents, the decoding cache). It lives with its model: `set_context` puts it on every
+submodule, so the attention function and the token-mixer adapters (families/) find it on
+the module transformers passes them (`context_of`). Two models on two SP groups therefore
+live in one process (a policy and a reference model, a draft and its target).
+`register(groups)` sets the *default* context: a model met without a context of its own gets
+one that follows it (core/attach.py attaches it).
+
+Below the families and the core: both read it, neither is imported here.
 """
 
-import weakref
+import warnings
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.groups import ParallelGroups, resolve_group
-from ..ring.layout import local_ranges
-from .batch import split_groups
-from .guard import check_model, decoder_layers, install_call_checks, positions_holder, refusal
-from .mixers import (
-    adaptable_modules,
-    adapted_problem,
-    install_adapters,
-    replaced_adapter_problem,
-    uninstall_adapters,
-)
-from .vision import install_vision
+from ..api import gather_sequence
+from ..distributed.collectives import gather_ints
+from ..distributed.groups import collective_device, resolve_group
+from ..layout import split_lengths
+from ..ring.layout import local_ranges, sp_lengths
+from .groups import split_groups
+from .model import refusal, unwrap
 
-ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
 _ATTRIBUTE = "_ulysses_context"
 
 
@@ -136,77 +133,6 @@ FORWARD_INPUTS = ("ulysses_seq_lens", "ulysses_cu_seqlens", "position_ids", "uly
                   "ulysses_rows")
 
 
-def _enter_forward(module, args, kwargs):
-    context = context_of(module)
-    if context is None:
-        return
-    if context.depth == 0:   # the outermost forward: a new forward's inputs
-        _check_adapters(module)
-        _check_labels(module, context, kwargs)
-        context.forward_inputs = {}
-        context.forward_memo = {}
-        context.forward_keys = set()
-    elif vars(module).get("_ulysses_positions_holder") and "position_ids" in context.forward_keys \
-            and kwargs.get("position_ids") is None:
-        raise refusal(module, f"the position_ids given to the model did not reach {type(module).__name__}, which "
-                              "numbers the positions: a head on the way drops them, so each rank's tokens would be "
-                              "numbered from 0 (local positions)")
-    context.depth += 1
-    context.forward_keys.update(k for k, v in kwargs.items() if v is not None)
-    for key in FORWARD_INPUTS:
-        if kwargs.get(key) is not None:
-            context.forward_inputs[key] = kwargs[key]
-
-
-def _check_adapters(module: nn.Module) -> None:
-    """Refuse a forward in which an adapted token mixer would not run its adapted forward
-    (mixers.py): the same on every rank, since every rank did the same to its model. The
-    mixers under `module` are found at its first forward and kept on it."""
-    watched = vars(module).get("_ulysses_watched_mixers")
-    if watched is None:
-        watched = adaptable_modules(module)
-        object.__setattr__(module, "_ulysses_watched_mixers", watched)
-    problem = replaced_adapter_problem(watched)
-    if problem:
-        raise refusal(module, problem)
-
-
-def _check_labels(module: nn.Module, context, kwargs) -> None:
-    """Refuse `labels=` given to a model on more than one rank: transformers' heads compute
-    their loss from this rank's tokens (a local mean; a causal LM shifts the labels
-    `shard_batch` already shifted, again). The exact losses take this rank's share of the
-    whole batch's targets (`causal_lm_loss`, `sequence_parallel_loss`; the tiled loss reads
-    `ulysses_labels=`)."""
-    forward = vars(module).get("forward") or type(module).forward   # the instance's own, or its class's
-    if getattr(getattr(forward, "__func__", forward), "_ulysses_takes_labels", False):
-        return   # the package's own forward (logprobs, patch, heads.py) reads them itself
-    if kwargs.get("labels") is not None and context.sp_size > 1:
-        raise refusal(module, f"labels= given to the model at {context.describe()}: its own loss would be this "
-                              "rank's local mean (and a causal LM would shift the already shifted labels again)",
-                      "Compute the loss with ulysses_kernels.hf.causal_lm_loss(model, batch, groups) or "
-                      "sequence_parallel_loss(logits, batch.labels, group), and call the model without labels.")
-
-
-def _leave_forward(module, args, kwargs, output):
-    context = context_of(module)
-    if context is not None and context.depth > 0:
-        context.depth -= 1
-
-
-def install_input_hooks(model: nn.Module) -> None:
-    """Forward hooks on the model and its base models (every transformers PreTrainedModel
-    inside) that keep the forward's `FORWARD_INPUTS` on the context (once per module)."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:   # a stand-in model: nothing to hook
-        return
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not getattr(module, "_ulysses_input_hooks", False):
-            module.register_forward_pre_hook(_enter_forward, with_kwargs=True)
-            module.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
-            object.__setattr__(module, "_ulysses_input_hooks", True)
-
-
 def set_default_context(context: Optional[SequenceParallelContext]) -> None:
     _Default.context = context
 
@@ -228,152 +154,145 @@ def require_default_context() -> SequenceParallelContext:
     return SequenceParallelContext(None)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP / DeepSpeed wrapper."""
-    return getattr(model, "module", model)
-
-
 def context_of(module: nn.Module) -> Optional[SequenceParallelContext]:
     """The context attached to `module` (any submodule of an attached model), or None."""
     return getattr(unwrap(module), _ATTRIBUTE, None)
 
 
-# Configs the mask function sees -> the context of their model (transformers passes the
-# mask function the config, not the model). Weak: a model's config dies with it.
-_BY_CONFIG = {}
+def _global_positions(position_ids, group, world, ring_group=None):
+    """All-gather the local position-id shard along the sequence (fallback path); returns
+    the global positions and every SP rank's length."""
+    pos = position_ids
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    pos = pos.detach().to(torch.int64)
+    if ring_group is not None:
+        dev = collective_device(ring_group)
+        full = gather_sequence(pos.to(dev), group, dim=1, ring_group=ring_group).to(position_ids.device)
+        return full, sp_lengths(full.shape[1], dist.get_world_size(ring_group), world)
+    if group is None or world == 1:
+        return pos, [pos.shape[1]]
+    dev = collective_device(group)
+    full = gather_sequence(pos.to(dev), group, dim=1).to(position_ids.device)
+    return full, split_lengths(full.shape[1], world)
 
 
-def _remember_configs(model: nn.Module, context: SequenceParallelContext) -> None:
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "to_dict"):
-            _BY_CONFIG[id(config)] = (weakref.ref(config), context)
+def _lengths_only(local_len, group, ring_group=None):
+    """Every SP rank's local length (ring rank major with a ring)."""
+    lens = [n for (n,) in gather_ints([local_len], group)]
+    if ring_group is not None:
+        lens = [n for row in gather_ints(lens, ring_group) for n in row]
+    return lens
 
 
-def context_for_config(config) -> Optional[SequenceParallelContext]:
-    entry = _BY_CONFIG.get(id(config))
-    if entry is None:
-        return None
-    ref, context = entry
-    if ref() is not config:   # the id of a config that is gone
-        del _BY_CONFIG[id(config)]
-        return None
-    return context
-
-
-def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: Optional[str] = None,
-                   context: Optional[SequenceParallelContext] = None, engine=None) -> SequenceParallelContext:
-    """Give `model` a sequence-parallel context of its own: its ``"ulysses"`` attention,
-    mask, loss and generation then run on `groups` whatever `register` set (groups as
-    for `register`: a process group or `init_sequence_parallel`'s groups). Checks the
-    model first (`guard.check_model`: a model the package cannot make exactly
-    sequence-parallel raises the same ValueError on every rank). `engine`: a
-    `fused.Engine` the caller holds for this model (see `ulysses_attention`). Returns the
-    context."""
-    model = unwrap(model)
-    context = context if context is not None else SequenceParallelContext(groups, ring_group=ring_group,
-                                                                          backend=backend, engine=engine)
-    install_adapters(model)
-    try:
-        check_model(model)
-        _, world, _ = context.ulysses()
-        problem = adapted_problem(model, world, context.ring()[1])
-        if problem:
-            raise refusal(model, problem)
-    except Exception:   # refused: the model runs as transformers wrote it
-        uninstall_adapters(model)
-        raise
-    install_vision(model, decoder_layers(model))
-    for module in model.modules():
-        object.__setattr__(module, _ATTRIBUTE, context)   # a plain attribute: not a submodule
-    _remember_configs(model, context)
-    install_input_hooks(model)
-    holder = positions_holder(model)
-    if holder is not None and holder is not model:   # checked at each forward that the positions reach it
-        object.__setattr__(holder, "_ulysses_positions_holder", True)
-    install_call_checks(model, context)
-    return context
-
-
-def model_context(model: nn.Module, groups=None) -> SequenceParallelContext:
-    """The context of `model` for an entry point (`causal_lm_loss`, `patch_model`, the
-    Trainer mixin, `generate`): its own, or, the first time, one attached to it: on
-    `init_sequence_parallel`'s groups when given, else `register`'s (also when `groups`
-    is the SP group of the same size), else on `groups`. `groups` given to a model with a
-    context of another SP size: a ValueError."""
-    context = context_of(model)
-    if context is None:
-        return attach_context(model, context=_first_context(groups))
-    if groups is not None:
-        sp = sp_size_of(groups)
-        if sp != context.sp_size and context.follows_default:   # the default moved on: this call says where
-            return attach_context(model, context=_first_context(groups))
-        if sp != context.sp_size:
-            raise ValueError(f"ulysses_kernels.hf: the model runs on {context.describe()} (its context), but the "
-                             f"call passed groups of SP size {sp}; pass the model's own groups "
-                             "(ulysses_kernels.hf.context_of(model))")
-    return context
-
-
-def uses_ulysses_attention(model: nn.Module) -> bool:
-    """The model (or its language model) was built with ``attn_implementation="ulysses"``."""
-    for module in unwrap(model).modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION:
-            return True
-    return False
-
-
-def sequence_parallel_model(model: nn.Module, groups=None) -> SequenceParallelContext:
-    """`model_context` for an entry point that runs the model sequence-parallel (the loss,
-    the Trainer mixin, generation): a model whose attention is not ``"ulysses"`` would
-    attend within each rank's slice, so on more than one rank it is refused."""
-    context = model_context(model, groups)
-    if context.implementation_checked or context.sp_size == 1:
-        return context
-    if not uses_ulysses_attention(model):
-        implementation = getattr(getattr(unwrap(model), "config", None), "_attn_implementation", None)
-        raise refusal(unwrap(model), f"its attention implementation is {implementation!r}, which would attend "
-                                     f"within each rank's slice of the sequence",
-                      'Load it with attn_implementation="ulysses" (after ulysses_kernels.hf.register(groups)), or '
-                      "call model.set_attn_implementation(\"ulysses\").")
-    context.implementation_checked = True
-    return context
-
-
-def meet_models_at_their_first_call() -> None:
-    """Give transformers' `PreTrainedModel` a `__call__` that, for a model called with
-    `shard_batch`'s inputs (`ulysses_seq_lens=`) and no context yet, attaches the default
-    context and checks the model (`sequence_parallel_model`: the guard, and a model whose
-    attention is not "ulysses" on more than one rank) before its forward starts. Without it
-    the package first meets such a model inside its forward (the mask function), too late
-    for what the forward already began (its head), or never (attention written by hand).
-    Any other call passes through unchanged. Idempotent (`register` calls it)."""
-    from transformers import PreTrainedModel
-
-    call = PreTrainedModel.__call__
-    if getattr(call, "_ulysses_meets", False):
+def _warn_local_positions(context, pos, lens):
+    if context.warned_local_positions or len(lens) <= 1:
         return
-
-    def __call__(self, *args, **kwargs):
-        if kwargs.get("ulysses_seq_lens") is not None and context_of(self) is None:
-            sequence_parallel_model(self)
-        return call(self, *args, **kwargs)
-
-    __call__._ulysses_meets = True
-    PreTrainedModel.__call__ = __call__
-
-
-def _first_context(groups) -> SequenceParallelContext:
-    if isinstance(groups, ParallelGroups):
-        return SequenceParallelContext(groups)
-    default = default_context()
-    if groups is None or (default is not None and default.sp_size == sp_size_of(groups)):
-        return SequenceParallelContext.following_default()
-    return SequenceParallelContext(groups)
+    starts, s = [], 0
+    for n in lens:
+        starts.append(s)
+        s += n
+    row = pos[0]
+    if all(n > 0 for n in lens) and all(int(row[st]) == 0 for st in starts) and \
+            bool(((row[1:] - row[:-1]) != 1).sum() == len(lens) - 1):
+        context.warned_local_positions = True
+        warnings.warn("ulysses attention: every rank's position_ids start at 0 exactly at the shard "
+                      "boundaries; if the model was called without global position_ids, RoPE and the "
+                      "document boundaries are wrong. Use ulysses_kernels.hf.shard_batch (it passes "
+                      "global position ids).", RuntimeWarning, stacklevel=3)
 
 
-def sp_size_of(groups) -> int:
-    if isinstance(groups, ParallelGroups):
-        return groups.sp_size
-    return resolve_group(groups)[1]
+def lengths_and_documents(context, local_len: int, kwargs):
+    """(every SP rank's length, global cu_seqlens or None, trusted?) of this forward (this
+    rank holding `local_len` tokens): from
+    shard_batch's keys when given (to the attention, or to the model: context.py keeps the
+    model's inputs), else derived from the position ids, else the lengths only (one
+    document per row). Derived (a collective) once per forward, not once per layer."""
+    group, world, _ = context.ulysses()
+    given = {key: kwargs[key] for key in FORWARD_INPUTS if kwargs.get(key) is not None}
+    inputs = dict(context.forward_inputs, **given)
+    seq_lens = inputs.get("ulysses_seq_lens")
+    cu_seqlens = inputs.get("ulysses_cu_seqlens")
+    if seq_lens is not None:
+        _not_recomputed_from_kept(given, ("ulysses_seq_lens", "ulysses_cu_seqlens") if cu_seqlens is not None
+                                  else ("ulysses_seq_lens",))
+        return [int(n) for n in seq_lens], cu_seqlens, True
+    pos = inputs.get("position_ids")
+    derived = pos if isinstance(pos, torch.Tensor) and pos.shape[-1] == local_len else local_len
+    memo = context.forward_memo.get("lengths") if context.depth > 0 else None   # inside a hooked forward only
+    same = memo is not None and (memo[0] is derived or (isinstance(derived, int) and isinstance(memo[0], int)
+                                                       and memo[0] == derived))
+    if same and memo[1] is cu_seqlens:   # this forward's, from an earlier layer
+        return memo[2]
+    if derived is pos:
+        _not_recomputed_from_kept(given, ("position_ids",))
+        full, lens = _global_positions(pos, group, world, context.ring_group)
+        if context.ring_group is None:  # the heuristic knows the contiguous layout only
+            _warn_local_positions(context, full, lens)
+        result = lens, cu_seqlens if cu_seqlens is not None else cu_seqlens_from_position_ids(full), False
+    else:
+        result = _lengths_only(local_len, group, context.ring_group), cu_seqlens, False
+    # Derived once per forward: every layer of it gets the same position ids (the same
+    # tensor) or, without them, the same length; the memo holds the tensor, so its identity
+    # cannot be reused by another forward's, and the model's hooks clear it at the next one.
+    if context.depth > 0:
+        context.forward_memo["lengths"] = (derived, cu_seqlens, result)
+    return result
+
+
+def token_mixer_call(module: nn.Module, local_len: int, kwargs: dict):
+    """(context, every SP rank's length, global cu_seqlens or None) for one forward of a
+    token mixer the package adapts (mixers.py), counted as a call of the package's token
+    mixers (the guard's call check). Lengths and documents come as for the attention."""
+    context = context_of(module) or require_default_context()
+    context.attention_calls += 1
+    lens, cu_seqlens, _ = lengths_and_documents(context, local_len, kwargs)
+    return context, lens, cu_seqlens
+
+
+def _not_recomputed_from_kept(given, used) -> None:
+    """Inputs the attention takes from the model's forward (kept on the context, not passed
+    down by the decoder layer) belong to the model's last forward: inside the backward, a
+    recomputed layer (activation checkpointing) may be another forward's, so refuse."""
+    kept = [key for key in used if key not in given]
+    if kept and torch._C._current_graph_task_id() != -1:
+        raise refusal(None, f"a decoder layer that does not pass {', '.join(kept)} down to its attention is "
+                            "recomputed in the backward (activation checkpointing), where the documents of the "
+                            "forward it recomputes are not known",
+                      "Turn activation checkpointing off for this model, or pass the keyword arguments down.")
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """Global document boundaries (int32 `cu_seqlens`) from global position ids.
+
+    A document starts wherever `p[t] != p[t-1] + 1` (transformers' own rule). Returns None
+    when every row is one contiguous run (no packing). Packed rows need batch size 1.
+    """
+    pos = position_ids
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    if pos.dim() != 2:
+        raise ValueError(f"position_ids must be [batch, seq], got {tuple(position_ids.shape)}")
+    S = pos.shape[1]
+    if S <= 1:
+        return None
+    starts = (pos[:, 1:] - pos[:, :-1]) != 1
+    if not bool(starts.any()):
+        return None
+    if pos.shape[0] != 1:
+        if bool((pos == pos[:1]).all()):
+            pos, starts = pos[:1], starts[:1]
+        else:
+            raise ValueError("ulysses attention: packed documents (position_ids restarting) need batch size 1; "
+                             f"got position_ids of shape {tuple(position_ids.shape)}. Concatenate the batch "
+                             "into one row instead.")
+    idx = torch.nonzero(starts[0]).flatten() + 1
+    bounds = torch.cat([idx.new_zeros(1), idx, idx.new_full((1,), S)])
+    return bounds.to(dtype=torch.int32, device=position_ids.device)
+
+
+def set_context(model: nn.Module, context: "SequenceParallelContext") -> None:
+    """Attach `context` to every module of `model` (a plain attribute: not a submodule), where
+    `context_of` finds it from whatever module transformers hands the attention function."""
+    for module in model.modules():
+        object.__setattr__(module, _ATTRIBUTE, context)

@@ -1,4 +1,4 @@
-"""Sequence parallelism inside TRL's `DPOTrainer` (docs/hf.md, "RL").
+"""Sequence parallelism inside TRL's `DPOTrainer` (docs/hf_rl.md, "RL").
 
     from trl import DPOConfig, DPOTrainer
     from ulysses_kernels.hf import SequenceParallelDPOMixin
@@ -37,12 +37,13 @@ from typing import Optional
 
 import torch
 
-from ..distributed.groups import ParallelGroups
-from .attention import register
-from .batch import IGNORE_INDEX, gather_tokens, shard_batch
-from .context import sequence_parallel_model, unwrap
+from ...distributed.groups import ParallelGroups
+from ..core.attach import sequence_parallel_model
+from ..core.attention import register
+from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
+from ..model import unwrap
+from ..training.trainer import DataParallelData, check_groups, refuse_peft
 from .logprobs import forward_replaced, token_fields
-from .trainer import DataParallelData, check_groups, refuse_peft
 
 MIXIN = "SequenceParallelDPOMixin"
 # The fields TRL's DPO loss and metrics read.

@@ -1,4 +1,4 @@
-"""Token mixers that are not attention, made sequence-parallel by heads (docs/hf.md,
+"""Token mixers that are not attention, made sequence-parallel by heads (docs/hf_hybrids.md,
 "Hybrid models"): the adapters of the linear-attention and state-space layers the guard
 recognises, and what they share.
 
@@ -14,7 +14,7 @@ of the global sequence (`document_starts`, `causal_conv1d`, `over_documents`), s
 row equals its documents run one by one, on one rank as on many. Under Ulysses x Ring the
 state and the convolution's inputs pass from chunk to chunk of the ring (mixer_ring.py);
 in generation each rank keeps its heads' states on the head-sharded cache
-(`chunk_head_parallel`, hf/cache.py).
+(`chunk_head_parallel`, hf/inference/cache.py).
 
 An adapter gives one module instance the sequence-parallel forward (`install_adapters`,
 called when the package meets a model: `attach_context`) by moving it to a subclass of its
@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..api import ulysses_head_parallel
-from ..distributed.collectives import all_gather_tensor
-from ..layout import LocalHeads, place_heads
+from ...api import ulysses_head_parallel
+from ...distributed.collectives import all_gather_tensor
+from ...layout import LocalHeads, place_heads
 
 MIXER_ATTRIBUTE = "_ulysses_mixer"
 
@@ -219,7 +219,7 @@ def conv_history(previous: Optional[torch.Tensor], x: torch.Tensor, kernel: int)
 
 
 def chunk_head_parallel(fn: Callable, tensors: Dict[str, torch.Tensor], cache) -> torch.Tensor:
-    """The head-parallel call of a token mixer inside a generation forward (hf/cache.py's
+    """The head-parallel call of a token mixer inside a generation forward (hf/inference/cache.py's
     chunks): a sharded chunk (the prefill: sequence shards of the chunk) goes through
     `ulysses_head_parallel` with the chunk's lengths; a replicated chunk (decode: every rank
     holds the same tokens) takes this rank's heads of each tensor, runs `fn` on them and

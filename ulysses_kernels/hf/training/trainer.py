@@ -55,16 +55,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..distributed.collectives import all_gather_tensor, gather_objects, max_over_ranks
-from ..distributed.groups import ParallelGroups, collective_device, tensor_collective_device
-from ..extensions import HF_INSTALL_HINT
-from ..monitor import StepMonitor
-from .attention import register
-from .batch import IGNORE_INDEX, count_targets, shard_batch
-from .context import context_of, sequence_parallel_model
+from ...distributed.collectives import all_gather_tensor, gather_objects, max_over_ranks
+from ...distributed.groups import ParallelGroups, collective_device, tensor_collective_device
+from ...extensions import HF_INSTALL_HINT
+from ...monitor import StepMonitor
+from ..context import context_of
+from ..core.attach import sequence_parallel_model
+from ..core.attention import register
+from ..core.batch import IGNORE_INDEX, count_targets, shard_batch
+from ..families.vision_shard import check_vision_mode, vision_inputs
 from .loss import at_least_float32
 from .patch import is_loss_patched
-from .vision import check_vision_mode, vision_inputs
 
 # The minor versions of each integration the test suite ran on (pyproject.toml's `hf` extra
 # spans them; tests/test_setup.py holds the two together).
@@ -289,8 +290,8 @@ class SequenceParallelTrainerMixin(DataParallelData):
     def monitor_plan_options(self) -> dict:
         """The planner options of the model as it trains: its dtype, activation checkpointing
         (which Trainer turns on in train()), the tiles of patch_model and the attention path."""
-        from ..api import resolve_path
-        from ..monitor import plan_defaults
+        from ...api import resolve_path
+        from ...monitor import plan_defaults
         from .patch import is_mlp_tiled
 
         model = self.accelerator.unwrap_model(self.model)

@@ -1,4 +1,4 @@
-"""Heads that pool over the sequence, made exact under sequence parallelism (docs/hf.md,
+"""Heads that pool over the sequence, made exact under sequence parallelism (docs/hf_training.md,
 "Sequence classification and reward models").
 
 transformers' sequence-classification head (`GenericForSequenceClassification`, the class
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.groups import collective_device
-from .context import context_of
-from .guard import refusal
-from .loss import sum_over_group
+from ...distributed.groups import collective_device
+from ..context import context_of
+from ..groups import sum_over_group
+from ..model import refusal
 
 
 def _unadapted_head(name: str, marker: str) -> Optional[type]:

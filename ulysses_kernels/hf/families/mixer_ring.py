@@ -1,4 +1,4 @@
-"""The adapted token mixers under Ulysses x Ring (docs/hf.md, "Hybrid models"): the
+"""The adapted token mixers under Ulysses x Ring (docs/hf_hybrids.md, "Hybrid models"): the
 recurrence and the convolution passed from chunk to chunk of the ring's zigzag layout.
 
 Under a ring, the Ulysses exchange gives each rank its heads over its ring rank's
@@ -30,10 +30,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..exchange.sequence import GatherSequence
-from ..layout import split_lengths
-from ..ring.layout import lengths_error as zigzag_lengths_error
-from ..ring.layout import zigzag_segments
+from ...exchange.sequence import GatherSequence
+from ...layout import split_lengths
+from ...ring.layout import lengths_error as zigzag_lengths_error
+from ...ring.layout import zigzag_segments
 from .mixers import causal_conv1d, conv_history, document_bounds, document_starts
 
 

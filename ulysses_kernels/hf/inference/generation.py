@@ -28,7 +28,7 @@ and its attention kernel). Two kinds of chunk:
   prompt. The non-attention layers of a chunk run on every ring rank (R times).
 
 The attention variants of a layer (docs/api.md, "Attention variants") reach the cache's
-attention with the queries (hf/attention.py's `layer_variants`), so per-layer windows
+attention with the queries (hf/core/attention.py's `layer_variants`), so per-layer windows
 (Gemma's alternating `layer_types`, Qwen2's `max_window_layers`) follow:
 
 * **Sliding windows.** HF's `sliding_window=W` is the band `(W - 1, 0)`: the query at
@@ -63,13 +63,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..distributed.collectives import all_gather_tensor, broadcast_tensor
-from ..layout import split_lengths
-from .attention import _require_transformers
-from .context import sequence_parallel_model, unwrap
-from .guard import refusal
-from .mixers import adapted_kind
-from .vision import SHARD_KEY, VISION_KEYS, TokenShard, has_images, merged_prompt, vision_inputs
+from ...distributed.collectives import all_gather_tensor, broadcast_tensor
+from ...layout import split_lengths
+from ..core.attach import sequence_parallel_model
+from ..core.attention import _require_transformers
+from ..families.mixers import adapted_kind
+from ..families.vision import merged_prompt
+from ..families.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
+from ..model import refusal, unwrap
 
 _UNSUPPORTED_GENERATION = {
     "num_beams": (1, "beam search"),
@@ -231,7 +232,7 @@ def _merged_prompt(model, input_ids, multimodal, start):
 
 def attention_chunk_size(model) -> Optional[int]:
     """The attention_chunk_size of a model with chunked-attention layers (Llama 4), else None."""
-    from .guard import text_configs
+    from ..model import text_configs
 
     config = getattr(model, "config", None)
     for sub in text_configs(config) if config is not None else []:
@@ -267,7 +268,7 @@ def _check_generation_kwargs(model, input_ids, kwargs):
 
 def _prompt_padding(model, input_ids, kwargs) -> Optional[str]:
     """What transformers' generate would mask of the prompt as padding, or None. The prefill
-    attends to every prompt token and the cache takes no padding mask (docs/hf.md, "Not
+    attends to every prompt token and the cache takes no padding mask (docs/hf_generation.md, "Not
     supported"), so a prompt with padding is refused here, from the arguments alone, on every
     rank, before the prefill: not by the mask function at transformers' first forward (its
     prefill of the last token). The mask is the one given, or the one transformers infers

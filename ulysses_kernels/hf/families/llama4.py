@@ -1,4 +1,4 @@
-"""Llama 4's attention features under sequence parallelism (docs/hf.md, "Chunked attention (Llama 4)").
+"""Llama 4's attention features under sequence parallelism (docs/hf_families.md, "Chunked attention (Llama 4)").
 
 **Chunked attention.** A layer of kind ``"chunked_attention"`` (config.layer_types) lets a
 query see the keys of its own chunk only: chunks of ``config.attention_chunk_size`` = C

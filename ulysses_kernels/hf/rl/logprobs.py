@@ -1,5 +1,5 @@
 """Per-token log-probabilities and entropy under sequence parallelism, tile by tile through
-the LM head (docs/hf.md, "RL"): what RL losses (GRPO, DPO, distillation) consume, without
+the LM head (docs/hf_rl.md, "RL"): what RL losses (GRPO, DPO, distillation) consume, without
 `[tokens, vocab]` float32 logits for the whole shard.
 
 The model runs its backbone on this rank's shard (`batch.model_inputs()`); the LM head, the
@@ -17,11 +17,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..planner import loss_tile_tokens as default_loss_tile
-from .batch import IGNORE_INDEX, SequenceParallelBatch
-from .context import sequence_parallel_model, unwrap
-from .loss import at_least_float32
-from .tiling import _named_params, _TiledFunction
+from ...planner import loss_tile_tokens as default_loss_tile
+from ..core.attach import sequence_parallel_model
+from ..core.batch import IGNORE_INDEX, SequenceParallelBatch
+from ..model import unwrap
+from ..training.loss import at_least_float32
+from ..training.tiling import _named_params, _TiledFunction
 
 # Final logit transforms of some families that the tiled head does not apply (it refuses them).
 _UNSUPPORTED_SCALES = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")

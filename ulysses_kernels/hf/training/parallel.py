@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..distributed.groups import ParallelGroups, resolve_group
+from ...distributed.groups import ParallelGroups, resolve_group
+from ..model import wrapped_blocks
 
 
 def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
@@ -66,14 +67,6 @@ def apply_ddp(model: nn.Module, groups, **ddp_kwargs):
     return ddp
 
 
-def decoder_layers(model: nn.Module) -> List[nn.Module]:
-    names = getattr(model, "_no_split_modules", None) or []
-    layers = [m for m in model.modules() if type(m).__name__ in names]
-    if not layers:
-        layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    return layers
-
-
 def apply_fsdp(model: nn.Module, groups, *, shard: str = "world", reshard_after_forward: bool = True,
                mp_policy=None, layers: Optional[Sequence[nn.Module]] = None) -> nn.Module:
     """Shard `model` with FSDP2 (`fully_shard`) for DP x SP training.
@@ -103,7 +96,7 @@ def apply_fsdp(model: nn.Module, groups, *, shard: str = "world", reshard_after_
     kw = dict(mesh=fmesh, reshard_after_forward=reshard_after_forward)
     if mp_policy is not None:
         kw["mp_policy"] = mp_policy
-    units = list(layers) if layers is not None else decoder_layers(model)
+    units = list(layers) if layers is not None else wrapped_blocks(model)
     for layer in units:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)

@@ -5,9 +5,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed.groups import ParallelGroups, collective_device, resolve_group
-from .batch import IGNORE_INDEX, SequenceParallelBatch, sp_group_of
-from .context import sequence_parallel_model
+from ...distributed.groups import ParallelGroups, collective_device, resolve_group
+from ..core.attach import sequence_parallel_model
+from ..core.batch import IGNORE_INDEX, SequenceParallelBatch
+from ..groups import sp_group_of, sum_over_group
 from .patch import is_loss_patched
 
 
@@ -33,20 +34,6 @@ def global_mean_from_sum(local_sum: torch.Tensor, local_count, group=None) -> to
     count = torch.as_tensor(local_count, dtype=local_sum.dtype, device=local_sum.device).reshape(())
     total_sum, total_count = sum_over_group(torch.stack([local_sum, count]), group)
     return total_sum / torch.clamp(total_count, min=1.0)
-
-
-def sum_over_group(local: torch.Tensor, group=None) -> torch.Tensor:
-    """THE cross-rank sum of the losses (`global_mean_from_sum`, `rl.row_sums`): the *value*
-    is the sum of every rank's `local` (one all-reduce in float64), the *gradient* flows only
-    through this rank's `local`. `group`: the SP group, or `init_sequence_parallel`'s groups
-    (with a ring: the whole grid)."""
-    group, world, _ = resolve_group(sp_group_of(group))
-    total = local.detach().to(torch.float64)
-    if group is not None and world > 1:
-        shared = total.to(collective_device(group))
-        dist.all_reduce(shared, group=group)
-        total = shared.to(local.device)
-    return local + (total - local.detach().to(torch.float64)).to(local.dtype)
 
 
 def sequence_parallel_loss(logits: torch.Tensor, labels: torch.Tensor, group=None, *,

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import IGNORE_INDEX
+from ..core.batch import IGNORE_INDEX
 
 
 def _reparametrize(module, params: Dict[str, torch.Tensor]):

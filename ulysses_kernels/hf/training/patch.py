@@ -6,12 +6,13 @@ from typing import Optional, Union
 
 from torch import nn
 
-from ..planner import loss_tile_tokens as default_loss_tile
-from ..planner import mlp_tile_tokens as default_mlp_tile
+from ...planner import loss_tile_tokens as default_loss_tile
+from ...planner import mlp_tile_tokens as default_mlp_tile
+from ..context import context_of, default_context
+from ..core.attach import model_context, uses_ulysses_attention
+from ..model import wrapped_blocks
 from . import tiling
-from .context import context_of, default_context, model_context, uses_ulysses_attention
 from .offload import CheckpointOffload, enable_checkpoint_offload
-from .parallel import decoder_layers
 from .tiling import tiled_cross_entropy_sum
 
 
@@ -84,7 +85,7 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
             raise ValueError("patch_model: offload_checkpoints needs activation checkpointing; call "
                              "model.gradient_checkpointing_enable() first")
         offload = offload_checkpoints if isinstance(offload_checkpoints, CheckpointOffload) else CheckpointOffload()
-        layers = decoder_layers(model)
+        layers = wrapped_blocks(model)
         if len(layers) < 2:
             raise ValueError("patch_model: offload_checkpoints found fewer than 2 decoder layers")
         model._ulysses_offload = offload

@@ -7,57 +7,16 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..api import gather_sequence
-from ..distributed.groups import ParallelGroups, as_process_group, resolve_group
-from ..ring.layout import local_ranges, sp_lengths
-from ..ring.shard import cut_ranges
-from .vision import SHARD_KEY, TokenShard, check_vision_mode, has_images, image_blocks, vision_inputs
+from ...api import gather_sequence
+from ...distributed.groups import resolve_group
+from ...ring.layout import local_ranges, sp_lengths
+from ...ring.shard import cut_ranges
+from ..context import cu_seqlens_from_position_ids
+from ..families.gemma3 import image_blocks
+from ..families.vision_shard import SHARD_KEY, TokenShard, check_vision_mode, has_images, vision_inputs
+from ..groups import sp_group_of, split_groups
 
 IGNORE_INDEX = -100
-
-
-def split_groups(group, ring_group=None):
-    """(Ulysses group, ring group) from a process group (+ ring group), or from the
-    `ParallelGroups` of `init_sequence_parallel` (its Ulysses and ring groups)."""
-    if isinstance(group, ParallelGroups):
-        if ring_group is not None:
-            raise ValueError("pass either init_sequence_parallel's groups or a ring_group, not both")
-        return group.ulysses_group, group.ring_group
-    return as_process_group(group), as_process_group(ring_group)
-
-
-def sp_group_of(group):
-    """The whole SP group (for the loss and gradient sums) from a group or `ParallelGroups`."""
-    return group.sp_group if isinstance(group, ParallelGroups) else as_process_group(group)
-
-
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """Global document boundaries (int32 `cu_seqlens`) from global position ids.
-
-    A document starts wherever `p[t] != p[t-1] + 1` (transformers' own rule). Returns None
-    when every row is one contiguous run (no packing). Packed rows need batch size 1.
-    """
-    pos = position_ids
-    if pos.dim() == 1:
-        pos = pos.unsqueeze(0)
-    if pos.dim() != 2:
-        raise ValueError(f"position_ids must be [batch, seq], got {tuple(position_ids.shape)}")
-    S = pos.shape[1]
-    if S <= 1:
-        return None
-    starts = (pos[:, 1:] - pos[:, :-1]) != 1
-    if not bool(starts.any()):
-        return None
-    if pos.shape[0] != 1:
-        if bool((pos == pos[:1]).all()):
-            pos, starts = pos[:1], starts[:1]
-        else:
-            raise ValueError("ulysses attention: packed documents (position_ids restarting) need batch size 1; "
-                             f"got position_ids of shape {tuple(position_ids.shape)}. Concatenate the batch "
-                             "into one row instead.")
-    idx = torch.nonzero(starts[0]).flatten() + 1
-    bounds = torch.cat([idx.new_zeros(1), idx, idx.new_full((1,), S)])
-    return bounds.to(dtype=torch.int32, device=position_ids.device)
 
 
 # ------------------------------------------------------------------ padded batches
@@ -237,7 +196,7 @@ def gather_tokens(values: torch.Tensor, batch: "SequenceParallelBatch", group=No
 class BatchRows:
     """The row of the batch given to `shard_batch` that each of this rank's tokens came
     from (`rows`, int64, laid out like `input_ids`) and how many rows it had (`count`,
-    padded rows included): what a head that pools per row needs (hf/heads.py). It reaches
+    padded rows included): what a head that pools per row needs (hf/core/heads.py). It reaches
     the model as `ulysses_rows=` (`SequenceParallelBatch.model_inputs`)."""
 
     rows: torch.Tensor

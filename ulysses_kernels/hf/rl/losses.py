@@ -1,4 +1,4 @@
-"""RL losses under sequence parallelism (docs/hf.md, "RL"): sums over each row of the batch
+"""RL losses under sequence parallelism (docs/hf_rl.md, "RL"): sums over each row of the batch
 across the SP group with one gradient convention, and the GRPO and DPO losses of TRL 1.16
 written on them.
 
@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .batch import SequenceParallelBatch
-from .loss import sum_over_group
+from ..core.batch import SequenceParallelBatch
+from ..groups import sum_over_group
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo")

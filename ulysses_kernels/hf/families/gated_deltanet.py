@@ -1,5 +1,5 @@
 """The Gated DeltaNet layers of Qwen3-Next and Qwen3.5 (dense and MoE), sequence-parallel by
-heads (docs/hf.md, "Hybrid models"; the shared rule: mixers.py).
+heads (docs/hf_hybrids.md, "Hybrid models"; the shared rule: mixers.py).
 
 One layer, as transformers 5.24 and 5.25 compute it on one device: projections give q, k (key
 heads), v, z (value heads), b and a (one value per value head); q|k|v go through a
@@ -25,10 +25,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..api import ulysses_head_parallel
-from ..layout import place_heads
-from .attention import token_mixer_call
-from .guard import refusal
+from ...api import ulysses_head_parallel
+from ...layout import place_heads
+from ..context import token_mixer_call
+from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
 from .mixers import adapter, chunk_head_parallel, over_documents
 
@@ -154,7 +154,7 @@ def _heads_forward(module, cu_seqlens, state=None, portion=None):
 
 
 def _generation_forward(module, hidden_states, cache):
-    """A forward inside `generate` / `prefill` (hf/cache.py's chunks): the layer continues
+    """A forward inside `generate` / `prefill` (hf/inference/cache.py's chunks): the layer continues
     from the states of this rank's heads, kept on the cache."""
     context = cache.context
     context.attention_calls += 1

@@ -1,4 +1,4 @@
-"""Sequence parallelism inside TRL's `GRPOTrainer` (docs/hf.md, "RL").
+"""Sequence parallelism inside TRL's `GRPOTrainer` (docs/hf_rl.md, "RL").
 
     from trl import GRPOConfig, GRPOTrainer
     from ulysses_kernels.hf import SequenceParallelGRPOMixin
@@ -45,14 +45,14 @@ from typing import Optional
 import torch
 from transformers import set_seed
 
-from ..distributed.collectives import broadcast_tensor
-from ..distributed.groups import ParallelGroups
-from .attention import register
-from .batch import IGNORE_INDEX, gather_tokens, shard_batch
-from .context import sequence_parallel_model
-from .generation import generate as sp_generate
+from ...distributed.collectives import broadcast_tensor
+from ...distributed.groups import ParallelGroups
+from ..core.attach import sequence_parallel_model
+from ..core.attention import register
+from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
+from ..inference.generation import generate as sp_generate
+from ..training.trainer import DataParallelData, check_groups, refuse_peft
 from .logprobs import token_logprobs
-from .trainer import DataParallelData, check_groups, refuse_peft
 
 MIXIN = "SequenceParallelGRPOMixin"
 

@@ -27,14 +27,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ..api import path_for
-from ..distributed.collectives import all_gather_tensor, broadcast_tensor
-from ..distributed.groups import resolve_group
-from ..layout import head_plan_error, place_heads
-from ..ring.merge import accumulate_dtype, merge_partials, merge_sinks
-from ..variants import make_variant
-from .chunked import retune_queries, tunes_temperature
-from .context import SequenceParallelContext, model_context
+from ...api import path_for
+from ...distributed.collectives import all_gather_tensor, broadcast_tensor
+from ...distributed.groups import resolve_group
+from ...layout import head_plan_error, place_heads
+from ...ring.merge import accumulate_dtype, merge_partials, merge_sinks
+from ...variants import make_variant
+from ..context import SequenceParallelContext
+from ..core.attach import model_context
+from ..families.llama4 import retune_queries, tunes_temperature
 
 
 def head_counts(model) -> Tuple[int, int]:
@@ -165,7 +166,7 @@ class HeadShardedCache(DynamicCache):
         self._entered.add((layer_idx, kind))
         self._updated.add(layer_idx)
 
-    # -- the states of the adapted token mixers (hf/mixers.py)
+    # -- the states of the adapted token mixers (hf/families/mixers.py)
     def mixer_state(self, layer_idx: int, local_len: int) -> dict:
         """The conv history and recurrent state of this rank's heads of token-mixer layer
         `layer_idx` (a dict the layer reads and replaces; empty before its first chunk),
@@ -214,7 +215,7 @@ class HeadShardedCache(DynamicCache):
         (or expanded from it by the layer) -> `[B, T_local, Hq, Dv]`. window_size / softcap:
         the layer's variants (docs/api.md, "Attention variants"); sinks: its `[Hq]` logits
         over the global heads; attention_chunk: the attention_chunk_size of a chunked layer (Llama 4,
-        hf/chunked.py); module: the attention module (Llama 4's temperature tuning)."""
+        hf/families/llama4.py); module: the attention module (Llama 4's temperature tuning)."""
         layer, chunk_kv = self._layer, self._chunk
         if layer is None:
             raise ValueError("HeadShardedCache: an attention call without its layer's cache update (layers that "
@@ -299,7 +300,7 @@ class HeadShardedCache(DynamicCache):
         return end % attention_chunk
 
     def _retune(self, module, query):
-        """Llama 4's query temperature at the tokens' global positions (hf/chunked.py):
+        """Llama 4's query temperature at the tokens' global positions (hf/families/llama4.py):
         transformers counted from the forward's start on every rank of a sharded chunk."""
         start, T = self.forward_start, query.shape[2]
         offset = sum(self.chunk_lens[:self.ulysses[2]]) if self._sharded else 0

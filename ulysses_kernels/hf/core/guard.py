@@ -1,6 +1,6 @@
 """The guard: what the package cannot make exactly sequence-parallel raises the same
 `NotSequenceParallelError` on every rank, never a result computed on a local shard
-(docs/hf.md, "What the guard refuses").
+(docs/hf_families.md, "What the guard refuses").
 
 Under sequence parallelism every rank holds a slice of the sequence. The ``"ulysses"``
 attention is the one place where tokens meet across slices; anything else that mixes
@@ -37,7 +37,8 @@ from typing import List, Optional
 
 from torch import nn
 
-from .mixers import adapted_kind
+from ..families.mixers import adapted_kind
+from ..model import decoder_layers, refusal, text_configs, vision_towers, within
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe", "dense", "sparse"})
@@ -51,35 +52,8 @@ MIXER_MARKERS = ("Mamba", "SSM", "Ssm", "Rwkv", "RWKV", "Lstm", "LSTM", "Recurre
                  "Lightning", "Indexer")
 _CAMEL_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z][a-z0-9]*|[a-z0-9]+")
 
-_WHAT_TO_DO = ("Train or run it without sequence parallelism (sp_size=1), or with a model whose token mixers are "
-               "all attention; docs/hf.md lists the families and why each is refused.")
-
-
-class NotSequenceParallelError(ValueError):
-    """The model (or a forward's mask or option) cannot be made exactly sequence-parallel
-    by ulysses_kernels; raised the same on every rank."""
-
-
-def refusal(model: Optional[nn.Module], what: str, todo: str = _WHAT_TO_DO) -> NotSequenceParallelError:
-    """The error naming the model's class and type, what cannot be made exact and what to do."""
-    if model is None:
-        return NotSequenceParallelError(f"ulysses_kernels.hf: {what}. {todo}")
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", "?")
-    return NotSequenceParallelError(f"ulysses_kernels.hf: {type(model).__name__} (model_type {model_type!r}) cannot "
-                                    f"run sequence-parallel exactly: {what}. {todo}")
-
 
 # ----------------------------------------------------------------------------- configs
-
-def text_configs(config) -> List[object]:
-    """The config and its sub-configs that describe decoder layers (a VLM's text_config)."""
-    found = [config]
-    for key in ("text_config", "language_config", "llm_config", "decoder_config"):
-        sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "to_dict") and sub is not config:
-            found.append(sub)
-    return found
 
 
 def _layer_kinds(config):
@@ -114,40 +88,6 @@ def config_problem(config, adapted_kinds=frozenset()) -> Optional[str]:
 
 
 # ----------------------------------------------------------------------------- modules
-
-def is_vision_config(config) -> bool:
-    return config is not None and "Vision" in type(config).__name__
-
-
-def vision_towers(model: nn.Module) -> List[nn.Module]:
-    """The model's vision encoders (outermost only): transformers models inside it whose
-    config is a vision config (Qwen's `visual`, Gemma 3's SigLIP `vision_tower`)."""
-    towers = []
-    for name, module in model.named_modules():
-        if module is model or not hasattr(module, "base_model_prefix") or not is_vision_config(getattr(module, "config", None)):
-            continue
-        if not any(module is t or _inside(module, t) for t in towers):
-            towers.append(module)
-    return towers
-
-
-def _inside(module: nn.Module, tower: nn.Module) -> bool:
-    return any(m is module for m in tower.modules())
-
-
-def decoder_layers(model: nn.Module) -> List[nn.Module]:
-    """The decoder layers: a `ModuleList` of the model, preferring one as long as the
-    (text) config's layer count, then the shallowest (a mixture of experts' list sits
-    inside a layer), then the longest; never a list inside a vision tower (vision.py)."""
-    config = getattr(model, "config", None)
-    counts = {getattr(sub, "num_hidden_layers", None) for sub in text_configs(config)} if config is not None else set()
-    towers = vision_towers(model)
-    lists = [(len(m) not in counts, name.count("."), -len(m), m) for name, m in model.named_modules()
-             if isinstance(m, nn.ModuleList) and len(m) > 0 and not any(any(m is t for t in tower.modules())
-                                                                          for tower in towers)]
-    if not lists:
-        return []
-    return list(min(lists, key=lambda entry: entry[:3])[3])
 
 
 def _sequence_conv(module: nn.Module) -> bool:
@@ -247,7 +187,7 @@ def head_problem(model: nn.Module) -> Optional[str]:
                 "sequence, one value per rank instead of one per row")
     towers = vision_towers(model)
     for sub_name, module in model.named_modules():
-        if type(module).__name__.endswith("Pooler") and not any(_inside(module, tower) for tower in towers):
+        if type(module).__name__.endswith("Pooler") and not any(within(module, tower) for tower in towers):
             return (f"{sub_name} ({type(module).__name__}) pools the sequence (its first token): each rank would "
                     "pool its own slice")
     return None
@@ -350,98 +290,6 @@ def install_call_checks(model: nn.Module, context) -> None:
     for index, (layer, must_attend) in enumerate(zip(layers, flags)):
         handles.append(layer.register_forward_pre_hook(before(index)))
         handles.append(layer.register_forward_hook(after(index, must_attend)))
-
-
-# ------------------------------------------------------------------------------- masks
-
-def mask_request_problem(mask_kwargs: dict) -> Optional[str]:
-    """What a mask request (the keyword arguments transformers passes the mask function)
-    asks for beyond a causal mask, a sliding window, Llama 4's chunks or packed documents,
-    or None."""
-    # A bidirectional request (create_bidirectional_mask) needs nothing: without padding it
-    # is no mask, and the attention follows the module's is_causal (config_problem refuses
-    # config.is_causal=False, which asks causal-by-module layers for a bidirectional mask).
-    if "allow_is_bidirectional_skip" in mask_kwargs:
-        return None
-    if mask_kwargs.get("use_vmap"):
-        return ("the model overlays its own mask function on the causal mask (or_mask_function / "
-                "and_mask_function)")
-    if mask_kwargs.get("allow_is_causal_skip", True) is False and not never_opens_later(mask_kwargs.get("mask_function")) \
-            and _sees_later_tokens(mask_kwargs):
-        return ("the model's mask lets tokens attend to later tokens (a bidirectional block, for instance Gemma 3's "
-                "image tokens from token_type_ids), which causal attention over sequence shards does not honour")
-    return None
-
-
-_MASKS = "transformers.masking_utils"
-
-
-def _closure(fn) -> dict:
-    """The variables a transformers mask-function closure captured, by name."""
-    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
-    cells = getattr(fn, "__closure__", None) or ()
-    return {name: cell.cell_contents for name, cell in zip(names, cells)}
-
-
-def _qualname(fn) -> str:
-    """A function's qualified name, from its code object (which torch.compile's tracing
-    lets us read, where it hides `__qualname__` of a closure built inside the trace)."""
-    code = getattr(fn, "__code__", None)
-    return getattr(code, "co_qualname", None) or getattr(fn, "__qualname__", None) or ""
-
-
-def never_opens_later(mask_function) -> bool:
-    """The mask function is causal by its construction in transformers' mask utilities: the
-    causal function itself, an intersection with it (a window, chunks, padding), offsets
-    of it, or positions remapped per packed sequence intersected with those sequences
-    (inside one, positions step by 1, so their order is the tokens'). Read from the closures,
-    no evaluation, so no host read: what transformers builds for a plain causal request
-    while compiling, which the probe (`_sees_later_tokens`) would break the graph on."""
-    if getattr(mask_function, "__module__", None) != _MASKS:
-        return False
-    name = _qualname(mask_function)
-    if name == "causal_mask_function":
-        return True
-    captured = _closure(mask_function)
-    if name == "add_offsets_to_mask_function.<locals>.inner_mask":
-        return never_opens_later(captured.get("mask_function"))
-    members = captured.get("mask_functions", ())
-    if name == "or_masks.<locals>.or_mask":
-        return bool(members) and all(never_opens_later(m) for m in members)
-    if name != "and_masks.<locals>.and_mask":
-        return False
-    if any(never_opens_later(m) for m in members):
-        return True
-    names = [_qualname(m) for m in members]
-    remapped = [_closure(m).get("mask_function") for m, n in zip(members, names)
-                if n == "remap_positions_for_packed_sequence.<locals>.inner_mask"]
-    return "packed_sequence_mask_function.<locals>.inner_mask" in names and any(map(never_opens_later, remapped))
-
-
-def _sees_later_tokens(mask_kwargs: dict) -> bool:
-    """Probe the mask function on the diagonal above the causal one (query i, key i + 1)
-    of every row: a causal mask (with windows, chunks, documents) is False there; an
-    overlay that opens blocks both ways is True somewhere. O(S) index evaluations."""
-    import torch
-
-    mask_function = mask_kwargs.get("mask_function")
-    q_length, kv_length = mask_kwargs.get("q_length"), mask_kwargs.get("kv_length")
-    if mask_function is None or not q_length or not kv_length:
-        return False
-    q_offset, kv_offset = int(mask_kwargs.get("q_offset", 0) or 0), int(mask_kwargs.get("kv_offset", 0) or 0)
-    batch = int(mask_kwargs.get("batch_size", 1) or 1)
-    device = mask_kwargs.get("device")
-    q = torch.arange(q_offset, q_offset + q_length, device=device)
-    q = q[q + 1 < kv_offset + kv_length]
-    if q.numel() == 0:
-        return False
-    rows = torch.arange(batch, device=device).repeat_interleave(q.numel())
-    q = q.repeat(batch)
-    try:
-        opened = mask_function(rows, torch.zeros_like(q), q, q + 1)
-    except Exception:  # noqa: BLE001 - a mask function that cannot be probed is not known to be causal
-        return True
-    return bool(torch.as_tensor(opened).any())
 
 
 # ---------------------------------------------------------------- own attention tables

@@ -1,4 +1,4 @@
-"""Sequence parallelism inside TRL's `RewardTrainer` (docs/hf.md, "TRL's RewardTrainer").
+"""Sequence parallelism inside TRL's `RewardTrainer` (docs/hf_rl.md, "TRL's RewardTrainer").
 
     from trl import RewardConfig, RewardTrainer
     from ulysses_kernels.hf import SequenceParallelRewardMixin
@@ -42,13 +42,14 @@ from typing import Optional
 
 import torch
 
-from ..distributed.groups import ParallelGroups
-from .attention import register
-from .batch import shard_batch
-from .context import sequence_parallel_model, unwrap
+from ...distributed.groups import ParallelGroups
+from ..core.attach import sequence_parallel_model
+from ..core.attention import register
+from ..core.batch import shard_batch
+from ..model import unwrap
+from ..training.loss import gradient_for_world_average
+from ..training.trainer import DataParallelData, DataParallelView, check_groups, refuse_peft
 from .logprobs import forward_replaced
-from .loss import gradient_for_world_average
-from .trainer import DataParallelData, DataParallelView, check_groups, refuse_peft
 
 MIXIN = "SequenceParallelRewardMixin"
 # What TRL's reward collator hands the model besides the tokens: the margin is read by the
