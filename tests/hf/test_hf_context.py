@@ -159,11 +159,13 @@ def test_attach_context_checks_the_model():
         ukhf.attach_context(build_tiny_model("olmo_hybrid", "eager"), None)
     # a model refused after its mixers were adapted (Zamba2: its decoder layers) runs as
     # transformers wrote it: the original forwards are back
+    from ulysses_kernels.hf.families.mixers import adapted_kind
+
     zamba = build_tiny_model("zamba2", "eager")
     mixers = [m for m in zamba.modules() if type(m).__name__ == "Zamba2MambaMixer"]
     with pytest.raises(ukhf.NotSequenceParallelError, match="Zamba2MambaDecoderLayer"):
         ukhf.attach_context(zamba, None)
-    assert mixers and all("forward" not in vars(m) and not hasattr(m, "_ulysses_mixer") for m in mixers)
+    assert mixers and all("forward" not in vars(m) and adapted_kind(m) is None for m in mixers)
 
 
 def _dropping_keyword_arguments(model):
@@ -201,3 +203,33 @@ def test_documents_reach_an_attention_whose_layer_drops_them():
     loss = ukhf.causal_lm_loss(checkpointed, batch)
     with pytest.raises(ukhf.NotSequenceParallelError, match="recomputed in the backward"):
         loss.backward()
+
+
+def test_what_the_package_installs_is_one_record_and_undone_from_it():
+    """docs/architecture.md, "The Hugging Face layer": what attach_context and patch_model
+    install on a model lives in one record (model.py's `Installed`), the one attribute set on
+    its modules, shared by all of them; unpatch_model gives the replaced forwards back from it.
+    The decoding cache is the declared `DecodingCache`."""
+    from tiny_models import build_tiny_model
+
+    from ulysses_kernels.hf.context import DecodingCache
+    from ulysses_kernels.hf.model import record_of
+
+    ukhf.register(None)
+    model = build_tiny_model("llama", "ulysses")
+    before = {name: set(vars(m)) for name, m in model.named_modules()}
+    ukhf.attach_context(model)
+    ukhf.patch_model(model, mlp_tile_tokens=4)
+    record = record_of(model)
+    assert record is not None and record.context is context_of(model) is not None
+    for name, module in model.named_modules():
+        assert {k for k in set(vars(module)) - before[name] if k.startswith("_ulysses")} == {"_ulysses_record"}, name
+        assert record_of(module) is record, name
+    mlp = model.model.layers[0].mlp
+    assert record.replaced(mlp) and record.replaced(model) and "forward" in vars(mlp)
+    ids = _ids(12, seed=3)
+    want = model(input_ids=ids, use_cache=False).logits
+    ukhf.unpatch_model(model)
+    assert not record.replaced(mlp) and "forward" not in vars(mlp) and "forward" not in vars(model)
+    assert rel_err(model(input_ids=ids, use_cache=False).logits, want) < 1e-6
+    assert isinstance(ukhf.make_cache(model), DecodingCache) and not isinstance(object(), DecodingCache)

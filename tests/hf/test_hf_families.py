@@ -17,6 +17,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 import ulysses_kernels as uk
 from ulysses_kernels import hf as ukhf
+from ulysses_kernels.hf.model import record_of
 from ulysses_kernels.hf.training.loss import router_aux_loss
 from ulysses_kernels.launch import spawn
 
@@ -160,9 +161,10 @@ def test_patch_model_on_mixture_of_experts():
     model = make_family_model("deepseek_v3", "eager64")
     want = model(input_ids=ids, use_cache=False).logits
     ukhf.patch_model(model, tiled_loss=False, mlp_tile_tokens=6)
-    assert hasattr(model.model.layers[0].mlp, "_ulysses_orig_forward")
-    assert hasattr(model.model.layers[1].mlp.shared_experts, "_ulysses_orig_forward")
-    assert not hasattr(model.model.layers[1].mlp, "_ulysses_orig_forward")
+    record = record_of(model)
+    assert record.replaced(model.model.layers[0].mlp)
+    assert record.replaced(model.model.layers[1].mlp.shared_experts)
+    assert not record.replaced(model.model.layers[1].mlp)
     assert rel_err(model(input_ids=ids, use_cache=False).logits, want) < 1e-13
     with pytest.raises(ValueError, match="no dense .*MLP.* tiled_mlp=False"):
         ukhf.patch_model(make_family_model("gpt_oss", "eager64"))

@@ -266,14 +266,14 @@ def test_a_forward_replaced_after_adaptation_is_refused():
     """What replaces an adapted mixer's forward after the package adapted it (a hub kernel,
     a user's patch) is refused at the model's next forward, not run on the local shard;
     the hub kernels' own setup skips an adapted class (its `kernel_condition`)."""
-    from ulysses_kernels.hf.families.mixers import uninstall_adapters
+    from ulysses_kernels.hf.families.mixers import _BASE_CLASSES, uninstall_adapters
 
     ukhf.register(None)
     model = hybrid_model("qwen3_5_text", "ulysses", 2)
     ids = torch.randint(0, 50, (1, 11))
     ukhf.attach_context(model)
     layer = next(m for m in model.modules() if adapted_kind(m) is not None)
-    base = type(layer)._ulysses_base_class
+    base = _BASE_CLASSES[type(layer)]
     assert type(layer).__name__ == "Qwen3_5GatedDeltaNet" and type(layer).__module__.startswith("transformers.")
     assert not type(layer).kernel_condition(layer)
     model(input_ids=ids, use_cache=False)

@@ -28,8 +28,14 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
                                            "(pip install -e '.[hf]' in the checkout)")
 
 from ulysses_kernels.hf.families.mamba2 import placement_problem
-from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts, install_adapters  # noqa: E402
+from ulysses_kernels.hf.families.mixers import (  # noqa: E402
+    causal_conv1d,
+    document_starts,
+    install_adapters,
+    original_forward,
+)
 from ulysses_kernels.hf.families.ssd_scan import scan_documents, ssd_scan
+from ulysses_kernels.hf.model import record_of  # noqa: E402
 from ulysses_kernels.layout import split_lengths  # noqa: E402
 
 HIDDEN, STATE, CONV, CHUNK = 64, 8, 4, 8
@@ -82,7 +88,7 @@ _MIXER_CLASSES = {"bamba": "BambaMixer", "nemotron_h": "NemotronHMamba2Mixer", "
 def tiny_mixer(family: str, heads: int = 8, groups: int = 2, head_dim: int = 16, dtype=torch.float64, seed: int = 0):
     """The family's mixer (layer 0), every parameter drawn from `seed` (the same on every
     rank), `time_step_limit` narrowed so that the clamp acts, adapted (its transformers
-    forward kept as `_ulysses_original_forward`)."""
+    forward kept in the model's record, `mixers.original_forward`)."""
     base = family.split("_no_norm")[0].split("_norm_after")[0]
     config = _config(family, heads, groups, head_dim)
     module = importlib.import_module(f"transformers.models.{base}.modeling_{base}")
@@ -150,7 +156,7 @@ def reference(family, heads=8, groups=2, head_dim=16, dtype=torch.float64, cu_se
     mixer = tiny_mixer(family, heads, groups, head_dim, dtype)
     hidden, grad = inputs(dtype)
     x = hidden.clone().requires_grad_(True)
-    out = torch.cat([mixer._ulysses_original_forward(x[:, a:b]) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])],
+    out = torch.cat([original_forward(mixer)(x[:, a:b]) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])],
                     dim=1)
     out.backward(grad)
     return out.detach(), _grads(mixer, x)
@@ -272,7 +278,7 @@ def test_rows_without_documents_are_transformers_batch():
     mixer = tiny_mixer("granitemoehybrid", heads=8, groups=1)
     rows = randn(2, 11, HIDDEN, dtype=torch.float64, seed=3)
     with hf_keeps_float64():
-        assert rel_err(mixer(rows, ulysses_seq_lens=[11]), mixer._ulysses_original_forward(rows)) < 1e-12
+        assert rel_err(mixer(rows, ulysses_seq_lens=[11]), original_forward(mixer)(rows)) < 1e-12
     with pytest.raises(ValueError, match="packed documents need batch size 1"):
         mixer(rows, ulysses_seq_lens=[11], ulysses_cu_seqlens=torch.tensor([0, 4, 11]))
 
@@ -282,7 +288,7 @@ def test_one_rank_with_a_cache_runs_transformers_forward():
     forward, which fills it; packed documents with a cache are refused."""
     mixer = tiny_mixer("bamba")
     calls = []
-    object.__setattr__(mixer, "_ulysses_original_forward", lambda *args, **kwargs: calls.append(kwargs) or "hf")
+    record_of(mixer).mark(mixer, "own_forward", lambda *args, **kwargs: calls.append(kwargs) or "hf")
     assert mixer(inputs()[0], cache_params="a cache", ulysses_seq_lens=[TOTAL]) == "hf"
     assert calls[0]["cache"] == "a cache"
     with pytest.raises(ValueError, match="a cache and packed documents"):   # one state per row, not per document

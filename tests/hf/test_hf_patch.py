@@ -8,6 +8,7 @@ from helpers import rel_err
 from hf_cases import TOL, _grad_errors, _run, enable_checkpointing, make_batch, make_model, offload_steps
 
 from ulysses_kernels import hf as ukhf
+from ulysses_kernels.hf.model import record_of
 
 pytestmark = pytest.mark.slow
 
@@ -76,4 +77,5 @@ def test_patched_model_single_process_with_checkpointing():
     want = {n: p.grad for n, p in ref.named_parameters()}
     assert not _grad_errors(got, want)
     ukhf.unpatch_model(model)
-    assert not hasattr(model.model.layers[0].mlp, "_ulysses_orig_forward")
+    assert not record_of(model).replaced(model.model.layers[0].mlp)
+    assert "forward" not in vars(model.model.layers[0].mlp) and "forward" not in vars(model)

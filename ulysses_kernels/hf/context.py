@@ -14,7 +14,7 @@ Below the families and the core: both read it, neither is imported here.
 """
 
 import warnings
-from typing import Optional
+from typing import List, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,22 @@ from ..distributed.groups import collective_device, resolve_group
 from ..layout import split_lengths
 from ..ring.layout import local_ranges, sp_lengths
 from .groups import split_groups
-from .model import refusal, unwrap
+from .model import ensure_record, record_of, refusal
 
-_ATTRIBUTE = "_ulysses_context"
+
+@runtime_checkable
+class DecodingCache(Protocol):
+    """What a forward over the package's decoding cache (inference/cache.py's
+    `HeadShardedCache`) asks of it: the attention function hands it the chunk's attention,
+    a token-mixer adapter asks it for its layer's state; `chunk_lens` is every Ulysses rank's
+    share of a chunk split along the sequence (None: a replicated chunk)."""
+
+    chunk_lens: Optional[List[int]]
+
+    def attention(self, query, key, value, scaling, causal, *, module=None, attention_chunk=None,
+                  window_size=(-1, -1), softcap=0.0, sinks=None): ...
+
+    def mixer_state(self, layer_idx: int, local_len: int) -> dict: ...
 
 
 class SequenceParallelContext:
@@ -49,7 +62,7 @@ class SequenceParallelContext:
         self._backend = backend
         self._engine = engine
         self.follows_default = False
-        self.inference_cache = None        # the HeadShardedCache of a prefill / decode in progress
+        self.inference_cache: Optional[DecodingCache] = None   # the cache of a prefill / decode in progress
         self.attention_calls = 0           # calls of the attention function so far (guard.py counts them)
         self.warned_local_positions = False
         self.forward_memo = {}             # what one forward derives once for all its layers
@@ -156,7 +169,8 @@ def require_default_context() -> SequenceParallelContext:
 
 def context_of(module: nn.Module) -> Optional[SequenceParallelContext]:
     """The context attached to `module` (any submodule of an attached model), or None."""
-    return getattr(unwrap(module), _ATTRIBUTE, None)
+    record = record_of(module)
+    return record.context if record is not None else None
 
 
 def _global_positions(position_ids, group, world, ring_group=None):
@@ -292,7 +306,7 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.T
 
 
 def set_context(model: nn.Module, context: "SequenceParallelContext") -> None:
-    """Attach `context` to every module of `model` (a plain attribute: not a submodule), where
-    `context_of` finds it from whatever module transformers hands the attention function."""
-    for module in model.modules():
-        object.__setattr__(module, _ATTRIBUTE, context)
+    """Attach `context` to `model`: its record (model.py's `Installed`, on every module) holds
+    it, so `context_of` finds it from whatever module transformers hands the attention
+    function or a token mixer."""
+    ensure_record(model).context = context

@@ -1,14 +1,19 @@
 """What a transformers model is made of, as the package reads it: its text configs, its
 decoder layers (THE rule every room uses), its vision towers, the blocks transformers keeps
-whole, the model inside a wrapper; and the one error the package raises for what it cannot
-make exactly sequence-parallel (docs/architecture.md, "The Hugging Face layer").
+whole, the model inside a wrapper; the one error the package raises for what it cannot
+make exactly sequence-parallel; and the one record of what the package installed on a model
+(`Installed`: its context, the forwards it replaced, its hooks and marks), so that every
+change is found, and undone, in one place (docs/architecture.md, "The Hugging Face layer").
 
 The bottom room of ``ulysses_kernels.hf``: it reads modules and configs and imports no other
 room, so the guard, the families, training and generation all ask the same question here and
 get the same answer.
 """
 
-from typing import List, Optional
+import contextlib
+import types
+import weakref
+from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -92,3 +97,137 @@ def wrapped_blocks(model: nn.Module) -> List[nn.Module]:
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP / DeepSpeed wrapper."""
     return getattr(model, "module", model)
+
+
+# ------------------------------------------------------------------ what the package installed
+
+_ATTRIBUTE = "_ulysses_record"   # the one attribute the package sets on a model's modules
+
+
+class Installed:
+    """The one record of what the package installed on one model (docs/architecture.md,
+    "The Hugging Face layer"): its context, the forwards it replaced (undoable), the hooks it
+    registered and the marks it keeps on modules (a tower's attention is local, the module that
+    numbers positions, a patch's tile). Every module of the model carries the same record (one
+    plain attribute, not a submodule), so what runs on any of them finds it."""
+
+    def __init__(self):
+        self.context = None   # the model's SequenceParallelContext (context.py), once attached
+        self._forwards: Dict[nn.Module, Optional[Callable]] = {}   # module -> its own forward before
+        self._hooks: Dict[str, list] = {}                          # purpose -> handles
+        self._marks: Dict[Tuple[nn.Module, str], object] = {}
+
+    # forwards: one way of replacing one, and of putting it back
+    def replace_forward(self, module: nn.Module, forward: Callable) -> None:
+        """`module.forward` is `forward` (bound) from now on; the forward it had is kept."""
+        if module not in self._forwards:
+            self._forwards[module] = vars(module).get("forward")
+        module.forward = forward
+
+    def original_forward(self, module: nn.Module) -> Callable:
+        """The forward `module` ran before the package replaced it (its own, or its class's)."""
+        own = self._forwards.get(module, vars(module).get("forward"))
+        return own if own is not None else types.MethodType(type(module).forward, module)
+
+    def replaced(self, module: nn.Module) -> bool:
+        return module in self._forwards
+
+    def restore_forward(self, module: nn.Module) -> None:
+        if module not in self._forwards:
+            return
+        own = self._forwards.pop(module)
+        vars(module).pop("forward", None)
+        if own is not None:
+            module.forward = own
+
+    # hooks, by purpose
+    def add_hooks(self, purpose: str, handles) -> None:
+        self._hooks.setdefault(purpose, []).extend(handles)
+
+    def remove_hooks(self, purpose: str) -> None:
+        for handle in self._hooks.pop(purpose, []):
+            handle.remove()
+
+    def has_hooks(self, purpose: str) -> bool:
+        return bool(self._hooks.get(purpose))
+
+    # marks on modules
+    def mark(self, module: nn.Module, name: str, value=True) -> None:
+        self._marks[(module, name)] = value
+
+    def marked(self, module: nn.Module, name: str, default=None):
+        return self._marks.get((module, name), default)
+
+    def unmark(self, module: nn.Module, name: str) -> None:
+        self._marks.pop((module, name), None)
+
+    def adopt(self, other: "Installed") -> None:
+        """Take over what another record holds (a submodule's model attached before its whole)."""
+        for module, own in other._forwards.items():
+            self._forwards.setdefault(module, own)
+        for purpose, handles in other._hooks.items():
+            self._hooks.setdefault(purpose, []).extend(handles)
+        for key, value in other._marks.items():
+            self._marks.setdefault(key, value)
+
+
+def record_of(module: nn.Module) -> Optional[Installed]:
+    """The record of the model `module` belongs to (None: the package installed nothing)."""
+    return getattr(unwrap(module), _ATTRIBUTE, None)
+
+
+def ensure_record(model: nn.Module) -> Installed:
+    """The record of `model`, made and put on every module the first time; a module that
+    joined since, or carries the record of a model inside this one, gets this one."""
+    model = unwrap(model)
+    record = record_of(model) or Installed()
+    for module in model.modules():
+        other = vars(module).get(_ATTRIBUTE)
+        if other is not record:
+            if other is not None:
+                record.adopt(other)
+            object.__setattr__(module, _ATTRIBUTE, record)
+    return record
+
+
+@contextlib.contextmanager
+def forward_replaced(module: nn.Module, forward: Callable, *, reads_labels: bool = False):
+    """Within: `module.forward` is `forward` (a function of `(self, *args, **kwargs)`), for the
+    calls that go through `module.__call__` (a DDP / FSDP wrapper's included); after: the
+    forward it had (an instance attribute, such as TRL's fused head or `patch_model`'s, or its
+    class's). The temporary counterpart of `Installed.replace_forward`. `reads_labels`: the
+    forward reads `labels=` itself (`READS_LABELS`)."""
+    if reads_labels:
+        READS_LABELS.add(forward)
+    had_own = "forward" in vars(module)
+    previous = vars(module).get("forward")
+    module.forward = types.MethodType(forward, module)
+    try:
+        yield
+    finally:
+        if had_own:
+            module.forward = previous
+        else:
+            del module.forward
+
+
+class ForwardMarks:
+    """A set of the package's own forward functions, by what they do (weak: a forward that
+    is gone leaves it). `forward in marks` also takes a bound method."""
+
+    def __init__(self):
+        self._functions = weakref.WeakSet()
+
+    def add(self, forward: Callable) -> Callable:
+        self._functions.add(getattr(forward, "__func__", forward))
+        return forward
+
+    def __contains__(self, forward) -> bool:
+        try:
+            return getattr(forward, "__func__", forward) in self._functions
+        except TypeError:   # not weakly referable: not one of ours
+            return False
+
+
+READS_LABELS = ForwardMarks()   # forwards that read labels= themselves (core/attach.py lets them through)
+EXACT_HEADS = ForwardMarks()    # transformers' generic heads made exact (core/heads.py; core/guard.py lets them through)

@@ -27,7 +27,7 @@ from ..families.mixers import (
 )
 from ..families.vision import install_vision
 from ..groups import sp_size_of
-from ..model import decoder_layers, refusal, unwrap
+from ..model import READS_LABELS, ForwardMarks, decoder_layers, ensure_record, record_of, refusal, unwrap
 from .guard import check_model, install_call_checks, positions_holder
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
@@ -43,7 +43,7 @@ def _enter_forward(module, args, kwargs):
         context.forward_inputs = {}
         context.forward_memo = {}
         context.forward_keys = set()
-    elif vars(module).get("_ulysses_positions_holder") and "position_ids" in context.forward_keys \
+    elif record_of(module).marked(module, "positions_holder") and "position_ids" in context.forward_keys \
             and kwargs.get("position_ids") is None:
         raise refusal(module, f"the position_ids given to the model did not reach {type(module).__name__}, which "
                               "numbers the positions: a head on the way drops them, so each rank's tokens would be "
@@ -59,10 +59,11 @@ def _check_adapters(module: nn.Module) -> None:
     """Refuse a forward in which an adapted token mixer would not run its adapted forward
     (mixers.py): the same on every rank, since every rank did the same to its model. The
     mixers under `module` are found at its first forward and kept on it."""
-    watched = vars(module).get("_ulysses_watched_mixers")
+    record = record_of(module)
+    watched = record.marked(module, "watched_mixers")
     if watched is None:
         watched = adaptable_modules(module)
-        object.__setattr__(module, "_ulysses_watched_mixers", watched)
+        record.mark(module, "watched_mixers", watched)
     problem = replaced_adapter_problem(watched)
     if problem:
         raise refusal(module, problem)
@@ -75,7 +76,7 @@ def _check_labels(module: nn.Module, context, kwargs) -> None:
     whole batch's targets (`causal_lm_loss`, `sequence_parallel_loss`; the tiled loss reads
     `ulysses_labels=`)."""
     forward = vars(module).get("forward") or type(module).forward   # the instance's own, or its class's
-    if getattr(getattr(forward, "__func__", forward), "_ulysses_takes_labels", False):
+    if forward in READS_LABELS:
         return   # the package's own forward (logprobs, patch, heads.py) reads them itself
     if kwargs.get("labels") is not None and context.sp_size > 1:
         raise refusal(module, f"labels= given to the model at {context.describe()}: its own loss would be this "
@@ -92,16 +93,19 @@ def _leave_forward(module, args, kwargs, output):
 
 def install_input_hooks(model: nn.Module) -> None:
     """Forward hooks on the model and its base models (every transformers PreTrainedModel
-    inside) that keep the forward's `FORWARD_INPUTS` on the context (once per module)."""
+    inside) that keep the forward's `FORWARD_INPUTS` on the context (once per model: the
+    model's record keeps them)."""
     try:
         from transformers import PreTrainedModel
     except ImportError:   # a stand-in model: nothing to hook
         return
+    record = ensure_record(model)
     for module in model.modules():
-        if isinstance(module, PreTrainedModel) and not getattr(module, "_ulysses_input_hooks", False):
-            module.register_forward_pre_hook(_enter_forward, with_kwargs=True)
-            module.register_forward_hook(_leave_forward, with_kwargs=True, always_call=True)
-            object.__setattr__(module, "_ulysses_input_hooks", True)
+        if isinstance(module, PreTrainedModel) and not record.marked(module, "input_hooks"):
+            record.add_hooks("input", [module.register_forward_pre_hook(_enter_forward, with_kwargs=True),
+                                       module.register_forward_hook(_leave_forward, with_kwargs=True,
+                                                                    always_call=True)])
+            record.mark(module, "input_hooks")
 
 
 # Configs the mask function sees -> the context of their model (transformers passes the
@@ -139,6 +143,7 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
     model = unwrap(model)
     context = context if context is not None else SequenceParallelContext(groups, ring_group=ring_group,
                                                                           backend=backend, engine=engine)
+    ensure_record(model)   # the one record of what follows (model.py's Installed)
     install_adapters(model)
     try:
         check_model(model)
@@ -155,7 +160,7 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
     install_input_hooks(model)
     holder = positions_holder(model)
     if holder is not None and holder is not model:   # checked at each forward that the positions reach it
-        object.__setattr__(holder, "_ulysses_positions_holder", True)
+        record_of(model).mark(holder, "positions_holder")
     install_call_checks(model, context)
     return context
 
@@ -206,6 +211,9 @@ def sequence_parallel_model(model: nn.Module, groups=None) -> SequenceParallelCo
     return context
 
 
+_MEETING_CALLS = ForwardMarks()   # the package's PreTrainedModel.__call__ (installed once per process)
+
+
 def meet_models_at_their_first_call() -> None:
     """Give transformers' `PreTrainedModel` a `__call__` that, for a model called with
     `shard_batch`'s inputs (`ulysses_seq_lens=`) and no context yet, attaches the default
@@ -217,7 +225,7 @@ def meet_models_at_their_first_call() -> None:
     from transformers import PreTrainedModel
 
     call = PreTrainedModel.__call__
-    if getattr(call, "_ulysses_meets", False):
+    if call in _MEETING_CALLS:
         return
 
     def __call__(self, *args, **kwargs):
@@ -225,8 +233,7 @@ def meet_models_at_their_first_call() -> None:
             sequence_parallel_model(self)
         return call(self, *args, **kwargs)
 
-    __call__._ulysses_meets = True
-    PreTrainedModel.__call__ = __call__
+    PreTrainedModel.__call__ = _MEETING_CALLS.add(__call__)
 
 
 def _first_context(groups) -> SequenceParallelContext:

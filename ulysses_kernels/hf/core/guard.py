@@ -38,7 +38,7 @@ from typing import List, Optional
 from torch import nn
 
 from ..families.mixers import adapted_kind
-from ..model import decoder_layers, refusal, text_configs, vision_towers, within
+from ..model import EXACT_HEADS, decoder_layers, ensure_record, refusal, text_configs, vision_towers, within
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe", "dense", "sparse"})
@@ -182,7 +182,7 @@ def head_problem(model: nn.Module) -> Optional[str]:
     their poolers are theirs."""
     name = type(model).__name__
     suffix = next((s for s in POOLING_HEADS if name.endswith(s)), None)
-    if suffix is not None and not getattr(type(model).forward, "_ulysses_exact_head", False):   # heads.py's
+    if suffix is not None and type(model).forward not in EXACT_HEADS:   # heads.py's
         return (f"its head ({name}) pools over the sequence: each rank would pool its own slice of the packed "
                 "sequence, one value per rank instead of one per row")
     towers = vision_towers(model)
@@ -256,19 +256,15 @@ def install_call_checks(model: nn.Module, context) -> None:
     and made no call of the attention function raises at its end; the last layer removes
     the hooks."""
     layers = decoder_layers(model)
-    for handle in getattr(model, "_ulysses_call_checks", []):   # a context attached again: its checks only
-        handle.remove()
+    record = ensure_record(model)
+    record.remove_hooks("call_checks")   # a context attached again: its checks only
     if not layers:
         return
     flags = attention_layer_flags(model, layers)
-    handles = []
-    object.__setattr__(model, "_ulysses_call_checks", handles)
     started = {}
 
     def remove():
-        for handle in handles:
-            handle.remove()
-        handles.clear()
+        record.remove_hooks("call_checks")
 
     def before(index):
         def hook(module, args):
@@ -288,8 +284,8 @@ def install_call_checks(model: nn.Module, context) -> None:
         return hook
 
     for index, (layer, must_attend) in enumerate(zip(layers, flags)):
-        handles.append(layer.register_forward_pre_hook(before(index)))
-        handles.append(layer.register_forward_hook(after(index, must_attend)))
+        record.add_hooks("call_checks", [layer.register_forward_pre_hook(before(index)),
+                                         layer.register_forward_hook(after(index, must_attend))])
 
 
 # ---------------------------------------------------------------- own attention tables

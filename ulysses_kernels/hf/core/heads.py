@@ -43,25 +43,25 @@ from torch import nn
 from ...distributed.groups import collective_device
 from ..context import context_of
 from ..groups import sum_over_group
-from ..model import refusal
+from ..model import EXACT_HEADS, READS_LABELS, refusal
 
 
-def _unadapted_head(name: str, marker: str) -> Optional[type]:
-    """transformers' generic head class `name` (modeling_layers) whose forward does not
-    carry `marker` yet, or None (adapted already, or another transformers: no head is
+def _unadapted_head(name: str, marks) -> Optional[type]:
+    """transformers' generic head class `name` (modeling_layers) whose forward is not among
+    `marks` yet (model.py's ForwardMarks), or None (adapted already, or another transformers: no head is
     adapted, the guard refuses them)."""
     try:
         import transformers.modeling_layers as layers
     except ImportError:
         return None
     generic = getattr(layers, name, None)
-    return None if generic is None or getattr(generic.forward, marker, False) else generic
+    return None if generic is None or generic.forward in marks else generic
 
 
 def make_sequence_classification_exact() -> None:
     """Give transformers' `GenericForSequenceClassification` the sequence-parallel forward
     (the module doc); idempotent."""
-    generic = _unadapted_head("GenericForSequenceClassification", "_ulysses_exact_head")
+    generic = _unadapted_head("GenericForSequenceClassification", EXACT_HEADS)
     if generic is None:
         return
     original = generic.forward
@@ -77,15 +77,15 @@ def make_sequence_classification_exact() -> None:
         arguments.pop("self")
         return sequence_parallel_forward(self, **arguments, **extra)
 
-    forward._ulysses_exact_head = True   # guard.head_problem lets it through
-    forward._ulysses_takes_labels = True   # its loss is on the whole batch's scores (context._check_labels)
+    EXACT_HEADS.add(forward)    # guard.head_problem lets it through
+    READS_LABELS.add(forward)   # its loss is on the whole batch's scores (attach._check_labels)
     generic.forward = forward
 
 
 def make_token_classification_exact() -> None:
     """Give transformers' `GenericForTokenClassification` a forward whose `labels=` loss is
     the whole batch's mean (the module doc); idempotent."""
-    generic = _unadapted_head("GenericForTokenClassification", "_ulysses_takes_labels")
+    generic = _unadapted_head("GenericForTokenClassification", READS_LABELS)
     if generic is None:
         return
     original = generic.forward
@@ -107,7 +107,7 @@ def make_token_classification_exact() -> None:
         out.loss = loss
         return out
 
-    forward._ulysses_takes_labels = True   # its loss is the whole batch's (context._check_labels)
+    READS_LABELS.add(forward)   # its loss is the whole batch's (attach._check_labels)
     generic.forward = forward
 
 

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from ...api import ulysses_head_parallel
 from ...layout import place_heads
-from ..context import token_mixer_call
+from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import adapter, chunk_head_parallel, over_documents
+from .mixers import adapter, chunk_head_parallel, original_forward, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
@@ -173,13 +173,13 @@ def _generation_forward(module, hidden_states, cache):
 @adapter("gated_deltanet", *GATED_DELTANET_CLASSES, problem=placement_problem)
 def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """The layer's forward, sequence-parallel by heads (the module doc)."""
-    if hasattr(cache, "mixer_state"):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
         return _generation_forward(self, hidden_states, cache)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     if cache is not None:
         if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
-            return self._ulysses_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+            return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         if context.sp_size == 1:   # transformers' layer would carry its state across the documents
             raise ValueError(f"ulysses_kernels.hf: {type(self).__name__} got a cache and packed documents: its cache "
                              "holds one state per row, not per document; call the model with use_cache=False")

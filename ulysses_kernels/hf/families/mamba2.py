@@ -38,10 +38,10 @@ import torch.nn.functional as F
 
 from ...api import ulysses_head_parallel
 from ...layout import place_heads
-from ..context import token_mixer_call
+from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import adapter, chunk_head_parallel, document_bounds
+from .mixers import adapter, chunk_head_parallel, document_bounds, original_forward
 from .ssd_scan import ScanChunks, scan_documents
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
@@ -231,7 +231,7 @@ def _forward_with_cache(module, context, hidden_states, cache, attention_mask, c
     if document_bounds(cu_seqlens, sum(lens)) is not None:
         raise ValueError(f"ulysses_kernels.hf: {name} got a cache and packed documents: its cache holds one state "
                          "per row, not per document; call the model with use_cache=False")
-    return module._ulysses_original_forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    return original_forward(module)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
 
 
 def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwargs, project: Callable,
@@ -240,7 +240,7 @@ def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwa
     local hidden states to the projection, `gated_norm(y, gate)` the scan's output to
     `out_proj`'s input."""
     cache = cache if cache is not None else kwargs.pop("cache_params", None)
-    if hasattr(cache, "mixer_state"):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
         return _generation_forward(module, hidden_states, cache, project, gated_norm)
     context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()

@@ -22,10 +22,10 @@ own class (same name and module) whose forward is the adapter: an instance attri
 not survive what transformers does to a model afterwards (since 5.25 every `train()` /
 `eval()` re-runs the hub-kernel setup, which deletes a module's own `forward`), a class
 does, and the subclass refuses hub kernels (`kernel_condition`), which would run the
-one-device layer on the local shard. The module is marked `_ulysses_mixer` and the guard
+one-device layer on the local shard. The module's kind is its subclass's (`adapted_kind`) and the guard
 lets it (and its layer kind) through; every outermost forward checks that no adapted
 module's forward was replaced since (`replaced_adapter_problem`). Each adapted forward
-starts with `attention.token_mixer_call`, which counts it as a call of the package's token mixers
+starts with `context.token_mixer_call`, which counts it as a call of the package's token mixers
 (`context.attention_calls`, as the attention function does) and gives it the forward's
 lengths and documents.
 """
@@ -40,8 +40,7 @@ from torch import nn
 from ...api import ulysses_head_parallel
 from ...distributed.collectives import all_gather_tensor
 from ...layout import LocalHeads, place_heads
-
-MIXER_ATTRIBUTE = "_ulysses_mixer"
+from ..model import ensure_record, record_of
 
 # class name -> (kind, forward, problem): filled by the adapter modules (gated_deltanet.py,
 # mamba2.py) through `adapter` when the hf package imports them.
@@ -59,14 +58,23 @@ def adapter(kind: str, *class_names: str, problem: Optional[Callable] = None) ->
     return register
 
 
+# transformers class -> its adapted subclass (one per class, so that every adapted module of
+# a class shares it and `type(a) is type(b)` still holds between them), and back
+_ADAPTED_CLASSES: Dict[type, type] = {}
+_BASE_CLASSES: Dict[type, type] = {}
+
+
 def adapted_kind(module: nn.Module) -> Optional[str]:
     """The adapter kind of an adapted module (None: not adapted)."""
-    return getattr(module, MIXER_ATTRIBUTE, None)
+    base = _BASE_CLASSES.get(type(module))
+    return ADAPTERS[base.__name__][0] if base is not None else None
 
 
-# transformers class -> its adapted subclass (one per class, so that every adapted module of
-# a class shares it and `type(a) is type(b)` still holds between them)
-_ADAPTED_CLASSES: Dict[type, type] = {}
+def original_forward(module: nn.Module):
+    """The forward an adapted module ran before its adaptation (its own, or its class's):
+    what the adapter runs where it has nothing to change (one rank, a refused call)."""
+    own = record_of(module).marked(module, "own_forward")
+    return own if own is not None else types.MethodType(_BASE_CLASSES[type(module)].forward, module)
 
 
 def _refuse_hub_kernels(module: nn.Module) -> bool:
@@ -81,25 +89,24 @@ def adapted_class(base: type) -> type:
     if made is None:
         kind, forward, _ = ADAPTERS[base.__name__]
         made = type(base.__name__, (base,), {
-            "forward": forward, MIXER_ATTRIBUTE: kind, "_ulysses_base_class": base,
-            "kernel_condition": staticmethod(_refuse_hub_kernels),
+            "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),
             "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})
         _ADAPTED_CLASSES[base] = made
+        _BASE_CLASSES[made] = base
     return made
 
 
 def install_adapters(model: nn.Module) -> List[nn.Module]:
     """Give every module of a registered class its sequence-parallel forward (once per
-    module; the forward it ran before is kept as `_ulysses_original_forward`)."""
+    module; an instance forward it had is kept in the model's record, `original_forward`)."""
     adapted = []
+    record = ensure_record(model)
     for module in model.modules():
         if type(module).__name__ not in ADAPTERS:
             continue
         if adapted_kind(module) is None:
             own = vars(module).pop("forward", None)   # an instance's own forward would shadow the class's
-            object.__setattr__(module, "_ulysses_own_forward", own)
-            object.__setattr__(module, "_ulysses_original_forward",
-                               own if own is not None else types.MethodType(type(module).forward, module))
+            record.mark(module, "own_forward", own)
             module.__class__ = adapted_class(type(module))
         adapted.append(module)
     return adapted
@@ -109,14 +116,16 @@ def uninstall_adapters(model: nn.Module) -> None:
     """Give every adapted module its class and forward back (a model the package refused
     must run as transformers wrote it, without sequence parallelism)."""
     for module in model.modules():
-        if adapted_kind(module) is None or type(module) is not _ADAPTED_CLASSES.get(module._ulysses_base_class):
+        base = _BASE_CLASSES.get(type(module))
+        if base is None:
             continue
-        module.__class__ = module._ulysses_base_class
+        record = record_of(module)
+        own = record.marked(module, "own_forward")
+        module.__class__ = base
         vars(module).pop("forward", None)
-        if module._ulysses_own_forward is not None:
-            module.forward = module._ulysses_own_forward
-        for name in ("_ulysses_own_forward", "_ulysses_original_forward"):
-            object.__delattr__(module, name)
+        if own is not None:
+            module.forward = own
+        record.unmark(module, "own_forward")
 
 
 def adaptable_modules(model: nn.Module) -> List[tuple]:

@@ -42,18 +42,17 @@ from torch import nn
 
 from ...api import gather_sequence
 from ...distributed.groups import resolve_group
-from ..model import is_vision_config, refusal, vision_towers
+from ..model import ensure_record, is_vision_config, record_of, refusal, vision_towers
 from .vision_shard import _PER_TOKEN, SHARD_KEY, CaptureMerge, MergedInputs, TokenShard
-
-_ATTRIBUTE_LOCAL = "_ulysses_local_attention"
-
 
 # ---------------------------------------------------------------------- the model's parts
 
 def is_local_attention(module: nn.Module) -> bool:
     """An attention module of a vision tower: it runs on this rank, never through Ulysses
     (marked by `install_vision`; a vision config when the model was never attached)."""
-    return getattr(module, _ATTRIBUTE_LOCAL, False) or is_vision_config(getattr(module, "config", None))
+    record = record_of(module)
+    return bool(record is not None and record.marked(module, "local_attention")) \
+        or is_vision_config(getattr(module, "config", None))
 
 
 def local_attention(module, query, key, value, attention_mask, **kwargs):
@@ -79,18 +78,19 @@ def install_vision(model: nn.Module, layers: List[nn.Module]) -> None:
     towers = vision_towers(model)
     if not towers:
         return
+    record = ensure_record(model)
     for tower in towers:
         for module in tower.modules():
-            object.__setattr__(module, _ATTRIBUTE_LOCAL, True)
+            record.mark(module, "local_attention")
         if "forward" not in vars(tower) and _takes_grids(tower):
-            tower.forward = types.MethodType(split_tower_forward, tower)
+            record.replace_forward(tower, types.MethodType(split_tower_forward, tower))
     text = language_model(model, layers)
-    if text is not None and not getattr(text, "_ulysses_shard_hook", False):
-        text.register_forward_pre_hook(_shard_language_inputs, with_kwargs=True, prepend=True)
-        object.__setattr__(text, "_ulysses_shard_hook", True)
+    if text is not None and not record.has_hooks("vision_shard"):
+        record.add_hooks("vision_shard", [text.register_forward_pre_hook(_shard_language_inputs, with_kwargs=True,
+                                                                         prepend=True)])
     if text is not None:   # vision="split" needs every tower to split its images (the hook checks)
-        object.__setattr__(text, "_ulysses_towers_split", all("forward" in vars(t) for t in towers))
-        object.__setattr__(text, "_ulysses_towers", tuple(towers))   # a plain attribute: not submodules
+        record.mark(text, "towers_split", all(record.replaced(t) for t in towers))
+        record.mark(text, "towers", tuple(towers))
 
 
 # ------------------------------------------------------------------------- the shard
@@ -105,7 +105,7 @@ def _shard_language_inputs(module, args, kwargs):
     if args:
         raise refusal(module, "its language model is called with positional arguments, which the shard hook "
                               "cannot tell apart")
-    if shard.vision == "split" and not getattr(module, "_ulysses_towers_split", False):
+    if shard.vision == "split" and not record_of(module).marked(module, "towers_split", False):
         raise refusal(module, "its vision tower takes whole images, not patches with their grid, so "
                               'vision="split" cannot divide them over the ranks', 'Use vision="replicate".')
     return args, shard.language_inputs(module, kwargs)
@@ -214,7 +214,7 @@ def _with_tower_dummy(module: nn.Module, args, kwargs):
     them (before the language model) and their backward where its backward does, so this
     rank gathers their parameters and reduces their gradients with the ranks whose batches
     have images. Unchanged (None) otherwise."""
-    towers = [t for t in getattr(module, "_ulysses_towers", ()) if parameters_sharded(t)]
+    towers = [t for t in record_of(module).marked(module, "towers", ()) if parameters_sharded(t)]
     embeds = kwargs.get("inputs_embeds")
     if not towers or not isinstance(embeds, torch.Tensor):
         return None

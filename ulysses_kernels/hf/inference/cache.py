@@ -21,7 +21,8 @@ This module needs transformers (the cache is a `DynamicCache`); generation.py im
 first use.
 """
 
-from typing import List, Optional, Tuple
+import contextlib
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -54,6 +55,14 @@ def _context_for(model, ulysses_group, ring_group, backend):
     return SequenceParallelContext(ulysses_group, ring_group=ring_group, backend=backend)
 
 
+class PendingChunk(NamedTuple):
+    """A layer's chunk K/V (this rank's heads, as cached), left by its `update` for its
+    `attention`: transformers calls the cache's `update` first, then the attention function."""
+    layer: int
+    key: torch.Tensor
+    value: torch.Tensor
+
+
 class HeadShardedCache(DynamicCache):
     """One rank's KV cache: the KV heads it owns in its Ulysses group, for the tokens its
     ring rank holds (all of them without a ring; a sliding-window layer's last keys on
@@ -79,8 +88,7 @@ class HeadShardedCache(DynamicCache):
         self.held = [0] * self.ring[1]       # tokens each ring rank holds (the same list on every rank)
         self.chunk_lens: Optional[List[int]] = None   # Ulysses shard lengths of a sharded chunk
         self._holder = 0                     # the ring rank that appends the chunk in progress
-        self._layer: Optional[int] = None    # the layer whose `update` ran last: its `attention` comes next
-        self._chunk = None                   # that layer's chunk K/V (this rank's heads, as cached)
+        self._pending: Optional[PendingChunk] = None   # `update`'s handoff to the same layer's `attention`
         self._holds_keys = True              # whether this rank attends to keys of that layer at all
         self._forward_tokens = 0             # tokens of the forward in progress (all ranks' shards)
         self._updated = set()                # layers whose `update` (or mixer state) ran in that forward
@@ -127,6 +135,16 @@ class HeadShardedCache(DynamicCache):
             self.path = path
         return path
 
+    @contextlib.contextmanager
+    def sharded_chunk(self, lens: Optional[List[int]]):
+        """Within: the forward in progress is a chunk split along the sequence over the Ulysses
+        group, `lens` every rank's share (None: replicated, every rank holds it whole)."""
+        self.chunk_lens = lens
+        try:
+            yield
+        finally:
+            self.chunk_lens = None
+
     @property
     def _sharded(self) -> bool:
         """The chunk in progress is split along the sequence over the Ulysses group."""
@@ -143,7 +161,7 @@ class HeadShardedCache(DynamicCache):
         on the ring rank that holds it)."""
         self._enter_layer(layer_idx, key_states.shape[2], "attention")
         k, v = self._own_chunk(key_states, value_states, layer_idx)
-        self._layer, self._chunk = layer_idx, (k, v)
+        self._pending = PendingChunk(layer=layer_idx, key=k, value=v)
         if self._holds_chunk:
             self._holds_keys = True
             return super().update(k, v, layer_idx, *args, **kwargs)
@@ -216,11 +234,11 @@ class HeadShardedCache(DynamicCache):
         the layer's variants (docs/api.md, "Attention variants"); sinks: its `[Hq]` logits
         over the global heads; attention_chunk: the attention_chunk_size of a chunked layer (Llama 4,
         hf/families/llama4.py); module: the attention module (Llama 4's temperature tuning)."""
-        layer, chunk_kv = self._layer, self._chunk
-        if layer is None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             raise ValueError("HeadShardedCache: an attention call without its layer's cache update (layers that "
                              "share another layer's KV cache are not supported)")
-        self._layer = self._chunk = None
+        layer, chunk_kv = pending.layer, (pending.key, pending.value)
         variant = make_variant(window_size, softcap, causal=bool(causal))
         if module is not None and tunes_temperature(module):
             query = self._retune(module, query)

@@ -167,16 +167,12 @@ def _run_chunk(model, cache, ids, start, merged=None):
         lo = sum(lens[:rank])
         ids, positions = ids[:, lo:lo + lens[rank]], positions[:, lo:lo + lens[rank]]
         span = (start + lo, lens[rank])
-        cache.chunk_lens = lens
     extra = {}
     if merged is not None:   # the language model cuts its slice of the merged prompt
         extra[SHARD_KEY] = TokenShard(shape=tuple(merged["inputs_embeds"].shape[:2]), ranges=[span], merged=merged)
-    try:
-        with decoding(cache):
-            out = model(input_ids=ids, position_ids=None if merged is not None else positions, use_cache=True,
-                        logits_to_keep=1, **{_cache_keyword(model): cache}, **extra)
-    finally:
-        cache.chunk_lens = None
+    with decoding(cache), cache.sharded_chunk(lens if sharded else None):
+        out = model(input_ids=ids, position_ids=None if merged is not None else positions, use_cache=True,
+                    logits_to_keep=1, **{_cache_keyword(model): cache}, **extra)
     logits = out.logits[:, -1].contiguous()
     if sharded:   # the last token lives on the last Ulysses rank
         logits = broadcast_tensor(logits, world - 1, group)

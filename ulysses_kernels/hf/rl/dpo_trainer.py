@@ -41,9 +41,9 @@ from ...distributed.groups import ParallelGroups
 from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
-from ..model import unwrap
+from ..model import forward_replaced, unwrap
 from ..training.trainer import DataParallelData, check_groups, refuse_peft
-from .logprobs import forward_replaced, token_fields
+from .logprobs import token_fields
 
 MIXIN = "SequenceParallelDPOMixin"
 # The fields TRL's DPO loss and metrics read.
@@ -111,7 +111,7 @@ def _sequence_parallel_scoring(inner, groups):
             return _scored(inner, groups, labels, args, kwargs)
         return previous(*args, labels=labels, **kwargs) if labels is not None else previous(*args, **kwargs)
 
-    return forward_replaced(inner, forward)
+    return forward_replaced(inner, forward, reads_labels=True)
 
 
 def _scored(inner, groups, labels, args, kwargs):

@@ -10,8 +10,6 @@ goes through the model's own `__call__` (a DDP / FSDP wrapper included, which mu
 forward): the model's forward is swapped for the tiled one for that call only.
 """
 
-import contextlib
-import types
 from typing import Optional
 
 import torch
@@ -20,7 +18,7 @@ import torch.nn.functional as F
 from ...planner import loss_tile_tokens as default_loss_tile
 from ..core.attach import sequence_parallel_model
 from ..core.batch import IGNORE_INDEX, SequenceParallelBatch
-from ..model import unwrap
+from ..model import forward_replaced, unwrap
 from ..training.loss import at_least_float32
 from ..training.tiling import _named_params, _TiledFunction
 
@@ -89,27 +87,10 @@ def token_fields(model, batch: SequenceParallelBatch, groups=None, *, fields=("l
     return found
 
 
-@contextlib.contextmanager
-def forward_replaced(inner, forward):
-    """Within: `inner.forward` is `forward` (a function of `(self, *args, **kwargs)`), for
-    the calls that go through `inner.__call__` (a DDP / FSDP wrapper's included); after: the
-    forward it had (an instance attribute, such as TRL's fused head, or the class's)."""
-    had_own = "forward" in vars(inner)
-    previous = vars(inner).get("forward")
-    forward._ulysses_takes_labels = True   # it reads labels= itself (context._check_labels)
-    inner.forward = types.MethodType(forward, inner)
-    try:
-        yield
-    finally:
-        if had_own:
-            inner.forward = previous
-        else:
-            del inner.forward
-
-
 def _tiled_head_forward(inner, request):
     """`inner.forward` runs the backbone and the tiled head for one call; restored after."""
-    return forward_replaced(inner, lambda self, *args, **kwargs: _backbone_then_head(self, request, args, kwargs))
+    return forward_replaced(inner, lambda self, *args, **kwargs: _backbone_then_head(self, request, args, kwargs),
+                            reads_labels=True)
 
 
 def _backbone_then_head(model, request, args, kwargs):

@@ -46,10 +46,9 @@ from ...distributed.groups import ParallelGroups
 from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import shard_batch
-from ..model import unwrap
+from ..model import forward_replaced, unwrap
 from ..training.loss import gradient_for_world_average
 from ..training.trainer import DataParallelData, DataParallelView, check_groups, refuse_peft
-from .logprobs import forward_replaced
 
 MIXIN = "SequenceParallelRewardMixin"
 # What TRL's reward collator hands the model besides the tokens: the margin is read by the
@@ -107,5 +106,5 @@ def _sequence_parallel_scores(inner, groups: ParallelGroups):
         out.logits = gradient_for_world_average(out.logits, groups)
         return out
 
-    with forward_replaced(inner, forward):
+    with forward_replaced(inner, forward, reads_labels=True):
         yield

@@ -10,7 +10,7 @@ from ...planner import loss_tile_tokens as default_loss_tile
 from ...planner import mlp_tile_tokens as default_mlp_tile
 from ..context import context_of, default_context
 from ..core.attach import model_context, uses_ulysses_attention
-from ..model import wrapped_blocks
+from ..model import READS_LABELS, ensure_record, record_of, unwrap, wrapped_blocks
 from . import tiling
 from .offload import CheckpointOffload, enable_checkpoint_offload
 from .tiling import tiled_cross_entropy_sum
@@ -28,13 +28,15 @@ def _is_mlp(module: nn.Module) -> bool:
 
 
 def is_loss_patched(model) -> bool:
-    m = getattr(model, "module", model)  # DDP
-    return getattr(m, "_ulysses_tiled_loss", False)
+    """True when patch_model tiled the model's loss (its record keeps the tile)."""
+    record = record_of(model)
+    return record is not None and record.marked(unwrap(model), "loss_tile") is not None
 
 
 def is_mlp_tiled(model) -> bool:
     """True when patch_model tiled the model's MLPs."""
-    return any(hasattr(m, "_ulysses_orig_forward") for m in getattr(model, "module", model).modules())
+    record = record_of(model)
+    return record is not None and any(record.marked(m, "mlp_tile") is not None for m in unwrap(model).modules())
 
 
 def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = True,
@@ -66,18 +68,18 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
     vocab = getattr(cfg, "vocab_size", 32000) or 32000
     mlp_tile = int(mlp_tile_tokens or default_mlp_tile(hidden))  # the planner's model uses the same defaults
     loss_tile = int(loss_tile_tokens or default_loss_tile(vocab))
+    record = ensure_record(model)   # what follows is undone from it (unpatch_model)
     if tiled_mlp:
         n = 0
         for m in model.modules():
-            if _is_mlp(m) and not hasattr(m, "_ulysses_orig_forward"):
-                m._ulysses_orig_forward = m.forward
-                m._ulysses_tile = mlp_tile
-                m.forward = types.MethodType(_tiled_mlp_forward, m)
+            if _is_mlp(m) and record.marked(m, "mlp_tile") is None:
+                record.replace_forward(m, types.MethodType(_tiled_mlp_forward, m))
+                record.mark(m, "mlp_tile", mlp_tile)
                 n += 1
         if n == 0:
             raise ValueError("patch_model: found no dense *MLP module to tile (mixture-of-experts blocks "
                              "are not tiled); pass tiled_mlp=False")
-    if offload_checkpoints and not getattr(model, "_ulysses_offload_handles", None):
+    if offload_checkpoints and not record.has_hooks("offload"):
         checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x
         if checkpointing is None:
             checkpointing = getattr(model, "is_gradient_checkpointing", False)
@@ -88,9 +90,8 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
         layers = wrapped_blocks(model)
         if len(layers) < 2:
             raise ValueError("patch_model: offload_checkpoints found fewer than 2 decoder layers")
-        model._ulysses_offload = offload
-        model._ulysses_offload_handles = enable_checkpoint_offload(layers, offload)
-    if tiled_loss and not getattr(model, "_ulysses_tiled_loss", False):
+        record.add_hooks("offload", enable_checkpoint_offload(layers, offload))
+    if tiled_loss and record.marked(model, "loss_tile") is None:
         for attr in ("logit_scale", "logits_scaling"):
             if getattr(cfg, attr, None) not in (None, 1, 1.0):
                 raise ValueError(f"patch_model: tiled loss does not support config.{attr}")
@@ -100,37 +101,34 @@ def patch_model(model: nn.Module, *, tiled_mlp: bool = True, tiled_loss: bool = 
                              "set output_router_logits=False")
         if model.get_output_embeddings() is None:
             raise ValueError("patch_model: the model has no output embeddings (LM head)")
-        model._ulysses_orig_model_forward = model.forward
-        model._ulysses_loss_tile = loss_tile
-        model._ulysses_tiled_loss = True
-        model.forward = types.MethodType(_tiled_loss_forward, model)
+        record.replace_forward(model, types.MethodType(_tiled_loss_forward, model))
+        record.mark(model, "loss_tile", loss_tile)
     return model
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
-    """Undo `patch_model`."""
-    for m in model.modules():
-        if hasattr(m, "_ulysses_orig_forward"):
-            del m.forward
-            del m._ulysses_orig_forward
-    if getattr(model, "_ulysses_tiled_loss", False):
-        del model.forward
-        model._ulysses_tiled_loss = False
-    for handle in getattr(model, "_ulysses_offload_handles", None) or []:
-        handle.remove()
-    model._ulysses_offload_handles = None
+    """Undo `patch_model`: the forwards it replaced back, its offload hooks removed."""
+    record = record_of(model)
+    if record is None:
+        return model
+    for m in unwrap(model).modules():
+        for name in ("mlp_tile", "loss_tile"):
+            if record.marked(m, name) is not None:
+                record.restore_forward(m)
+                record.unmark(m, name)
+    record.remove_hooks("offload")
     return model
 
 
 def _tiled_mlp_forward(self, x):
     if x.dim() != 3:  # e.g. MoE experts called on [tokens, hidden]: nothing to tile along
-        return self._ulysses_orig_forward(x)
-    return tiling.tiled_mlp(self, x, self._ulysses_tile)
+        return record_of(self).original_forward(self)(x)
+    return tiling.tiled_mlp(self, x, record_of(self).marked(self, "mlp_tile"))
 
 
 def _tiled_loss_forward(self, *args, ulysses_labels=None, **kwargs):
     if ulysses_labels is None:
-        return self._ulysses_orig_model_forward(*args, **kwargs)
+        return record_of(self).original_forward(self)(*args, **kwargs)
     if kwargs.get("labels") is not None:
         raise ValueError("tiled loss: pass the shifted labels as ulysses_labels, not labels")
     kwargs.pop("labels", None)
@@ -139,11 +137,11 @@ def _tiled_loss_forward(self, *args, ulysses_labels=None, **kwargs):
     out = backbone(*args, **kwargs)
     hidden = out[0] if not hasattr(out, "last_hidden_state") else out.last_hidden_state
     local_sum = tiled_cross_entropy_sum(
-        hidden, self.get_output_embeddings(), ulysses_labels, tile_tokens=self._ulysses_loss_tile,
+        hidden, self.get_output_embeddings(), ulysses_labels, tile_tokens=record_of(self).marked(self, "loss_tile"),
         final_logit_softcapping=getattr(self.config, "final_logit_softcapping", None))
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     return CausalLMOutputWithPast(loss=local_sum, logits=None)
 
 
-_tiled_loss_forward._ulysses_takes_labels = True   # it refuses labels= itself, saying what to pass
+READS_LABELS.add(_tiled_loss_forward)   # it refuses labels= itself, saying what to pass

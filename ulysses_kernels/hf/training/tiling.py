@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.batch import IGNORE_INDEX
+from ..model import record_of
 
 
 def _reparametrize(module, params: Dict[str, torch.Tensor]):
@@ -99,7 +100,8 @@ def tiled_mlp(module: nn.Module, x: torch.Tensor, tile_tokens: int, forward: Opt
     `tile_tokens` positions along dim 1, without keeping the intermediates of the whole
     sequence (each tile is recomputed in backward). Exact: equals `forward(x)`, forward
     and backward. Position-wise modules only (an MLP)."""
-    fwd = forward if forward is not None else getattr(module, "_ulysses_orig_forward", module.forward)
+    record = record_of(module)
+    fwd = forward if forward is not None else (record.original_forward(module) if record is not None else module.forward)
     names, params = _named_params(module)
     return _TiledFunction.apply(fwd, module, names, max(1, int(tile_tokens)), "cat", x, None, *params)
 
