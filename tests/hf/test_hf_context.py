@@ -159,7 +159,7 @@ def test_attach_context_checks_the_model():
         ukhf.attach_context(build_tiny_model("olmo_hybrid", "eager"), None)
     # a model refused after its mixers were adapted (Zamba2: its decoder layers) runs as
     # transformers wrote it: the original forwards are back
-    from ulysses_kernels.hf.families.mixers import adapted_kind
+    from ulysses_kernels.hf.families.adapters import adapted_kind
 
     zamba = build_tiny_model("zamba2", "eager")
     mixers = [m for m in zamba.modules() if type(m).__name__ == "Zamba2MambaMixer"]

@@ -33,7 +33,7 @@ from tiny_models import build_tiny_model  # noqa: E402
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families.mixers import ADAPTERS, adapted_kind, install_adapters  # noqa: E402
+from ulysses_kernels.hf.families.adapters import ADAPTERS, adapted_kind, install_adapters  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 from ulysses_kernels.planner import shape_from_dict  # noqa: E402
 
@@ -266,7 +266,7 @@ def test_a_forward_replaced_after_adaptation_is_refused():
     """What replaces an adapted mixer's forward after the package adapted it (a hub kernel,
     a user's patch) is refused at the model's next forward, not run on the local shard;
     the hub kernels' own setup skips an adapted class (its `kernel_condition`)."""
-    from ulysses_kernels.hf.families.mixers import _BASE_CLASSES, uninstall_adapters
+    from ulysses_kernels.hf.families.adapters import _BASE_CLASSES, uninstall_adapters
 
     ukhf.register(None)
     model = hybrid_model("qwen3_5_text", "ulysses", 2)

@@ -27,14 +27,10 @@ from helpers import SLOW_SPAWN_TIMEOUT, randn, rel_err, shard
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from ulysses_kernels.hf.families.mamba2 import placement_problem
-from ulysses_kernels.hf.families.mixers import (  # noqa: E402
-    causal_conv1d,
-    document_starts,
-    install_adapters,
-    original_forward,
-)
-from ulysses_kernels.hf.families.ssd_scan import scan_documents, ssd_scan
+from ulysses_kernels.hf.families.adapters import install_adapters  # noqa: E402
+from ulysses_kernels.hf.families.mamba2 import placement_problem  # noqa: E402
+from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts, original_forward  # noqa: E402
+from ulysses_kernels.hf.families.ssd_scan import scan_documents, ssd_scan  # noqa: E402
 from ulysses_kernels.hf.model import record_of  # noqa: E402
 from ulysses_kernels.layout import split_lengths  # noqa: E402
 

@@ -100,26 +100,42 @@ try:
 except ImportError as _error:
     raise ImportError(f"ulysses_kernels.hf needs Hugging Face transformers: {HF_INSTALL_HINT}") from _error
 
-from .families import gated_deltanet, mamba2  # noqa: F401, E402, I001 - register their adapters (families/mixers.py)
-from .core.attach import ATTN_IMPLEMENTATION
-from .core.attention import get_sequence_parallel_group, register, set_sequence_parallel_group, ulysses_attention_forward
+from .context import SequenceParallelContext, context_of, cu_seqlens_from_position_ids
+from .core.attach import ATTN_IMPLEMENTATION, attach_context
+from .core.attention import (
+    get_sequence_parallel_group,
+    register,
+    set_sequence_parallel_group,
+    ulysses_attention_forward,
+)
+from .core.batch import (
+    IGNORE_INDEX,
+    PaddingInfo,
+    SequenceParallelBatch,
+    count_targets,
+    gather_tokens,
+    repad,
+    shard_batch,
+)
 from .core.masks import ulysses_mask_function
-from .core.batch import IGNORE_INDEX, PaddingInfo, SequenceParallelBatch, count_targets, gather_tokens, repad, shard_batch
-from .context import cu_seqlens_from_position_ids
-from .context import SequenceParallelContext, context_of
-from .core.attach import attach_context
 from .inference.generation import decoding, generate, make_cache, prefill
 from .model import NotSequenceParallelError
+from .rl.dpo_trainer import SequenceParallelDPOMixin
+from .rl.grpo_trainer import SequenceParallelGRPOMixin
 from .rl.logprobs import token_logprobs
-from .training.loss import causal_lm_loss, global_mean_from_sum, gradient_for_world_average, loss_for_world_average, sequence_parallel_loss
+from .rl.losses import dpo_loss, grpo_loss, row_sums
+from .rl.reward_trainer import SequenceParallelRewardMixin
+from .training.loss import (
+    causal_lm_loss,
+    global_mean_from_sum,
+    gradient_for_world_average,
+    loss_for_world_average,
+    sequence_parallel_loss,
+)
 from .training.offload import CheckpointOffload, HostBufferPool
 from .training.parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .training.patch import patch_model, unpatch_model
-from .rl.losses import dpo_loss, grpo_loss, row_sums
 from .training.tiling import tiled_cross_entropy_sum, tiled_mlp
-from .rl.dpo_trainer import SequenceParallelDPOMixin
-from .rl.grpo_trainer import SequenceParallelGRPOMixin
-from .rl.reward_trainer import SequenceParallelRewardMixin
 from .training.trainer import SequenceParallelTrainerMixin
 
 __all__ = [

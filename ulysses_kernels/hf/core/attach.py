@@ -18,7 +18,7 @@ from torch import nn
 
 from ...distributed.groups import ParallelGroups
 from ..context import FORWARD_INPUTS, SequenceParallelContext, context_of, default_context, set_context
-from ..families.mixers import (
+from ..families.adapters import (
     adaptable_modules,
     adapted_problem,
     install_adapters,

@@ -37,7 +37,7 @@ from typing import List, Optional
 
 from torch import nn
 
-from ..families.mixers import adapted_kind
+from ..families.adapters import adapted_kind
 from ..model import EXACT_HEADS, decoder_layers, ensure_record, refusal, text_configs, vision_towers, within
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})

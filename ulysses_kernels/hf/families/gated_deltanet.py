@@ -30,7 +30,7 @@ from ...layout import place_heads
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import adapter, chunk_head_parallel, original_forward, over_documents
+from .mixers import chunk_head_parallel, original_forward, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
 
@@ -170,7 +170,6 @@ def _generation_forward(module, hidden_states, cache):
     return module.out_proj(core.reshape(B, T, -1))
 
 
-@adapter("gated_deltanet", *GATED_DELTANET_CLASSES, problem=placement_problem)
 def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """The layer's forward, sequence-parallel by heads (the module doc)."""
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache

@@ -41,7 +41,7 @@ from ...layout import place_heads
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import adapter, chunk_head_parallel, document_bounds, original_forward
+from .mixers import chunk_head_parallel, document_bounds, original_forward
 from .ssd_scan import ScanChunks, scan_documents
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
@@ -273,14 +273,12 @@ def _generation_forward(module, hidden_states, cache, project: Callable, gated_n
 
 # ---------------------------------------------------------------------------- adapters
 
-@adapter("mamba2", *MAMBA2_CLASSES, problem=adapter_problem)
 @force_accelerate_hooks("conv1d")
 def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """Bamba, Nemotron-H, GraniteMoeHybrid and Zamba2: the same forward in transformers."""
     return _sequence_parallel_forward(self, hidden_states, cache, attention_mask, kwargs, self.in_proj, self.norm)
 
 
-@adapter("mamba2", *FALCON_H1_CLASSES, problem=adapter_problem)
 @force_accelerate_hooks("conv1d")
 def falcon_h1_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
     """Falcon-H1: the input scaled by `ssm_in_multiplier`, the projection by the `mup_vector`

@@ -40,128 +40,14 @@ from torch import nn
 from ...api import ulysses_head_parallel
 from ...distributed.collectives import all_gather_tensor
 from ...layout import LocalHeads, place_heads
-from ..model import ensure_record, record_of
-
-# class name -> (kind, forward, problem): filled by the adapter modules (gated_deltanet.py,
-# mamba2.py) through `adapter` when the hf package imports them.
-ADAPTERS: Dict[str, tuple] = {}
-
-
-def adapter(kind: str, *class_names: str, problem: Optional[Callable] = None) -> Callable:
-    """Register `forward(module, hidden_states, ...)` as the sequence-parallel forward of
-    modules of these transformers classes; `problem(module, world)` says why a module's
-    heads have no placement over `world` Ulysses ranks (None: they have)."""
-    def register(forward):
-        for name in class_names:
-            ADAPTERS[name] = (kind, forward, problem)
-        return forward
-    return register
-
-
-# transformers class -> its adapted subclass (one per class, so that every adapted module of
-# a class shares it and `type(a) is type(b)` still holds between them), and back
-_ADAPTED_CLASSES: Dict[type, type] = {}
-_BASE_CLASSES: Dict[type, type] = {}
-
-
-def adapted_kind(module: nn.Module) -> Optional[str]:
-    """The adapter kind of an adapted module (None: not adapted)."""
-    base = _BASE_CLASSES.get(type(module))
-    return ADAPTERS[base.__name__][0] if base is not None else None
+from ..model import record_of
 
 
 def original_forward(module: nn.Module):
     """The forward an adapted module ran before its adaptation (its own, or its class's):
     what the adapter runs where it has nothing to change (one rank, a refused call)."""
     own = record_of(module).marked(module, "own_forward")
-    return own if own is not None else types.MethodType(_BASE_CLASSES[type(module)].forward, module)
-
-
-def _refuse_hub_kernels(module: nn.Module) -> bool:
-    """The `kernel_condition` of an adapted class: the `kernels` library skips a module for
-    which it returns False (a hub kernel of the layer would mix the local shard only)."""
-    return False
-
-
-def adapted_class(base: type) -> type:
-    """The subclass of `base` whose forward is its adapter (ADAPTERS), made once per class."""
-    made = _ADAPTED_CLASSES.get(base)
-    if made is None:
-        kind, forward, _ = ADAPTERS[base.__name__]
-        made = type(base.__name__, (base,), {
-            "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),
-            "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})
-        _ADAPTED_CLASSES[base] = made
-        _BASE_CLASSES[made] = base
-    return made
-
-
-def install_adapters(model: nn.Module) -> List[nn.Module]:
-    """Give every module of a registered class its sequence-parallel forward (once per
-    module; an instance forward it had is kept in the model's record, `original_forward`)."""
-    adapted = []
-    record = ensure_record(model)
-    for module in model.modules():
-        if type(module).__name__ not in ADAPTERS:
-            continue
-        if adapted_kind(module) is None:
-            own = vars(module).pop("forward", None)   # an instance's own forward would shadow the class's
-            record.mark(module, "own_forward", own)
-            module.__class__ = adapted_class(type(module))
-        adapted.append(module)
-    return adapted
-
-
-def uninstall_adapters(model: nn.Module) -> None:
-    """Give every adapted module its class and forward back (a model the package refused
-    must run as transformers wrote it, without sequence parallelism)."""
-    for module in model.modules():
-        base = _BASE_CLASSES.get(type(module))
-        if base is None:
-            continue
-        record = record_of(module)
-        own = record.marked(module, "own_forward")
-        module.__class__ = base
-        vars(module).pop("forward", None)
-        if own is not None:
-            module.forward = own
-        record.unmark(module, "own_forward")
-
-
-def adaptable_modules(model: nn.Module) -> List[tuple]:
-    """(name, module) of every module of `model` whose class has an adapter."""
-    return [(name, module) for name, module in model.named_modules() if type(module).__name__ in ADAPTERS]
-
-
-def replaced_adapter_problem(modules) -> Optional[str]:
-    """Why one of `modules` ((name, module) of `adaptable_modules`) would no longer run its
-    adapted forward (None: every one does): a forward set on the instance since, or its
-    class changed back. Checked at every outermost forward of a model with a context, so
-    that nothing done to the model after `attach_context` leaves a token mixer local."""
-    for name, module in modules:
-        if adapted_kind(module) is None:
-            return f"{name} ({type(module).__name__}) is no longer the package's adapted class"
-        if "forward" in vars(module):
-            return (f"{name} ({type(module).__name__}) got a forward of its own after the package adapted it "
-                    f"({vars(module)['forward']!r}), which would mix each rank's slice of the sequence only")
-    return None
-
-
-def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
-    """Why an adapted mixer of `model` cannot run on `world` Ulysses ranks and a ring of
-    `ring` (None: every one can). Deterministic: the same answer on every rank."""
-    for name, module in model.named_modules():
-        kind = adapted_kind(module)
-        if kind is None:
-            continue
-        if ring > 1 and not getattr(ADAPTERS[type(module).__name__][1], "runs_on_a_ring", False):
-            return (f"{name} ({type(module).__name__}) is a recurrent token mixer whose adapter does not pass its "
-                    f"state across the chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
-        problem = ADAPTERS[type(module).__name__][2]
-        found = problem(module, world) if problem is not None else None
-        if found:
-            return f"{name} ({type(module).__name__}): {found}"
-    return None
+    return own if own is not None else types.MethodType(type(module).__bases__[0].forward, module)   # the adapted class's base
 
 
 # ------------------------------------------------------------------ the forward's documents

@@ -67,7 +67,7 @@ from ...distributed.collectives import all_gather_tensor, broadcast_tensor
 from ...layout import split_lengths
 from ..core.attach import sequence_parallel_model
 from ..core.attention import _require_transformers
-from ..families.mixers import adapted_kind
+from ..families.adapters import adapted_kind
 from ..families.vision import merged_prompt
 from ..families.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
 from ..model import refusal, unwrap

@@ -1,0 +1,133 @@
+"""The token-mixer adapters (docs/hf_hybrids.md, "Hybrid models"): which transformers class
+gets which sequence-parallel forward (`ADAPTERS`, written out whole), and installing them on a
+model, checking them and taking them off. The forwards themselves are the families'
+(gated_deltanet.py, mamba2.py); what they share is mixers.py."""
+
+from typing import Callable, Dict, List, NamedTuple, Optional
+
+from torch import nn
+
+from ..model import ensure_record, record_of
+from . import gated_deltanet, mamba2
+
+
+class Adapter(NamedTuple):
+    """A token mixer's sequence-parallel forward: its kind (a layer kind the guard lets
+    through), `forward(module, hidden_states, ...)`, and `problem(module, world)`: why a
+    module's heads have no placement over `world` Ulysses ranks (None: they have)."""
+    kind: str
+    forward: Callable
+    problem: Optional[Callable]
+
+
+def _for(classes, kind: str, forward: Callable, problem: Callable) -> Dict[str, Adapter]:
+    return {name: Adapter(kind, forward, problem) for name in classes}
+
+
+# transformers class name -> its adapter: the whole registry, written here (a new mixer family
+# adds its line; nothing registers itself by being imported).
+ADAPTERS: Dict[str, Adapter] = {
+    **_for(gated_deltanet.GATED_DELTANET_CLASSES, "gated_deltanet", gated_deltanet.gated_deltanet_forward,
+           gated_deltanet.placement_problem),
+    **_for(mamba2.MAMBA2_CLASSES, "mamba2", mamba2.mamba2_forward, mamba2.adapter_problem),
+    **_for(mamba2.FALCON_H1_CLASSES, "mamba2", mamba2.falcon_h1_forward, mamba2.adapter_problem),
+}
+
+
+# transformers class -> its adapted subclass (one per class, so that every adapted module of
+# a class shares it and `type(a) is type(b)` still holds between them), and back
+_ADAPTED_CLASSES: Dict[type, type] = {}
+_BASE_CLASSES: Dict[type, type] = {}
+
+
+def adapted_kind(module: nn.Module) -> Optional[str]:
+    """The adapter kind of an adapted module (None: not adapted)."""
+    base = _BASE_CLASSES.get(type(module))
+    return ADAPTERS[base.__name__].kind if base is not None else None
+
+
+def _refuse_hub_kernels(module: nn.Module) -> bool:
+    """The `kernel_condition` of an adapted class: the `kernels` library skips a module for
+    which it returns False (a hub kernel of the layer would mix the local shard only)."""
+    return False
+
+
+def adapted_class(base: type) -> type:
+    """The subclass of `base` whose forward is its adapter (ADAPTERS), made once per class."""
+    made = _ADAPTED_CLASSES.get(base)
+    if made is None:
+        kind, forward, _ = ADAPTERS[base.__name__]
+        made = type(base.__name__, (base,), {
+            "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),
+            "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})
+        _ADAPTED_CLASSES[base] = made
+        _BASE_CLASSES[made] = base
+    return made
+
+
+def install_adapters(model: nn.Module) -> List[nn.Module]:
+    """Give every module of a registered class its sequence-parallel forward (once per
+    module; an instance forward it had is kept in the model's record, `original_forward`)."""
+    adapted = []
+    record = ensure_record(model)
+    for module in model.modules():
+        if type(module).__name__ not in ADAPTERS:
+            continue
+        if adapted_kind(module) is None:
+            own = vars(module).pop("forward", None)   # an instance's own forward would shadow the class's
+            record.mark(module, "own_forward", own)
+            module.__class__ = adapted_class(type(module))
+        adapted.append(module)
+    return adapted
+
+
+def uninstall_adapters(model: nn.Module) -> None:
+    """Give every adapted module its class and forward back (a model the package refused
+    must run as transformers wrote it, without sequence parallelism)."""
+    for module in model.modules():
+        base = _BASE_CLASSES.get(type(module))
+        if base is None:
+            continue
+        record = record_of(module)
+        own = record.marked(module, "own_forward")
+        module.__class__ = base
+        vars(module).pop("forward", None)
+        if own is not None:
+            module.forward = own
+        record.unmark(module, "own_forward")
+
+
+def adaptable_modules(model: nn.Module) -> List[tuple]:
+    """(name, module) of every module of `model` whose class has an adapter."""
+    return [(name, module) for name, module in model.named_modules() if type(module).__name__ in ADAPTERS]
+
+
+def replaced_adapter_problem(modules) -> Optional[str]:
+    """Why one of `modules` ((name, module) of `adaptable_modules`) would no longer run its
+    adapted forward (None: every one does): a forward set on the instance since, or its
+    class changed back. Checked at every outermost forward of a model with a context, so
+    that nothing done to the model after `attach_context` leaves a token mixer local."""
+    for name, module in modules:
+        if adapted_kind(module) is None:
+            return f"{name} ({type(module).__name__}) is no longer the package's adapted class"
+        if "forward" in vars(module):
+            return (f"{name} ({type(module).__name__}) got a forward of its own after the package adapted it "
+                    f"({vars(module)['forward']!r}), which would mix each rank's slice of the sequence only")
+    return None
+
+
+def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
+    """Why an adapted mixer of `model` cannot run on `world` Ulysses ranks and a ring of
+    `ring` (None: every one can). Deterministic: the same answer on every rank."""
+    for name, module in model.named_modules():
+        kind = adapted_kind(module)
+        if kind is None:
+            continue
+        if ring > 1 and not getattr(ADAPTERS[type(module).__name__].forward, "runs_on_a_ring", False):
+            return (f"{name} ({type(module).__name__}) is a recurrent token mixer whose adapter does not pass its "
+                    f"state across the chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
+        problem = ADAPTERS[type(module).__name__].problem
+        found = problem(module, world) if problem is not None else None
+        if found:
+            return f"{name} ({type(module).__name__}): {found}"
+    return None
