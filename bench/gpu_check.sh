@@ -89,7 +89,7 @@ fi
 FUSED_TESTS=(tests/fused/test_fused_ops.py tests/fused/test_fused_pipeline.py tests/fused/test_fused_layer.py
              tests/ring/test_ring_attention.py)
 TRITON_TESTS=(tests/triton/test_triton_attention.py tests/triton/test_triton_ops.py
-              tests/triton/test_triton_merge.py tests/hf/test_hf_offload.py tests/triton_path/test_kernel_choice.py)
+              tests/triton/test_triton_merge.py tests/hf/training/test_hf_offload.py tests/triton_path/test_kernel_choice.py)
 
 STEPS="${GPU_CHECK_STEPS:-$DEFAULT_STEPS}"
 print_budget

@@ -1,6 +1,6 @@
 """ulysses_kernels.monitor: what a step record says (tokens/s, every rank's peak memory, the
 planner's expectation) against what the step did; the Trainer side is in
-tests/hf/test_hf_deepspeed.py (test_monitor_logs_every_step)."""
+tests/hf/training/test_hf_deepspeed.py (test_monitor_logs_every_step)."""
 
 import mmap
 

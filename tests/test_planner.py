@@ -167,7 +167,7 @@ def test_hybrid_configs_count_their_token_mixers():
     """A hybrid config (transformers' Qwen3-Next and Bamba defaults, as config.json holds
     them): its linear-attention / Mamba2 layers keep no KV cache but a conv window and a
     recurrent state of this rank's heads, whatever the prompt's length; the exact bytes
-    against the cache's are in tests/hf/test_hf_hybrid.py."""
+    against the cache's are in tests/hf/families/test_hf_hybrid.py."""
     transformers = pytest.importorskip("transformers")
     from ulysses_kernels.planner import prefill_terms, shape_from_dict
 

@@ -192,4 +192,4 @@ def test_the_test_command_installs_the_pins():
     pinned_part = pinned_part[pinned_part.index("\nfi\n"):]
     ci_installs = re.findall(r"pip install [^&\n]*", pinned_part)
     assert len(ci_installs) == 3 and all("-c .ci/constraints.txt" in i for i in ci_installs), ci_installs
-    assert "--newest" in ci and "tests/hf/test_hf_sweep.py" in ci
+    assert "--newest" in ci and "tests/hf/families/test_hf_sweep.py" in ci

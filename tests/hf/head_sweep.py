@@ -1,4 +1,4 @@
-"""The head sweep (tests/hf/test_hf_heads.py): every decoder family's sequence-classification,
+"""The head sweep (tests/hf/core/test_hf_heads.py): every decoder family's sequence-classification,
 token-classification and question-answering head of the installed transformers, built tiny
 in float64 (tiny_models.py, 2 scores, pad token 0, no classifier dropout), one step at SP 2
 through `register` / `attn_implementation="ulysses"` / `shard_batch(..., attention_mask=)` /
@@ -131,7 +131,7 @@ def run_case(case, groups):
 
 
 def reference_case(case):
-    from families import register_exact_eager
+    from family_cases import register_exact_eager
     from sweep import _first_line
 
     try:

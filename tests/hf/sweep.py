@@ -1,4 +1,4 @@
-"""The families sweep (tests/hf/test_hf_sweep.py): every causal LM family transformers
+"""The families sweep (tests/hf/families/test_hf_sweep.py): every causal LM family transformers
 ships, built tiny (tiny_models.py), one training step at SP 2 through the documented calls
 against the same weights on one process, in float64.
 
@@ -123,7 +123,7 @@ def _where(error):
 
 def references(model_type, mine: bool = True):
     """Single-device references of both cases ("ran", {case: step}), or ("unbuilt", why)."""
-    from families import register_exact_eager
+    from family_cases import register_exact_eager
     from tiny_models import build_tiny_model
 
     name = register_exact_eager()

@@ -1,5 +1,5 @@
 """Tiny random models of any causal LM family transformers ships, built from the family's
-own default config (the sweep, tests/hf/test_hf_sweep.py).
+own default config (the sweep, tests/hf/families/test_hf_sweep.py).
 
 A default config describes a real model (dozens of layers, thousands of channels). The
 rule that makes it tiny, generically:

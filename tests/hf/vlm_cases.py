@@ -1,4 +1,4 @@
-"""Tiny vision-language models and their batches (tests/hf/test_hf_vlm.py): Qwen2-VL,
+"""Tiny vision-language models and their batches (tests/hf/families/test_hf_vlm.py): Qwen2-VL,
 Qwen2.5-VL, Qwen3-VL (deepstack), Qwen3.5 (hybrid text + vision) and Gemma 3, built in
 float64 with fixed-seed weights, and rows made the way their processors make them: text,
 then per image or video a vision-start token, one placeholder per merged patch
@@ -43,11 +43,11 @@ LINEAR_HEADS = {1: (2, 4), 2: (2, 4), 3: (1, 6), 4: (2, 4)}
 def build_vlm(family: str, attn: str, *, world: int = 2, seed: int = 0, dtype=torch.float64):
     """A tiny VLM of `family` in float64, train mode, the same weights for the same seed,
     with head counts that `world` ranks can share. attn "eager64": the float64 reference
-    (tests/hf/families.py)."""
+    (tests/hf/family_cases.py)."""
     import transformers as tf
 
     if attn == "eager64":
-        from families import register_exact_eager
+        from family_cases import register_exact_eager
 
         register_exact_eager()
     text = _text(*HEADS[world])

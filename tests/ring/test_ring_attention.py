@@ -209,7 +209,7 @@ def groups_report(rank, world, sp, ring):
 
 def _check_grid(rank, grid, plain):
     """World 4 as 2 Ulysses x 2 ring; and ring_size 1 with SP 2 (DP 2): today's groups.
-    (World 8 with ring_size="auto" for 28 / 4 heads: tests/hf/test_hf_attention.py.)"""
+    (World 8 with ring_size="auto" for 28 / 4 heads: tests/hf/core/test_hf_attention.py.)"""
     assert grid["sizes"] == (2, 2) and grid["ranks"] == (rank % 2, rank // 2)
     assert grid["ulysses"] == [2 * (rank // 2), 2 * (rank // 2) + 1]  # consecutive ranks
     assert grid["ring"] == [rank % 2, rank % 2 + 2]                   # strided ranks

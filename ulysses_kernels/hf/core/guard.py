@@ -292,7 +292,7 @@ def install_call_checks(model: nn.Module, context) -> None:
 
 # transformers modeling files of causal LM families that pick their attention class from a
 # table of their own, keyed by attn_implementation (a KeyError at load time for any other
-# name). tests/hf/test_hf_guard.py checks that this covers the installed transformers.
+# name). tests/hf/core/test_hf_guard.py checks that this covers the installed transformers.
 # Falcon's is in transformers 5.24 only: 5.25 moved falcon to the attention interface.
 OWN_ATTENTION_TABLES = {"falcon": "FALCON_ATTENTION_CLASSES", "git": "GIT_SELF_ATTENTION_CLASSES",
                         "gpt_neo": "GPT_NEO_ATTENTION_CLASSES"}

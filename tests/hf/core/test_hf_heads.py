@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from families import register_exact_eager
+from family_cases import register_exact_eager
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
@@ -273,7 +273,7 @@ TOKEN_LABELS_TOL = 1e-6
 
 # ------------------------------------------------------------------ the head sweep
 
-HEAD_OUTCOMES = Path(__file__).with_name("head_sweep_outcomes.json")
+HEAD_OUTCOMES = Path(__file__).parent.parent / "head_sweep_outcomes.json"
 HEAD_SWEEP_TIMEOUT = 420
 
 

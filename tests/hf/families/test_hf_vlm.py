@@ -25,7 +25,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from families import float64_delta_rule  # noqa: E402
+from family_cases import float64_delta_rule  # noqa: E402
 from sweep import largest_error  # noqa: E402
 from vlm_cases import (  # noqa: E402
     IMAGE,
@@ -160,7 +160,7 @@ def _outcome(fn):
 
 
 def _behaviour_worker(rank, world):
-    from families import register_exact_eager
+    from family_cases import register_exact_eager
 
     from ulysses_kernels.hf.core import attention as hf_attention
 

@@ -11,7 +11,7 @@ draft model beside its target). One process (fast tier): how contexts attach and
 
 import pytest
 import torch
-from families import make_family_model
+from family_cases import make_family_model
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 from sweep import DOCUMENTS, batch_ids, reference_step
 from sweep import positions as sweep_positions

@@ -12,7 +12,7 @@ The reference runs each packed document on its own.
 
 import pytest
 import torch
-from families import FAMILIES, WINDOW, make_family_model
+from family_cases import FAMILIES, WINDOW, make_family_model
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 import ulysses_kernels as uk

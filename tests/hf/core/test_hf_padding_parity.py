@@ -1,6 +1,6 @@
 """Training on padded batches under sequence parallelism (`shard_batch(...,
 attention_mask=mask)`, ulysses_kernels/hf/core/batch.py) equals single-device training on the
-valid tokens: a tiny float64 Llama (families.py) under `attn_implementation="ulysses"` at
+valid tokens: a tiny float64 Llama (family_cases.py) under `attn_implementation="ulysses"` at
 SP 2, 3, 4 and on a 2x2 Ulysses x Ring grid, one step on batches with right padding, left
 padding and a mix (both sides, none, a row that is all padding); the right-padded one
 with a collator's labels (-100 at padding and at prompt tokens), the others with none
@@ -15,7 +15,7 @@ targets. The loss and every parameter gradient (summed over the SP group) agree 
 import pytest
 import torch
 import torch.nn.functional as F
-from families import make_family_model
+from family_cases import make_family_model
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 
 import ulysses_kernels as uk

@@ -27,7 +27,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from families import float64_delta_rule, gated_delta_rule_float64  # noqa: E402
+from family_cases import float64_delta_rule, gated_delta_rule_float64  # noqa: E402
 from sweep import DOCUMENTS, largest_error, reference_step, sp_step  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
@@ -67,7 +67,7 @@ PATCHED = ("qwen3_next", "bamba")
 
 
 def _training_worker(rank, world, families):
-    from families import register_exact_eager
+    from family_cases import register_exact_eager
 
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
@@ -155,7 +155,7 @@ def test_generation_equals_one_process(world):
 
 
 def _ring_worker(rank, world, ulysses, families):
-    from families import register_exact_eager
+    from family_cases import register_exact_eager
 
     groups = uk.init_sequence_parallel(world, ring_size=world // ulysses)
     ukhf.register(groups)
@@ -210,7 +210,7 @@ def _mode_switch_worker(rank, world, families, folder):
     every train() / eval() re-runs the kernel setup); one SP step per mode of
     MODE_SWITCHES, each followed by the same SGD update on both, against the one-process
     model."""
-    from families import register_exact_eager
+    from family_cases import register_exact_eager
     from transformers import AutoModelForCausalLM
 
     groups = uk.init_sequence_parallel(world)

@@ -411,5 +411,5 @@ def test_refusals_are_the_same_on_every_rank(world):
     assert f"{BAD_GROUPS[world]} Mamba2 groups (n_groups)" in bad and f"to {world} ranks" in bad, bad
     assert "NotSequenceParallelError" in bad
     assert "outside ulysses_kernels.hf.generate" in per_rank[0]["cache"]
-    if world == 4:   # a ring runs (tests/hf/test_hf_hybrid.py); lengths that are not its layout are refused
+    if world == 4:   # a ring runs (tests/hf/families/test_hf_hybrid.py); lengths that are not its layout are refused
         assert "ring" in per_rank[0]["ring"] and "zigzag" in per_rank[0]["ring"]

@@ -27,7 +27,7 @@ from sweep import sweep_worker  # noqa: E402
 
 from ulysses_kernels.launch import spawn  # noqa: E402
 
-OUTCOMES = Path(__file__).with_name("sweep_outcomes.json")
+OUTCOMES = Path(__file__).parent.parent / "sweep_outcomes.json"
 # float64 throughout, but some families compute parts in float32 whatever the weights'
 # dtype (RMSNorm, routers): measured up to ~1e-7 there. A shard-local token mixer is off
 # by 1e-5 .. 1 (the issue's sweep: loss 1e-5 to 4e-2, gradients 20% to 100%).

@@ -5,7 +5,7 @@ head), GPT-OSS (sinks, windows, MoE), DeepSeek-V3 (MLA: a one-head latent cache,
 and values 16 wide), with a window of 7 shorter than the 20-token prompts.
 
 Against single-device `model.generate` with the same float64 weights and transformers'
-eager attention in float64 (families.py, "eager64"): greedy tokens on every rank, with the
+eager attention in float64 (family_cases.py, "eager64"): greedy tokens on every rank, with the
 prompt prefilled whole and in chunks shorter and longer than the window; seeded sampling
 (the first rank's seed); the logits after a prefill and decode steps; the cache of a
 windowed layer holds the last W - 1 tokens, as transformers' own sliding-window cache.
@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from families import VOCAB, WINDOW, make_family_model, over_grids
+from family_cases import VOCAB, WINDOW, make_family_model, over_grids
 from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns, rel_err
 
 from ulysses_kernels import hf as ukhf

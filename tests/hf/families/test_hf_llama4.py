@@ -19,7 +19,7 @@ from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns, rel_err
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from families import over_grids, register_exact_eager  # noqa: E402
+from family_cases import over_grids, register_exact_eager  # noqa: E402
 from sweep import DOCUMENTS, reference_step, sp_step  # noqa: E402
 from test_hf_generation_families import decode_greedily  # noqa: E402
 

@@ -7,7 +7,7 @@ what is not a group raises the same error on every rank.
 
 import pytest
 import torch
-from families import make_family_model
+from family_cases import make_family_model
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
 from sweep import DOCUMENTS, reference_step, sp_step
 
