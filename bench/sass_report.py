@@ -645,9 +645,12 @@ def ptxas_spills(ptx, tmp):
 def plan_jobs(repo, head_dim, dtype, kernels=None, sass_dir=None, ptxas_log=False):
     """(jobs, notes): one job per (kernel, layout) of ROWS that exists in `repo`."""
     use_repo(repo)
-    from ulysses_kernels.triton import _common
+    try:
+        from ulysses_kernels.triton.kernel_call import block_d
+    except ImportError:  # a checkout from before the split of triton/_common.py (a baseline)
+        from ulysses_kernels.triton._common import block_d
 
-    bd = _common.block_d(head_dim)
+    bd = block_d(head_dim)
     precision = "tf32" if dtype != "fp32" else ("tf32x3" if bd <= 128 else "tf32")
     base = dict(HEAD_DIM=head_dim, BLOCK_D=bd, HEAD_DIM_V=head_dim, BLOCK_DV=bd, CAUSAL=True, FP32_DOT=False,
                 PRECISION=precision)

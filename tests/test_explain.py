@@ -10,7 +10,8 @@ from ulysses_kernels import env
 
 pytest.importorskip("ulysses_kernels.triton")
 from ulysses_kernels.triton import flash_fwd  # noqa: E402
-from ulysses_kernels.triton._common import LaunchPlan, PlanNote, Target  # noqa: E402
+from ulysses_kernels.triton.kernel_call import Target  # noqa: E402
+from ulysses_kernels.triton.launcher import LaunchPlan, PlanNote  # noqa: E402
 from ulysses_kernels.triton.plan import plan_attention  # noqa: E402
 
 H200 = Target("cuda", interpreting=False, sm_count=132)
@@ -147,7 +148,7 @@ def test_doctor_explain_refuses_a_bad_call(capsys, settings):
 def test_autotuner_reset_zeroes_every_tensor_of_a_tuple_parameter():
     """The atomic backward's autotuner restarts its accumulators (the `grads` tuple) from
     zero before each trial: every tensor of the tuple, and plain tensor arguments too."""
-    from ulysses_kernels.triton._common import _zero_before_each_trial
+    from ulysses_kernels.triton.launcher import _zero_before_each_trial
 
     grads, acc = (randn(2, 3, seed=4), randn(3, seed=5)), randn(4, seed=6)
     _zero_before_each_trial(["grads", "acc"])({"grads": grads, "acc": acc, "other": 1})

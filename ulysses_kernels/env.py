@@ -52,7 +52,7 @@ BWD_HEAD_SPLITS = Variable("ULYSSES_KERNELS_BWD_HEAD_SPLITS", "integer", "0 (aut
                            "ulysses_kernels/triton/flash_bwd.py",
                            "Forces how many programs share one KV head's query-head group in the atomic "
                            "backward (a divisor of the GQA group; 0: by the grid rule).")
-TRITON_AUTOTUNE = Variable("ULYSSES_KERNELS_TRITON_AUTOTUNE", "flag", "1", "ulysses_kernels/triton/_common.py",
+TRITON_AUTOTUNE = Variable("ULYSSES_KERNELS_TRITON_AUTOTUNE", "flag", "1", "ulysses_kernels/triton/launcher.py",
                            "Autotune the Triton kernels on a GPU (read when they are imported; 0: the default "
                            "configs, as the GPU check runs them).")
 TRITON_INTERPRET = Variable("TRITON_INTERPRET", "flag", "0", "ulysses_kernels/env.py (and Triton itself)",

@@ -46,7 +46,7 @@ def test_phase_calls_pass_at_most_15_arguments():
 
 
 # The host side: the launchers and the ops' runners take the call as one record
-# (_common.KernelCall, ops.CallOptions) plus the tensors and a few keywords.
+# (kernel_call.KernelCall, ops.CallOptions) plus the tensors and a few keywords.
 HOST_FUNCTIONS = {"launch_fwd", "launch_bwd", "launch_dkdv", "launch_dq", "_run_fwd", "_run_bwd"}
 MAX_HOST_PARAMETERS = 15
 MAX_HOST_POSITIONAL = 8

@@ -349,7 +349,7 @@ def test_head_splits_rule():
 
 
 def test_split_mode_rule(monkeypatch):
-    from ulysses_kernels.triton._common import affine_align, split_mode
+    from ulysses_kernels.triton.addressing import affine_align, split_mode
 
     a = affine_align()
     assert split_mode(False, 4, 1, (100, 100)) == 0      # plain tensors
@@ -364,7 +364,7 @@ def test_split_mode_rule(monkeypatch):
 def test_receive_buffer_affine_tiles(P, B, S, causal, deterministic):
     """Blocks of S/P tokens, a multiple of every tile: the affine-tile addressing
     (SPLIT=1), batch > 1, forward and both backward modes."""
-    from ulysses_kernels.triton._common import affine_align, split_mode
+    from ulysses_kernels.triton.addressing import affine_align, split_mode
 
     assert split_mode(True, B, P, (S, S)) == 1 and S % (P * affine_align()) == 0
     run_buffer_case(B, S, 4, 2, 16, P, causal=causal, deterministic=deterministic, seed=P + S)

@@ -122,7 +122,7 @@ def test_features_with_documents(feature_list, monkeypatch, launched):
 def test_features_on_the_all_to_all_buffer(B, S, P, split, kept, monkeypatch, launched):
     """3-D buffer views (q|k heads of one buffer): the affine layout (SPLIT 1) reads through
     descriptors over the buffer's B*S rows; the per-token layout keeps pointer loads."""
-    from ulysses_kernels.triton._common import split_mode
+    from ulysses_kernels.triton.addressing import split_mode
 
     assert split_mode(True, B, P, (S, S)) == split
     Hq, Hkv, D = 4, 2, 32

@@ -120,7 +120,7 @@ def test_features_on_the_affine_buffer_layout(feature_list, monkeypatch, switche
     """The all-to-all buffer with blocks of a multiple of 128 tokens (SPLIT 1): the
     descriptors span the buffer's B*S rows and the tiles find their batch's block."""
     from ulysses_kernels.triton import flash_attention_forward
-    from ulysses_kernels.triton._common import split_mode
+    from ulysses_kernels.triton.addressing import split_mode
 
     B, S, P, Hq, Hkv, D = 2, 512, 2, 8, 2, 128
     assert split_mode(True, B, P, (S, S)) == 1

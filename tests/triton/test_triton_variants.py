@@ -20,7 +20,7 @@ from ulysses_kernels import env
 
 uk_triton = pytest.importorskip("ulysses_kernels.triton")
 from ulysses_kernels.triton import flash_bwd_dkdv, flash_bwd_dq, flash_fwd, ops  # noqa: E402
-from ulysses_kernels.triton._common import kernel_band  # noqa: E402
+from ulysses_kernels.triton.kernel_call import kernel_band  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not env.interpreting(), reason="CPU test: needs TRITON_INTERPRET=1")
 
@@ -300,7 +300,7 @@ def test_buffer_layouts(B, S, P, split, mode, monkeypatch):
     """flash_attention_forward/backward on 3-D buffer views (q|k heads of one buffer, out
     and dq|dk|dv written into larger send buffers), with a band, softcap, sinks and
     Dv != D; dsinks is overwritten."""
-    from ulysses_kernels.triton._common import split_mode
+    from ulysses_kernels.triton.addressing import split_mode
 
     assert split_mode(True, B, P, (S, S)) == split
     if mode == "head_splits":

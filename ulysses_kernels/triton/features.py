@@ -56,7 +56,7 @@ import torch
 import triton
 
 from ..env import HOPPER_FEATURES, text
-from ._common import Target, block_d
+from .kernel_call import Target, block_d
 
 FORWARD = ("desc", "fma_scale", "lazy_rescale", "warp_specialize")
 BACKWARD = ("dq_reduce", "bwd_warp_specialize")

@@ -14,12 +14,13 @@ import triton
 
 from ..env import BWD_HEAD_SPLITS, DETERMINISTIC, flag, integer
 from ..variants import sinks_gradient
-from ._common import KernelCall, PlanNote, RowStats
-from ._common import block_d as padded_head_dim
 from .features import bwd_warp_specialize_feature, requested
 from .flash_bwd_dkdv import _launch_atomic, head_splits, launch_dkdv
 from .flash_bwd_dq import launch_dq
 from .flash_bwd_preprocess import launch_preprocess
+from .kernel_call import KernelCall, RowStats
+from .kernel_call import block_d as padded_head_dim
+from .launcher import PlanNote
 
 
 def deterministic_default() -> bool:
@@ -50,7 +51,7 @@ def _head_splits(batch, seqlen_k, num_q_heads, num_kv_heads, block_d, target):
 
 def launch_bwd(do, q, k, v, out, lse, grads, call: KernelCall, *, strides_of, deterministic, sinks=None,
                dsinks=None, counter=None, plan=None):
-    """The backward of ``call`` (``_common.KernelCall``): grads = (dq, dk, dv), written in
+    """The backward of ``call`` (``kernel_call.KernelCall``): grads = (dq, dk, dv), written in
     place; strides_of(t): t's (batch, seq, head, dim) strides as the kernels address it;
     counter, plan: see flash_fwd.launch_fwd (a plan also receives the backward's mode and
     head splits as PlanNotes); sinks (fp32 ``[Hq]``) and dsinks (fp32 ``[Hq]``, overwritten

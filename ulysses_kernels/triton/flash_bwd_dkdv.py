@@ -20,7 +20,7 @@ Two modes (docs/architecture.md, "Attention kernels: backward"):
 Query rows are visited in three phases: masked (causal diagonal / document start),
 unmasked (rows that see the whole key tile), masked (document end / sequence end).
 
-Variants (see _common): ``WINDOW`` visits only the query rows of the key tile's band,
+Variants (see kernel_call): ``WINDOW`` visits only the query rows of the key tile's band,
 ``[n0 - off - right, n_last - off + left]`` (:func:`blocks.key_tile_band_range`), in the same three
 phases; ``SOFTCAP`` back-propagates through ``softcap * tanh(.)``
 (``dS_raw = dS * (1 - t^2)``); ``HEAD_DIM_V``: v, dO and dV have their own head dim (the
@@ -32,25 +32,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    LOG2E,
-    KernelCall,
-    RowStats,
-    TunedLauncher,
-    capped_tanh,
-    dot_precision,
-    kv_descriptor,
-    maybe_fp32,
-    seq_bucket,
-    seq_offsets,
-    tile_row,
-    variant_args,
-)
-from ._common import block_d as padded_head_dim
+from .addressing import kv_descriptor, seq_offsets, tile_row
 from .blocks import in_band, key_tile_band_range, key_tile_query_range
 from .configs import CONFIGS
 from .features import dq_reduce_feature, requested
+from .kernel_call import KernelCall, RowStats, variant_args
+from .kernel_call import block_d as padded_head_dim
+from .launcher import TunedLauncher, seq_bucket
 from .program import LoopDims, LoopSwitches
+from .scores import LOG2E, capped_tanh, dot_precision, maybe_fp32
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -337,8 +327,8 @@ def head_splits(key_blocks: int, batch: int, num_kv_heads: int, group: int, sm_c
 
 def launch_dkdv(q, k, v, do, dk, dv, rows: RowStats, call: KernelCall, *, strides, dq_acc=None, splits=1,
                 counter=None, features=None, warp_specialize=False, plan=None):
-    """The dK/dV kernel of ``call`` (``_common.KernelCall``). rows: the forward's LSE and
-    delta (``_common.RowStats``); strides: (q, k, v, do, dk, dv) stride 4-tuples.
+    """The dK/dV kernel of ``call`` (``kernel_call.KernelCall``). rows: the forward's LSE and
+    delta (``kernel_call.RowStats``); strides: (q, k, v, do, dk, dv) stride 4-tuples.
 
     dq_acc: atomic mode, a zero-filled fp32 ``[B, Hq, Sq, block_d]`` accumulator (by
     position) that receives the unscaled dS K. splits > 1 (atomic mode only): dk/dv are

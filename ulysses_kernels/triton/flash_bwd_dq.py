@@ -15,24 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    LOG2E,
-    KernelCall,
-    RowStats,
-    TunedLauncher,
-    capped_tanh,
-    dot_precision,
-    kv_descriptor,
-    maybe_fp32,
-    seq_bucket,
-    seq_offsets,
-    tile_row,
-    variant_args,
-)
-from ._common import block_d as padded_head_dim
+from .addressing import kv_descriptor, seq_offsets, tile_row
 from .blocks import in_band, query_tile_band_range, query_tile_key_range, query_tile_visit_range
 from .configs import CONFIGS
+from .kernel_call import KernelCall, RowStats, variant_args
+from .kernel_call import block_d as padded_head_dim
+from .launcher import TunedLauncher, seq_bucket
 from .program import LoopDims, LoopSwitches, program_tile, query_tile_program
+from .scores import LOG2E, capped_tanh, dot_precision, maybe_fp32
 
 LOG2E_C = tl.constexpr(LOG2E)
 
@@ -219,8 +209,8 @@ _launch = TunedLauncher(_flash_bwd_dq_kernel, CONFIGS["dq"])
 
 def launch_dq(q, k, v, do, dq, rows: RowStats, call: KernelCall, *, strides, counter=None, warp_specialize=False,
               plan=None):
-    """The dQ kernel of ``call`` (``_common.KernelCall``). rows: the forward's LSE and delta
-    (``_common.RowStats``); strides: (q, k, v, do, dq) stride 4-tuples; counter, plan: see
+    """The dQ kernel of ``call`` (``kernel_call.KernelCall``). rows: the forward's LSE and delta
+    (``kernel_call.RowStats``); strides: (q, k, v, do, dq) stride 4-tuples; counter, plan: see
     flash_fwd.launch_fwd; warp_specialize: see flash_bwd_dkdv.launch_dkdv. Returns the
     config it ran (None when autotuned)."""
     c = call

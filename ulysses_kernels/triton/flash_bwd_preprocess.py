@@ -7,7 +7,8 @@ sinks' gradient (``variants.sinks_gradient``).
 import triton
 import triton.language as tl
 
-from ._common import interpreting, seq_offsets
+from ..env import interpreting
+from .addressing import seq_offsets
 
 
 @triton.jit(do_not_specialize=["Sq", "B", "P", "HQ"])

@@ -6,7 +6,7 @@ mask), then the blocks that need a mask (causal diagonal, sequence end, document
 boundaries). Causal masks are bottom-right aligned: query i sees key j iff
 ``j <= i + Sk - Sq``. Rows that see no key produce zeros and LSE = -inf.
 
-Variants (compile-time switches, see _common):
+Variants (compile-time switches, see kernel_call):
 
 * ``WINDOW``: only the keys of the tile's band ``[m0 + off - left, m_last + off + right]``
   are visited, in three phases: a masked left edge, an unmasked middle where every valid
@@ -22,25 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
-    LN2,
-    LOG2E,
-    KernelCall,
-    TunedLauncher,
-    block_d,
-    capped_tanh,
-    dot_precision,
-    kv_descriptor,
-    maybe_fp32,
-    seq_bucket,
-    seq_offsets,
-    tile_row,
-    variant_args,
-)
+from .addressing import kv_descriptor, seq_offsets, tile_row
 from .blocks import in_band, query_tile_band_range, query_tile_key_range, query_tile_visit_range
 from .configs import CONFIGS
 from .features import forward_features, requested
+from .kernel_call import KernelCall, block_d, variant_args
+from .launcher import TunedLauncher, seq_bucket
 from .program import LoopDims, LoopSwitches, program_tile, query_tile_program
+from .scores import LN2, LOG2E, capped_tanh, dot_precision, maybe_fp32
 
 LN2_C = tl.constexpr(LN2)
 LOG2E_C = tl.constexpr(LOG2E)
@@ -78,7 +67,7 @@ def _fwd_inner(acc, l_i, m_i, q, kv, tile, mask, score, counter, lo, hi,
         else:
             k_base, k_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sk_b, sk_s, SWITCHES.SPLIT)
             v_base, v_rows = seq_offsets(offs_n, start_n, local_n, b, Sk, B, P, sv_b, sv_s, SWITCHES.SPLIT)
-            # Scalar base + tile offsets (loop invariant for SPLIT 0/1): see _common.
+            # Scalar base + tile offsets (loop invariant for SPLIT 0/1): see addressing.
             kt_ptrs = K + (k_head + k_base) + (k_rows[None, :] + offs_d[:, None] * sk_d)
             v_ptrs = V + (v_head + v_base) + (v_rows[:, None] + offs_dv[None, :] * sv_d)
             if MASKED:
@@ -274,11 +263,11 @@ _launch = TunedLauncher(_flash_fwd_kernel, CONFIGS["fwd"])
 
 def launch_fwd(q, k, v, out, lse, call: KernelCall, *, strides, sinks=None, counter=None, features=None,
                plan=None):
-    """Launch the forward kernel of ``call`` (``_common.KernelCall``). strides: the (batch,
+    """Launch the forward kernel of ``call`` (``kernel_call.KernelCall``). strides: the (batch,
     seq, head, dim) element strides of q, k, v and out; sinks: fp32 contiguous ``[Hq]`` or
-    None, counter: a ``_common.VisitCounter`` (tests), features: the Hopper features to try
+    None, counter: a ``kernel_call.VisitCounter`` (tests), features: the Hopper features to try
     (names, see features.py; None: ``ULYSSES_KERNELS_HOPPER_FEATURES``), plan: a list that
-    receives the launch's ``_common.LaunchPlan`` instead of a launch. Returns the config it
+    receives the launch's ``launcher.LaunchPlan`` instead of a launch. Returns the config it
     ran (None when autotuned)."""
     sq_strides, sk_strides, sv_strides, so_strides = (tuple(t) for t in strides)
     c = call

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import interpreting
+from ..env import interpreting
 
 
 @triton.jit(do_not_specialize=["n_rows", "HQ"])

@@ -56,10 +56,12 @@ from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
+from ..env import interpreting
 from ..variants import Band, band_of_window_size, band_problem, sinks_problem, softcap_problem, window_problem
-from ._common import MAX_ROW_STRIDE, KernelCall, Target, VisitCounter, interpreting, kernel_band, split_mode
+from .addressing import MAX_ROW_STRIDE, split_mode
 from .flash_bwd import deterministic_default, launch_bwd
 from .flash_fwd import launch_fwd
+from .kernel_call import KernelCall, Target, VisitCounter, kernel_band
 
 _NS = "ulysses_kernels"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -97,7 +99,7 @@ class _Geom:
 
     def strides(self, t):
         """(batch, seq, head, dim) element strides of t as the kernels' SPLIT mode reads them."""
-        if abs(t.stride(-3)) > MAX_ROW_STRIDE:  # tile offsets are int32 (see _common.seq_offsets)
+        if abs(t.stride(-3)) > MAX_ROW_STRIDE:  # tile offsets are int32 (see addressing.seq_offsets)
             raise ValueError(f"flash_attention: a sequence stride of {t.stride(-3)} elements exceeds "
                              f"{MAX_ROW_STRIDE}; pass contiguous tensors")
         if self.split:

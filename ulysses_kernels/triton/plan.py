@@ -19,7 +19,8 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ..env import BWD_HEAD_SPLITS, HOPPER_FEATURES, TRITON_AUTOTUNE, flag, integer, text
-from ._common import LaunchPlan, PlanNote, Target
+from .kernel_call import Target
+from .launcher import LaunchPlan, PlanNote
 from .ops import CallOptions, _run_bwd, _run_fwd
 
 
