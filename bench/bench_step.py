@@ -55,6 +55,10 @@ def _sent_bytes(name, args, kwargs):
     return tensor.nbytes if isinstance(tensor, torch.Tensor) else 0
 
 
+def _where(frame) -> str:
+    return f"{frame.filename.split('/')[-1]}:{frame.name}"
+
+
 class Counters:
     """Host reads from one package's frames and every collective, while `active`."""
 
@@ -82,13 +86,19 @@ class Counters:
         if self.own is None:
             return
         # The nearest frame outside torch decides: the contender's code counts; transformers'
-        # own reads (inside the model's forward) and the benchmark's glue do not.
-        for frame in traceback.extract_stack()[:-2][::-1]:
-            if "/torch/" in frame.filename:
-                continue
-            if self.own in frame.filename:
-                self.reads[f"{name} in {frame.filename.split('/')[-1]}:{frame.name}"] += 1
+        # own reads (inside the model's forward) and the benchmark's glue do not. A site is
+        # named by that frame and by the contender's entry it runs under (the outermost of its
+        # consecutive frames: shard_batch, the loss, the attention), so that moving a helper to
+        # another file does not change what the read is charged to.
+        frames = [f for f in traceback.extract_stack()[:-2][::-1] if "/torch/" not in f.filename]
+        if not frames or self.own not in frames[0].filename:
             return
+        entry = frames[0]
+        for frame in frames[1:]:
+            if self.own not in frame.filename:
+                break
+            entry = frame
+        self.reads[f"{name} in {_where(frames[0])} under {_where(entry)}"] += 1
 
     def _collective(self, name, args, kwargs):
         self.calls[name] += 1
