@@ -217,7 +217,7 @@ def run_reward(out, sp=None, ring=1, **extra):
     args = reward_args(out, **extra)
     kwargs = dict(args=args, train_dataset=scored_pairs(), processing_class=tiny_tokenizer())
     base, attention = _sequence_parallel_setup(RewardTrainer, "SequenceParallelRewardMixin", sp, ring, kwargs)
-    trainer = recording(base)(model=tiny_reward_model(attention), **kwargs)
+    trainer = recording(base)(model=tiny_reward_model(attention).double(), **kwargs)
     trainer.train()
     metrics = trainer.evaluate(eval_dataset=scored_pairs())
     losses, params = finish(trainer)
