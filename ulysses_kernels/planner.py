@@ -198,9 +198,9 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
     if "linear_num_value_heads" in cfg:
         return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
                           cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])
-    heads = cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads")
-    head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim")
-    groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or 1
+    heads = cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads") or cfg.get("n_mamba_heads")   # Zamba2: the last
+    head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim") or cfg.get("mamba_headdim")
+    groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or cfg.get("mamba_ngroups") or 1
     state = cfg.get("mamba_d_state") or cfg.get("ssm_state_size")
     kernel = cfg.get("mamba_d_conv") or cfg.get("conv_kernel")
     if not (heads and head_dim and state and kernel):

@@ -175,7 +175,7 @@ def float64_delta_rule():
 
     names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
     patched = []
-    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lara_mini", "olmo_hybrid"):
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         for name in names:
             patched.append((module, name, getattr(module, name)))

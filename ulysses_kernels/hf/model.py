@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from torch import nn
 
 _WHAT_TO_DO = ("Train or run it without sequence parallelism (sp_size=1), or with a model whose token mixers are "
-               "all attention; docs/hf.md lists the families and why each is refused.")
+               "all attention; docs/hf_families.md lists the families and why each is refused.")
 
 
 class NotSequenceParallelError(ValueError):

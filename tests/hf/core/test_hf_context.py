@@ -155,16 +155,20 @@ def test_a_cache_points_decoding_at_its_models_context():
 def test_attach_context_checks_the_model():
     from tiny_models import build_tiny_model
 
-    with pytest.raises(ukhf.NotSequenceParallelError, match="linear_attention"):
-        ukhf.attach_context(build_tiny_model("olmo_hybrid", "eager"), None)
-    # a model refused after its mixers were adapted (Zamba2: its decoder layers) runs as
-    # transformers wrote it: the original forwards are back
+    import transformers
+    from tiny_models import tiny_config
+
+    with pytest.raises(ukhf.NotSequenceParallelError, match="indexed_attention"):
+        ukhf.attach_context(build_tiny_model("deepseek_v32", "eager"), None)
+    # a model refused after its mixers were adapted (Qwen3-Next's question-answering head)
+    # runs as transformers wrote it: the original forwards are back
     from ulysses_kernels.hf.families.adapters import adapted_kind
 
-    zamba = build_tiny_model("zamba2", "eager")
-    mixers = [m for m in zamba.modules() if type(m).__name__ == "Zamba2MambaMixer"]
-    with pytest.raises(ukhf.NotSequenceParallelError, match="Zamba2MambaDecoderLayer"):
-        ukhf.attach_context(zamba, None)
+    answering = transformers.AutoModelForQuestionAnswering.from_config(tiny_config("qwen3_next"),
+                                                                       attn_implementation="eager")
+    mixers = [m for m in answering.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet"]
+    with pytest.raises(ukhf.NotSequenceParallelError, match="pools over the sequence"):
+        ukhf.attach_context(answering, None)
     assert mixers and all("forward" not in vars(m) and adapted_kind(m) is None for m in mixers)
 
 

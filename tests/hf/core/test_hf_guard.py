@@ -239,7 +239,7 @@ def _refusals(rank, world):
             out[case] = str(error)
 
     batch = ukhf.shard_batch(_ids(), groups)
-    attempt("olmo_hybrid loss", lambda: ukhf.causal_lm_loss(build_tiny_model("olmo_hybrid", "ulysses"), batch, groups))
+    attempt("deepseek_v32 loss", lambda: ukhf.causal_lm_loss(build_tiny_model("deepseek_v32", "ulysses"), batch, groups))
     qwen3_next = build_tiny_model("qwen3_next", "ulysses")
     attempt("qwen3_next with a cache", lambda: qwen3_next(**dict(batch.model_inputs(), use_cache=True)))
     attempt("bloom forward", lambda: build_tiny_model("bloom", "ulysses")(**batch.model_inputs()))
@@ -276,7 +276,7 @@ def test_refusals_are_the_same_on_every_rank():
         messages = [r[case] for r in per_rank]
         assert messages[0] is not None, case
         assert messages[0] == messages[1], (case, messages)
-    assert "linear_attention" in per_rank[0]["olmo_hybrid loss"]
+    assert "indexed_attention" in per_rank[0]["deepseek_v32 loss"]
     assert "outside ulysses_kernels.hf.generate" in per_rank[0]["qwen3_next with a cache"]
     assert "written by hand" in per_rank[0]["bloom forward"]
     assert "'conv'" in per_rank[0]["lfm2 generate"]

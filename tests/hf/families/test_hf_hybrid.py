@@ -1,6 +1,7 @@
 """Hybrid models under sequence parallelism (ulysses_kernels/hf/families/mixers.py, gated_deltanet.py,
 mamba2.py): Qwen3-Next (MoE, eager experts), Qwen3.5 (dense and MoE), Bamba, Nemotron-H,
-Falcon-H1 and GraniteMoeHybrid through the
+Falcon-H1, GraniteMoeHybrid and Zamba2 (a Mamba2 layer, then a hybrid layer: the shared attention
+block, its linear and a Mamba2 mixer) through the
 documented calls only (`register`, `attn_implementation="ulysses"`, `shard_batch`,
 `causal_lm_loss`, `allreduce_gradients`), one training step at SP 2, SP 3 (uneven shards:
 23 = 8 + 8 + 7; one key head replicated to the three ranks) and SP 4 (two key heads on four
@@ -35,10 +36,11 @@ import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
 from ulysses_kernels.hf.families.adapters import ADAPTERS, adapted_kind, install_adapters  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
-from ulysses_kernels.planner import shape_from_dict  # noqa: E402
+from ulysses_kernels.planner import layer_kinds, mixer_from_dict  # noqa: E402
 
 TOLERANCE = 1e-6
-FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid")
+DELTANET_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini", "olmo_hybrid")
+FAMILIES = DELTANET_FAMILIES + ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2")
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
 # key heads / groups than ranks (replicated).
@@ -53,13 +55,15 @@ def _mamba2_fields(family, world):
     heads, groups = _MAMBA2[world]
     if family == "nemotron_h":
         return dict(mamba_num_heads=heads, n_groups=groups)
+    if family == "zamba2":   # head dim = expand x hidden / heads = 16
+        return dict(n_mamba_heads=heads, mamba_ngroups=groups, mamba_expand=heads * 16 // 64)
     width = dict(mamba_d_ssm=heads * 16) if family == "falcon_h1" else dict(mamba_expand=heads * 16 // 64)
     return dict(mamba_n_heads=heads, mamba_n_groups=groups, **width)
 
 
 def hybrid_model(family, attn, world, **extra):
     fields = dict(_ATTENTION[world], head_dim=16, **extra)
-    fields.update(_DELTANET[world] if family.startswith("qwen3") else _mamba2_fields(family, world))
+    fields.update(_DELTANET[world] if family in DELTANET_FAMILIES else _mamba2_fields(family, world))
     return build_tiny_model(family, attn, overrides=fields)
 
 
@@ -107,7 +111,8 @@ def test_training_step_equals_one_process_per_document(world):
 
 # Generation: transformers' own generate needs an attention layer in the model (its mask
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
-GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "bamba", "nemotron_h", "falcon_h1")
+GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
+                       "zamba2")
 PROMPT, NEW_TOKENS = 13, 6
 
 
@@ -129,7 +134,8 @@ def _generation_worker(rank, world, families):
         whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
         chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
         logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
-        mixers = shape_from_dict(model.config.to_dict()).mixer   # the planner's account of the states
+        config = model.config.to_dict()
+        mixers = mixer_from_dict(config, layer_kinds(config))   # the planner's account of the states
         out[family] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
                            new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits),
                            state_bytes=cache.mixer_bytes(),
@@ -291,7 +297,7 @@ def test_a_forward_replaced_after_adaptation_is_refused():
         model(input_ids=ids, use_cache=False)
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f.startswith("qwen3")])   # Mamba2: test_hf_mamba2.py
+@pytest.mark.parametrize("family", DELTANET_FAMILIES)   # Mamba2: test_hf_mamba2.py
 def test_the_layer_keeps_packed_documents_apart_on_one_process(family):
     """One process: the adapted layer over a packed row equals the layer over each document
     on its own (transformers' layer does not: its convolution and state cross the
@@ -444,13 +450,14 @@ def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
                       torch.rand(1, total, 4, dtype=torch.float64, generator=g)])
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f != "qwen3_5_moe_text"])   # the planner has no MoE
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_planner_counts_the_mixers_parameters(family):
     """`planner.MixerShape` from the model's config: its parameter count is the module's."""
     for world in (2, 3):
         model = hybrid_model(family, "sdpa", world)
         mixers = [m for m in model.modules() if type(m).__name__ in ADAPTERS]
-        shape = shape_from_dict(model.config.to_dict()).mixer
+        config = model.config.to_dict()
+        shape = mixer_from_dict(config, layer_kinds(config))
         assert shape.layers == len(mixers) > 0
         for mixer in mixers:
             assert sum(p.numel() for p in mixer.parameters()) == shape.params(model.config.hidden_size), family

@@ -113,13 +113,17 @@ def module_problem(model: nn.Module) -> Optional[str]:
         for name, module in layer.named_modules():
             if any(name == a or name.startswith(a + ".") for a in adapted):   # made sequence-parallel (mixers.py)
                 continue
+            # A module holding an adapted mixer is named after it (Zamba2's `Zamba2MambaDecoderLayer`
+            # around its adapted `Zamba2MambaMixer`): its name says nothing of its own forward,
+            # whose convolutions and recurrent modules are still checked.
+            holds_adapted = any(name == "" or a.startswith(name + ".") for a in adapted)
             what = None
             cls = type(module).__name__
             if _sequence_conv(module):
                 what = f"a convolution along the sequence ({cls}, kernel {tuple(module.kernel_size)})"
             elif isinstance(module, nn.RNNBase):
                 what = f"a recurrent module ({cls})"
-            elif _names_a_mixer(cls):
+            elif _names_a_mixer(cls) and not holds_adapted:
                 what = f"a token mixer that is not attention ({cls})"
             if what:
                 where = f"decoder layer {index}" + (f", {name}" if name else "")

@@ -1,12 +1,13 @@
-"""The Gated DeltaNet layers of Qwen3-Next and Qwen3.5 (dense and MoE), sequence-parallel by
-heads (docs/hf_hybrids.md, "Hybrid models"; the shared rule: mixers.py).
+"""The Gated DeltaNet layers of Qwen3-Next, Qwen3.5 (dense and MoE), Lara and OLMo-Hybrid,
+sequence-parallel by heads (docs/hf_hybrids.md, "Hybrid models"; the shared rule: mixers.py).
 
 One layer, as transformers 5.24 and 5.25 compute it on one device: projections give q, k (key
 heads), v, z (value heads), b and a (one value per value head); q|k|v go through a
 depthwise causal convolution and SiLU; the gated delta rule runs per value head (its key
 head shared by `Hv / Hk` value heads, q and k L2-normalised inside), with decay
-`g = -exp(A_log) * softplus(a + dt_bias)` and `beta = sigmoid(b)`; a gated RMSNorm per
-value head (gate z) and the output projection.
+`g = -exp(A_log) * softplus(a + dt_bias)` and `beta = sigmoid(b)` (OLMo-Hybrid's
+`allow_neg_eigval`: twice that); a gated RMSNorm per value head (gate z) and the output
+projection. OLMo-Hybrid projects q, k, v, the gate (its z), b and a one by one.
 
 Sequence-parallel: the projections run on the local shard; q, k, v (before the
 convolution), b and a go to the head layout in one exchange (key heads split, or
@@ -32,7 +33,8 @@ from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
 from .mixers import chunk_head_parallel, original_forward, over_documents
 
-GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
+                          "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet")
 
 
 def placement_problem(module, world: int) -> Optional[str]:
@@ -53,6 +55,12 @@ def _projections(module, hidden_states):
     B, S, _ = hidden_states.shape
     if hasattr(module, "in_proj_qkvz"):   # Qwen3-Next: interleaved per key-head group
         return module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
+    if hasattr(module, "q_proj"):   # OLMo-Hybrid: one projection each, the gate's named g_proj
+        return (module.q_proj(hidden_states).reshape(B, S, -1, module.head_k_dim),
+                module.k_proj(hidden_states).reshape(B, S, -1, module.head_k_dim),
+                module.v_proj(hidden_states).reshape(B, S, -1, module.head_v_dim),
+                module.g_proj(hidden_states).reshape(B, S, -1, module.head_v_dim),
+                module.b_proj(hidden_states), module.a_proj(hidden_states))
     q, k, v = torch.split(module.in_proj_qkv(hidden_states), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     return (q.reshape(B, S, -1, module.head_k_dim), k.reshape(B, S, -1, module.head_k_dim),
             v.reshape(B, S, -1, module.head_v_dim), module.in_proj_z(hidden_states).reshape(B, S, -1, module.head_v_dim),
@@ -134,6 +142,8 @@ def _heads_forward(module, cu_seqlens, state=None, portion=None):
             v.reshape(B, S, -1, module.head_v_dim)
         index = slice(value_heads.start, value_heads.stop)
         beta = local["b"][..., 0].sigmoid()
+        if getattr(module, "allow_neg_eigval", False):   # OLMo-Hybrid: beta in (0, 2)
+            beta = beta * 2.0
         # as the layer computes it: in float32 (A might be -inf in fp16)
         g = -module.A_log[index].float().exp() * F.softplus(local["a"][..., 0].float() + module.dt_bias[index])
 
@@ -166,8 +176,17 @@ def _generation_forward(module, hidden_states, cache):
     q, k, v, z, b, a = _projections(module, hidden_states)
     core = chunk_head_parallel(_heads_forward(module, None, state),
                                {"q": q, "k": k, "v": v, "b": b.unsqueeze(-1), "a": a.unsqueeze(-1)}, cache)
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(B, T, -1))
+    return _gated_norm_and_output(module, core, z)
+
+
+def _gated_norm_and_output(module, core, z):
+    """The gated RMSNorm per value head (gate z) and the output projection, on this rank's
+    tokens (`norm`/`out_proj`; OLMo-Hybrid names them `o_norm`/`o_proj`)."""
+    norm = module.o_norm if hasattr(module, "o_norm") else module.norm
+    out = module.o_proj if hasattr(module, "o_proj") else module.out_proj
+    B, T = z.shape[:2]
+    core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return out(core.reshape(B, T, -1))
 
 
 def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
@@ -191,13 +210,11 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attent
         raise refusal(None, f"{type(self).__name__}: {problem}")
     hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
     q, k, v, z, b, a = _projections(self, hidden_states)
-    B, S_local = hidden_states.shape[:2]
     portion, lens = ring_portion(context, lens)
     core = ulysses_head_parallel(_heads_forward(self, cu_seqlens, portion=portion),
                                  {"q": q, "k": k, "v": v, "b": b.unsqueeze(-1), "a": a.unsqueeze(-1)}, group,
                                  seq_lens=lens)
-    core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-    return self.out_proj(core.reshape(B, S_local, -1))
+    return _gated_norm_and_output(self, core, z)
 
 
 gated_deltanet_forward.runs_on_a_ring = True   # mixer_ring.py passes its state across the ring's chunks
