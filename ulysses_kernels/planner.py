@@ -183,6 +183,8 @@ def layer_kinds(cfg: dict) -> list:
     layers = cfg.get("num_hidden_layers") or 0
     if cfg.get("model_type") == "falcon_h1":
         return ["hybrid"] * layers
+    if cfg.get("model_type") == "mamba2":   # no attention: every layer a Mamba2 mixer
+        return ["mamba"] * layers
     if cfg.get("mamba_n_heads") and "attn_layer_indices" in cfg:
         attention = set(cfg.get("attn_layer_indices") or [])
         return ["full_attention" if i in attention else "mamba" for i in range(layers)]
@@ -198,6 +200,9 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
     if "linear_num_value_heads" in cfg:
         return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
                           cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])
+    if cfg.get("model_type") == "mamba2":   # Mamba2's own config: the mixer's fields without a prefix
+        cfg = dict(cfg, mamba_n_heads=cfg.get("num_heads"), mamba_d_head=cfg.get("head_dim"),
+                   mamba_d_state=cfg.get("state_size"))
     heads = cfg.get("mamba_n_heads") or cfg.get("mamba_num_heads") or cfg.get("n_mamba_heads")   # Zamba2: the last
     head_dim = cfg.get("mamba_d_head") or cfg.get("mamba_head_dim") or cfg.get("mamba_headdim")
     groups = cfg.get("mamba_n_groups") or cfg.get("n_groups") or cfg.get("mamba_ngroups") or 1

@@ -28,7 +28,7 @@ from ..families.adapters import (
 from ..families.vision import install_vision
 from ..groups import sp_size_of
 from ..model import READS_LABELS, ForwardMarks, decoder_layers, ensure_record, record_of, refusal, unwrap
-from .guard import check_model, install_call_checks, positions_holder
+from .guard import check_model, install_call_checks, positions_holder, reads_positions
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
 
@@ -159,7 +159,8 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
     _remember_configs(model, context)
     install_input_hooks(model)
     holder = positions_holder(model)
-    if holder is not None and holder is not model:   # checked at each forward that the positions reach it
+    # checked at each forward that the positions reach the module that numbers them
+    if holder is not None and holder is not model and reads_positions(model):
         record_of(model).mark(holder, "positions_holder")
     install_call_checks(model, context)
     return context

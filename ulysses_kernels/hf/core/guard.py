@@ -26,6 +26,11 @@ only and be silently wrong. The rules, generic rather than a list of model names
   to earlier ones (Gemma 3's bidirectional image blocks from `token_type_ids`), found by
   probing the mask function above its diagonal.
 
+A decoder layer whose only token mixers are adapted ones (mixers.py; a model with no attention
+at all, Mamba2) has no attention to call through the interface, and such a model with no
+position embedding or rotary table reads no positions: the interface and position rules
+have nothing to ask of it.
+
 The structural rules are deterministic (every rank holds the same model), so every rank
 raises the same error; the mask rule goes through the mask function's agreement.
 """
@@ -138,11 +143,38 @@ def interface_problem(model: nn.Module) -> Optional[str]:
     mask they do not get)."""
     for layer in decoder_layers(model):
         namespace = sys.modules.get(type(layer).__module__)
+        if _mixes_by_adapted_mixers_only(layer):   # Mamba2's blocks: no attention to call
+            continue
         if type(layer).__module__.startswith("transformers.models.") and namespace is not None \
                 and not hasattr(namespace, "ALL_ATTENTION_FUNCTIONS"):
             return (f"its attention ({type(layer).__name__}) is written by hand, not through transformers' "
                     "attention interface, so each rank would attend within its own slice")
     return None
+
+
+def _mixes_by_adapted_mixers_only(layer: nn.Module) -> bool:
+    """A decoder layer holding an adapted token mixer (mixers.py) and no other module named
+    as attention: a layer of a model with no attention (Mamba2's `Mamba2Block`), which the
+    interface rule has nothing to ask of."""
+    modules = list(layer.modules())
+    if not any(adapted_kind(m) for m in modules):
+        return False
+    inside = [m for a in modules if adapted_kind(a) for m in a.modules()]
+    return not any(re.search(r"Attention|Attn", type(m).__name__) for m in modules
+                   if not any(m is i for i in inside))
+
+
+def reads_positions(model: nn.Module) -> bool:
+    """Whether the model may read token positions. Only a model with no attention at all (every
+    decoder layer mixes tokens by adapted mixers only: Mamba2) and nothing named as a
+    position embedding or rotary table is known not to; any other may number them in code
+    (ALiBi, a local `arange`), so the position rules hold for it."""
+    layers = decoder_layers(model)
+    if not layers or not all(_mixes_by_adapted_mixers_only(layer) for layer in layers):
+        return True
+    return any(re.search(r"Position|Positional|Rotary|Rope|RoPE", type(m).__name__)
+               or ("pos" in name.rsplit(".", 1)[-1] and isinstance(m, nn.Embedding))
+               for name, m in model.named_modules())
 
 
 def _takes(module: nn.Module, name: str) -> bool:
@@ -163,7 +195,7 @@ def position_problem(model: nn.Module) -> Optional[str]:
     if embedding is None:
         return None
     holder = positions_holder(model)
-    if holder is not None and not _takes(holder, "position_ids"):
+    if holder is not None and not _takes(holder, "position_ids") and reads_positions(model):
         return (f"{type(holder).__name__}.forward takes no position_ids: it numbers each rank's tokens from 0 "
                 "(local positions)")
     for name, module in model.named_modules():

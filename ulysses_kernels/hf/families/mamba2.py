@@ -44,7 +44,7 @@ from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrenc
 from .mixers import chunk_head_parallel, document_bounds, original_forward
 from .ssd_scan import ScanChunks, scan_documents
 
-MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer")
+MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer", "Mamba2Mixer")
 FALCON_H1_CLASSES = ("FalconH1Mixer",)
 
 try:   # transformers is optional: the package imports without it (the adapters then never run)
