@@ -25,12 +25,13 @@ SAVED_HIDDEN, SAVED_QKV, SAVED_OUT, SAVED_MLP, TRANSIENT_MLP = 4, 3, 2, 4, 3
 @dataclass(frozen=True)
 class MixerShape:
     """The linear-attention (Gated DeltaNet) or state-space (Mamba2) layers of a hybrid model
-    (docs/hf_hybrids.md, "Hybrid models"), sequence-parallel by heads. heads: value heads (GDN) or
-    heads (Mamba2); groups: key heads (GDN) or groups of B and C (Mamba2); key_dim: the key
-    head dim (GDN) or the state size (Mamba2); value_dim: the value head dim (GDN) or the
-    head dim (Mamba2)."""
+    (docs/hf_hybrids.md, "Hybrid models"), sequence-parallel by heads, or its short convolutions
+    (LFM2, LFM3: the sequence halo). heads: value heads (GDN) or heads (Mamba2; 1 for a short
+    convolution); groups: key heads (GDN) or groups of B and C (Mamba2; 0); key_dim: the key
+    head dim (GDN) or the state size (Mamba2; 0); value_dim: the value head dim (GDN) or the
+    head dim (Mamba2; the hidden size for a short convolution)."""
 
-    kind: str          # "gated_deltanet" or "mamba2"
+    kind: str          # "gated_deltanet", "mamba2" or "short_conv"
     layers: int
     heads: int
     groups: int
@@ -49,6 +50,8 @@ class MixerShape:
         """One layer's token mixer (projections, convolution, per-head parameters, norm)."""
         inner = self.heads * self.value_dim
         conv = self.conv_channels * self.conv_kernel
+        if self.kind == "short_conv":   # in_proj B|C|x, the convolution, out_proj (each with its bias or none)
+            return 4 * hidden * hidden + hidden * self.conv_kernel + 5 * hidden * self.conv_bias
         if self.kind == "gated_deltanet":   # in_proj q|k|v|z and b|a, A_log, dt_bias, a per-head norm
             return hidden * (self.conv_channels + inner + 2 * self.heads) + conv + 2 * self.heads + self.value_dim \
                 + inner * hidden
@@ -61,7 +64,10 @@ class MixerShape:
         `mixer_states`): the last `conv_kernel - 1` inputs of this rank's channels (in the
         compute dtype) and the recurrent state of its heads (float32 at least: transformers'
         gated delta rule computes in float32, the package's Mamba2 scan in float32 or wider).
-        Heads and groups fewer than the ranks are replicated, one to each rank."""
+        Heads and groups fewer than the ranks are replicated, one to each rank. A short
+        convolution's state is its last inputs, the same on every rank."""
+        if self.kind == "short_conv":
+            return batch * (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
         heads = max(1, self.heads // sp)
         groups = max(1, self.groups // sp)
         channels = 2 * groups * self.key_dim + heads * self.value_dim
@@ -141,7 +147,8 @@ def shape_from_config(path: str) -> ModelShape:
 
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid")
-MIXER_KINDS = ("linear_attention", "mamba", "hybrid")   # "hybrid": attention beside a Mamba2 mixer (Falcon-H1)
+# "hybrid": attention beside a Mamba2 mixer (Falcon-H1); "conv": LFM2's short convolutions
+MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "conv")
 
 
 def shape_from_dict(cfg: dict) -> ModelShape:
@@ -197,6 +204,9 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
     layers = sum(k in MIXER_KINDS for k in kinds)
     if not layers:
         return None
+    if "conv_L_cache" in cfg:   # LFM2 / LFM3
+        return MixerShape("short_conv", layers, 1, 0, 0, cfg["hidden_size"], cfg["conv_L_cache"],
+                          conv_bias=bool(cfg.get("conv_bias", False)))
     if "linear_num_value_heads" in cfg:
         return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
                           cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])

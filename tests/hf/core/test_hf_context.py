@@ -153,10 +153,8 @@ def test_a_cache_points_decoding_at_its_models_context():
 
 
 def test_attach_context_checks_the_model():
-    from tiny_models import build_tiny_model
-
     import transformers
-    from tiny_models import tiny_config
+    from tiny_models import build_tiny_model, tiny_config
 
     with pytest.raises(ukhf.NotSequenceParallelError, match="indexed_attention"):
         ukhf.attach_context(build_tiny_model("deepseek_v32", "eager"), None)

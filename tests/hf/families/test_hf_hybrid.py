@@ -41,7 +41,11 @@ from ulysses_kernels.planner import layer_kinds, mixer_from_dict  # noqa: E402
 
 TOLERANCE = 1e-6
 DELTANET_FAMILIES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "lara_mini", "olmo_hybrid")
-FAMILIES = DELTANET_FAMILIES + ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "mamba2")
+MAMBA2_FAMILIES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "mamba2")
+# The short convolutions (the sequence halo): LFM3's kernel of 7 reads 6 earlier tokens, more
+# than a shard holds at SP 4 (5-6 tokens); LFM2 with the convolution's (and projections') bias.
+SHORT_CONV_FAMILIES = ("lfm2", "lfm2_moe", "lfm3")
+FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
 # key heads / groups than ranks (replicated).
@@ -66,7 +70,12 @@ def _mamba2_fields(family, world):
 
 def hybrid_model(family, attn, world, **extra):
     fields = dict(_ATTENTION[world], head_dim=16, **extra)
-    fields.update(_DELTANET[world] if family in DELTANET_FAMILIES else _mamba2_fields(family, world))
+    if family in DELTANET_FAMILIES:
+        fields.update(_DELTANET[world])
+    elif family in MAMBA2_FAMILIES:
+        fields.update(_mamba2_fields(family, world))
+    elif family == "lfm2":
+        fields.update(conv_bias=True)
     return build_tiny_model(family, attn, overrides=fields)
 
 
@@ -80,7 +89,7 @@ def float64_throughout(family):
     1e-6 tolerance in float32)."""
     from test_hf_mamba2 import hf_keeps_float64
 
-    return contextlib.nullcontext() if family in DELTANET_FAMILIES else hf_keeps_float64()
+    return hf_keeps_float64() if family in MAMBA2_FAMILIES else contextlib.nullcontext()
 
 
 def _training_worker(rank, world, families):
@@ -107,7 +116,41 @@ def _training_worker(rank, world, families):
             want = reference_step(reference, DOCUMENTS["two packed documents"])
             got = sp_step(patched, DOCUMENTS["two packed documents"], groups)
             out[(family, "patched")] = largest_error(got, want)
+        if family in NEGATIVE_CONTROLS and world == 2:
+            with mixers_on_the_local_slice(model), float64_throughout(family):
+                model.zero_grad(set_to_none=True)
+                reference.zero_grad(set_to_none=True)
+                want = reference_step(reference, DOCUMENTS["one uneven document"])
+                out[(family, "local mixer")] = largest_error(sp_step(model, DOCUMENTS["one uneven document"], groups),
+                                                             want)
     return out
+
+
+# One family per mechanism (the head exchange of a delta rule, of a selective scan; the halo):
+# its token mixers run on the local slice instead move the step by far more than the tolerance.
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3")
+
+
+@contextlib.contextmanager
+def mixers_on_the_local_slice(model):
+    """The adapted mixers of `model` run transformers' own forward on this rank's slice (still
+    counted as the package's calls, so the guard's call check does not stop them first)."""
+    from ulysses_kernels.hf.context import token_mixer_call
+    from ulysses_kernels.hf.families.mixers import original_forward
+
+    def local(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        token_mixer_call(self, hidden_states.shape[1], kwargs)
+        return original_forward(self)(hidden_states)
+
+    classes = {type(m) for m in model.modules() if adapted_kind(m) is not None}
+    saved = {cls: cls.forward for cls in classes}
+    for cls in classes:
+        cls.forward = local
+    try:
+        yield
+    finally:
+        for cls, forward in saved.items():
+            cls.forward = forward
 
 
 @pytest.mark.slow
@@ -121,12 +164,14 @@ def test_training_step_equals_one_process_per_document(world):
             for case in list(DOCUMENTS) + (["patched"] if family in PATCHED and world == 2 else []):
                 error, where = out[(family, case)]
                 assert error < TOLERANCE, (world, rank, family, case, error, where)
+            if family in NEGATIVE_CONTROLS and world == 2:
+                assert out[(family, "local mixer")][0] > 1e-3, (rank, family, out[(family, "local mixer")])
 
 
 # Generation: transformers' own generate needs an attention layer in the model (its mask
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
-                       "zamba2", "mamba2")
+                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3")
 PROMPT, NEW_TOKENS = 13, 6
 
 

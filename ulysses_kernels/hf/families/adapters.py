@@ -1,14 +1,15 @@
 """The token-mixer adapters (docs/hf_hybrids.md, "Hybrid models"): which transformers class
 gets which sequence-parallel forward (`ADAPTERS`, written out whole), and installing them on a
 model, checking them and taking them off. The forwards themselves are the families'
-(gated_deltanet.py, mamba2.py); what they share is mixers.py."""
+(gated_deltanet.py, mamba2.py, short_conv.py); what they share is mixers.py (the head
+exchange's side) and halo.py (the sequence halo)."""
 
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import gated_deltanet, mamba2
+from . import gated_deltanet, mamba2, short_conv
 
 
 class Adapter(NamedTuple):
@@ -31,6 +32,7 @@ ADAPTERS: Dict[str, Adapter] = {
            gated_deltanet.placement_problem),
     **_for(mamba2.MAMBA2_CLASSES, "mamba2", mamba2.mamba2_forward, mamba2.adapter_problem),
     **_for(mamba2.FALCON_H1_CLASSES, "mamba2", mamba2.falcon_h1_forward, mamba2.adapter_problem),
+    **_for(short_conv.SHORT_CONV_CLASSES, "short_conv", short_conv.short_conv_forward, None),
 }
 
 

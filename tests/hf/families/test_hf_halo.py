@@ -1,0 +1,122 @@
+"""The sequence halo (ulysses_kernels/hf/families/halo.py): a causal depthwise convolution run on
+the sequence shards, each reading the last inputs of the shards before it, against the same
+convolution on one process over the whole sequence (each packed document alone), output and
+every gradient, float64: worlds 1-4, pure Ulysses and Ulysses x Ring (2 x 2, 1 x 4), shards
+shorter than the window (several ranks feed one history), packed documents whose boundaries
+do not line up with the shards, kernel sizes 2 to 7; and a sharded generation chunk after a
+state, whose next state every rank holds.
+
+A convolution run on each shard alone (the negative control) is off by far more.
+"""
+
+import pytest
+import torch
+from helpers import SPAWN_TIMEOUT, rel_err
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install -e '.[hf]' in the checkout)")
+
+from ulysses_kernels.hf.families.halo import contiguous_layout, halo_conv, training_layout  # noqa: E402
+from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+C = 6
+# (total, kernel, documents): long shards; shards shorter than the window at 4 ranks (K 7:
+# a history of 6 from up to 4 ranks); documents starting inside shards and at a shard start.
+CASES = [(23, 4, None), (23, 3, [0, 9, 23]), (9, 7, [0, 2, 5, 9]), (11, 2, [0, 6, 11]), (6, 5, None)]
+
+
+def _inputs(total, kernel, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, total, C, generator=g, dtype=torch.float64)
+    weight = torch.randn(C, kernel, generator=g, dtype=torch.float64)
+    bias = torch.randn(C, generator=g, dtype=torch.float64)
+    grad = torch.randn(2, total, C, generator=g, dtype=torch.float64)
+    return x, weight, bias, grad
+
+
+def _one_process(x, weight, bias, grad, cu):
+    x, weight, bias = (t.clone().requires_grad_() for t in (x, weight, bias))
+    out = causal_conv1d(x, weight, bias, document_starts(cu, x.shape[1], x.device), "silu")
+    (out * grad).sum().backward()
+    return out.detach(), x.grad, weight.grad, bias.grad
+
+
+def _pieces(t, ranges):
+    return torch.cat([t[:, s:s + n] for s, n in ranges], dim=1)
+
+
+def _halo_worker(rank, world, ring):
+    import torch.distributed as dist
+
+    import ulysses_kernels as uk
+    from ulysses_kernels.hf.context import SequenceParallelContext
+    from ulysses_kernels.ring.layout import sp_lengths
+
+    groups = uk.init_sequence_parallel(world, ring_size=ring)
+    context = SequenceParallelContext(groups)
+    errors = {}
+    for index, (total, kernel, documents) in enumerate(CASES):
+        x, weight, bias, grad = _inputs(total, kernel, seed=index)
+        cu = torch.tensor(documents) if documents else None
+        want_out, want_dx, want_dw, want_db = _one_process(x, weight, bias, grad, cu)
+        layout = training_layout(context, sp_lengths(total, ring, world // ring))
+        mine = layout.ranges[layout.mine]
+        local = _pieces(x, mine).clone().requires_grad_()
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        out, last = halo_conv(local, w, b, layout, cu_seqlens=cu, activation="silu")
+        (out * _pieces(grad, mine)).sum().backward()
+        dw, db = w.grad.clone(), b.grad.clone()
+        dist.all_reduce(dw), dist.all_reduce(db)
+        alone = causal_conv1d(local.detach(), weight, bias, None, "silu")   # the negative control
+        errors[index] = dict(out=rel_err(out.detach(), _pieces(want_out, mine)) if mine else 0.0,
+                             dx=rel_err(local.grad, _pieces(want_dx, mine)) if mine else 0.0,
+                             dw=rel_err(dw, want_dw), db=rel_err(db, want_db),
+                             last=rel_err(last.detach(), x[:, total - kernel + 1:]),
+                             alone=rel_err(alone, _pieces(want_out, mine)) if mine else 1.0)
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,ring", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2), (4, 4)])
+def test_the_halo_convolution_equals_one_process(world, ring):
+    per_rank = spawn(_halo_worker, world, args=(ring,), timeout=SPAWN_TIMEOUT)
+    for rank, errors in enumerate(per_rank):
+        for index, e in errors.items():
+            case = (world, ring, rank, CASES[index])
+            assert max(e["out"], e["dx"], e["dw"], e["db"]) < 1e-13, (case, e)
+            assert e["last"] == 0.0, (case, e)   # the global sequence's last inputs, copied
+    # on more than one rank, some rank's shard needs the history the halo brings
+    if world > 1:
+        assert max(e["alone"] for errors in per_rank for e in errors.values()) > 1e-2
+
+
+def _chunk_worker(rank, world):
+    """A sharded generation chunk (contiguous shards) after a state: each rank's output is the
+    one-process convolution continuing from the state, and every rank holds the chunk's last
+    inputs as the next state."""
+    import torch.distributed as dist
+
+    from ulysses_kernels.distributed.groups import resolve_group
+    from ulysses_kernels.layout import split_lengths
+
+    dist.barrier()
+    errors = []
+    for total, kernel in ((13, 4), (3, 4), (7, 6)):
+        x, weight, bias, _ = _inputs(total, kernel, seed=total)
+        before = torch.randn(2, kernel - 1, C, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        want = causal_conv1d(x, weight, bias, None, None, history=before)
+        lens = split_lengths(total, world)
+        layout = contiguous_layout(resolve_group(None), lens)
+        mine = layout.ranges[layout.mine]
+        out, last = halo_conv(_pieces(x, mine), weight, bias, layout, before=before)
+        want_last = torch.cat([before, x], dim=1)[:, -(kernel - 1):]
+        errors.append(max(rel_err(out, _pieces(want, mine)) if out.shape[1] else 0.0, rel_err(last, want_last)))
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_sharded_chunk_continues_from_the_state(world):
+    for errors in spawn(_chunk_worker, world, timeout=SPAWN_TIMEOUT):
+        assert max(errors) < 1e-14, errors

@@ -1,0 +1,75 @@
+"""The short convolutions of LFM2, LFM2-MoE and LFM3, sequence-parallel by the sequence halo
+(docs/hf_hybrids.md, "The sequence halo"; halo.py).
+
+One layer, as transformers 5.24 and 5.25 compute it: `in_proj` gives B, C and x per token;
+`y = C * conv(B * x)` with a depthwise causal convolution of kernel `conv_L_cache` (3 in
+LFM2's checkpoints, 7 in LFM3's) and no activation; `out_proj`. Only the convolution reads
+earlier tokens, `conv_L_cache - 1` of them: everything runs on the local shard, the
+convolution after the halo of the shards before it (zero across document starts), so no
+head exchange is needed.
+
+Generation (hf/inference/cache.py): the layer's state is the last `conv_L_cache - 1` inputs of
+the convolution, the same on every rank (a sharded prefill chunk leaves every rank the
+chunk's last inputs, halo.py); a replicated chunk (decoding) continues from it on every rank.
+"""
+
+import sys
+
+import torch
+
+from ..context import DecodingCache, token_mixer_call
+from ..model import refusal
+from .halo import contiguous_layout, halo_conv, training_layout
+from .mixers import causal_conv1d, conv_history, original_forward
+
+SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
+
+
+def _weights(module):
+    return module.conv.weight[:, 0, :], module.conv.bias
+
+
+def _gated_inputs(module, hidden_states):
+    """(B * x, C) of the local tokens `[B, S, hidden]` each."""
+    b, c, x = module.in_proj(hidden_states).chunk(3, dim=-1)
+    return b * x, c
+
+
+def _generation_forward(module, hidden_states, cache):
+    """A forward inside `generate` / `prefill`: the convolution continues from the layer's
+    state (every rank's copy), which it then replaces."""
+    cache.context.attention_calls += 1
+    state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
+    bx, c = _gated_inputs(module, hidden_states)
+    weight, bias = _weights(module)
+    before = state.get("conv")
+    if cache.chunk_lens is not None:   # a chunk split along the sequence: the halo, after the state
+        y, last = halo_conv(bx, weight, bias, contiguous_layout(cache.ulysses, cache.chunk_lens), before=before)
+        state["conv"] = last.detach().clone()
+    else:                              # every rank holds the whole chunk
+        y = causal_conv1d(bx, weight, bias, None, None, history=before)
+        state["conv"] = conv_history(before, bx, weight.shape[-1])
+    return module.out_proj(c * y)
+
+
+def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+    """The layer's forward on the local shard, its convolution over the global sequence (the
+    module doc)."""
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        return _generation_forward(self, hidden_states, cache)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
+    if cache is not None:
+        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
+            return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
+                            "convolution state is kept there only (and holds one row's history, not a document's)",
+                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
+                      "use_cache=False.")
+    hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+    bx, c = _gated_inputs(self, hidden_states)
+    weight, bias = _weights(self)
+    y, _ = halo_conv(bx, weight, bias, training_layout(context, lens), cu_seqlens=cu_seqlens)
+    return self.out_proj(c * y)
+
+
+short_conv_forward.runs_on_a_ring = True   # the halo reads the ring's chunks in their global order
