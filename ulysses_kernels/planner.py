@@ -31,7 +31,8 @@ class MixerShape:
     head dim (GDN) or the state size (Mamba2; 0); value_dim: the value head dim (GDN) or the
     head dim (Mamba2; the hidden size for a short convolution)."""
 
-    kind: str          # "gated_deltanet", "mamba2" or "short_conv"
+    kind: str          # "gated_deltanet", "mamba2", "short_conv" or "lightning" (MiniMax: groups = heads,
+                       # key_dim = value_dim = the head dim, no convolution: conv_kernel 1)
     layers: int
     heads: int
     groups: int
@@ -52,6 +53,8 @@ class MixerShape:
         conv = self.conv_channels * self.conv_kernel
         if self.kind == "short_conv":   # in_proj B|C|x, the convolution, out_proj (each with its bias or none)
             return 4 * hidden * hidden + hidden * self.conv_kernel + 5 * hidden * self.conv_bias
+        if self.kind == "lightning":    # qkv_proj, output_gate, out_proj, the norm over all heads
+            return 5 * hidden * inner + inner
         if self.kind == "gated_deltanet":   # in_proj q|k|v|z and b|a, A_log, dt_bias, a per-head norm
             return hidden * (self.conv_channels + inner + 2 * self.heads) + conv + 2 * self.heads + self.value_dim \
                 + inner * hidden
@@ -71,7 +74,7 @@ class MixerShape:
         heads = max(1, self.heads // sp)
         groups = max(1, self.groups // sp)
         channels = 2 * groups * self.key_dim + heads * self.value_dim
-        state_bytes = 4 if self.kind == "gated_deltanet" else max(4, dtype_bytes)
+        state_bytes = {"gated_deltanet": 4, "lightning": dtype_bytes}.get(self.kind, max(4, dtype_bytes))
         return batch * ((self.conv_kernel - 1) * channels * dtype_bytes
                         + heads * self.key_dim * self.value_dim * state_bytes)
 
@@ -207,6 +210,10 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
     if "conv_L_cache" in cfg:   # LFM2 / LFM3
         return MixerShape("short_conv", layers, 1, 0, 0, cfg["hidden_size"], cfg["conv_L_cache"],
                           conv_bias=bool(cfg.get("conv_bias", False)))
+    if cfg.get("model_type") == "minimax":   # lightning attention: one state [D, D] per head, in the compute dtype
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
     if "linear_num_value_heads" in cfg:
         return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
                           cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])

@@ -20,6 +20,7 @@ mixin.
 
 
 import contextlib
+import inspect
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,10 @@ MAMBA2_FAMILIES = ("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamb
 # The short convolutions (the sequence halo): LFM3's kernel of 7 reads 6 earlier tokens, more
 # than a shard holds at SP 4 (5-6 tokens); LFM2 with the convolution's (and projections') bias.
 SHORT_CONV_FAMILIES = ("lfm2", "lfm2_moe", "lfm3")
-FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES
+# MiniMax's lightning attention, in blocks of 5 (its default 256 would hold the whole test
+# sequence): blocks straddle the shards and the state crosses blocks.
+LINEAR_FAMILIES = ("minimax",)
+FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
 # key heads / groups than ranks (replicated).
@@ -76,6 +80,8 @@ def hybrid_model(family, attn, world, **extra):
         fields.update(_mamba2_fields(family, world))
     elif family == "lfm2":
         fields.update(conv_bias=True)
+    elif family == "minimax":
+        fields.update(block_size=5)
     return build_tiny_model(family, attn, overrides=fields)
 
 
@@ -126,9 +132,10 @@ def _training_worker(rank, world, families):
     return out
 
 
-# One family per mechanism (the head exchange of a delta rule, of a selective scan; the halo):
+# One family per mechanism (the head exchange of a delta rule, of a selective scan, of a decayed
+# linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
-NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3")
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax")
 
 
 @contextlib.contextmanager
@@ -138,9 +145,11 @@ def mixers_on_the_local_slice(model):
     from ulysses_kernels.hf.context import token_mixer_call
     from ulysses_kernels.hf.families.mixers import original_forward
 
-    def local(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    def local(self, hidden_states, *args, **kwargs):
         token_mixer_call(self, hidden_states.shape[1], kwargs)
-        return original_forward(self)(hidden_states)
+        forward = original_forward(self)
+        named = inspect.signature(forward).parameters
+        return forward(hidden_states, *args, **{k: v for k, v in kwargs.items() if k in named and k != "cache"})
 
     classes = {type(m) for m in model.modules() if adapted_kind(m) is not None}
     saved = {cls: cls.forward for cls in classes}
@@ -171,7 +180,7 @@ def test_training_step_equals_one_process_per_document(world):
 # Generation: transformers' own generate needs an attention layer in the model (its mask
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
-                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3")
+                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax")
 PROMPT, NEW_TOKENS = 13, 6
 
 
@@ -606,3 +615,24 @@ def test_ring_chunks_pass_the_state_between_ranks(world):
     for rank, errors in enumerate(per_rank):
         for case, error in zip(cases, errors):
             assert error < 1e-12, (world, rank, case, error)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_the_decayed_linear_attention_is_the_recurrence(chunk):
+    """hf/families/lightning.py's chunked form against the step-by-step recurrence
+    S_t = l S_{t-1} + k_t^T v_t, o_t = q_t S_t, from an initial state, over a length that is
+    no multiple of the chunk: outputs and the final state."""
+    from ulysses_kernels.hf.families.lightning import decayed_linear_attention
+
+    g = torch.Generator().manual_seed(5)
+    B, S, H, Dk, Dv = 2, 23, 3, 4, 5
+    q, k = (torch.randn(B, S, H, Dk, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(B, S, H, Dv, generator=g, dtype=torch.float64)
+    log_decay = -torch.rand(H, generator=g, dtype=torch.float64)
+    state = torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64)
+    out, final = decayed_linear_attention(q, k, v, log_decay, state, chunk)
+    steps = []
+    for t in range(S):
+        state = log_decay.exp()[None, :, None, None] * state + k[:, t, :, :, None] * v[:, t, :, None, :]
+        steps.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    assert rel_err(out, torch.stack(steps, dim=1)) < 1e-13 and rel_err(final, state) < 1e-13

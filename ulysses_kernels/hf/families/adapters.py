@@ -4,12 +4,13 @@ model, checking them and taking them off. The forwards themselves are the famili
 (gated_deltanet.py, mamba2.py, short_conv.py); what they share is mixers.py (the head
 exchange's side) and halo.py (the sequence halo)."""
 
+import sys
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import gated_deltanet, mamba2, short_conv
+from . import gated_deltanet, lightning, mamba2, short_conv
 
 
 class Adapter(NamedTuple):
@@ -33,7 +34,23 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(mamba2.MAMBA2_CLASSES, "mamba2", mamba2.mamba2_forward, mamba2.adapter_problem),
     **_for(mamba2.FALCON_H1_CLASSES, "mamba2", mamba2.falcon_h1_forward, mamba2.adapter_problem),
     **_for(short_conv.SHORT_CONV_CLASSES, "short_conv", short_conv.short_conv_forward, None),
+    **_for(lightning.LIGHTNING_CLASSES, "lightning", lightning.lightning_forward, lightning.placement_problem),
 }
+
+
+# Adapted class -> the cache class its model's forward insists on (it refuses any other
+# cache): the decoding cache derives from it too (hf/inference/generation.py's make_cache).
+OWN_CACHES: Dict[str, str] = {"MiniMaxLightningAttention": "MiniMaxCache"}
+
+
+def own_cache_class(model: nn.Module) -> Optional[type]:
+    """The cache class `model` insists on (OWN_CACHES; None: any cache)."""
+    for module in model.modules():
+        base = _BASE_CLASSES.get(type(module))
+        name = OWN_CACHES.get(base.__name__) if base is not None else None
+        if name is not None:
+            return getattr(sys.modules[base.__module__], name)
+    return None
 
 
 # transformers class -> its adapted subclass (one per class, so that every adapted module of

@@ -22,7 +22,7 @@ first use.
 """
 
 import contextlib
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -356,3 +356,18 @@ class HeadShardedCache(DynamicCache):
         if sinks is not None:
             merged, _ = merge_sinks(merged, merged_lse, sinks)
         return merged.to(out.dtype)
+
+
+_WITH_OWN_CACHE: Dict[type, type] = {}
+
+
+def head_sharded_cache_class(own: Optional[type]) -> type:
+    """`HeadShardedCache`, or, for a model whose forward insists on a cache class of its own
+    (families/adapters.py's `own_cache_class`: MiniMax), a subclass of both (made once per
+    class): the model takes it, and what it reads of it is the head-sharded cache's."""
+    if own is None or issubclass(HeadShardedCache, own):
+        return HeadShardedCache
+    made = _WITH_OWN_CACHE.get(own)
+    if made is None:
+        made = _WITH_OWN_CACHE[own] = type(f"HeadSharded{own.__name__}", (HeadShardedCache, own), {})
+    return made

@@ -67,7 +67,7 @@ from ...distributed.collectives import all_gather_tensor, broadcast_tensor
 from ...layout import split_lengths
 from ..core.attach import sequence_parallel_model
 from ..core.attention import _require_transformers
-from ..families.adapters import adapted_kind
+from ..families.adapters import adapted_kind, own_cache_class
 from ..families.vision import merged_prompt
 from ..families.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
 from ..model import refusal, unwrap
@@ -87,15 +87,16 @@ def make_cache(model, group=None, *, backend: Optional[str] = None):
     context unless `backend` is given. It is a transformers `DynamicCache`; `prefill`
     fills it, `decoding(cache)` reads it."""
     _require_transformers()
-    from .cache import HeadShardedCache
+    from .cache import head_sharded_cache_class
 
     context = sequence_parallel_model(model, group)
     if context.ring()[1] > 1 and any(adapted_kind(m) for m in unwrap(model).modules()):
         raise refusal(unwrap(model), "its token mixers' conv and recurrent states are kept by heads within a Ulysses "
                                      "group; generation on a ring is not supported for them",
                       "Generate with Ulysses only (ring_size=1); training runs on a ring.")
-    return HeadShardedCache(model, context.group, context.ring_group, context=context,
-                            backend=backend if backend is not None else context.backend)
+    cache_class = head_sharded_cache_class(own_cache_class(unwrap(model)))
+    return cache_class(model, context.group, context.ring_group, context=context,
+                       backend=backend if backend is not None else context.backend)
 
 
 @contextlib.contextmanager
