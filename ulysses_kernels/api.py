@@ -344,9 +344,9 @@ def ulysses_head_parallel(fn: Callable, tensors: Mapping[str, torch.Tensor], gro
     token mixers"): the attention's rule, for any layer whose heads mix tokens
     independently (a linear-attention or state-space layer).
 
-    `tensors`: named sequence shards `[B, S_local, H_t, D_t]` (head dims may differ; every
-    rank passes the same names). They go to the head layout in one exchange, `[B, S,
-    Hl_t, D_t]` over the whole sequence: a tensor's heads are split over the P ranks when
+    `tensors`: named sequence shards `[B, S_local, H_t, D_t]` (head dims and dtypes may
+    differ; every rank passes the same names). They go to the head layout in one exchange
+    per dtype, `[B, S, Hl_t, D_t]` over the whole sequence: a tensor's heads are split over the P ranks when
     `H_t % P == 0`, else replicated (`P % H_t == 0`; each head to the `P / H_t` consecutive
     ranks, gradients summed back), as for attention's key/value heads. Then
     `fn(local, heads)` runs on this rank's heads: `local` the dict of head shards, `heads`
@@ -372,7 +372,11 @@ def ulysses_head_parallel(fn: Callable, tensors: Mapping[str, torch.Tensor], gro
     values = [tensors[name] for name in names]
     lens = _head_parallel_lengths(group, world, rank, names, values, seq_lens)
     placements = {name: place_heads(t.shape[2], world) for name, t in zip(names, values)}
-    local = dict(zip(names, SeqToHeads.apply(group, rank, lens, *values)))
+    local = {}
+    for dtype in dict.fromkeys(t.dtype for t in values):   # one exchange per dtype, in first-seen order
+        same = [name for name in names if tensors[name].dtype == dtype]
+        local.update(zip(same, SeqToHeads.apply(group, rank, lens, *(tensors[name] for name in same))))
+    local = {name: local[name] for name in names}
     out = fn(local, LocalHeads(rank, world, tuple(lens), placements))
     back = lambda x: HeadsToSeq.apply(group, rank, lens, x)  # noqa: E731
     if isinstance(out, torch.Tensor):
@@ -426,9 +430,8 @@ def _head_parallel_problem(rows, world: int) -> Optional[str]:
     first = rows[0]
     for i, name in enumerate(first["names"]):
         batch, heads, head_dim, dtype, device = first["tensors"][i]
-        if first["tensors"][0][3:] != (dtype, device):
-            return f"{name} is {dtype} on {device} but {first['names'][0]} is {first['tensors'][0][3]} on " \
-                   f"{first['tensors'][0][4]}"
+        if first["tensors"][0][4] != device:
+            return f"{name} is on {device} but {first['names'][0]} is on {first['tensors'][0][4]}"
         if batch != first["tensors"][0][0]:
             return f"{name} has batch size {batch} but {first['names'][0]} has {first['tensors'][0][0]}"
         for r, row in enumerate(rows[1:], start=1):

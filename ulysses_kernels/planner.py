@@ -31,8 +31,8 @@ class MixerShape:
     head dim (GDN) or the state size (Mamba2; 0); value_dim: the value head dim (GDN) or the
     head dim (Mamba2; the hidden size for a short convolution)."""
 
-    kind: str          # "gated_deltanet", "mamba2", "short_conv" or "lightning" (MiniMax: groups = heads,
-                       # key_dim = value_dim = the head dim, no convolution: conv_kernel 1)
+    kind: str          # "gated_deltanet", "kimi_delta" (groups = heads), "mamba2", "short_conv" or
+                       # "lightning" (MiniMax: groups = heads, no convolution: conv_kernel 1)
     layers: int
     heads: int
     groups: int
@@ -41,6 +41,7 @@ class MixerShape:
     conv_kernel: int
     conv_bias: bool = True    # Mamba2's convolution bias (Gated DeltaNet has none)
     norm: bool = True         # Mamba2's gated RMSNorm (Falcon-H1's `mamba_rms_norm` may drop it)
+    gate_rank: int = 0        # Kimi Delta Attention's gates: low rank (Kimi Linear: the head dim), 0 full (Ling)
 
     @property
     def conv_channels(self) -> int:
@@ -55,6 +56,10 @@ class MixerShape:
             return 4 * hidden * hidden + hidden * self.conv_kernel + 5 * hidden * self.conv_bias
         if self.kind == "lightning":    # qkv_proj, output_gate, out_proj, the norm over all heads
             return 5 * hidden * inner + inner
+        if self.kind == "kimi_delta":   # q|k|v, the convolution, the forget and output gates, b, dt_bias, A_log,
+            r = self.gate_rank          # the per-head norm, o_proj
+            gate = hidden * r + r * inner if r else hidden * inner
+            return 4 * hidden * inner + conv + 2 * gate + hidden * self.heads + inner + self.heads + self.value_dim
         if self.kind == "gated_deltanet":   # in_proj q|k|v|z and b|a, A_log, dt_bias, a per-head norm
             return hidden * (self.conv_channels + inner + 2 * self.heads) + conv + 2 * self.heads + self.value_dim \
                 + inner * hidden
@@ -74,7 +79,8 @@ class MixerShape:
         heads = max(1, self.heads // sp)
         groups = max(1, self.groups // sp)
         channels = 2 * groups * self.key_dim + heads * self.value_dim
-        state_bytes = {"gated_deltanet": 4, "lightning": dtype_bytes}.get(self.kind, max(4, dtype_bytes))
+        state_bytes = {"gated_deltanet": 4, "kimi_delta": 4, "lightning": dtype_bytes}.get(self.kind,
+                                                                                          max(4, dtype_bytes))
         return batch * ((self.conv_kernel - 1) * channels * dtype_bytes
                         + heads * self.key_dim * self.value_dim * state_bytes)
 
@@ -214,6 +220,10 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
+    if cfg.get("model_type") in ("kimi_linear", "bailing_hybrid"):   # Kimi Delta Attention
+        heads, head_dim = cfg["linear_num_heads"], cfg["linear_head_dim"]
+        return MixerShape("kimi_delta", layers, heads, heads, head_dim, head_dim, cfg["linear_conv_kernel_dim"],
+                          conv_bias=False, gate_rank=head_dim if cfg["model_type"] == "kimi_linear" else 0)
     if "linear_num_value_heads" in cfg:
         return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
                           cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])

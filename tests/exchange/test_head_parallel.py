@@ -35,9 +35,9 @@ def local_mixer(local, heads):
     return mixer_reference(x, g)
 
 
-def inputs(heads, groups, seed=0):
+def inputs(heads, groups, seed=0, g_dtype=torch.float64):
     x = randn(B, S, heads, D_X, dtype=torch.float64, seed=seed).requires_grad_()
-    g = randn(B, S, groups, D_G, dtype=torch.float64, seed=seed + 1).requires_grad_()
+    g = randn(B, S, groups, D_G, dtype=g_dtype, seed=seed + 1).requires_grad_()
     dout = randn(B, S, heads, D_X, dtype=torch.float64, seed=seed + 2)
     return x, g, dout
 
@@ -50,6 +50,22 @@ def test_one_process_is_the_mixer():
     (dx, dg) = torch.autograd.grad(out, (x, g), dout)
     (rx, rg) = torch.autograd.grad(ref, (x, g), dout)
     assert rel_err(dx, rx) < 1e-15 and rel_err(dg, rg) < 1e-15
+
+
+def test_tensors_of_several_dtypes_each_keep_theirs():
+    """A float32 tensor beside a float64 one (one exchange per dtype): each reaches `fn` in its
+    own dtype, bit for bit, and its gradient comes back in it."""
+    x, g, dout = inputs(4, 2, g_dtype=torch.float32)
+    seen = {}
+
+    def mixer(local, held):
+        seen.update(x=local["x"].dtype, g=local["g"].dtype, g_values=local["g"].detach().clone())
+        return local_mixer(local, held)
+    out = uk.ulysses_head_parallel(mixer, {"x": x, "g": g})
+    assert seen["x"] == torch.float64 and seen["g"] == torch.float32 and torch.equal(seen["g_values"], g.detach())
+    (dx, dg) = torch.autograd.grad(out, (x, g), dout)
+    (rx, rg) = torch.autograd.grad(mixer_reference(x, g), (x, g), dout)
+    assert dg.dtype == torch.float32 and rel_err(dx, rx) < 1e-15 and rel_err(dg, rg) < 1e-7
 
 
 def test_several_outputs_come_back_as_they_were_returned():
@@ -85,8 +101,8 @@ def test_one_process_checks_its_inputs():
 
 def _cases_worker(rank, world, cases):
     results = []
-    for index, (heads, groups) in enumerate(cases):
-        x, g, dout = inputs(heads, groups)
+    for index, (heads, groups, *g_dtype) in enumerate(cases):
+        x, g, dout = inputs(heads, groups, g_dtype=getattr(torch, *g_dtype) if g_dtype else torch.float64)
         ref = mixer_reference(x, g)
         rx, rg = torch.autograd.grad(ref, (x, g), dout)
         xs = shard(x.detach(), world, rank).requires_grad_()
@@ -109,14 +125,14 @@ def _cases_worker(rank, world, cases):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,cases", [
-    (2, [(4, 2), (4, 1)]),            # split groups, one group replicated to both ranks
+    (2, [(4, 2), (4, 1), (4, 2, "float32")]),   # split groups, one group replicated; g in its own dtype
     (3, [(6, 3), (3, 1)]),            # uneven shards (11 = 4 + 4 + 3)
     (4, [(8, 2), (4, 1), (4, 4)]),    # more ranks than groups: 2 groups on 4 ranks
 ])
 def test_many_ranks_equal_one(world, cases):
     per_rank = spawn(_cases_worker, world, args=(cases,), timeout=SPAWN_TIMEOUT)
     for rank, results in enumerate(per_rank):
-        for (heads, groups), r in zip(cases, results):
+        for (heads, groups, *_), r in zip(cases, results):
             assert r["out"] < 1e-14 and r["dx"] < 1e-14 and r["dg"] < 1e-14, (world, heads, groups, rank, r)
             assert r["shape"] == (B, seq_lens(S, world)[rank], heads, D_X)
             local = heads // world

@@ -129,7 +129,8 @@ def gated_delta_rule_float64(query, key, value, g, beta, chunk_size=64, initial_
     """The gated delta rule by its definition, token by token, in float64: the arguments and
     results of transformers' `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule`
     (q, k `[B, S, Hk, Dk]`, v `[B, S, Hv, Dv]`, g, beta `[B, S, Hv]`; q and k L2-normalised
-    when asked, q scaled by `Dk ** -0.5`; per token the state decays by `exp(g)`, then
+    when asked, q scaled by `Dk ** -0.5`; per token the state decays by `exp(g)` (Kimi Delta
+    Attention's `chunk_kimi_delta_attention`: g `[B, S, H, Dk]`, a decay per key channel), then
     `S += k (beta (v - S^T k))^T` and the output is `S^T q`). Equal to the chunked form in
     exact arithmetic; `chunk_size` only chooses the chunking there."""
     if kwargs.get("cu_seqlens") is not None:
@@ -151,7 +152,8 @@ def gated_delta_rule_float64(query, key, value, g, beta, chunk_size=64, initial_
              if initial_state is None else initial_state.to(torch.float64))
     out = []
     for t in range(S):
-        state = state * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()
+        state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
         remembered = (state * key[:, :, t, :, None]).sum(dim=-2)
         delta = (value[:, :, t] - remembered) * beta[:, :, t, None]
         state = state + key[:, :, t, :, None] * delta[:, :, None, :]
@@ -173,9 +175,11 @@ def float64_delta_rule():
     transformers' source text (which 5.25 wraps in a hub-kernel module)."""
     import importlib
 
-    names = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    gated = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    kimi = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
     patched = []
-    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "lara_mini", "olmo_hybrid"):
+    for family, names in (("qwen3_next", gated), ("qwen3_5", gated), ("qwen3_5_moe", gated), ("lara_mini", gated),
+                          ("olmo_hybrid", gated), ("kimi_linear", kimi), ("bailing_hybrid", kimi)):
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
         for name in names:
             patched.append((module, name, getattr(module, name)))

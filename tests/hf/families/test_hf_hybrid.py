@@ -49,7 +49,10 @@ SHORT_CONV_FAMILIES = ("lfm2", "lfm2_moe", "lfm3")
 # MiniMax's lightning attention, in blocks of 5 (its default 256 would hold the whole test
 # sequence): blocks straddle the shards and the state crosses blocks.
 LINEAR_FAMILIES = ("minimax",)
-FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES
+# Kimi Delta Attention (a delta rule with a decay per key channel): Kimi Linear (MLA beside it)
+# and Ling's hybrid.
+KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
+FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
 # key heads / groups than ranks (replicated).
@@ -73,7 +76,7 @@ def _mamba2_fields(family, world):
 
 
 def hybrid_model(family, attn, world, **extra):
-    fields = dict(_ATTENTION[world], head_dim=16, **extra)
+    fields = dict(_ATTENTION[world], **({} if family in KDA_FAMILIES else dict(head_dim=16)), **extra)   # KDA's: MLA
     if family in DELTANET_FAMILIES:
         fields.update(_DELTANET[world])
     elif family in MAMBA2_FAMILIES:
@@ -82,6 +85,9 @@ def hybrid_model(family, attn, world, **extra):
         fields.update(conv_bias=True)
     elif family == "minimax":
         fields.update(block_size=5)
+    elif family in KDA_FAMILIES:   # MLA beside it: as many KV heads as query heads (fewer break transformers' decode)
+        heads = _ATTENTION[world]["num_attention_heads"]
+        fields.update(num_key_value_heads=heads, linear_num_heads=heads, linear_head_dim=16)
     return build_tiny_model(family, attn, overrides=fields)
 
 
@@ -92,9 +98,12 @@ def float64_throughout(family):
     """Mamba2's torch path upcasts to float32 (a downcast of float64): kept float64 for the
     Mamba2 families (test_hf_mamba2.hf_keeps_float64), so that their comparisons sit at
     rounding instead of float32's ~1e-7 (a two-layer pure Mamba2 measured 7.4e-7 against a
-    1e-6 tolerance in float32)."""
+    1e-6 tolerance in float32); Kimi Delta Attention's rule likewise (family_cases's float64
+    twin)."""
     from test_hf_mamba2 import hf_keeps_float64
 
+    if family in KDA_FAMILIES:   # its rule in float32 measured up to 6e-7: the float64 twin (the gates stay float32)
+        return float64_delta_rule()
     return hf_keeps_float64() if family in MAMBA2_FAMILIES else contextlib.nullcontext()
 
 
@@ -135,7 +144,7 @@ def _training_worker(rank, world, families):
 # One family per mechanism (the head exchange of a delta rule, of a selective scan, of a decayed
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
-NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax")
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear")
 
 
 @contextlib.contextmanager
@@ -180,7 +189,7 @@ def test_training_step_equals_one_process_per_document(world):
 # Generation: transformers' own generate needs an attention layer in the model (its mask
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
-                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax")
+                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax", "kimi_linear", "bailing_hybrid")
 PROMPT, NEW_TOKENS = 13, 6
 
 
@@ -195,7 +204,8 @@ def _generation_worker(rank, world, families):
     ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
     out = {}
     for family in families:
-        reference_attention = "eager" if family == "mamba2" else "sdpa"   # SDPA: refused by a model without attention
+        # SDPA: refused by a model without attention (Mamba2), fails in transformers' Kimi Linear (MLA's heads)
+        reference_attention = "eager" if family in ("mamba2",) + KDA_FAMILIES else "sdpa"
         reference, model = generation_model(family, reference_attention, world), generation_model(family, "ulysses", world)
         with torch.no_grad():
             want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)

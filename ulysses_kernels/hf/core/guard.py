@@ -110,6 +110,16 @@ def _names_a_mixer(class_name: str) -> bool:
     return any(marker in joined for marker in MIXER_MARKERS)
 
 
+def _calls_the_attention_interface(cls: type) -> bool:
+    """The class's forward looks its attention up in transformers' interface (Kimi Linear's MLA
+    `KimiLinearAttention`, named after its model): attention, whatever its name says; the
+    call check confirms it at the model's first forward."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
 def module_problem(model: nn.Module) -> Optional[str]:
     """The first module inside the decoder layers that mixes tokens without attention, or None."""
     layers = decoder_layers(model)
@@ -128,7 +138,7 @@ def module_problem(model: nn.Module) -> Optional[str]:
                 what = f"a convolution along the sequence ({cls}, kernel {tuple(module.kernel_size)})"
             elif isinstance(module, nn.RNNBase):
                 what = f"a recurrent module ({cls})"
-            elif _names_a_mixer(cls) and not holds_adapted:
+            elif _names_a_mixer(cls) and not holds_adapted and not _calls_the_attention_interface(type(module)):
                 what = f"a token mixer that is not attention ({cls})"
             if what:
                 where = f"decoder layer {index}" + (f", {name}" if name else "")
