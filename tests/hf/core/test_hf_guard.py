@@ -243,8 +243,8 @@ def _refusals(rank, world):
     qwen3_next = build_tiny_model("qwen3_next", "ulysses")
     attempt("qwen3_next with a cache", lambda: qwen3_next(**dict(batch.model_inputs(), use_cache=True)))
     attempt("bloom forward", lambda: build_tiny_model("bloom", "ulysses")(**batch.model_inputs()))
-    attempt("lfm2 generate", lambda: ukhf.generate(build_tiny_model("lfm2", "ulysses").eval(), _ids(9), groups,
-                                                   max_new_tokens=2, do_sample=False))
+    attempt("glm_moe_dsa generate", lambda: ukhf.generate(build_tiny_model("glm_moe_dsa", "ulysses").eval(), _ids(9),
+                                                           groups, max_new_tokens=2, do_sample=False))
     attempt("sdpa loss", lambda: ukhf.causal_lm_loss(build_tiny_model("llama", "sdpa"), batch, groups))
     token_types = torch.zeros(1, 23, dtype=torch.long)
     token_types[:, 2:5] = 1   # image tokens on rank 0's shard only
@@ -279,7 +279,7 @@ def test_refusals_are_the_same_on_every_rank():
     assert "indexed_attention" in per_rank[0]["deepseek_v32 loss"]
     assert "outside ulysses_kernels.hf.generate" in per_rank[0]["qwen3_next with a cache"]
     assert "written by hand" in per_rank[0]["bloom forward"]
-    assert "'conv'" in per_rank[0]["lfm2 generate"]
+    assert "'indexed_attention'" in per_rank[0]["glm_moe_dsa generate"]
     assert "'sdpa'" in per_rank[0]["sdpa loss"]
     assert "later tokens" in per_rank[0]["gemma3 image blocks"]
     assert "its head (LlamaForQuestionAnswering) pools over the sequence" in per_rank[0]["question answering forward"]
