@@ -52,7 +52,10 @@ LINEAR_FAMILIES = ("minimax",)
 # Kimi Delta Attention (a delta rule with a decay per key channel): Kimi Linear (MLA beside it)
 # and Ling's hybrid.
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
-FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
+# xLSTM's mLSTM (a stabilised matrix memory): by heads, not on a ring, no generation (refused).
+XLSTM_FAMILIES = ("xlstm",)
+RING_FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
+FAMILIES = RING_FAMILIES + XLSTM_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
 # key heads / groups than ranks (replicated).
@@ -85,6 +88,8 @@ def hybrid_model(family, attn, world, **extra):
         fields.update(conv_bias=True)
     elif family == "minimax":
         fields.update(block_size=5)
+    elif family == "xlstm":   # hidden 96 at SP 3: 6 heads of q/k dim 8 (qk_dim_factor 0.5)
+        fields = dict(num_heads=6, hidden_size=96, embedding_dim=96) if world == 3 else dict(num_heads=4)
     elif family in KDA_FAMILIES:   # MLA beside it: as many KV heads as query heads (fewer break transformers' decode)
         heads = _ATTENTION[world]["num_attention_heads"]
         fields.update(num_key_value_heads=heads, linear_num_heads=heads, linear_head_dim=16)
@@ -131,6 +136,13 @@ def _training_worker(rank, world, families):
             want = reference_step(reference, DOCUMENTS["two packed documents"])
             got = sp_step(patched, DOCUMENTS["two packed documents"], groups)
             out[(family, "patched")] = largest_error(got, want)
+        if family in XLSTM_FAMILIES and world == 2:
+            try:
+                ukhf.generate(model.eval(), torch.arange(3, 12)[None], groups, max_new_tokens=2)
+                out[(family, "generate")] = None
+            except ukhf.NotSequenceParallelError as error:
+                out[(family, "generate")] = str(error)
+            model.train()
         if family in NEGATIVE_CONTROLS and world == 2:
             with mixers_on_the_local_slice(model), float64_throughout(family):
                 model.zero_grad(set_to_none=True)
@@ -144,7 +156,7 @@ def _training_worker(rank, world, families):
 # One family per mechanism (the head exchange of a delta rule, of a selective scan, of a decayed
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
-NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear")
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm")
 
 
 @contextlib.contextmanager
@@ -184,6 +196,8 @@ def test_training_step_equals_one_process_per_document(world):
                 assert error < TOLERANCE, (world, rank, family, case, error, where)
             if family in NEGATIVE_CONTROLS and world == 2:
                 assert out[(family, "local mixer")][0] > 1e-3, (rank, family, out[(family, "local mixer")])
+            if family in XLSTM_FAMILIES and world == 2:   # refused on every rank, saying why
+                assert "xLSTMCache" in out[(family, "generate")], out[(family, "generate")]
 
 
 # Generation: transformers' own generate needs an attention layer in the model (its mask
@@ -255,12 +269,15 @@ def _ring_worker(rank, world, ulysses, families):
                 with float64_throughout(family):
                     out[(family, case)] = largest_error(sp_step(model, documents, groups),
                                                         reference_step(reference, documents))
-    try:
-        ukhf.generate(hybrid_model("qwen3_next", "ulysses", max(ulysses, 2)).eval(), torch.arange(3, 12)[None], groups,
-                      max_new_tokens=2, do_sample=False)
-        out["generate"] = None
-    except ukhf.NotSequenceParallelError as error:
-        out["generate"] = str(error)
+    refused = {"generate": lambda: ukhf.generate(hybrid_model("qwen3_next", "ulysses", max(ulysses, 2)).eval(),
+                                                 torch.arange(3, 12)[None], groups, max_new_tokens=2, do_sample=False),
+               "xlstm": lambda: sp_step(hybrid_model("xlstm", "ulysses", 2), DOCUMENTS["one uneven document"], groups)}
+    for case, call in refused.items():
+        try:
+            call()
+            out[case] = None
+        except ukhf.NotSequenceParallelError as error:
+            out[case] = str(error)
     return out
 
 
@@ -270,16 +287,18 @@ def test_ring_training_equals_one_process(ulysses):
     """Ulysses x Ring at 2 x 2 and 1 x 4 (23 tokens in 8 chunks of 2-3 tokens, shorter than
     the convolution's window): the recurrence and the convolution pass from chunk to chunk
     (mixer_ring.py), exact against one process per document; generation on a ring is
-    refused on every rank."""
-    per_rank = spawn(_ring_worker, 4, args=(ulysses, FAMILIES), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
-                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    refused on every rank, and so are xLSTM on a ring and xLSTM's generation."""
+    per_rank = spawn(_ring_worker, 4, args=(ulysses, RING_FAMILIES), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
     for rank, out in enumerate(per_rank):
-        for family in FAMILIES:
+        for family in RING_FAMILIES:
             for case in DOCUMENTS:
                 error, where = out[(family, case)]
                 assert error < TOLERANCE, (ulysses, rank, family, case, error, where)
-    messages = {out["generate"] for out in per_rank}
-    assert len(messages) == 1 and "ring" in messages.pop()
+    for case, expected in (("generate", "ring"), ("xlstm", "ring")):
+        messages = {out[case] for out in per_rank}
+        assert len(messages) == 1 and None not in messages, (case, messages)
+        assert expected in messages.pop(), case
 
 
 # ------------------------------------------------- what transformers does to a model afterwards
@@ -531,7 +550,7 @@ def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
                       torch.rand(1, total, 4, dtype=torch.float64, generator=g)])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", RING_FAMILIES)   # xLSTM: the planner has no model of it
 def test_the_planner_counts_the_mixers_parameters(family):
     """`planner.MixerShape` from the model's config: its parameter count is the module's."""
     for world in (2, 3):

@@ -103,8 +103,16 @@ def _sequence_conv(module: nn.Module) -> bool:
     return False
 
 
+# Class names that end in a per-token role: a model named after a mixer names its MLP after
+# itself too (xLSTM's `xLSTMFeedForward`), and the role, not the prefix, says what it does.
+PER_TOKEN_ROLES = ("FeedForward", "MLP", "Mlp", "Norm", "Embedding", "Embeddings", "Experts")
+
+
 def _names_a_mixer(class_name: str) -> bool:
-    """A marker is a run of whole CamelCase words of the class name."""
+    """A marker is a run of whole CamelCase words of the class name (not one that ends in a
+    per-token role)."""
+    if class_name.endswith(PER_TOKEN_ROLES):
+        return False
     words = _CAMEL_WORD.findall(class_name)
     joined = ["".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, min(len(words), i + 3) + 1)]
     return any(marker in joined for marker in MIXER_MARKERS)

@@ -10,20 +10,23 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import gated_deltanet, kimi_delta, lightning, mamba2, short_conv
+from . import gated_deltanet, kimi_delta, lightning, mamba2, short_conv, xlstm
 
 
 class Adapter(NamedTuple):
     """A token mixer's sequence-parallel forward: its kind (a layer kind the guard lets
-    through), `forward(module, hidden_states, ...)`, and `problem(module, world)`: why a
-    module's heads have no placement over `world` Ulysses ranks (None: they have)."""
+    through), `forward(module, hidden_states, ...)`, `problem(module, world)`: why a
+    module's heads have no placement over `world` Ulysses ranks (None: they have), and why
+    it does not generate (None: `ulysses_kernels.hf.generate` runs it)."""
     kind: str
     forward: Callable
     problem: Optional[Callable]
+    no_generation: Optional[str] = None
 
 
-def _for(classes, kind: str, forward: Callable, problem: Callable) -> Dict[str, Adapter]:
-    return {name: Adapter(kind, forward, problem) for name in classes}
+def _for(classes, kind: str, forward: Callable, problem: Callable, no_generation: Optional[str] = None
+         ) -> Dict[str, Adapter]:
+    return {name: Adapter(kind, forward, problem, no_generation) for name in classes}
 
 
 # transformers class name -> its adapter: the whole registry, written here (a new mixer family
@@ -36,6 +39,9 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(short_conv.SHORT_CONV_CLASSES, "short_conv", short_conv.short_conv_forward, None),
     **_for(lightning.LIGHTNING_CLASSES, "lightning", lightning.lightning_forward, lightning.placement_problem),
     **_for(kimi_delta.KDA_CLASSES, "kimi_delta", kimi_delta.kimi_delta_forward, kimi_delta.placement_problem),
+    **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem,
+           no_generation="the model keeps its recurrent state in a cache of its own (xLSTMCache), which the "
+                         "package's decoding cache does not provide"),
 }
 
 
@@ -76,7 +82,7 @@ def adapted_class(base: type) -> type:
     """The subclass of `base` whose forward is its adapter (ADAPTERS), made once per class."""
     made = _ADAPTED_CLASSES.get(base)
     if made is None:
-        kind, forward, _ = ADAPTERS[base.__name__]
+        forward = ADAPTERS[base.__name__].forward
         made = type(base.__name__, (base,), {
             "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),
             "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})
@@ -133,6 +139,16 @@ def replaced_adapter_problem(modules) -> Optional[str]:
         if "forward" in vars(module):
             return (f"{name} ({type(module).__name__}) got a forward of its own after the package adapted it "
                     f"({vars(module)['forward']!r}), which would mix each rank's slice of the sequence only")
+    return None
+
+
+def generation_problem(model: nn.Module) -> Optional[str]:
+    """Why an adapted mixer of `model` does not generate (None: every one does)."""
+    for name, module in model.named_modules():
+        base = _BASE_CLASSES.get(type(module))
+        why = ADAPTERS[base.__name__].no_generation if base is not None else None
+        if why:
+            return f"{name} ({base.__name__}) does not generate sequence-parallel: {why}"
     return None
 
 

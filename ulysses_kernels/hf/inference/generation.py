@@ -67,7 +67,7 @@ from ...distributed.collectives import all_gather_tensor, broadcast_tensor
 from ...layout import split_lengths
 from ..core.attach import sequence_parallel_model
 from ..core.attention import _require_transformers
-from ..families.adapters import adapted_kind, own_cache_class
+from ..families.adapters import adapted_kind, generation_problem, own_cache_class
 from ..families.vision import merged_prompt
 from ..families.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
 from ..model import refusal, unwrap
@@ -90,6 +90,10 @@ def make_cache(model, group=None, *, backend: Optional[str] = None):
     from .cache import head_sharded_cache_class
 
     context = sequence_parallel_model(model, group)
+    problem = generation_problem(unwrap(model))
+    if problem:
+        raise refusal(unwrap(model), problem, "Generate without sequence parallelism (sp_size=1); training runs "
+                                              "sequence-parallel.")
     if context.ring()[1] > 1 and any(adapted_kind(m) for m in unwrap(model).modules()):
         raise refusal(unwrap(model), "its token mixers' conv and recurrent states are kept by heads within a Ulysses "
                                      "group; generation on a ring is not supported for them",
