@@ -31,8 +31,9 @@ class MixerShape:
     head dim (GDN) or the state size (Mamba2; 0); value_dim: the value head dim (GDN) or the
     head dim (Mamba2; the hidden size for a short convolution)."""
 
-    kind: str          # "gated_deltanet", "kimi_delta" (groups = heads), "mamba2", "short_conv" or
-                       # "lightning" (MiniMax: groups = heads, no convolution: conv_kernel 1)
+    kind: str          # "gated_deltanet", "kimi_delta" (groups = heads), "mamba2", "short_conv",
+                       # "lightning" (MiniMax: groups = heads, no convolution: conv_kernel 1) or "mamba1"
+                       # (heads 1, groups 0, key_dim the state, value_dim the channels)
     layers: int
     heads: int
     groups: int
@@ -41,7 +42,10 @@ class MixerShape:
     conv_kernel: int
     conv_bias: bool = True    # Mamba2's convolution bias (Gated DeltaNet has none)
     norm: bool = True         # Mamba2's gated RMSNorm (Falcon-H1's `mamba_rms_norm` may drop it)
-    gate_rank: int = 0        # Kimi Delta Attention's gates: low rank (Kimi Linear: the head dim), 0 full (Ling)
+    gate_rank: int = 0        # Kimi Delta Attention's gates: low rank (Kimi Linear: the head dim), 0 full (Ling);
+                              # Mamba1's dt rank
+    proj_bias: bool = False   # Mamba1's in_proj / out_proj bias
+    norm_weights: bool = False   # Mamba1's dt/B/C norms with weights (Jamba; Falcon-Mamba's are weightless)
 
     @property
     def conv_channels(self) -> int:
@@ -56,6 +60,10 @@ class MixerShape:
             return 4 * hidden * hidden + hidden * self.conv_kernel + 5 * hidden * self.conv_bias
         if self.kind == "lightning":    # qkv_proj, output_gate, out_proj, the norm over all heads
             return 5 * hidden * inner + inner
+        if self.kind == "mamba1":       # in_proj x|z, the convolution, x_proj, dt_proj, A_log, D, out_proj, norms
+            d, n, r = self.value_dim, self.key_dim, self.gate_rank
+            return (2 * hidden * d + d * self.conv_kernel + d * (r + 2 * n) + r * d + d + d * n + d + d * hidden
+                    + self.conv_bias * d + self.proj_bias * (2 * d + hidden) + self.norm_weights * (r + 2 * n))
         if self.kind == "kimi_delta":   # q|k|v, the convolution, the forget and output gates, b, dt_bias, A_log,
             r = self.gate_rank          # the per-head norm, o_proj
             gate = hidden * r + r * inner if r else hidden * inner
@@ -76,6 +84,9 @@ class MixerShape:
         convolution's state is its last inputs, the same on every rank."""
         if self.kind == "short_conv":
             return batch * (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
+        if self.kind == "mamba1":   # the same on every rank: the conv history, the scan state (float32 at least)
+            d, n = self.value_dim, self.key_dim
+            return batch * ((self.conv_kernel - 1) * d * dtype_bytes + d * n * max(4, dtype_bytes))
         heads = max(1, self.heads // sp)
         groups = max(1, self.groups // sp)
         channels = 2 * groups * self.key_dim + heads * self.value_dim
@@ -199,8 +210,11 @@ def layer_kinds(cfg: dict) -> list:
     layers = cfg.get("num_hidden_layers") or 0
     if cfg.get("model_type") == "falcon_h1":
         return ["hybrid"] * layers
-    if cfg.get("model_type") == "mamba2":   # no attention: every layer a Mamba2 mixer
+    if cfg.get("model_type") in ("mamba2", "mamba", "falcon_mamba"):   # no attention: every layer a mixer
         return ["mamba"] * layers
+    if cfg.get("model_type") == "jamba":
+        period, offset = cfg.get("attn_layer_period") or 1, cfg.get("attn_layer_offset") or 0
+        return ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
     if cfg.get("mamba_n_heads") and "attn_layer_indices" in cfg:
         attention = set(cfg.get("attn_layer_indices") or [])
         return ["full_attention" if i in attention else "mamba" for i in range(layers)]
@@ -220,6 +234,14 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
+    if cfg.get("model_type") in ("mamba", "falcon_mamba", "jamba"):   # Mamba1
+        jamba = cfg["model_type"] == "jamba"
+        channels = cfg["mamba_expand"] * cfg["hidden_size"] if jamba else cfg["intermediate_size"]
+        rank = cfg["mamba_dt_rank"] if jamba else cfg["time_step_rank"]
+        return MixerShape("mamba1", layers, 1, 0, cfg["mamba_d_state" if jamba else "state_size"], channels,
+                          cfg["mamba_d_conv" if jamba else "conv_kernel"],
+                          conv_bias=bool(cfg["mamba_conv_bias" if jamba else "use_conv_bias"]), gate_rank=rank,
+                          proj_bias=bool(cfg["mamba_proj_bias" if jamba else "use_bias"]), norm_weights=jamba)
     if cfg.get("model_type") in ("kimi_linear", "bailing_hybrid"):   # Kimi Delta Attention
         heads, head_dim = cfg["linear_num_heads"], cfg["linear_head_dim"]
         return MixerShape("kimi_delta", layers, heads, heads, head_dim, head_dim, cfg["linear_conv_kernel_dim"],

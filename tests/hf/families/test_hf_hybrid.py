@@ -52,9 +52,12 @@ LINEAR_FAMILIES = ("minimax",)
 # Kimi Delta Attention (a delta rule with a decay per key channel): Kimi Linear (MLA beside it)
 # and Ling's hybrid.
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
+# Mamba1 (Mamba, Falcon-Mamba, Jamba): the halo and state passing, no exchange; any SP size.
+MAMBA1_FAMILIES = ("mamba", "falcon_mamba", "jamba")
 # xLSTM's mLSTM (a stabilised matrix memory): by heads, not on a ring, no generation (refused).
 XLSTM_FAMILIES = ("xlstm",)
-RING_FAMILIES = DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
+RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
+                 + MAMBA1_FAMILIES)
 FAMILIES = RING_FAMILIES + XLSTM_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
@@ -109,7 +112,7 @@ def float64_throughout(family):
 
     if family in KDA_FAMILIES:   # its rule in float32 measured up to 6e-7: the float64 twin (the gates stay float32)
         return float64_delta_rule()
-    return hf_keeps_float64() if family in MAMBA2_FAMILIES else contextlib.nullcontext()
+    return hf_keeps_float64() if family in MAMBA2_FAMILIES + MAMBA1_FAMILIES else contextlib.nullcontext()
 
 
 def _training_worker(rank, world, families):
@@ -156,7 +159,7 @@ def _training_worker(rank, world, families):
 # One family per mechanism (the head exchange of a delta rule, of a selective scan, of a decayed
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
-NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm")
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm", "mamba")
 
 
 @contextlib.contextmanager
@@ -203,7 +206,8 @@ def test_training_step_equals_one_process_per_document(world):
 # Generation: transformers' own generate needs an attention layer in the model (its mask
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
-                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax", "kimi_linear", "bailing_hybrid")
+                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax", "kimi_linear", "bailing_hybrid",
+                       "mamba", "falcon_mamba", "jamba")
 PROMPT, NEW_TOKENS = 13, 6
 
 
@@ -218,8 +222,8 @@ def _generation_worker(rank, world, families):
     ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
     out = {}
     for family in families:
-        # SDPA: refused by a model without attention (Mamba2), fails in transformers' Kimi Linear (MLA's heads)
-        reference_attention = "eager" if family in ("mamba2",) + KDA_FAMILIES else "sdpa"
+        # SDPA: refused by a model without attention (Mamba2, Mamba), fails in transformers' Kimi Linear (MLA's heads)
+        reference_attention = "eager" if family in ("mamba2", "mamba", "falcon_mamba") + KDA_FAMILIES else "sdpa"
         reference, model = generation_model(family, reference_attention, world), generation_model(family, "ulysses", world)
         with torch.no_grad():
             want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)

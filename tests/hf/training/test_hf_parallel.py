@@ -34,3 +34,34 @@ def test_example_train_hf_runs():
     losses = [r["example"] for r in _run(2)]
     assert losses[0] == losses[1] and len(losses[0]) == 3
     assert all(torch.isfinite(torch.tensor(losses[0]))) and losses[0][-1] < losses[0][0], losses[0]
+
+
+def _uneven_use_worker(rank, world):
+    """Three parameters: one every rank uses, one only rank 0 uses (an expert only its tokens
+    chose; a rank without tokens), one no rank uses; DP 2 x SP 2."""
+    import ulysses_kernels as uk
+    from ulysses_kernels.hf import allreduce_gradients
+
+    groups = uk.init_sequence_parallel(2)
+    everyone, only_rank0, nobody = (torch.nn.Parameter(torch.full((3,), float(i + 1), dtype=torch.float64))
+                                    for i in range(3))
+    loss = (everyone * (rank + 1)).sum()
+    if rank == 0:
+        loss = loss + (only_rank0 * 2).sum()
+    loss.backward()
+    allreduce_gradients([everyone, only_rank0, nobody], groups)
+    return everyone.grad.tolist(), None if only_rank0.grad is None else only_rank0.grad.tolist(), nobody.grad
+
+
+def test_gradients_reduce_when_some_ranks_did_not_reach_a_parameter():
+    """allreduce_gradients agrees which parameters any rank reached: rank 0's only gradient is
+    summed over its SP group and averaged over DP on every rank (zeros elsewhere), not left out
+    on the ranks without it (the buffers would differ in layout across ranks); a parameter no
+    rank reached keeps no gradient, as on one device."""
+    from ulysses_kernels.launch import spawn
+
+    for everyone, only_rank0, nobody in spawn(_uneven_use_worker, 4, timeout=120):
+        # SP groups {0, 1} and {2, 3}: sums 1 + 2 and 3 + 4, averaged over the two DP groups
+        assert everyone == [5.0, 5.0, 5.0]
+        assert only_rank0 == [1.0, 1.0, 1.0]   # (2 + 0) over SP group 0, (0 + 0) over group 1, averaged
+        assert nobody is None

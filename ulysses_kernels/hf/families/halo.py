@@ -99,7 +99,10 @@ def _table(x: torch.Tensor, layout: SequenceLayout, width: int, before: Optional
         tails.append(torch.cat([piece.new_zeros(B, width - piece.shape[1], C), piece], dim=1))
         offset += n
     tails += [x.new_zeros(B, width, C)] * (slots - len(tails))
-    gathered = _gather(torch.cat(tails, dim=1), layout)
+    tails = torch.cat(tails, dim=1)
+    if torch.is_grad_enabled() and x.requires_grad and not tails.requires_grad:
+        tails = tails + 0 * x.sum()   # a rank without tokens: its peers' gathers have a backward it must join
+    gathered = _gather(tails, layout)
     head = before.to(x.dtype) if before is not None else x.new_zeros(B, width, C)
     rows = {-width + i: i for i in range(width)}
     for rank, ranges in enumerate(layout.ranges):

@@ -149,14 +149,21 @@ def _segment_edges(bounds, start: int, n: int) -> Tuple[List[int], bool]:
     return [0] + inside + [n], start == 0 or start in bounds
 
 
-def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion: RingPortion, cu_seqlens) -> torch.Tensor:
+def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion, cu_seqlens, *,
+                    initial: Optional[torch.Tensor] = None, with_final: bool = False):
     """The recurrence over the whole sequence (the module doc): `pieces` holds, for each of
-    this rank's two chunks, the tensors `ops.run` takes (`[B, n, ...]`); returns the
-    outputs of the portion `[B, P, ...]`."""
+    this rank's chunks (`portion.segments`: a ring's two, or the ranges of the sequence
+    layout, state_passing.py), the tensors `ops.run` takes (`[B, n, ...]`); returns the
+    outputs of the portion `[B, P, ...]`. `initial`: the state entering the sequence
+    (generation's, one document; None: zero); `with_final`: also the state leaving it, the
+    same on every rank."""
     bounds = document_bounds(cu_seqlens, portion.total)
     finals, transitions, plans = [], [], []
+    if initial is not None and bounds is not None:
+        raise ValueError("ulysses_kernels.hf: a recurrence continuing from a state runs one document")
     for inputs, (start, n) in zip(pieces, portion.segments):
         edges, fresh = _segment_edges(bounds, start, n)
+        fresh = fresh and initial is None   # continuing from `initial`: position 0 starts no document
         plans.append((edges, fresh))
         if n == 0:   # an empty chunk passes the state through
             finals.append(ops.zero_state(inputs))
@@ -168,7 +175,8 @@ def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion: Ring
         transitions.append(ops.transition(inputs) if carries else torch.zeros_like(ops.identity(inputs)))
     anchor = pieces[0][0]
     every_final, every_transition = portion.gather(finals, anchor), portion.gather(transitions, anchor)
-    state, entering = torch.zeros_like(every_final[0]), []
+    state = torch.zeros_like(every_final[0]) if initial is None else initial.to(every_final[0].dtype)
+    entering = []
     for transition, final in zip(every_transition, every_final):
         entering.append(state)
         state = ops.carry(transition, state) + final
@@ -176,12 +184,15 @@ def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion: Ring
     for inputs, chunk, (edges, fresh), (_, n) in zip(pieces, portion.chunks, plans, portion.segments):
         for a, b in zip(edges[:-1], edges[1:]):
             if b > a:
-                initial = entering[chunk] if (a == 0 and not fresh) else None
-                out.append(ops.run([t[:, a:b] for t in inputs], initial)[0])
-    return tie_to(torch.cat(out, dim=1), every_final + every_transition)
+                start = entering[chunk] if (a == 0 and not fresh) else None
+                out.append(ops.run([t[:, a:b] for t in inputs], start)[0])
+    empty = [t[:, :0] for t in pieces[0]]
+    result = torch.cat(out, dim=1) if out else ops.run(empty, None)[0]
+    result = tie_to(result, every_final + every_transition)
+    return (result, state) if with_final else result
 
 
-def portion_pieces(portion: RingPortion, tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
-    """The tensors of a portion `[B, P, ...]` cut into this rank's two chunks."""
+def portion_pieces(portion, tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """The tensors of a portion `[B, P, ...]` cut into this rank's chunks."""
     split = [portion.split(t) for t in tensors]
-    return [[s[i] for s in split] for i in range(2)]
+    return [[s[i] for s in split] for i in range(len(portion.segments))]

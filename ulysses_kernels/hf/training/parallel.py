@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...distributed.groups import ParallelGroups, resolve_group
+from ...distributed.groups import ParallelGroups, collective_device, resolve_group
 from ..model import wrapped_blocks
 
 
@@ -15,28 +15,34 @@ def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
     """Reduce gradients of replicated parameters after `backward` without DDP/FSDP:
     SUM over the SP group (each rank holds the gradient of its own tokens) and MEAN over
     the DP group (each DP rank had its own batch). Gradients are flattened into one
-    buffer per dtype (one collective per group and dtype). `sp_group` may be
-    `init_sequence_parallel`'s groups: its SP group (the whole Ulysses x Ring grid) and
-    DP group.
+    buffer per dtype (one collective per group and dtype), after one small all-reduce that
+    agrees which parameters any rank holds a gradient for (`_used_on_some_rank`). `sp_group`
+    may be `init_sequence_parallel`'s groups: its SP group (the whole Ulysses x Ring grid)
+    and DP group.
     """
     if isinstance(sp_group, ParallelGroups):
         sp_group, dp_group = sp_group.sp_group, dp_group if dp_group is not None else sp_group.dp_group
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    params = [p for p in params if p.requires_grad]
+    todo = []
+    for group, average in [(sp_group, False)] + ([(dp_group, True)] if dp_group is not None else []):
+        group, world, _ = resolve_group(group)   # sp_group None = the default group (package convention)
+        if group is not None and world > 1:
+            todo.append((group, world, average))
+    if not todo or not params:
         return
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+    grads = []
+    for p, used in zip(params, _used_on_some_rank(params, todo)):
+        if used and p.grad is None:   # used by another rank's tokens only: this rank's gradient is zero
+            p.grad = torch.zeros_like(p)
+        if used:
+            grads.append(p.grad)
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
-    todo = [(sp_group, False)]  # sp_group None = the default group (package convention)
-    if dp_group is not None:
-        todo.append((dp_group, True))
-    for group, average in todo:
-        group, world, _ = resolve_group(group)
-        if group is None or world == 1:
-            continue
+    for group, world, average in todo:
         for gs in by_dtype.values():
             flat = _flatten_dense_tensors(gs)
             dist.all_reduce(flat, group=group)
@@ -44,6 +50,19 @@ def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
                 flat.div_(world)
             for g, r in zip(gs, _unflatten_dense_tensors(flat, gs)):
                 g.copy_(r)
+
+
+def _used_on_some_rank(params: Sequence[nn.Parameter], todo) -> List[bool]:
+    """Per parameter: whether any rank of the groups holds a gradient for it (one small
+    all-reduce per group and one read). A parameter only some ranks' tokens reached (a rank
+    without tokens, an expert no token of this rank chose) must still be reduced on every
+    rank, or the ranks would reduce buffers of different layouts; one no rank reached keeps
+    no gradient, as on one device."""
+    used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                        device=collective_device(todo[0][0]))
+    for group, _, _ in todo:
+        dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
+    return [bool(u) for u in used.tolist()]
 
 
 def apply_ddp(model: nn.Module, groups, **ddp_kwargs):

@@ -1,0 +1,114 @@
+"""State passing over the sequence layout (ulysses_kernels/hf/families/state_passing.py): a
+selective scan (Mamba1's, a diagonal transition) run on the sequence shards, each continuing
+from the state its peers pass, against the scan on one process over each document, output
+and every gradient, float64: worlds 1-4, pure Ulysses and Ulysses x Ring (2 x 2, 1 x 4), shards
+of one token and none, packed documents whose boundaries do not line up with the shards; a
+sharded generation chunk continuing from a state, whose leaving state every rank holds.
+
+The scan run on each shard from zero (the negative control) is off by far more.
+"""
+
+import pytest
+import torch
+from helpers import SPAWN_TIMEOUT, rel_err
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install -e '.[hf]' in the checkout)")
+
+from ulysses_kernels.hf.families.halo import contiguous_layout, training_layout  # noqa: E402
+from ulysses_kernels.hf.families.mamba1 import SelectiveScan  # noqa: E402
+from ulysses_kernels.hf.families.mixers import over_documents  # noqa: E402
+from ulysses_kernels.hf.families.state_passing import layout_recurrence  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+CHANNELS, STATE = 3, 4
+# (total, documents): long shards; 3 tokens on up to 4 ranks (a rank without tokens); documents
+# inside and at the edges of shards.
+CASES = [(23, None), (23, [0, 9, 23]), (3, None), (11, [0, 1, 6, 11])]
+
+
+def _inputs(total, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, total, CHANNELS, generator=g, dtype=torch.float64)
+    dt = torch.rand(2, total, CHANNELS, generator=g, dtype=torch.float64) * 0.5
+    B, C = (torch.randn(2, total, STATE, generator=g, dtype=torch.float64) for _ in range(2))
+    A = -torch.rand(CHANNELS, STATE, generator=g, dtype=torch.float64) - 0.1
+    grad = torch.randn(2, total, CHANNELS, generator=g, dtype=torch.float64)
+    return [x, dt, B, C], A, grad
+
+
+def _one_process(tensors, A, grad, cu):
+    leaves = [t.clone().requires_grad_() for t in tensors + [A]]
+    out = over_documents(lambda *t: SelectiveScan(leaves[-1]).run(list(t), None)[0], leaves[:-1], cu)
+    (out * grad).sum().backward()
+    return out.detach(), [leaf.grad for leaf in leaves]
+
+
+def _pieces(t, ranges):
+    return torch.cat([t[:, :0]] + [t[:, s:s + n] for s, n in ranges], dim=1)
+
+
+def _worker(rank, world, ring):
+    import torch.distributed as dist
+
+    import ulysses_kernels as uk
+    from ulysses_kernels.hf.context import SequenceParallelContext
+    from ulysses_kernels.ring.layout import sp_lengths
+
+    context = SequenceParallelContext(uk.init_sequence_parallel(world, ring_size=ring))
+    errors = {}
+    for index, (total, documents) in enumerate(CASES):
+        tensors, A, grad = _inputs(total, seed=index)
+        cu = torch.tensor(documents) if documents else None
+        want, want_grads = _one_process(tensors, A, grad, cu)
+        layout = training_layout(context, sp_lengths(total, ring, world // ring))
+        mine = layout.ranges[layout.mine]
+        local = [_pieces(t, mine).clone().requires_grad_() for t in tensors]
+        a = A.clone().requires_grad_()
+        out = layout_recurrence(SelectiveScan(a), local, layout, cu)
+        (out * _pieces(grad, mine)).sum().backward()
+        da = a.grad.clone() if a.grad is not None else torch.zeros_like(a)   # a rank without tokens
+        dist.all_reduce(da)
+        alone = SelectiveScan(A).run([t.detach() for t in local], None)[0]
+        held = sum(n for _, n in mine) > 0   # a rank of the 3-token case at world 4 holds none
+        errors[index] = dict(
+            out=rel_err(out.detach(), _pieces(want, mine)) if held else 0.0,
+            grads=max([rel_err(t.grad, _pieces(w, mine)) for t, w in zip(local, want_grads)] if held else [0.0]),
+            dA=rel_err(da, want_grads[-1]),
+            alone=rel_err(alone, _pieces(want, mine)) if held else 0.0)
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,ring", [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2), (4, 4)])
+def test_the_scan_with_passed_states_equals_one_process(world, ring):
+    per_rank = spawn(_worker, world, args=(ring,), timeout=SPAWN_TIMEOUT)
+    for rank, errors in enumerate(per_rank):
+        for index, e in errors.items():
+            assert max(e["out"], e["grads"], e["dA"]) < 1e-13, (world, ring, rank, CASES[index], e)
+    if world > 1:   # a rank after the first scanning its shard from zero is far off
+        assert max(e["alone"] for errors in per_rank for e in errors.values()) > 1e-2
+
+
+def _chunk_worker(rank, world):
+    from ulysses_kernels.distributed.groups import resolve_group
+    from ulysses_kernels.layout import split_lengths
+
+    errors = []
+    for total in (13, 3):
+        tensors, A, _ = _inputs(total, seed=total)
+        initial = torch.randn(2, CHANNELS, STATE, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        want, want_final = SelectiveScan(A).run(tensors, initial)
+        layout = contiguous_layout(resolve_group(None), split_lengths(total, world))
+        mine = layout.ranges[layout.mine]
+        out, final = layout_recurrence(SelectiveScan(A), [_pieces(t, mine) for t in tensors], layout, None,
+                                       initial=initial, with_final=True)
+        errors.append(max(rel_err(out, _pieces(want, mine)) if out.shape[1] else 0.0, rel_err(final, want_final)))
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_sharded_chunk_continues_from_the_state_and_leaves_it_on_every_rank(world):
+    for errors in spawn(_chunk_worker, world, timeout=SPAWN_TIMEOUT):
+        assert max(errors) < 1e-13, errors
