@@ -234,14 +234,15 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
-    if cfg.get("model_type") in ("mamba", "falcon_mamba", "jamba"):   # Mamba1
-        jamba = cfg["model_type"] == "jamba"
+    if cfg.get("model_type") in ("mamba", "falcon_mamba", "jamba", "zamba"):   # Mamba1 (Zamba: its heads split
+        jamba = cfg["model_type"] in ("jamba", "zamba")                        # x_proj and dt_proj, same sizes)
         channels = cfg["mamba_expand"] * cfg["hidden_size"] if jamba else cfg["intermediate_size"]
         rank = cfg["mamba_dt_rank"] if jamba else cfg["time_step_rank"]
         return MixerShape("mamba1", layers, 1, 0, cfg["mamba_d_state" if jamba else "state_size"], channels,
                           cfg["mamba_d_conv" if jamba else "conv_kernel"],
                           conv_bias=bool(cfg["mamba_conv_bias" if jamba else "use_conv_bias"]), gate_rank=rank,
-                          proj_bias=bool(cfg["mamba_proj_bias" if jamba else "use_bias"]), norm_weights=jamba)
+                          proj_bias=bool(cfg["mamba_proj_bias" if jamba else "use_bias"]),
+                          norm_weights=cfg["model_type"] == "jamba")
     if cfg.get("model_type") in ("kimi_linear", "bailing_hybrid"):   # Kimi Delta Attention
         heads, head_dim = cfg["linear_num_heads"], cfg["linear_head_dim"]
         return MixerShape("kimi_delta", layers, heads, heads, head_dim, head_dim, cfg["linear_conv_kernel_dim"],

@@ -53,7 +53,7 @@ LINEAR_FAMILIES = ("minimax",)
 # and Ling's hybrid.
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
 # Mamba1 (Mamba, Falcon-Mamba, Jamba): the halo and state passing, no exchange; any SP size.
-MAMBA1_FAMILIES = ("mamba", "falcon_mamba", "jamba")
+MAMBA1_FAMILIES = ("mamba", "falcon_mamba", "jamba", "zamba")
 # xLSTM's mLSTM (a stabilised matrix memory): by heads, not on a ring, no generation (refused).
 XLSTM_FAMILIES = ("xlstm",)
 RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
@@ -207,7 +207,7 @@ def test_training_step_equals_one_process_per_document(world):
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
                        "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax", "kimi_linear", "bailing_hybrid",
-                       "mamba", "falcon_mamba", "jamba")
+                       "mamba", "falcon_mamba", "jamba", "zamba")
 PROMPT, NEW_TOKENS = 13, 6
 
 
