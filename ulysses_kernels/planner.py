@@ -32,8 +32,9 @@ class MixerShape:
     head dim (Mamba2; the hidden size for a short convolution)."""
 
     kind: str          # "gated_deltanet", "kimi_delta" (groups = heads), "mamba2", "short_conv",
-                       # "lightning" (MiniMax: groups = heads, no convolution: conv_kernel 1) or "mamba1"
-                       # (heads 1, groups 0, key_dim the state, value_dim the channels)
+                       # "lightning" (MiniMax: groups = heads, no convolution: conv_kernel 1), "mamba1"
+                       # (heads 1, groups 0, key_dim the state, value_dim the channels) or "rg_lru"
+                       # (heads: the gates' blocks, value_dim the LRU width)
     layers: int
     heads: int
     groups: int
@@ -60,6 +61,10 @@ class MixerShape:
             return 4 * hidden * hidden + hidden * self.conv_kernel + 5 * hidden * self.conv_bias
         if self.kind == "lightning":    # qkv_proj, output_gate, out_proj, the norm over all heads
             return 5 * hidden * inner + inner
+        if self.kind == "rg_lru":       # linear_x, linear_y, linear_out, the convolution (biases), the two gates
+            width, block = self.value_dim, self.value_dim // self.heads   # (one block per head), recurrent_param
+            return 3 * hidden * width + 2 * width + hidden + width * self.conv_kernel + width + 2 * (width * block
+                                                                                                  + width) + width
         if self.kind == "mamba1":       # in_proj x|z, the convolution, x_proj, dt_proj, A_log, D, out_proj, norms
             d, n, r = self.value_dim, self.key_dim, self.gate_rank
             return (2 * hidden * d + d * self.conv_kernel + d * (r + 2 * n) + r * d + d + d * n + d + d * hidden
@@ -84,6 +89,8 @@ class MixerShape:
         convolution's state is its last inputs, the same on every rank."""
         if self.kind == "short_conv":
             return batch * (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
+        if self.kind == "rg_lru":   # the same on every rank: the conv history, the recurrent state (float32 at least)
+            return batch * ((self.conv_kernel - 1) * self.value_dim * dtype_bytes + self.value_dim * max(4, dtype_bytes))
         if self.kind == "mamba1":   # the same on every rank: the conv history, the scan state (float32 at least)
             d, n = self.value_dim, self.key_dim
             return batch * ((self.conv_kernel - 1) * d * dtype_bytes + d * n * max(4, dtype_bytes))
@@ -168,7 +175,7 @@ def shape_from_config(path: str) -> ModelShape:
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid")
 # "hybrid": attention beside a Mamba2 mixer (Falcon-H1); "conv": LFM2's short convolutions
-MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "conv")
+MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "conv", "recurrent")
 
 
 def shape_from_dict(cfg: dict) -> ModelShape:
@@ -212,6 +219,9 @@ def layer_kinds(cfg: dict) -> list:
         return ["hybrid"] * layers
     if cfg.get("model_type") in ("mamba2", "mamba", "falcon_mamba"):   # no attention: every layer a mixer
         return ["mamba"] * layers
+    if cfg.get("model_type") == "recurrent_gemma":   # a pattern of block types the layers repeat
+        pattern = cfg.get("block_types") or []
+        return ["recurrent" if pattern[i % len(pattern)] == "recurrent" else "sliding_attention" for i in range(layers)]
     if cfg.get("model_type") == "jamba":
         period, offset = cfg.get("attn_layer_period") or 1, cfg.get("attn_layer_offset") or 0
         return ["full_attention" if i % period == offset else "mamba" for i in range(layers)]
@@ -234,6 +244,8 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
+    if cfg.get("model_type") == "recurrent_gemma":   # Griffin's RG-LRU: heads = its gates' blocks
+        return MixerShape("rg_lru", layers, cfg["num_attention_heads"], 0, 0, cfg["lru_width"], cfg["conv1d_width"])
     if cfg.get("model_type") in ("mamba", "falcon_mamba", "jamba", "zamba"):   # Mamba1 (Zamba: its heads split
         jamba = cfg["model_type"] in ("jamba", "zamba")                        # x_proj and dt_proj, same sizes)
         channels = cfg["mamba_expand"] * cfg["hidden_size"] if jamba else cfg["intermediate_size"]

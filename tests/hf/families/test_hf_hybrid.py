@@ -54,10 +54,13 @@ LINEAR_FAMILIES = ("minimax",)
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
 # Mamba1 (Mamba, Falcon-Mamba, Jamba): the halo and state passing, no exchange; any SP size.
 MAMBA1_FAMILIES = ("mamba", "falcon_mamba", "jamba", "zamba")
+# RecurrentGemma (Griffin's RG-LRU, the halo and state passing): two recurrent layers and a local
+# attention layer with a window of 7.
+RG_LRU_FAMILIES = ("recurrent_gemma",)
 # xLSTM's mLSTM (a stabilised matrix memory): by heads, not on a ring, no generation (refused).
 XLSTM_FAMILIES = ("xlstm",)
 RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
-                 + MAMBA1_FAMILIES)
+                 + MAMBA1_FAMILIES + RG_LRU_FAMILIES)
 FAMILIES = RING_FAMILIES + XLSTM_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
@@ -91,6 +94,9 @@ def hybrid_model(family, attn, world, **extra):
         fields.update(conv_bias=True)
     elif family == "minimax":
         fields.update(block_size=5)
+    elif family in RG_LRU_FAMILIES:   # the LRU's blocks: one per head
+        fields.update(num_hidden_layers=3, attention_window_size=7,
+                      lru_width=16 * _ATTENTION[world]["num_attention_heads"])
     elif family == "xlstm":   # hidden 96 at SP 3: 6 heads of q/k dim 8 (qk_dim_factor 0.5)
         fields = dict(num_heads=6, hidden_size=96, embedding_dim=96) if world == 3 else dict(num_heads=4)
     elif family in KDA_FAMILIES:   # MLA beside it: as many KV heads as query heads (fewer break transformers' decode)
@@ -159,7 +165,7 @@ def _training_worker(rank, world, families):
 # One family per mechanism (the head exchange of a delta rule, of a selective scan, of a decayed
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
-NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm", "mamba")
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm", "mamba", "recurrent_gemma")
 
 
 @contextlib.contextmanager
@@ -207,7 +213,7 @@ def test_training_step_equals_one_process_per_document(world):
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
                        "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax", "kimi_linear", "bailing_hybrid",
-                       "mamba", "falcon_mamba", "jamba", "zamba")
+                       "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma")
 PROMPT, NEW_TOKENS = 13, 6
 
 

@@ -137,9 +137,11 @@ def module_problem(model: nn.Module) -> Optional[str]:
             if any(name == a or name.startswith(a + ".") for a in adapted):   # made sequence-parallel (mixers.py)
                 continue
             # A module holding an adapted mixer is named after it (Zamba2's `Zamba2MambaDecoderLayer`
-            # around its adapted `Zamba2MambaMixer`): its name says nothing of its own forward,
-            # whose convolutions and recurrent modules are still checked.
-            holds_adapted = any(name == "" or a.startswith(name + ".") for a in adapted)
+            # around its adapted `Zamba2MambaMixer`), and a decoder layer after its model
+            # (RecurrentGemma's attention layers are `RecurrentGemmaDecoderLayer`s): their names
+            # say nothing of their own forward, whose convolutions and recurrent modules are still
+            # checked (and a layer's attention calls, at the first forward: `install_call_checks`).
+            holds_adapted = name == "" or any(a.startswith(name + ".") for a in adapted)
             what = None
             cls = type(module).__name__
             if _sequence_conv(module):
@@ -271,9 +273,12 @@ def adapted_layer_kinds(model: nn.Module) -> frozenset:
     adapted = [any(adapted_kind(m) for m in layer.modules()) for layer in layers]
     kinds = set()
     for sub in text_configs(config) if config is not None else []:
-        for _, per_layer in _layer_kinds(sub):
-            if len(per_layer) != len(layers):
+        for _, listed in _layer_kinds(sub):
+            if not layers:
                 continue
+            # one kind per layer, or a pattern the layers repeat (RecurrentGemma's `block_types`)
+            per_layer = listed if len(listed) == len(layers) else \
+                [listed[i % len(listed)] for i in range(len(layers))]
             for kind in set(per_layer):
                 if all(adapted[i] for i, k in enumerate(per_layer) if k == kind):
                     kinds.add(kind)

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import gated_deltanet, kimi_delta, lightning, mamba1, mamba2, short_conv, xlstm
+from . import gated_deltanet, kimi_delta, lightning, mamba1, mamba2, rg_lru, short_conv, xlstm
 
 
 class Adapter(NamedTuple):
@@ -40,6 +40,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(lightning.LIGHTNING_CLASSES, "lightning", lightning.lightning_forward, lightning.placement_problem),
     **_for(kimi_delta.KDA_CLASSES, "kimi_delta", kimi_delta.kimi_delta_forward, kimi_delta.placement_problem),
     **_for(mamba1.MAMBA1_CLASSES, "mamba1", mamba1.mamba1_forward, mamba1.placement_problem),
+    **_for(rg_lru.RG_LRU_CLASSES, "rg_lru", rg_lru.recurrent_block_forward, None),
     **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem,
            no_generation="the model keeps its recurrent state in a cache of its own (xLSTMCache), which the "
                          "package's decoding cache does not provide"),
