@@ -110,6 +110,8 @@ def head_error(got, want):
         return float("inf"), f"values of shape {tuple(values.shape)}, not {tuple(want_values.shape)}"
     worst, where = largest_error((loss, grads), (want_loss, want_grads))
     value_error = float((values.double() - want_values.double()).norm() / want_values.double().norm())
+    if not value_error < float("inf"):   # NaN compares false with everything: never exact
+        return float("inf"), "values (not finite)"
     return (value_error, "values") if value_error > worst else (worst, where)
 
 

@@ -154,6 +154,9 @@ def largest_error(got, want):
         if name in grads:
             diff = float((grads[name].double() - g.double()).norm())
             errors[name] = diff / max(float(g.double().norm()), floor)
+    not_finite = [name for name, e in errors.items() if e != e or e == float("inf")]
+    if not_finite:   # NaN compares false with everything: name it as the worst, never as exact
+        return float("inf"), f"{not_finite[0]} (not finite)"
     worst = max(errors, key=errors.get)
     return errors[worst], worst
 

@@ -89,9 +89,12 @@ class _Stack(nn.Module):
 def test_sequence_mixing_modules_inside_the_layers_are_refused():
     assert guard.module_problem(_Stack(nn.Linear(8, 8))) is None
     assert guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=1))) is None   # per token
-    assert "convolution along the sequence" in guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=4)))
+    assert "convolution or token shift along the sequence" in guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=4)))
     assert "decoder layer 1, extra" in guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=4, groups=8)))
     assert "recurrent module (GRU)" in guard.module_problem(_Stack(nn.GRU(8, 8)))
+    # a token shift (RWKV's `time_shift`): the previous token, by padding the sequence
+    assert "ZeroPad2d, padding (0, 0, 1, -1)" in guard.module_problem(_Stack(nn.ZeroPad2d((0, 0, 1, -1))))
+    assert guard.module_problem(_Stack(nn.ZeroPad2d((1, 1, 0, 0)))) is None   # along the channels
 
 
 def test_a_short_convolution_inside_the_attention_is_found():
@@ -100,7 +103,7 @@ def test_a_short_convolution_inside_the_attention_is_found():
     from tiny_models import causal_lm_class
 
     model = causal_lm_class("inkling_text")._from_config(tiny_config("inkling_text"))
-    assert "self_attn.k_sconv.conv1d holds a convolution along the sequence" in guard.module_problem(model)
+    assert "self_attn.k_sconv.conv1d holds a convolution or token shift along the sequence" in guard.module_problem(model)
 
 
 def test_models_that_number_positions_themselves_are_refused():

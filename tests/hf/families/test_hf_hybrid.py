@@ -57,10 +57,18 @@ MAMBA1_FAMILIES = ("mamba", "falcon_mamba", "jamba", "zamba")
 # RecurrentGemma (Griffin's RG-LRU, the halo and state passing): two recurrent layers and a local
 # attention layer with a window of 7.
 RG_LRU_FAMILIES = ("recurrent_gemma",)
+# RWKV-4 (token shifts by the halo, WKV by state passing in log space): no generation (refused).
+RWKV_FAMILIES = ("rwkv",)
 # xLSTM's mLSTM (a stabilised matrix memory): by heads, not on a ring, no generation (refused).
 XLSTM_FAMILIES = ("xlstm",)
 RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
-                 + MAMBA1_FAMILIES + RG_LRU_FAMILIES)
+                 + MAMBA1_FAMILIES + RG_LRU_FAMILIES + RWKV_FAMILIES)
+NO_GENERATION = {"xlstm": "xLSTMCache", "rwkv": "a list of its own"}   # refused on every rank, saying why
+# One family of each mechanism: the gated delta rule (two projection layouts), Mamba2, KDA,
+# lightning attention, the halo, Mamba1 and the RG-LRU by state passing (and RWKV's state in
+# log space on a ring: it does not generate).
+ONE_PER_MECHANISM = ("qwen3_next", "olmo_hybrid", "bamba", "kimi_linear", "minimax", "lfm3", "mamba",
+                     "recurrent_gemma")
 FAMILIES = RING_FAMILIES + XLSTM_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
@@ -97,6 +105,8 @@ def hybrid_model(family, attn, world, **extra):
     elif family in RG_LRU_FAMILIES:   # the LRU's blocks: one per head
         fields.update(num_hidden_layers=3, attention_window_size=7,
                       lru_width=16 * _ATTENTION[world]["num_attention_heads"])
+    elif family in RWKV_FAMILIES:   # no in-place weight rescaling in eval mode
+        fields = dict(rescale_every=0)
     elif family == "xlstm":   # hidden 96 at SP 3: 6 heads of q/k dim 8 (qk_dim_factor 0.5)
         fields = dict(num_heads=6, hidden_size=96, embedding_dim=96) if world == 3 else dict(num_heads=4)
     elif family in KDA_FAMILIES:   # MLA beside it: as many KV heads as query heads (fewer break transformers' decode)
@@ -145,7 +155,7 @@ def _training_worker(rank, world, families):
             want = reference_step(reference, DOCUMENTS["two packed documents"])
             got = sp_step(patched, DOCUMENTS["two packed documents"], groups)
             out[(family, "patched")] = largest_error(got, want)
-        if family in XLSTM_FAMILIES and world == 2:
+        if family in NO_GENERATION and world == 2:
             try:
                 ukhf.generate(model.eval(), torch.arange(3, 12)[None], groups, max_new_tokens=2)
                 out[(family, "generate")] = None
@@ -165,7 +175,8 @@ def _training_worker(rank, world, families):
 # One family per mechanism (the head exchange of a delta rule, of a selective scan, of a decayed
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
-NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm", "mamba", "recurrent_gemma")
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm", "mamba", "recurrent_gemma",
+                     "rwkv")
 
 
 @contextlib.contextmanager
@@ -205,8 +216,8 @@ def test_training_step_equals_one_process_per_document(world):
                 assert error < TOLERANCE, (world, rank, family, case, error, where)
             if family in NEGATIVE_CONTROLS and world == 2:
                 assert out[(family, "local mixer")][0] > 1e-3, (rank, family, out[(family, "local mixer")])
-            if family in XLSTM_FAMILIES and world == 2:   # refused on every rank, saying why
-                assert "xLSTMCache" in out[(family, "generate")], out[(family, "generate")]
+            if family in NO_GENERATION and world == 2:   # refused on every rank, saying why
+                assert NO_GENERATION[family] in out[(family, "generate")], out[(family, "generate")]
 
 
 # Generation: transformers' own generate needs an attention layer in the model (its mask
@@ -252,11 +263,13 @@ def test_generation_equals_one_process(world):
     """Greedy `ukhf.generate` (the prompt prefilled whole, and in chunks of 4 that carry the
     conv and recurrent states) gives `model.generate`'s tokens on every rank, batch 2;
     prefill logits in chunks of 5 against one process; the states each rank holds are what
-    the planner counts (`MixerShape.state_bytes`)."""
-    per_rank = spawn(_generation_worker, world, args=(GENERATION_FAMILIES,), timeout=SLOW_SPAWN_TIMEOUT,
+    the planner counts (`MixerShape.state_bytes`). Every family at SP 2, one per mechanism at
+    SP 3 and 4 (the suite's time)."""
+    families = GENERATION_FAMILIES if world == 2 else ONE_PER_MECHANISM
+    per_rank = spawn(_generation_worker, world, args=(families,), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
     for rank, out in enumerate(per_rank):
-        for family in GENERATION_FAMILIES:
+        for family in families:
             r = out[family]
             assert r["whole"] and r["chunked"], (world, rank, family, r)
             assert r["logits"] < TOLERANCE, (world, rank, family, r)
@@ -296,12 +309,14 @@ def _ring_worker(rank, world, ulysses, families):
 def test_ring_training_equals_one_process(ulysses):
     """Ulysses x Ring at 2 x 2 and 1 x 4 (23 tokens in 8 chunks of 2-3 tokens, shorter than
     the convolution's window): the recurrence and the convolution pass from chunk to chunk
-    (mixer_ring.py), exact against one process per document; generation on a ring is
-    refused on every rank, and so are xLSTM on a ring and xLSTM's generation."""
-    per_rank = spawn(_ring_worker, 4, args=(ulysses, RING_FAMILIES), timeout=SLOW_SPAWN_TIMEOUT,
+    (mixer_ring.py), exact against one process per document (every family at 2 x 2, one per
+    mechanism at 1 x 4); generation on a ring is refused on every rank, and so is xLSTM on a
+    ring."""
+    families = RING_FAMILIES if ulysses == 2 else ONE_PER_MECHANISM + RWKV_FAMILIES
+    per_rank = spawn(_ring_worker, 4, args=(ulysses, families), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
     for rank, out in enumerate(per_rank):
-        for family in RING_FAMILIES:
+        for family in families:
             for case in DOCUMENTS:
                 error, where = out[(family, case)]
                 assert error < TOLERANCE, (ulysses, rank, family, case, error, where)
@@ -560,7 +575,7 @@ def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
                       torch.rand(1, total, 4, dtype=torch.float64, generator=g)])
 
 
-@pytest.mark.parametrize("family", RING_FAMILIES)   # xLSTM: the planner has no model of it
+@pytest.mark.parametrize("family", [f for f in RING_FAMILIES if f not in RWKV_FAMILIES])   # no model of xLSTM, RWKV
 def test_the_planner_counts_the_mixers_parameters(family):
     """`planner.MixerShape` from the model's config: its parameter count is the module's."""
     for world in (2, 3):

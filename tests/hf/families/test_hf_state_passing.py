@@ -112,3 +112,48 @@ def _chunk_worker(rank, world):
 def test_a_sharded_chunk_continues_from_the_state_and_leaves_it_on_every_rank(world):
     for errors in spawn(_chunk_worker, world, timeout=SPAWN_TIMEOUT):
         assert max(errors) < 1e-13, errors
+
+
+def _wkv_layer():
+    """An RWKV time-mixing layer of 3 channels (its decay and bonus), float64."""
+    import transformers
+
+    layer = transformers.models.rwkv.modeling_rwkv.RwkvSelfAttention(
+        transformers.RwkvConfig(hidden_size=CHANNELS, attention_hidden_size=CHANNELS, num_hidden_layers=2))
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        layer.time_decay.copy_(torch.randn(CHANNELS, generator=g))
+        layer.time_first.copy_(torch.randn(CHANNELS, generator=g))
+    return layer.double()
+
+
+def _wkv_worker(rank, world, ring):
+    """RWKV's WKV (a state kept in log space with a running maximum, composed by
+    `WkvRecurrence.compose`) through state passing, against transformers' kernel per document."""
+    import ulysses_kernels as uk
+    from ulysses_kernels.hf.context import SequenceParallelContext
+    from ulysses_kernels.hf.families.rwkv import WkvRecurrence
+    from ulysses_kernels.ring.layout import sp_lengths
+
+    context = SequenceParallelContext(uk.init_sequence_parallel(world, ring_size=ring))
+    layer, errors = _wkv_layer(), []
+    for index, (total, documents) in enumerate(CASES):
+        g = torch.Generator().manual_seed(index)
+        k = torch.randn(2, total, CHANNELS, generator=g, dtype=torch.float64) * 3   # keys spread: the maximum moves
+        v = torch.randn(2, total, CHANNELS, generator=g, dtype=torch.float64)
+        cu = torch.tensor(documents) if documents else None
+        want = over_documents(lambda k, v: WkvRecurrence(layer).run([k, v], None)[0], [k, v], cu)
+        layout = training_layout(context, sp_lengths(total, ring, world // ring))
+        mine = layout.ranges[layout.mine]
+        out = layout_recurrence(WkvRecurrence(layer), [_pieces(k, mine), _pieces(v, mine)], layout, cu)
+        if out.shape[1]:
+            errors.append(rel_err(out, _pieces(want, mine)))
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,ring", [(2, 1), (3, 1), (4, 2)])
+def test_rwkv_wkv_in_log_space_passes_its_state(world, ring):
+    """transformers' kernel computes in float32: within 1e-6 of the one-process run."""
+    for errors in spawn(_wkv_worker, world, args=(ring,), timeout=SPAWN_TIMEOUT):
+        assert errors and max(errors) < 1e-6, errors

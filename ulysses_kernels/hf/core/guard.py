@@ -96,6 +96,8 @@ def config_problem(config, adapted_kinds=frozenset()) -> Optional[str]:
 
 
 def _sequence_conv(module: nn.Module) -> bool:
+    if isinstance(module, nn.ZeroPad2d):   # a token shift (RWKV's `time_shift`: pads one token before the sequence)
+        return any(module.padding[2:])
     if isinstance(module, nn.Conv1d):
         return module.kernel_size[0] > 1
     if isinstance(module, (nn.Conv2d, nn.Conv3d)):
@@ -145,7 +147,9 @@ def module_problem(model: nn.Module) -> Optional[str]:
             what = None
             cls = type(module).__name__
             if _sequence_conv(module):
-                what = f"a convolution along the sequence ({cls}, kernel {tuple(module.kernel_size)})"
+                size = f"padding {tuple(module.padding)}" if isinstance(module, nn.ZeroPad2d) else \
+                    f"kernel {tuple(module.kernel_size)}"
+                what = f"a convolution or token shift along the sequence ({cls}, {size})"
             elif isinstance(module, nn.RNNBase):
                 what = f"a recurrent module ({cls})"
             elif _names_a_mixer(cls) and not holds_adapted and not _calls_the_attention_interface(type(module)):

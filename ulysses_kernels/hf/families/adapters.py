@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import gated_deltanet, kimi_delta, lightning, mamba1, mamba2, rg_lru, short_conv, xlstm
+from . import gated_deltanet, kimi_delta, lightning, mamba1, mamba2, rg_lru, rwkv, short_conv, xlstm
 
 
 class Adapter(NamedTuple):
@@ -29,6 +29,8 @@ def _for(classes, kind: str, forward: Callable, problem: Callable, no_generation
     return {name: Adapter(kind, forward, problem, no_generation) for name in classes}
 
 
+_RWKV_STATE = "the model keeps its recurrent state in a list of its own, not in a cache the package provides"
+
 # transformers class name -> its adapter: the whole registry, written here (a new mixer family
 # adds its line; nothing registers itself by being imported).
 ADAPTERS: Dict[str, Adapter] = {
@@ -41,6 +43,8 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(kimi_delta.KDA_CLASSES, "kimi_delta", kimi_delta.kimi_delta_forward, kimi_delta.placement_problem),
     **_for(mamba1.MAMBA1_CLASSES, "mamba1", mamba1.mamba1_forward, mamba1.placement_problem),
     **_for(rg_lru.RG_LRU_CLASSES, "rg_lru", rg_lru.recurrent_block_forward, None),
+    **_for(rwkv.TIME_MIX_CLASSES, "rwkv", rwkv.time_mix_forward, None, no_generation=_RWKV_STATE),
+    **_for(rwkv.CHANNEL_MIX_CLASSES, "rwkv", rwkv.channel_mix_forward, None, no_generation=_RWKV_STATE),
     **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem,
            no_generation="the model keeps its recurrent state in a cache of its own (xLSTMCache), which the "
                          "package's decoding cache does not provide"),

@@ -101,7 +101,7 @@ def _table(x: torch.Tensor, layout: SequenceLayout, width: int, before: Optional
     tails += [x.new_zeros(B, width, C)] * (slots - len(tails))
     tails = torch.cat(tails, dim=1)
     if torch.is_grad_enabled() and x.requires_grad and not tails.requires_grad:
-        tails = tails + 0 * x.sum()   # a rank without tokens: its peers' gathers have a backward it must join
+        tails = tails + (0 * x).sum()   # a rank without tokens: its peers' gathers have a backward it must join
     gathered = _gather(tails, layout)
     head = before.to(x.dtype) if before is not None else x.new_zeros(B, width, C)
     rows = {-width + i: i for i in range(width)}
@@ -148,5 +148,5 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         offset += n
     total = layout.total
     last = _rows(table, rows, range(total - width, total))
-    result = torch.cat(out, dim=1) if out else x[:, :0] + 0 * weight.sum()
-    return result + 0 * table.sum(), last   # every rank's output reads the gathers (the module doc)
+    result = torch.cat(out, dim=1) if out else x[:, :0] + (0 * weight).sum()
+    return result + (0 * table).sum(), last   # every rank's output reads the gathers (the module doc)

@@ -61,7 +61,7 @@ class RingPortion:
         The output side likewise: see `tie_to`."""
         stacked = torch.stack(list(pair))
         if torch.is_grad_enabled() and anchor.requires_grad and not stacked.requires_grad:
-            stacked = stacked + 0 * anchor.sum()
+            stacked = stacked + (0 * anchor).sum()
         every = GatherSequence.apply(self.group, self.world, self.rank, 0, [2] * self.world, stacked)
         order = []
         for chunk in range(2 * self.world):
@@ -74,7 +74,7 @@ def tie_to(out: torch.Tensor, gathered: Sequence[torch.Tensor]) -> torch.Tensor:
     """`out` plus zero times the gathered values: every rank's output then depends on every
     all-gather, so every rank runs its backward collective, also a rank that reads none
     of the gathered values (one whose chunks both start a document, or are empty)."""
-    return out + 0 * sum(g.sum() for g in gathered)
+    return out + sum((0 * g).sum() for g in gathered)   # zero first: a sum of large states could overflow
 
 
 def ring_portion(context, lens: Sequence[int]):
@@ -172,14 +172,14 @@ def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion, cu_s
         last = [t[:, edges[-2]:edges[-1]] for t in inputs]
         finals.append(ops.run(last, None)[1])
         carries = len(edges) == 2 and not fresh
-        transitions.append(ops.transition(inputs) if carries else torch.zeros_like(ops.identity(inputs)))
+        transitions.append(ops.transition(inputs) if carries else _no_carry(ops, inputs))
     anchor = pieces[0][0]
     every_final, every_transition = portion.gather(finals, anchor), portion.gather(transitions, anchor)
     state = torch.zeros_like(every_final[0]) if initial is None else initial.to(every_final[0].dtype)
     entering = []
     for transition, final in zip(every_transition, every_final):
         entering.append(state)
-        state = ops.carry(transition, state) + final
+        state = _compose(ops, transition, state, final)
     out = []
     for inputs, chunk, (edges, fresh), (_, n) in zip(pieces, portion.chunks, plans, portion.segments):
         for a, b in zip(edges[:-1], edges[1:]):
@@ -190,6 +190,18 @@ def ring_recurrence(ops, pieces: Sequence[Sequence[torch.Tensor]], portion, cu_s
     result = torch.cat(out, dim=1) if out else ops.run(empty, None)[0]
     result = tie_to(result, every_final + every_transition)
     return (result, state) if with_final else result
+
+
+def _no_carry(ops, inputs) -> torch.Tensor:
+    """The transition of a chunk that passes no state (a document starts in it): zero, or
+    what the ops say (RWKV's log-space decays: -inf)."""
+    return ops.no_carry(inputs) if hasattr(ops, "no_carry") else torch.zeros_like(ops.identity(inputs))
+
+
+def _compose(ops, transition, state, final) -> torch.Tensor:
+    """The state leaving a chunk: `M S + F`, or the ops' own rule for a state kept in log
+    space with a running maximum (RWKV's)."""
+    return ops.compose(transition, state, final) if hasattr(ops, "compose") else ops.carry(transition, state) + final
 
 
 def portion_pieces(portion, tensors: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:

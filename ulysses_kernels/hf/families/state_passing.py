@@ -52,7 +52,7 @@ class LayoutPortion:
         rank runs the backward collective (mixer_ring.RingPortion.gather)."""
         stacked = torch.stack(list(per_range) + [torch.zeros_like(per_range[0])] * (self.slots - len(per_range)))
         if torch.is_grad_enabled() and anchor.requires_grad and not stacked.requires_grad:
-            stacked = stacked + 0 * anchor.sum()
+            stacked = stacked + (0 * anchor).sum()
         for group, world, rank in (self.layout.ulysses, self.layout.ring):
             if world > 1:
                 stacked = GatherSequence.apply(group, world, rank, 0, [stacked.shape[0]] * world, stacked)

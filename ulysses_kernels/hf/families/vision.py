@@ -160,7 +160,7 @@ def split_tower_forward(tower, hidden_states, grid_thw=None, **kwargs):
     else:   # no image of its own: a dummy one, so that every rank runs the tower
         patches_in, grid = _dummy_patches(tower, hidden_states.shape[1], hidden_states, grid_thw)
         out = original(tower, patches_in, grid_thw=grid, **kwargs)
-        tie = out.pooler_output.sum() * 0
+        tie = (out.pooler_output * 0).sum()   # zero first: a half-precision sum could overflow to inf
     counts = [sum(patches[bounds[r]:bounds[r + 1]]) // merge for r in range(world)]
     return _gathered(out, counts, first == last, tie, group)
 
@@ -218,7 +218,7 @@ def _with_tower_dummy(module: nn.Module, args, kwargs):
     embeds = kwargs.get("inputs_embeds")
     if not towers or not isinstance(embeds, torch.Tensor):
         return None
-    dummy = sum(_dummy_output(tower).sum() * 0 for tower in towers)
+    dummy = sum((_dummy_output(tower) * 0).sum() for tower in towers)
     return args, dict(kwargs, inputs_embeds=embeds + dummy.to(embeds.dtype))
 
 
