@@ -47,6 +47,7 @@ def test_plan_cli_json_contract_and_options():
     assert bad.returncode == 2 and "neither a preset" in bad.stderr
 
 
+@pytest.mark.slow   # the CLI in subprocesses, as the other CLI tests
 def test_plan_ring_auto_and_an_sp_the_heads_do_not_allow():
     """--ring auto takes the smallest ring the heads allow (32 query heads on SP 64: ring 2);
     without it, SP 64 as pure Ulysses over 32 heads exits 2 naming the fix (it planned it
@@ -211,6 +212,7 @@ def test_mixture_of_experts_is_refused():
     assert shape_from_dict(dict(transformers.LlamaConfig().to_dict(), num_local_experts=1)).routed_experts == 0
 
 
+@pytest.mark.slow   # the CLI in subprocesses
 def test_plan_cli_refuses_a_mixture_of_experts_config(tmp_path):
     transformers = pytest.importorskip("transformers")
     path = tmp_path / "config.json"
