@@ -34,7 +34,9 @@ class MixerShape:
     kind: str          # "gated_deltanet", "kimi_delta" (groups = heads), "mamba2", "short_conv",
                        # "lightning" (MiniMax: groups = heads, no convolution: conv_kernel 1), "mamba1"
                        # (heads 1, groups 0, key_dim the state, value_dim the channels) or "rg_lru"
-                       # (heads: the gates' blocks, value_dim the LRU width)
+                       # (heads: the gates' blocks, value_dim the LRU width) or "cca" (ZAYA's convolutions
+                       # of q|k before its attention: heads / groups the query / KV heads, key_dim the head
+                       # dim, value_dim the hidden size, conv_kernel / second_kernel the two kernels)
     layers: int
     heads: int
     groups: int
@@ -47,10 +49,13 @@ class MixerShape:
                               # Mamba1's dt rank
     proj_bias: bool = False   # Mamba1's in_proj / out_proj bias
     norm_weights: bool = False   # Mamba1's dt/B/C norms with weights (Jamba; Falcon-Mamba's are weightless)
+    second_kernel: int = 0    # ZAYA's grouped convolution (a group per head) after the depthwise one
 
     @property
     def conv_channels(self) -> int:
-        """q|k|v (GDN) or x|B|C (Mamba2): the depthwise convolution's channels."""
+        """q|k|v (GDN), x|B|C (Mamba2) or q|k (ZAYA): the depthwise convolution's channels."""
+        if self.kind == "cca":
+            return (self.heads + self.groups) * self.key_dim
         return 2 * self.groups * self.key_dim + self.heads * self.value_dim
 
     def params(self, hidden: int) -> int:
@@ -59,6 +64,10 @@ class MixerShape:
         conv = self.conv_channels * self.conv_kernel
         if self.kind == "short_conv":   # in_proj B|C|x, the convolution, out_proj (each with its bias or none)
             return 4 * hidden * hidden + hidden * self.conv_kernel + 5 * hidden * self.conv_bias
+        if self.kind == "cca":          # the two convolutions (the attention's q/k/v/o are counted as attention's)
+            channels = self.conv_channels
+            return channels * (self.conv_kernel + 1) + channels * (channels // (self.heads + self.groups)) \
+                * self.second_kernel + channels
         if self.kind == "lightning":    # qkv_proj, output_gate, out_proj, the norm over all heads
             return 5 * hidden * inner + inner
         if self.kind == "rg_lru":       # linear_x, linear_y, linear_out, the convolution (biases), the two gates
@@ -89,6 +98,9 @@ class MixerShape:
         convolution's state is its last inputs, the same on every rank."""
         if self.kind == "short_conv":
             return batch * (self.conv_kernel - 1) * self.conv_channels * dtype_bytes
+        if self.kind == "cca":      # the same on every rank: the last q|k projections and inputs the convolutions
+            reach = max(1, self.conv_kernel + self.second_kernel - 2)   # and the delayed value read
+            return batch * reach * (self.conv_channels + self.value_dim) * dtype_bytes
         if self.kind == "rg_lru":   # the same on every rank: the conv history, the recurrent state (float32 at least)
             return batch * ((self.conv_kernel - 1) * self.value_dim * dtype_bytes + self.value_dim * max(4, dtype_bytes))
         if self.kind == "mamba1":   # the same on every rank: the conv history, the scan state (float32 at least)
@@ -173,9 +185,9 @@ def shape_from_config(path: str) -> ModelShape:
         return shape_from_dict(json.load(f))
 
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid", "hybrid_sliding")
 # "hybrid": attention beside a Mamba2 mixer (Falcon-H1); "conv": LFM2's short convolutions
-MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "conv", "recurrent")
+MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding", "conv", "recurrent")
 
 
 def shape_from_dict(cfg: dict) -> ModelShape:
@@ -240,6 +252,9 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
     if "conv_L_cache" in cfg:   # LFM2 / LFM3
         return MixerShape("short_conv", layers, 1, 0, 0, cfg["hidden_size"], cfg["conv_L_cache"],
                           conv_bias=bool(cfg.get("conv_bias", False)))
+    if cfg.get("model_type") == "zaya":   # the convolutions of q|k in every attention layer (hybrid kinds)
+        return MixerShape("cca", layers, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                          cfg["hidden_size"], cfg["cca_time0"], second_kernel=cfg["cca_time1"])
     if cfg.get("model_type") == "minimax":   # lightning attention: one state [D, D] per head, in the compute dtype
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads

@@ -4,7 +4,8 @@ convolution on one process over the whole sequence (each packed document alone),
 every gradient, float64: worlds 1-4, pure Ulysses and Ulysses x Ring (2 x 2, 1 x 4), shards
 shorter than the window (several ranks feed one history), packed documents whose boundaries
 do not line up with the shards, kernel sizes 2 to 7; and a sharded generation chunk after a
-state, whose next state every rank holds.
+state, whose next state every rank holds. The same for `halo_map` with a stack of two unpadded
+convolutions (depthwise, then grouped: ZAYA's), which runs each document piece on its own.
 
 A convolution run on each shard alone (the negative control) is off by far more.
 """
@@ -16,7 +17,7 @@ from helpers import SPAWN_TIMEOUT, rel_err
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from ulysses_kernels.hf.families.halo import contiguous_layout, halo_conv, training_layout  # noqa: E402
+from ulysses_kernels.hf.families.halo import contiguous_layout, halo_conv, halo_map, training_layout  # noqa: E402
 from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
@@ -41,6 +42,29 @@ def _one_process(x, weight, bias, grad, cu):
     out = causal_conv1d(x, weight, bias, document_starts(cu, x.shape[1], x.device), "silu")
     (out * grad).sum().backward()
     return out.detach(), x.grad, weight.grad, bias.grad
+
+
+def _stacked_convolutions(kernel, seed):
+    """(operator, its parameters, its reach): a depthwise convolution of `kernel`, then a
+    grouped one of 3 (two groups), both unpadded, over `[B, reach + m, C]` -> `[B, m, C]`."""
+    g = torch.Generator().manual_seed(seed)
+    depthwise = torch.nn.Conv1d(C, C, kernel, groups=C, dtype=torch.float64)
+    grouped = torch.nn.Conv1d(C, C, 3, groups=2, dtype=torch.float64)
+    params = [*depthwise.parameters(), *grouped.parameters()]
+    with torch.no_grad():
+        for p in params:
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    return (lambda rows: grouped(depthwise(rows.transpose(1, 2))).transpose(1, 2)), params, kernel + 1
+
+
+def _stacked_one_process(operator, params, reach, x, grad, documents):
+    """Each document alone, zeros before it: (output, dx, [dparam])."""
+    x = x.clone().requires_grad_()
+    bounds = documents or [0, x.shape[1]]
+    out = torch.cat([operator(torch.cat([x.new_zeros(x.shape[0], reach, C), x[:, a:b]], dim=1))
+                     for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+    grads = torch.autograd.grad((out * grad).sum(), [x, *params])
+    return out.detach(), grads[0], list(grads[1:])
 
 
 def _pieces(t, ranges):
@@ -76,7 +100,29 @@ def _halo_worker(rank, world, ring):
                              dw=rel_err(dw, want_dw), db=rel_err(db, want_db),
                              last=rel_err(last.detach(), x[:, total - kernel + 1:]),
                              alone=rel_err(alone, _pieces(want_out, mine)) if held else 0.0)
+        errors[("map", index)] = _stacked_errors(x, grad, documents, kernel, index, layout)
     return errors
+
+
+def _stacked_errors(x, grad, documents, kernel, seed, layout):
+    """halo_map with two stacked convolutions against each document alone on one process."""
+    import torch.distributed as dist
+
+    operator, params, reach = _stacked_convolutions(kernel, seed)
+    want_out, want_dx, want_dparams = _stacked_one_process(operator, params, reach, x, grad, documents)
+    mine = layout.ranges[layout.mine]
+    local = _pieces(x, mine).clone().requires_grad_()
+    out, last = halo_map(local, operator, reach, layout, cu_seqlens=torch.tensor(documents) if documents else None)
+    dx, *dparams = torch.autograd.grad((out * _pieces(grad, mine)).sum(), [local, *params], allow_unused=True)
+    dparams = [d if d is not None else torch.zeros_like(p) for d, p in zip(dparams, params)]
+    for d in dparams:
+        dist.all_reduce(d)
+    held = local.shape[1] > 0
+    return dict(out=rel_err(out.detach(), _pieces(want_out, mine)) if held else 0.0,
+                dx=rel_err(dx, _pieces(want_dx, mine)) if held else 0.0,
+                dw=max(rel_err(d, w) for d, w in zip(dparams, want_dparams)), db=0.0,
+                last=rel_err(last.detach(), x[:, x.shape[1] - reach:]) if reach <= x.shape[1] else 0.0,
+                alone=0.0)
 
 
 @pytest.mark.slow
@@ -85,7 +131,7 @@ def test_the_halo_convolution_equals_one_process(world, ring):
     per_rank = spawn(_halo_worker, world, args=(ring,), timeout=SPAWN_TIMEOUT)
     for rank, errors in enumerate(per_rank):
         for index, e in errors.items():
-            case = (world, ring, rank, CASES[index])
+            case = (world, ring, rank, index, CASES[index[-1] if isinstance(index, tuple) else index])
             assert max(e["out"], e["dx"], e["dw"], e["db"]) < 1e-13, (case, e)
             assert e["last"] == 0.0, (case, e)   # the global sequence's last inputs, copied
     # on more than one rank, some rank's shard needs the history the halo brings
@@ -113,6 +159,13 @@ def _chunk_worker(rank, world):
         mine = layout.ranges[layout.mine]
         out, last = halo_conv(_pieces(x, mine), weight, bias, layout, before=before)
         want_last = torch.cat([before, x], dim=1)[:, -(kernel - 1):]
+        errors.append(max(rel_err(out, _pieces(want, mine)) if out.shape[1] else 0.0, rel_err(last, want_last)))
+        operator, _, reach = _stacked_convolutions(kernel, seed=total)   # halo_map after a state
+        with torch.no_grad():
+            before = torch.randn(2, reach, C, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+            want = operator(torch.cat([before, x], dim=1))
+            out, last = halo_map(_pieces(x, mine), operator, reach, layout, before=before)
+        want_last = torch.cat([before, x], dim=1)[:, -reach:]
         errors.append(max(rel_err(out, _pieces(want, mine)) if out.shape[1] else 0.0, rel_err(last, want_last)))
     return errors
 

@@ -49,6 +49,10 @@ SHORT_CONV_FAMILIES = ("lfm2", "lfm2_moe", "lfm3")
 # MiniMax's lightning attention, in blocks of 5 (its default 256 would hold the whole test
 # sequence): blocks straddle the shards and the state crosses blocks.
 LINEAR_FAMILIES = ("minimax",)
+# ZAYA's CCA (q|k through two stacked convolutions, reaching 3 + 3 = 6 tokens back, more than a
+# shard at SP 4, and a delayed value: the halo, per document piece) before a full and a sliding
+# attention layer.
+CCA_FAMILIES = ("zaya",)
 # Kimi Delta Attention (a delta rule with a decay per key channel): Kimi Linear (MLA beside it)
 # and Ling's hybrid.
 KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")
@@ -61,8 +65,8 @@ RG_LRU_FAMILIES = ("recurrent_gemma",)
 RWKV_FAMILIES = ("rwkv",)
 # xLSTM's mLSTM (a stabilised matrix memory): by heads, not on a ring, no generation (refused).
 XLSTM_FAMILIES = ("xlstm",)
-RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + LINEAR_FAMILIES + KDA_FAMILIES
-                 + MAMBA1_FAMILIES + RG_LRU_FAMILIES + RWKV_FAMILIES)
+RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + CCA_FAMILIES + LINEAR_FAMILIES
+                 + KDA_FAMILIES + MAMBA1_FAMILIES + RG_LRU_FAMILIES + RWKV_FAMILIES)
 NO_GENERATION = {"xlstm": "xLSTMCache", "rwkv": "a list of its own"}   # refused on every rank, saying why
 # One family of each mechanism: the gated delta rule (two projection layouts), Mamba2, KDA,
 # lightning attention, the halo, Mamba1 and the RG-LRU by state passing (and RWKV's state in
@@ -102,6 +106,8 @@ def hybrid_model(family, attn, world, **extra):
         fields.update(conv_bias=True)
     elif family == "minimax":
         fields.update(block_size=5)
+    elif family in CCA_FAMILIES:
+        fields.update(cca_time0=4, cca_time1=4, layer_types=["hybrid", "hybrid_sliding"], sliding_window=7)
     elif family in RG_LRU_FAMILIES:   # the LRU's blocks: one per head
         fields.update(num_hidden_layers=3, attention_window_size=7,
                       lru_width=16 * _ATTENTION[world]["num_attention_heads"])
@@ -175,8 +181,8 @@ def _training_worker(rank, world, families):
 # One family per mechanism (the head exchange of a delta rule, of a selective scan, of a decayed
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
-NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "minimax", "kimi_linear", "xlstm", "mamba", "recurrent_gemma",
-                     "rwkv")
+NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "zaya", "minimax", "kimi_linear", "xlstm", "mamba",
+                     "recurrent_gemma", "rwkv")
 
 
 @contextlib.contextmanager
@@ -223,7 +229,7 @@ def test_training_step_equals_one_process_per_document(world):
 # Generation: transformers' own generate needs an attention layer in the model (its mask
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
-                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "minimax", "kimi_linear", "bailing_hybrid",
+                       "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "zaya", "minimax", "kimi_linear", "bailing_hybrid",
                        "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma")
 PROMPT, NEW_TOKENS = 13, 6
 
@@ -585,7 +591,9 @@ def test_the_planner_counts_the_mixers_parameters(family):
         shape = mixer_from_dict(config, layer_kinds(config))
         assert shape.layers == len(mixers) > 0
         for mixer in mixers:
-            assert sum(p.numel() for p in mixer.parameters()) == shape.params(model.config.hidden_size), family
+            # ZAYA's projections are its attention's q, k, v (counted as attention's): the convolutions only
+            params = [p for name, p in mixer.named_parameters() if family not in CCA_FAMILIES or name.startswith("conv")]
+            assert sum(p.numel() for p in params) == shape.params(model.config.hidden_size), family
 
 
 def _ring_chunks_worker(rank, world, cases):

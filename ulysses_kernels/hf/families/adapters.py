@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import gated_deltanet, kimi_delta, lightning, mamba1, mamba2, rg_lru, rwkv, short_conv, xlstm
+from . import cca, gated_deltanet, kimi_delta, lightning, mamba1, mamba2, rg_lru, rwkv, short_conv, xlstm
 
 
 class Adapter(NamedTuple):
@@ -39,6 +39,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(mamba2.MAMBA2_CLASSES, "mamba2", mamba2.mamba2_forward, mamba2.adapter_problem),
     **_for(mamba2.FALCON_H1_CLASSES, "mamba2", mamba2.falcon_h1_forward, mamba2.adapter_problem),
     **_for(short_conv.SHORT_CONV_CLASSES, "short_conv", short_conv.short_conv_forward, None),
+    **_for(cca.CCA_CLASSES, "cca", cca.cca_projection_forward, None),
     **_for(lightning.LIGHTNING_CLASSES, "lightning", lightning.lightning_forward, lightning.placement_problem),
     **_for(kimi_delta.KDA_CLASSES, "kimi_delta", kimi_delta.kimi_delta_forward, kimi_delta.placement_problem),
     **_for(mamba1.MAMBA1_CLASSES, "mamba1", mamba1.mamba1_forward, mamba1.placement_problem),

@@ -26,7 +26,7 @@ keeps the chunk's last `width` inputs as the next state (`last_inputs`), so deco
 layer replicated.
 """
 
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -149,4 +149,36 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     total = layout.total
     last = _rows(table, rows, range(total - width, total))
     result = torch.cat(out, dim=1) if out else x[:, :0] + (0 * weight).sum()
+    return result + (0 * table).sum(), last   # every rank's output reads the gathers (the module doc)
+
+
+def halo_map(x: torch.Tensor, operator: Callable, width: int, layout: SequenceLayout, *, cu_seqlens=None,
+             before: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Any causal operator that reads the `width` inputs before each token, over the global
+    sequence: `operator(inputs)` maps `[B, width + m, C]` (the `width` inputs before `m`
+    tokens, then theirs) to the `m` tokens' outputs `[B, m, C']`, as a stack of unpadded
+    convolutions does (ZAYA's two). Each document piece of this rank's ranges runs on its own
+    (a composition of convolutions cannot zero its taps per output position as `halo_conv`
+    does), its history zero before its document's start, or `before` before position 0.
+    Returns (the outputs `[B, S_local, C']`, the last `width` inputs of the global sequence,
+    the same on every rank)."""
+    if width == 0:
+        return operator(x), x[:, :0]
+    table, rows = _table(x, layout, width, before)
+    bounds = document_bounds(cu_seqlens, layout.total) or [0, layout.total]
+    out, offset = [], 0
+    for start, n in layout.ranges[layout.mine]:
+        extended = torch.cat([_rows(table, rows, range(start - width, start)), x[:, offset:offset + n]], dim=1)
+        pieces = sorted({start, start + n, *(b for b in bounds if start < b < start + n)})
+        for a, b in zip(pieces[:-1], pieces[1:]):
+            history = extended[:, a - start:a - start + width]
+            document = max(c for c in bounds[:-1] if c <= a)
+            if a - width < document and not (document == 0 and before is not None):   # zeros before its start
+                kept = max(0, a - document)
+                history = torch.cat([torch.zeros_like(history[:, :width - kept]), history[:, width - kept:]], dim=1)
+            out.append(operator(torch.cat([history, extended[:, width + a - start:width + b - start]], dim=1)))
+        offset += n
+    total = layout.total
+    last = _rows(table, rows, range(total - width, total))
+    result = torch.cat(out, dim=1) if out else operator(x.new_zeros(x.shape[0], width + 1, x.shape[2]))[:, :0]
     return result + (0 * table).sum(), last   # every rank's output reads the gathers (the module doc)

@@ -1,0 +1,118 @@
+"""ZAYA's Compressed Convolutional Attention projections (`ZayaCCAProjection`), sequence-parallel
+by the sequence halo (docs/hf_hybrids.md, "The sequence halo"; halo.py).
+
+One projection, as transformers 5.25 computes it: q and k projected per token; their
+concatenation through a depthwise convolution of kernel `cca_time0`, then a grouped one (a
+group per head) of kernel `cca_time1`, both unpadded, so each token reads the
+`(cca_time0 - 1) + (cca_time1 - 1)` projections before it (zeros before its document); q and
+k then add residual mixes of the token's own projections. Half of each value head is the
+token's (`v_proj_current`), half the token before's (`v_proj_delayed`; at a document's first
+token, the projection of zeros). The attention after it is the package's (the head exchange),
+through the attention function.
+
+So the projections run on the local shard and the two convolutions and the delayed value read
+the halo of the shards before it: the last `width` rows of `[q | k | hidden]` (`width` = the
+convolutions' reach, at least 1 for the delayed value), zero across document starts. A stack
+of two convolutions cannot zero its taps per output token, so each document piece runs on its
+own (`halo.halo_map`).
+
+Generation (hf/inference/cache.py): the layer's state is those last `width` rows, the same on
+every rank (a sharded prefill chunk leaves every rank the chunk's last rows); a replicated
+chunk (decoding) continues from it on every rank.
+"""
+
+import torch
+
+from ..context import DecodingCache, token_mixer_call
+from ..model import refusal
+from .halo import contiguous_layout, halo_map, training_layout
+from .mixers import original_forward
+
+CCA_CLASSES = ("ZayaCCAProjection",)
+
+
+def _width(module) -> int:
+    """The earlier rows one token reads: the convolutions' reach, and the delayed value's one."""
+    return max(module.conv_kernel_size, 1)
+
+
+def _rows(module, hidden_states):
+    """`[q | k | hidden]` of the local tokens, what the halo carries."""
+    return torch.cat([module.q_proj(hidden_states), module.k_proj(hidden_states), hidden_states], dim=-1)
+
+
+def _mixed_operator(module):
+    """The causal part of the projection over `[B, width + m, q | k | hidden]` (the `width`
+    rows before m tokens, then theirs) -> `[B, m, q | k (convolved) | delayed value]`."""
+    width, reach = _width(module), module.conv_kernel_size
+    qk_channels = module.conv_qk_depthwise.in_channels
+
+    def operator(rows):
+        qk = rows[:, width - reach:, :qk_channels].transpose(1, 2)
+        convolved = module.conv_qk_grouped(module.conv_qk_depthwise(qk)).transpose(1, 2)
+        delayed = module.v_proj_delayed(rows[:, width - 1:-1, qk_channels:])
+        return torch.cat([convolved, delayed], dim=-1)
+
+    return operator
+
+
+def _projections(module, hidden_states, rows, mixed):
+    """(query, key, value) `[B, m, heads, head_dim]` from the local rows and their causal part,
+    with the residual mixes of transformers' projection."""
+    shape = (*hidden_states.shape[:-1], -1, module.head_dim)
+    groups = module.num_key_value_groups
+    query_width = module.num_attention_heads * module.head_dim
+    qk_channels = module.conv_qk_depthwise.in_channels
+    query_proj = rows[..., :query_width].view(shape)
+    key_proj = rows[..., query_width:qk_channels].view(shape)
+    query_residual = (query_proj + key_proj.repeat_interleave(groups, dim=-2)) * 0.5
+    key_residual = query_residual.view(*hidden_states.shape[:-1], -1, groups, module.head_dim).mean(dim=-2)
+    query = mixed[..., :query_width].view(shape) + query_residual
+    key = mixed[..., query_width:qk_channels].view(shape) + key_residual
+    value = torch.cat([module.v_proj_current(hidden_states), mixed[..., qk_channels:]], dim=-1).view(shape)
+    return query, key, value
+
+
+def _padding_refused(module, conv_mask):
+    if conv_mask is not None:
+        raise refusal(None, f"{type(module).__name__} got a padding mask for its convolution: under sequence "
+                            "parallelism a padded row's mask is not this rank's slice",
+                      "Pack documents without padding (ulysses_kernels.hf.shard_batch) instead.")
+
+
+def _generation_forward(module, hidden_states, cache, conv_mask):
+    """A forward inside `generate` / `prefill`: the causal part continues from the layer's
+    state (every rank's copy), which it then replaces."""
+    _padding_refused(module, conv_mask)
+    state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
+    rows = _rows(module, hidden_states)
+    if cache.chunk_lens is not None:   # a chunk split along the sequence: the halo, after the state
+        layout = contiguous_layout(cache.ulysses, cache.chunk_lens)
+    else:                              # every rank holds the whole chunk
+        layout = contiguous_layout((None, 1, 0), [hidden_states.shape[1]])
+    mixed, last = halo_map(rows, _mixed_operator(module), _width(module), layout, before=state.get("rows"))
+    state["rows"] = last.detach().clone()
+    return _projections(module, hidden_states, rows, mixed)
+
+
+def cca_projection_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
+    """The projection of the local shard, its convolutions and delayed value over the global
+    sequence (the module doc)."""
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        return _generation_forward(self, hidden_states, cache, conv_mask)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
+    if cache is not None:
+        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
+            return original_forward(self)(hidden_states, cache, conv_mask)
+        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
+                            "convolution state is kept there only (and holds one row's history, not a document's)",
+                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
+                      "use_cache=False.")
+    _padding_refused(self, conv_mask)
+    rows = _rows(self, hidden_states)
+    mixed, _ = halo_map(rows, _mixed_operator(self), _width(self), training_layout(context, lens),
+                        cu_seqlens=cu_seqlens)
+    return _projections(self, hidden_states, rows, mixed)
+
+
+cca_projection_forward.runs_on_a_ring = True   # the halo reads the ring's chunks in their global order
