@@ -114,7 +114,7 @@ def test_each_variable_is_described(var):
 def test_readme_is_a_front_page():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250
-    assert "ulysses-kernels demo" in readme and 'pytest -m "not slow"' in readme
+    assert "ulysses-kernels demo" in readme and 'pytest -n 2 -m "not slow"' in readme
     for doc in re.findall(r"\(docs/([a-z_]+\.md)", readme):
         assert (ROOT / "docs" / doc).exists(), doc
 

@@ -184,7 +184,7 @@ def test_the_test_command_installs_the_pins():
     """The README's test command and .ci/run install every package with the constraints
     (a fresh machine gets what CI proved); the README's main job stays one command."""
     readme = (ROOT / "README.md").read_text()
-    command = next(line for line in readme.splitlines() if "pip install" in line and line.rstrip().endswith("pytest"))
+    command = next(line for line in readme.splitlines() if "pip install" in line and line.rstrip().endswith("pytest -n 2"))
     installs = re.findall(r"pip install [^&]*", command)
     assert len(installs) == 3 and all("-c .ci/constraints.txt" in i for i in installs), installs
     ci = (ROOT / ".ci" / "run").read_text()

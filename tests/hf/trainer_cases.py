@@ -145,9 +145,12 @@ def trainer_args(out, sft=False, padded=False, **extra):
 
 
 def launch_env(rank, world):
-    """What `torchrun` / `accelerate launch` would set (accelerate reads it)."""
+    """What `torchrun` / `accelerate launch` would set (accelerate reads it; the process group
+    exists already, so nothing binds the port, which still differs per test process of
+    pytest-xdist)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29561")
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29561 + worker))
 
 
 def forget_deepspeed() -> None:
