@@ -49,13 +49,17 @@ def test_plan_cli_json_contract_and_options():
 
 @pytest.mark.slow   # the CLI in subprocesses, as the other CLI tests
 def test_plan_ring_auto_and_an_sp_the_heads_do_not_allow():
-    """--ring auto takes the smallest ring the heads allow (32 query heads on SP 64: ring 2);
-    without it, SP 64 as pure Ulysses over 32 heads exits 2 naming the fix (it planned it
-    silently); --ring takes 'auto' or an integer >= 1."""
+    """--ring auto takes the smallest ring the heads allow and that keeps each Ulysses group
+    inside a node, and says so (32 query heads on SP 64: ring 2 on one node of 64, ring 8
+    on 8 nodes of 8); without it, SP 64 as pure Ulysses over 32 heads exits 2 naming the
+    fix (it planned it silently); --ring takes 'auto' or an integer >= 1."""
     base = ["--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "8", "--nodes", "8", "--sp", "64"]
     auto = _cli(*base, "--ring", "auto", "--json")
     assert auto.returncode == 0, auto.stderr
-    assert "SP 64 (ring 2)" in _cli(*base, "--ring", "auto").stdout
+    assert json.loads(auto.stdout)["options"]["ring_size"] == 8
+    assert "Ulysses 8 x ring 8 (each Ulysses group inside a node of 8 GPUs, the ring across nodes)" in auto.stderr
+    one_node = _cli("--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "64", "--sp", "64", "--ring", "auto")
+    assert "SP 64 (ring 2)" in one_node.stdout and "Ulysses 32 x ring 2 (one node)" in one_node.stderr
     refused = _cli(*base)
     assert refused.returncode == 2 and "SP 64 with --ring 1 is Ulysses 64" in refused.stderr, refused.stderr
     assert "use --ring 2 (Ulysses 32) or --ring auto" in refused.stderr

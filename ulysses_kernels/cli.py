@@ -316,8 +316,12 @@ def _plan_ring(args, shape) -> Tuple[Optional[int], Optional[str]]:
     from .layout import choose_ring_size, head_plan_error
 
     sp = args.sp or args.gpus * args.nodes
+    node = args.gpus if args.nodes > 1 and sp > args.gpus else None   # an SP group that spans nodes
     if args.ring == "auto":
-        return choose_ring_size(sp, shape.heads, shape.kv_heads), None
+        ring = choose_ring_size(sp, shape.heads, shape.kv_heads, gpus_per_node=node)
+        where = f"each Ulysses group inside a node of {node} GPUs, the ring across nodes" if node else "one node"
+        print(f"--ring auto: Ulysses {sp // ring} x ring {ring} ({where})", file=sys.stderr)
+        return ring, None
     if sp % args.ring:
         return args.ring, None   # the planner's own error names it
     why = head_plan_error(sp // args.ring, shape.heads, shape.kv_heads)

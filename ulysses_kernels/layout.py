@@ -16,7 +16,8 @@ Both are one formula: rank j's l-th local head is source head `(j // replicas) *
 with `local` heads per rank and `replicas` ranks per head.
 
 `choose_ring_size` is the head rule of the Ulysses x Ring hybrid: the smallest ring that
-leaves a Ulysses degree these head counts fit (its sequence layout is ring/layout.py).
+leaves a Ulysses degree these head counts fit and, given the GPUs of a node, whose Ulysses
+groups stay inside a node (its sequence layout is ring/layout.py).
 """
 
 from dataclasses import dataclass
@@ -178,15 +179,25 @@ class HeadPlan:
         return self.q, self.kv, self.kv
 
 
-def choose_ring_size(sp_size: int, num_heads: int, num_kv_heads: Optional[int] = None) -> int:
+def choose_ring_size(sp_size: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
+                     gpus_per_node: Optional[int] = None) -> int:
     """The smallest ring size that makes the Ulysses degree `sp_size / ring` valid for
-    these head counts (query heads split, KV heads split or replicated). A ring of
-    `sp_size` (Ulysses degree 1) always works, so every SP size fits every model."""
+    these head counts (query heads split, KV heads split or replicated) and, given
+    `gpus_per_node`, keeps each Ulysses group inside a node: the degree divides the GPUs of
+    a node, so the all-to-all stays on the node's links and only the ring's point-to-point
+    steps cross nodes (docs/ring.md, "Which layout": modelled on 2 nodes x 8 GPUs at 32K,
+    Ulysses 8 x ring 2 is 1.13x faster than Ulysses 16, whose all-to-all crosses the NIC). Ranks are numbered node by node, an SP group's Ulysses groups are runs of
+    consecutive ranks. A ring of `sp_size` (Ulysses degree 1) always works, so every SP
+    size fits every model."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if sp_size < 1 or num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"choose_ring_size: need sp_size >= 1 and query heads ({num_heads}) a multiple of "
                          f"key/value heads ({num_kv_heads})")
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ValueError(f"choose_ring_size: gpus_per_node must be >= 1, got {gpus_per_node}")
     for ring in range(1, sp_size + 1):
-        if sp_size % ring == 0 and head_plan_error(sp_size // ring, num_heads, num_kv_heads) is None:
+        if sp_size % ring or head_plan_error(sp_size // ring, num_heads, num_kv_heads) is not None:
+            continue
+        if gpus_per_node is None or gpus_per_node % (sp_size // ring) == 0:
             return ring
     return sp_size  # unreachable: ring == sp_size gives Ulysses degree 1

@@ -133,6 +133,19 @@ def test_choose_ring_size(sp, heads, kv, ring):
     assert choose_ring_size(sp, heads, kv) == ring
 
 
+@pytest.mark.parametrize("sp,heads,kv,node,ring", [
+    (16, 32, 8, 8, 2),    # 2 nodes x 8: Ulysses 8 inside each node, not Ulysses 16 across them
+    (16, 28, 4, 8, 4),    # the heads allow Ulysses 4 (not 8): ring 4
+    (64, 32, 8, 8, 8),    # 8 nodes x 8
+    (4, 32, 8, 8, 1),     # the SP group fits in a node
+    (12, 24, 12, 4, 3),   # nodes of 4: Ulysses 4 (12 heads would allow 6 and 12)
+    (8, 8, 8, 3, 8),      # nodes of 3 (ranks do not split evenly): only Ulysses 1 stays inside
+])
+def test_choose_ring_size_keeps_ulysses_inside_a_node(sp, heads, kv, node, ring):
+    assert choose_ring_size(sp, heads, kv, gpus_per_node=node) == ring
+    assert choose_ring_size(sp, heads, kv, gpus_per_node=None) <= ring
+
+
 def test_choose_ring_size_rejects_bad_heads():
     with pytest.raises(ValueError, match="multiple"):
         choose_ring_size(8, 28, 3)

@@ -1,11 +1,15 @@
 """Process groups: which group a call runs on, and the data x sequence parallel mesh."""
 
+import logging
+import os
 from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..layout import choose_ring_size
+
+logger = logging.getLogger("ulysses_kernels")
 
 GROUP_KINDS = ("a torch.distributed ProcessGroup, a 1-D DeviceMesh (mesh['sp']) or the ParallelGroups of "
                "uk.init_sequence_parallel / uk.groups_from_mesh")
@@ -104,14 +108,17 @@ class ParallelGroups(NamedTuple):
 
 
 def init_sequence_parallel(sp_size: int, *, ring_size: Union[int, str] = 1, num_heads: Optional[int] = None,
-                           num_kv_heads: Optional[int] = None,
-                           device_type: Optional[str] = None) -> ParallelGroups:
+                           num_kv_heads: Optional[int] = None, device_type: Optional[str] = None,
+                           gpus_per_node: Optional[int] = None) -> ParallelGroups:
     """Split the initialised world into DP x SP groups, each SP group a ring x Ulysses grid
     (collective: every rank must call it).
 
     ring_size: the ring degree R (the Ulysses degree is sp_size / R); "auto" picks the
     smallest R for which the model's `num_heads` / `num_kv_heads` fit the Ulysses degree
-    (`layout.choose_ring_size`: 28 query / 4 KV heads on sp_size 8 -> Ulysses 4 x ring 2).
+    (`layout.choose_ring_size`: 28 query / 4 KV heads on sp_size 8 -> Ulysses 4 x ring 2)
+    and whose Ulysses groups stay inside a node when the world spans nodes.
+    gpus_per_node: the ranks of a node (consecutive ranks, as torchrun numbers them);
+    default the launcher's `LOCAL_WORLD_SIZE`. Only "auto" reads it.
     device_type: "cuda" or "cpu" for the DeviceMesh; default from the default group's
     backend (NCCL -> cuda, otherwise cpu).
     """
@@ -123,9 +130,7 @@ def init_sequence_parallel(sp_size: int, *, ring_size: Union[int, str] = 1, num_
         raise ValueError(f"init_sequence_parallel: sp_size={sp_size} must be >= 1 and divide the "
                          f"world size {world}")
     if ring_size == "auto":
-        if num_heads is None:
-            raise ValueError("init_sequence_parallel: ring_size='auto' needs num_heads (and num_kv_heads for GQA)")
-        ring_size = choose_ring_size(sp_size, num_heads, num_kv_heads)
+        ring_size = _auto_ring_size(sp_size, num_heads, num_kv_heads, world, gpus_per_node)
     if not isinstance(ring_size, int) or ring_size < 1 or sp_size % ring_size:
         raise ValueError(f"init_sequence_parallel: ring_size={ring_size!r} must be 'auto' or an int >= 1 "
                          f"dividing sp_size={sp_size}")
@@ -149,6 +154,33 @@ def init_sequence_parallel(sp_size: int, *, ring_size: Union[int, str] = 1, num_
     return groups._replace(ulysses_group=usp_mesh.get_group("ulysses"), ring_group=usp_mesh.get_group("ring"),
                            ulysses_rank=sp_rank % ulysses_size, ulysses_size=ulysses_size,
                            ring_rank=sp_rank // ulysses_size, ring_size=ring_size, usp_mesh=usp_mesh)
+
+
+def _node_size(world: int, gpus_per_node: Optional[int]) -> Optional[int]:
+    """The ranks of one node when the world spans several (None: one node, or unknown)."""
+    if gpus_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        gpus_per_node = int(local) if local.isdigit() and int(local) > 0 else None
+    if gpus_per_node is None or gpus_per_node >= world:
+        return None
+    if world % gpus_per_node:
+        raise ValueError(f"init_sequence_parallel: the world of {world} ranks is not whole nodes of "
+                         f"{gpus_per_node} (gpus_per_node, or LOCAL_WORLD_SIZE)")
+    return gpus_per_node
+
+
+def _auto_ring_size(sp_size, num_heads, num_kv_heads, world, gpus_per_node) -> int:
+    """ring_size="auto" (the docstring of init_sequence_parallel), said on rank 0."""
+    if num_heads is None:
+        raise ValueError("init_sequence_parallel: ring_size='auto' needs num_heads (and num_kv_heads for GQA)")
+    node = _node_size(world, gpus_per_node)
+    ring = choose_ring_size(sp_size, num_heads, num_kv_heads, gpus_per_node=node)
+    if dist.get_rank() == 0:
+        where = (f"each Ulysses group inside a node of {node} ranks, the ring across nodes" if node
+                 else "one node")
+        logger.info("init_sequence_parallel: ring_size='auto' -> Ulysses %d x ring %d (%s; %d query / %s key-value "
+                    "heads)", sp_size // ring, ring, where, num_heads, num_kv_heads or num_heads)
+    return ring
 
 
 def groups_from_mesh(mesh, *, sp="sp", dp=None, ring=None) -> ParallelGroups:
