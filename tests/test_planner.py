@@ -178,8 +178,9 @@ def test_hybrid_configs_count_their_token_mixers():
 
     qwen = shape_from_dict(transformers.Qwen3NextConfig().to_dict())
     assert qwen.mixer.kind == "gated_deltanet" and qwen.mixer.layers == 36 and qwen.attention_layer_count == 12
-    # Qwen3-Next's MLPs are a mixture of experts, which the planner does not count: its
-    # prefill is refused (test_mixture_of_experts_is_refused); its mixers' states are not MoE.
+    # Qwen3-Next's MLPs are a mixture of experts whose layout the planner does not know: its
+    # prefill is refused (test_mixture_of_experts_is_planned_where_its_layout_is_known); its
+    # mixers' states are not MoE.
     qwen = dataclasses.replace(qwen, routed_experts=0)
     bamba = shape_from_dict(transformers.BambaConfig(attn_layer_indices=[3, 7]).to_dict())
     assert bamba.mixer.kind == "mamba2" and bamba.mixer.layers == bamba.layers - 2 and bamba.attention_layer_count == 2
@@ -192,23 +193,67 @@ def test_hybrid_configs_count_their_token_mixers():
         assert shape.mixer.state_bytes(8) < shape.mixer.state_bytes(2)   # heads split over more ranks
 
 
-def test_mixture_of_experts_is_refused():
-    """The planner counts dense MLPs: a mixture-of-experts config (each family keeps its
-    expert count under its own key) gets a clear ValueError from the training and prefill
-    terms and from `ulysses-kernels plan`, never an understated plan; dense configs plan."""
+# Tiny configs of the mixture-of-experts families the planner knows: dense and MoE layers
+# mixed (Qwen: `decoder_sparse_step`, `mlp_only_layers`; DeepSeek: `first_k_dense_replace`),
+# shared experts, latent attention with and without a query rank, GPT-OSS's biases and sinks.
+TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=96, vocab_size=128)
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1)
+TINY_EXPERTS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=2,
+                      mlp_only_layers=[3]),
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+    "deepseek_v3": dict(MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                        first_k_dense_replace=1, q_lora_rank=24),
+    "deepseek_v2": dict(MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, q_lora_rank=None),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2),
+}
+
+
+@pytest.mark.slow   # builds Hugging Face models
+@pytest.mark.parametrize("family", list(TINY_EXPERTS) + ["qwen3", "llama"])
+def test_the_planner_counts_a_mixture_of_experts_as_transformers_builds_it(family):
+    """Every parameter of the model and of its routed experts, against transformers' own
+    modules (DeepSeek-V3's router correction bias is a buffer, not a parameter)."""
+    transformers = pytest.importorskip("transformers")
+    from ulysses_kernels.planner import shape_from_dict
+
+    config = transformers.AutoConfig.for_model(family, **dict(TINY, **TINY_EXPERTS.get(family, {})))
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    shape = shape_from_dict(config.to_dict())
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert shape.expert_params == sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert (shape.moe is not None) == (family in TINY_EXPERTS) and shape.dense_mlp_problem() is None
+
+
+def test_mixture_of_experts_is_planned_where_its_layout_is_known():
+    """The flagship MoE configs (transformers' defaults) plan with their published sizes
+    (Mixtral 8x7B 46.7e9, DeepSeek-V3 671e9, GPT-OSS 117e9), an MoE layer's activations
+    wider than a dense layer's of its experts' width (top-k routed tokens); a family whose
+    expert layout the planner does not know (Qwen3-Next) gets a clear ValueError from the
+    training and prefill terms, never a plan of dense MLPs; dense configs plan."""
     transformers = pytest.importorskip("transformers")
     from ulysses_kernels.planner import PlanOptions, memory_terms, prefill_terms, shape_from_dict
 
-    moe = {"Mixtral": (transformers.MixtralConfig(), 8), "Qwen3-MoE": (transformers.Qwen3MoeConfig(), 128),
-           "DeepSeek-V3": (transformers.DeepseekV3Config(), 256), "GPT-OSS": (transformers.GptOssConfig(), 128),
-           "Qwen3-Next": (transformers.Qwen3NextConfig(), 512)}
-    for name, (config, experts) in moe.items():
+    published = {"Mixtral": (transformers.MixtralConfig(), 46.7e9), "DeepSeek-V3": (transformers.DeepseekV3Config(), 671e9),
+                 "GPT-OSS": (transformers.GptOssConfig(), 116.8e9)}
+    for name, (config, params) in published.items():
         shape = shape_from_dict(config.to_dict())
-        assert shape.routed_experts == experts, name
-        with pytest.raises(ValueError, match=f"mixture-of-experts models \\({experts} routed experts"):
-            memory_terms(shape, PlanOptions(seq_len=4096, gpus_per_node=8))
-        with pytest.raises(ValueError, match="mixture-of-experts"):
-            prefill_terms(shape, 4096, 8)
+        assert abs(shape.params - params) / params < 0.005, (name, shape.params)
+        terms = memory_terms(shape, PlanOptions(seq_len=4096, gpus_per_node=8))
+        dense = dataclasses.replace(shape, moe=None, routed_experts=0, intermediate=shape.moe.width)
+        assert terms["one layer in its backward (peak phase)"] > \
+            memory_terms(dense, PlanOptions(seq_len=4096, gpus_per_node=8))["one layer in its backward (peak phase)"]
+        assert prefill_terms(shape, 4096, 8)["weights (replicated)"] == shape.params * 2
+    unknown = shape_from_dict(transformers.Qwen3NextConfig().to_dict())
+    assert unknown.routed_experts == 512 and unknown.moe is None
+    with pytest.raises(ValueError, match="mixture-of-experts models \\(512 routed experts per MLP\\) are modelled for"):
+        memory_terms(unknown, PlanOptions(seq_len=4096, gpus_per_node=8))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        prefill_terms(unknown, 4096, 8)
     for config in (transformers.LlamaConfig(), transformers.Qwen2Config(), transformers.MistralConfig()):
         shape = shape_from_dict(config.to_dict())
         assert shape.routed_experts == 0 and shape.dense_mlp_problem() is None
@@ -217,11 +262,21 @@ def test_mixture_of_experts_is_refused():
 
 
 @pytest.mark.slow   # the CLI in subprocesses
-def test_plan_cli_refuses_a_mixture_of_experts_config(tmp_path):
+def test_plan_cli_plans_mixtures_of_experts_by_model_type(tmp_path):
+    """`--model` takes a transformers model type at its default configuration: Qwen3-MoE,
+    Mixtral, DeepSeek-V3 and GPT-OSS plan, their routed experts counted from the config;
+    an MoE layout the planner does not know (Qwen3-Next, as a config file) exits 2."""
     transformers = pytest.importorskip("transformers")
+    base = ["--seq-len", "1000000", "--gpus", "8", "--gpu-memory-gib", "80", "--tiled", "--offload"]
+    for family, experts in (("qwen3_moe", "24 MoE layers x 128 experts x 4,718,592"),
+                            ("mixtral", "32 MoE layers x 8 experts x 176,160,768"),
+                            ("deepseek_v3", "58 MoE layers x 256 experts x 44,040,192"),
+                            ("gpt_oss", "36 MoE layers x 128 experts x 24,891,840")):
+        out = _cli("--model", family, *base)
+        assert out.returncode == 0, out.stderr
+        assert "longest sequence that fits" in out.stdout and experts in out.stdout, out.stdout
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(transformers.MixtralConfig().to_dict()))
-    for extra in ([], ["--inference"]):
-        out = _cli("--model", str(tmp_path), "--seq-len", "4096", *extra)
-        assert out.returncode == 2, out.stdout
-        assert "mixture-of-experts models (8 routed experts per MLP) are not modelled" in out.stderr
+    path.write_text(json.dumps(transformers.Qwen3NextConfig().to_dict()))
+    out = _cli("--model", str(tmp_path), "--seq-len", "4096")
+    assert out.returncode == 2 and "are modelled for mixtral, qwen2_moe, qwen3_moe" in out.stderr, out.stderr
+    assert _cli("--model", "no_such_model_type", "--seq-len", "4096").returncode == 2

@@ -333,18 +333,32 @@ def _plan_ring(args, shape) -> Tuple[Optional[int], Optional[str]]:
                   f"(Ulysses {sp // fit}) or --ring auto")
 
 
+def _plan_shape(model: str):
+    """--model: a preset, a config.json (or its folder), or a transformers model type at its
+    default configuration."""
+    import os
+
+    from .planner import PRESETS, shape_from_config, shape_from_model_type
+
+    if model.lower() in PRESETS:
+        return PRESETS[model.lower()]
+    if os.path.exists(model):
+        return shape_from_config(model)
+    return shape_from_model_type(model)
+
+
 def plan(args) -> int:
     import json
     from dataclasses import asdict
 
-    from .planner import PRESETS, PlanOptions, format_plan, shape_from_config
+    from .planner import PRESETS, PlanOptions, format_plan
     from .planner import plan as make_plan
 
     try:
-        shape = PRESETS[args.model.lower()] if args.model.lower() in PRESETS else shape_from_config(args.model)
-    except (OSError, KeyError, ValueError) as exc:
-        print(f"ulysses-kernels plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-              f"readable config.json: {exc}", file=sys.stderr)
+        shape = _plan_shape(args.model)
+    except (OSError, KeyError, ValueError, ImportError) as exc:
+        print(f"ulysses-kernels plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}), a "
+              f"readable config.json nor a transformers model type: {exc}", file=sys.stderr)
         return 2
     problem = shape.dense_mlp_problem()
     if problem:
@@ -372,10 +386,24 @@ def plan(args) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "fits": result.fits, "max_seq_len": result.max_seq_len,
                           "per_gpu_gib": round(result.per_gpu_gib, 3), "terms_gib": result.terms_gib,
-                          "host_gib": result.host_gib, "params": shape.params, "options": asdict(options)}, indent=1))
+                          "host_gib": result.host_gib, "params": shape.params, "expert_params": shape.expert_params,
+                          "options": asdict(options)}, indent=1))
     else:
         print(format_plan(args.model, options, result))
+        print(_parameters_line(shape))
     return 0
+
+
+def _parameters_line(shape) -> str:
+    """The model's parameter count, and its routed experts' (each MoE layer's every expert,
+    which FSDP gathers whole: the "gathered compute weights" term)."""
+    line = f"parameters: {shape.params:,}"
+    if shape.moe is not None:
+        m = shape.moe
+        line += (f", of which routed experts {shape.expert_params:,} ({m.layers} MoE layers x {m.experts} experts x "
+                 f"{m.expert_params(shape.hidden):,}; {m.top_k} per token"
+                 f"{f', shared experts of width {m.shared_width}' if m.shared_width else ''})")
+    return line
 
 
 def _plan_inference(args, shape) -> int:

@@ -116,6 +116,58 @@ class MixerShape:
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """The mixture-of-experts MLPs of a model (docs/planner.md, "Mixtures of experts"): in
+    `layers` of its layers (the others dense, of the model's `intermediate` width), `experts`
+    routed experts of `width` each (gate, up and down projections), `top_k` of them per
+    token, beside shared experts of `shared_width` in all (0: none) and a router."""
+    experts: int
+    top_k: int
+    width: int
+    layers: int
+    shared_width: int = 0
+    shared_gate: bool = False    # a sigmoid gate on the shared expert's output (Qwen2-MoE)
+    router_bias: bool = False    # a bias per expert in the router (GPT-OSS; DeepSeek-V3's is a buffer)
+    expert_bias: bool = False    # biases in the experts' projections (GPT-OSS)
+
+    def expert_params(self, hidden: int) -> int:
+        """One routed expert's parameters."""
+        return 3 * hidden * self.width + self.expert_bias * (2 * self.width + hidden)
+
+    def layer_params(self, hidden: int) -> int:
+        """One MoE layer's MLP: every routed expert, the router, the shared experts."""
+        return (self.experts * self.expert_params(hidden) + self.experts * (hidden + self.router_bias)
+                + 3 * hidden * self.shared_width + hidden * self.shared_gate)
+
+    @property
+    def token_width(self) -> int:
+        """The intermediate width one token's activations run through: its top-k experts and
+        the shared ones (what a layer keeps per token for its backward, as a dense MLP's
+        `intermediate`)."""
+        return self.top_k * self.width + self.shared_width
+
+
+@dataclass(frozen=True)
+class MlaShape:
+    """Multi-head latent attention's projections (DeepSeek-V2/V3): queries through a
+    low-rank `q_lora_rank` (0: a full projection), keys and values through one latent of
+    `kv_lora_rank` plus a shared rotary key of `rope_dim`."""
+    q_lora_rank: int
+    kv_lora_rank: int
+    nope_dim: int
+    rope_dim: int
+    value_dim: int
+
+    def params(self, hidden: int, heads: int) -> int:
+        q_head = self.nope_dim + self.rope_dim
+        q = (hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * heads * q_head if self.q_lora_rank
+             else hidden * heads * q_head)
+        kv = hidden * (self.kv_lora_rank + self.rope_dim) + self.kv_lora_rank \
+            + self.kv_lora_rank * heads * (self.nope_dim + self.value_dim)
+        return q + kv + heads * self.value_dim * hidden
+
+
+@dataclass(frozen=True)
 class ModelShape:
     hidden: int
     layers: int
@@ -129,16 +181,19 @@ class ModelShape:
     mixer: Optional[MixerShape] = None          # a hybrid's linear-attention or state-space layers
     attention_layers: Optional[int] = None      # layers with attention (None: every layer)
     routed_experts: int = 0                     # a mixture-of-experts MLP's experts (0: dense)
+    moe: Optional[ExpertShape] = None           # its experts, where the planner knows the family's keys
+    mla: Optional[MlaShape] = None              # latent attention instead of q/k/v projections
+    attention_extras: int = 0                   # per attention layer: an output bias, sinks (GPT-OSS)
 
     def dense_mlp_problem(self) -> Optional[str]:
         """Why the planner cannot count this model's weights and MLP activations (None when
-        it can): its terms describe dense MLPs of `intermediate` width. A mixture of experts
-        (every expert's weights, top-k routed tokens, shared experts, dense first layers:
-        each family its own) is not modelled, and counting it as dense would understate it
-        several-fold (Mixtral 8x7B: 7.2e9 parameters instead of 4.7e10)."""
-        if self.routed_experts:
-            return (f"mixture-of-experts models ({self.routed_experts} routed experts per MLP) are not modelled: "
-                    "the planner counts dense MLPs only, so its weights and activations would be understated")
+        it can): a mixture of experts whose family's config keys it does not know (its
+        terms would count a dense MLP of `intermediate` width and understate it several-fold:
+        Mixtral 8x7B as 7.2e9 parameters instead of 4.7e10)."""
+        if self.routed_experts and self.moe is None:
+            return (f"mixture-of-experts models ({self.routed_experts} routed experts per MLP) are modelled for "
+                    f"{', '.join(EXPERT_FAMILIES)} only: this family's expert layout is not known to the planner, "
+                    "and counting it as dense would understate its weights and activations")
         return None
 
     @property
@@ -148,21 +203,47 @@ class ModelShape:
     @property
     def attention_params(self) -> int:
         h, d = self.hidden, self.head_dim
+        if self.mla is not None:
+            return self.mla.params(h, self.heads) + self.attention_extras
         attn = h * (self.heads + 2 * self.kv_heads) * d + self.heads * d * h
         bias = (self.heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
-        return attn + bias
+        return attn + bias + self.attention_extras
+
+    @property
+    def expert_params(self) -> int:
+        """Every routed expert of every MoE layer (0: a dense model)."""
+        return self.moe.layers * self.moe.experts * self.moe.expert_params(self.hidden) if self.moe else 0
+
+    @property
+    def mlp_params(self) -> int:
+        """Every layer's MLP: dense ones of `intermediate`, MoE ones with their experts."""
+        dense = 3 * self.hidden * self.intermediate
+        if self.moe is None:
+            return self.layers * dense
+        return (self.layers - self.moe.layers) * dense + self.moe.layers * self.moe.layer_params(self.hidden)
+
+    @property
+    def largest_mlp_params(self) -> int:
+        dense = 3 * self.hidden * self.intermediate if self.moe is None or self.moe.layers < self.layers else 0
+        return max(dense, self.moe.layer_params(self.hidden) if self.moe else 0)
+
+    @property
+    def mlp_token_width(self) -> int:
+        """The widest intermediate a token's activations run through in one layer (a dense
+        layer's, or an MoE layer's top-k and shared experts)."""
+        dense = self.intermediate if self.moe is None or self.moe.layers < self.layers else 0
+        return max(dense, self.moe.token_width if self.moe else 0)
 
     @property
     def layer_params(self) -> int:
-        """An attention layer's parameters (its MLP and norms included)."""
-        return self.attention_params + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        """The largest attention layer's parameters (its MLP and norms included)."""
+        return self.attention_params + self.largest_mlp_params + 2 * self.hidden
 
     @property
     def params(self) -> int:
         embed = self.vocab * self.hidden
-        mlp_and_norms = 3 * self.hidden * self.intermediate + 2 * self.hidden
         mixers = self.mixer.layers * self.mixer.params(self.hidden) if self.mixer is not None else 0
-        return (embed * (1 if self.tied_embeddings else 2) + self.layers * mlp_and_norms
+        return (embed * (1 if self.tied_embeddings else 2) + self.mlp_params + self.layers * 2 * self.hidden
                 + self.attention_layer_count * self.attention_params + mixers + self.hidden)
 
 
@@ -175,6 +256,15 @@ PRESETS: Dict[str, ModelShape] = {
     "qwen3-8b": ModelShape(4096, 36, 32, 8, 128, 12288, 151936),
     "mistral-7b": ModelShape(4096, 32, 32, 8, 128, 14336, 32000),
 }
+
+
+def shape_from_model_type(model_type: str) -> ModelShape:
+    """A ModelShape from a transformers model type at its default configuration (which is
+    most families' flagship size: `mixtral` is Mixtral 8x7B, `deepseek_v3` DeepSeek-V3);
+    KeyError for a name transformers does not know, ImportError without transformers."""
+    from transformers import CONFIG_MAPPING
+
+    return shape_from_dict(CONFIG_MAPPING[model_type]().to_dict())
 
 
 def shape_from_config(path: str) -> ModelShape:
@@ -202,9 +292,10 @@ def shape_from_dict(cfg: dict) -> ModelShape:
                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
                       intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                       tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                      qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+                      qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
                       mixer=mixer, attention_layers=sum(k in ATTENTION_KINDS for k in kinds) if mixer else None,
-                      routed_experts=routed_experts(cfg))
+                      routed_experts=routed_experts(cfg), moe=experts_from_dict(cfg), mla=mla_from_dict(cfg),
+                      attention_extras=attention_extras(cfg))
 
 
 # Where the configs of transformers' MoE families keep their routed expert count (Mixtral,
@@ -216,6 +307,52 @@ def routed_experts(cfg: dict) -> int:
     """The routed experts of a config's MLPs (0: dense; one expert is a dense MLP)."""
     experts = max([int(cfg.get(key) or 0) for key in EXPERT_KEYS] + [0])
     return experts if experts > 1 else 0
+
+
+# The mixture-of-experts families whose layouts the planner knows (experts_from_dict), each
+# checked against transformers' own modules (tests/test_planner.py).
+EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+
+
+def experts_from_dict(cfg: dict) -> Optional[ExpertShape]:
+    """The experts of a config of EXPERT_FAMILIES, as transformers 5.25 builds them (None:
+    dense, or a family the planner does not know)."""
+    experts, family = routed_experts(cfg), cfg.get("model_type")
+    if not experts or family not in EXPERT_FAMILIES:
+        return None
+    layers, top_k = cfg["num_hidden_layers"], cfg["num_experts_per_tok"]
+    if family in ("mixtral", "gpt_oss"):   # every layer; an expert as wide as `intermediate_size`
+        return ExpertShape(experts, top_k, cfg["intermediate_size"], layers, router_bias=family == "gpt_oss",
+                           expert_bias=family == "gpt_oss")
+    if family in ("qwen2_moe", "qwen3_moe"):   # every `decoder_sparse_step`-th layer outside `mlp_only_layers`
+        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
+        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        return ExpertShape(experts, top_k, cfg["moe_intermediate_size"], moe_layers, shared_width=shared,
+                           shared_gate=bool(shared))
+    # DeepSeek-V2/V3: dense below `first_k_dense_replace`, then every `moe_layer_freq`-th layer
+    first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
+    moe_layers = sum(1 for i in range(first, layers) if i % freq == 0)
+    return ExpertShape(experts, top_k, cfg["moe_intermediate_size"], moe_layers,
+                       shared_width=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"])
+
+
+def attention_extras(cfg: dict) -> int:
+    """An attention layer's parameters beyond its projections: Qwen3's q and k norms, GPT-OSS's
+    output bias and sinks."""
+    family = cfg.get("model_type") or ""
+    heads = cfg["num_attention_heads"]
+    if family.startswith("qwen3") and "linear_num_value_heads" not in cfg:
+        return 2 * (cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    return cfg["hidden_size"] + heads if family == "gpt_oss" else 0
+
+
+def mla_from_dict(cfg: dict) -> Optional[MlaShape]:
+    """Latent attention's sizes (a config with `kv_lora_rank`; None: q/k/v projections)."""
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return MlaShape(cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                    cfg["v_head_dim"])
 
 
 def layer_kinds(cfg: dict) -> list:
@@ -378,9 +515,11 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     # o_proj input (SAVED_OUT x query width); the MLP's gate, up, activation and product
     # (SAVED_MLP x intermediate), or only its input when tiled.
     saved = s * p * (SAVED_HIDDEN * shape.hidden + SAVED_QKV * qkv + SAVED_OUT * shape.heads * shape.head_dim)
-    saved += s * p * (shape.hidden if o.tiled_mlp else SAVED_MLP * shape.intermediate)
+    saved += s * p * (shape.hidden if o.tiled_mlp else SAVED_MLP * shape.mlp_token_width)
+    if shape.moe is not None:   # the router's probabilities (fp32) and each token's top-k choice
+        saved += s * (4 * shape.moe.experts + 8 * shape.moe.top_k)
     mlp_rows = min(s, mlp_tile_tokens(shape.hidden)) if o.tiled_mlp else s
-    transient = mlp_rows * p * TRANSIENT_MLP * shape.intermediate  # the MLP backward of a tile
+    transient = mlp_rows * p * TRANSIENT_MLP * shape.mlp_token_width  # the MLP backward of a tile
     ulysses = sp // o.ring_size
     heads_here = math.ceil(shape.heads / ulysses)
     queries = S // o.ring_size if o.ring_size > 1 else S
@@ -517,7 +656,7 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
     attention = (local * (2 * shape.heads + 2 * shape.kv_heads) * d * b   # q, k, v and the output, local
                  + total * (2 * q_local + 2 * kv_local) * d * b           # the same, head-sharded
                  + total * 2 * kv_local * d * b)                          # the cache's K/V exchange
-    mlp = 3 * min(local, mlp_tile or local) * shape.intermediate * b
+    mlp = 3 * min(local, mlp_tile or local) * shape.mlp_token_width * b
     mixer = shape.mixer
     states = mixer.layers * mixer.state_bytes(sp, batch=batch, dtype_bytes=b) if mixer is not None else 0
     return {
