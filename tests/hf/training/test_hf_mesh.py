@@ -1,8 +1,10 @@
 """The user's own DeviceMesh (`uk.groups_from_mesh`, and a 1-D mesh wherever a group is
 taken), four ranks on CPU with gloo: a tiny float64 Llama trains one step equal to one
-process on a ("dp", "sp") mesh, on a ("ring", "sp") mesh as Ulysses 2 x ring 2, and with two
-dimensions flattened into one Ulysses group of 4; the groups are the ranks the mesh says;
-what is not a group raises the same error on every rank.
+process on a ("dp", "sp") mesh, on a ("ring", "sp") mesh as Ulysses 2 x ring 2, with two
+dimensions flattened into one Ulysses group of 4, and beside tensor parallelism on a ("tp",
+"sp") mesh (the model's own tp_plan applied with torch's parallelize_module: Ulysses over the
+heads local to the TP rank, DTensor gradients reduced over SP); the groups are the ranks the
+mesh says; what is not a group raises the same error on every rank.
 """
 
 import pytest
@@ -40,6 +42,24 @@ def _error(call):
     return None
 
 
+def _tensor_parallel_step(mesh):
+    """docs/hf.md's recipe for TP beside SP: the model's `base_model_tp_plan` applied on the
+    "tp" dimension with torch's parallelize_module, the groups from the "sp" dimension (the
+    TP ranks take the same batch). The step's gradients, DTensors gathered whole."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    groups = uk.groups_from_mesh(mesh, sp="sp")
+    ukhf.register(groups)
+    model = make_family_model("llama", "ulysses")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {path: styles[style]() for path, style in model.config.base_model_tp_plan.items()}
+    parallelize_module(model.model, mesh["tp"], plan)
+    loss, grads = sp_step(model, PACKED, groups)
+    sharded = sum(isinstance(g, DTensor) for g in grads.values())
+    return (loss, {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}), sharded
+
+
 def mesh_jobs(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -62,6 +82,9 @@ def mesh_jobs(rank, world):
     flat = uk.groups_from_mesh(two, sp=("a", "b"))
     out["flat ranks"] = (_ranks(flat.sp_group), flat.sp_rank, flat.sp_size, flat.dp_size, _ranks(flat.dp_group))
     out["flat"] = _step(flat)
+
+    tp_sp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "sp"))
+    out["tp"] = _tensor_parallel_step(tp_sp)
 
     q = torch.randn(1, 4, 4, 16, dtype=torch.float64)
     out["errors"] = [
@@ -118,6 +141,18 @@ def test_a_ring_dimension_and_flattened_dimensions(per_rank, reference):
         _assert_step(out["ring"], reference, f"ring rank {rank}")
         assert out["flat ranks"] == ([0, 1, 2, 3], rank, 4, 1, [rank])
         _assert_step(out["flat"], reference, f"flat rank {rank}")
+
+
+@pytest.mark.slow
+def test_tensor_parallelism_beside_sequence_parallelism(per_rank, reference):
+    """("tp", "sp") at TP 2 x SP 2: q/k/v/o and the MLP sharded by the model's tp_plan (2 of
+    4 query heads, 1 of 2 KV heads on each TP rank, Ulysses 2 over them), one step equal to
+    one process; `allreduce_gradients` sums the DTensor gradients' local shards over SP (it
+    raised "aten.cat.default got mixed torch.Tensor and DTensor")."""
+    for rank, out in enumerate(per_rank):
+        step, sharded = out["tp"]
+        assert sharded == 2 * 7, sharded   # 2 layers x q, k, v, o, gate, up, down
+        _assert_step(step, reference, f"tp rank {rank}")
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
         if used and p.grad is None:   # used by another rank's tokens only: this rank's gradient is zero
             p.grad = torch.zeros_like(p)
         if used:
-            grads.append(p.grad)
+            grads.append(_local(p.grad))
     by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
@@ -50,6 +50,14 @@ def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
                 flat.div_(world)
             for g, r in zip(gs, _unflatten_dense_tensors(flat, gs)):
                 g.copy_(r)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of `grad`: a DTensor's (tensor parallelism beside SP: the
+    ranks of an SP group hold the same shard, so its local tensors are summed like any
+    gradient), written in place through it; any other tensor itself."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
 
 
 def _used_on_some_rank(params: Sequence[nn.Parameter], todo) -> List[bool]:
