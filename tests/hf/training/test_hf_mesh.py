@@ -60,6 +60,31 @@ def _tensor_parallel_step(mesh):
     return (loss, {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}), sharded
 
 
+def _fsdp_steps(mesh, dp="dp", steps=2, lr=0.1):
+    """FSDP2 over the mesh's DP x SP ranks (`apply_fsdp(shard="world")`), with patch_model's
+    tiles and activation checkpointing: `steps` SGD steps, each step's loss and gradients
+    (gathered whole; FSDP reduces them, `allreduce_gradients` is not called)."""
+    from sweep import batch_ids, positions
+
+    groups = uk.groups_from_mesh(mesh, sp="sp", dp=dp)
+    ukhf.register(groups)
+    model = ukhf.patch_model(make_family_model("llama", "ulysses"), mlp_tile_tokens=5, loss_tile_tokens=7)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+    model = ukhf.apply_fsdp(model, groups, shard="world")
+    out = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        loss = ukhf.causal_lm_loss(model, ukhf.shard_batch(batch_ids(), groups, position_ids=positions(PACKED)),
+                                   groups)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()
+                                    if p.grad is not None}))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return out
+
+
 def mesh_jobs(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -85,6 +110,10 @@ def mesh_jobs(rank, world):
 
     tp_sp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "sp"))
     out["tp"] = _tensor_parallel_step(tp_sp)
+    out["fsdp"] = _fsdp_steps(dp_sp)
+    # a dimension the groups do not name (here replicas of the same batch; tensor or expert
+    # parallel in practice): FSDP shards over the SP ranks only, not the world
+    out["fsdp, another dimension"] = _fsdp_steps(init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "sp")), dp=None)
 
     q = torch.randn(1, 4, 4, 16, dtype=torch.float64)
     out["errors"] = [
@@ -141,6 +170,30 @@ def test_a_ring_dimension_and_flattened_dimensions(per_rank, reference):
         _assert_step(out["ring"], reference, f"ring rank {rank}")
         assert out["flat ranks"] == ([0, 1, 2, 3], rank, 4, 1, [rank])
         _assert_step(out["flat"], reference, f"flat rank {rank}")
+
+
+@pytest.mark.slow
+def test_fsdp2_over_dp_and_sp_with_checkpointing_and_tiles(per_rank):
+    """FSDP2 sharded over a ("dp", "sp") mesh's four ranks (both DP groups take the same batch,
+    so the DP-only run is one process), patch_model's tiled MLP and loss and activation
+    checkpointing on: two SGD steps, each step's loss and every gradient equal to one
+    process's (the SP ranks' gradients summed, not averaged: no double counting over SP).
+    On a ("rep", "sp") mesh whose "rep" the groups do not name, FSDP shards over SP only
+    (over the whole world it summed the replicas too: twice the gradient)."""
+    from sweep import reference_step
+
+    model = make_family_model("llama", "eager64")
+    want = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        want.append(reference_step(model, PACKED))
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    for rank, out in enumerate(per_rank):
+        for case in ("fsdp", "fsdp, another dimension"):
+            for step, (got, expected) in enumerate(zip(out[case], want)):
+                _assert_step(got, expected, f"{case} rank {rank} step {step}")
 
 
 @pytest.mark.slow

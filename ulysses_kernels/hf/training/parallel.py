@@ -98,10 +98,12 @@ def apply_fsdp(model: nn.Module, groups, *, shard: str = "world", reshard_after_
                mp_policy=None, layers: Optional[Sequence[nn.Module]] = None) -> nn.Module:
     """Shard `model` with FSDP2 (`fully_shard`) for DP x SP training.
 
-    shard="world": parameters sharded across the combined DP x SP mesh (every rank holds
-    1/world of each weight, as DeepSpeed combines Ulysses with ZeRO-3). shard="sp": HSDP,
-    sharded inside each SP group and replicated across DP. Each decoder layer becomes an
-    FSDP unit, then the root.
+    shard="world": parameters sharded across the DP x SP ranks of `groups` (torchtitan's
+    `dp_shard_cp`; every such rank holds 1/(DP x SP) of each weight, as DeepSpeed combines
+    Ulysses with ZeRO-3; a mesh's other dimensions, tensor or expert parallel, are left to
+    the user). shard="sp": HSDP, sharded inside each SP group and replicated across DP.
+    Each decoder layer becomes an FSDP unit, then the root. FSDP reduces the gradients:
+    do not also call `allreduce_gradients`.
 
     Gradient reduction is set to SUM with a post-division by dp_size (not the world size):
     the SP ranks of a group see one batch and their gradients add up, the DP ranks see
@@ -114,8 +116,10 @@ def apply_fsdp(model: nn.Module, groups, *, shard: str = "world", reshard_after_
 
     mesh = groups.mesh
     device_type = mesh.device_type if mesh is not None else "cpu"
-    if shard == "world":
+    if shard == "world" and (mesh is None or mesh.size() == dist.get_world_size()):
         fmesh = init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=("dp_sp",))
+    elif shard == "world":   # a user's mesh with other dimensions: its DP x SP ranks only
+        fmesh = mesh._flatten("dp_sp") if mesh.ndim > 1 else mesh
     elif shard == "sp":
         fmesh = mesh  # (dp, sp): replicate over dp, shard over sp
     else:
