@@ -79,6 +79,7 @@ def _fsdp_steps(mesh, dp="dp", steps=2, lr=0.1):
         loss.backward()
         out.append((loss.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()
                                     if p.grad is not None}))
+        out.append(_error(lambda: ukhf.allreduce_gradients(model, groups)))   # FSDP reduced them already
         with torch.no_grad():
             for p in model.parameters():
                 p -= lr * p.grad
@@ -177,7 +178,8 @@ def test_fsdp2_over_dp_and_sp_with_checkpointing_and_tiles(per_rank):
     """FSDP2 sharded over a ("dp", "sp") mesh's four ranks (both DP groups take the same batch,
     so the DP-only run is one process), patch_model's tiled MLP and loss and activation
     checkpointing on: two SGD steps, each step's loss and every gradient equal to one
-    process's (the SP ranks' gradients summed, not averaged: no double counting over SP).
+    process's (the SP ranks' gradients summed, not averaged: no double counting over SP);
+    `allreduce_gradients` on the FSDP model is refused (it would reduce them twice).
     On a ("rep", "sp") mesh whose "rep" the groups do not name, FSDP shards over SP only
     (over the whole world it summed the replicas too: twice the gradient)."""
     from sweep import reference_step
@@ -192,8 +194,10 @@ def test_fsdp2_over_dp_and_sp_with_checkpointing_and_tiles(per_rank):
                 p -= 0.1 * p.grad
     for rank, out in enumerate(per_rank):
         for case in ("fsdp", "fsdp, another dimension"):
-            for step, (got, expected) in enumerate(zip(out[case], want)):
+            steps, refusals = out[case][0::2], out[case][1::2]
+            for step, (got, expected) in enumerate(zip(steps, want)):
                 _assert_step(got, expected, f"{case} rank {rank} step {step}")
+            assert all(r is not None and "sharded by FSDP" in r for r in refusals), refusals
 
 
 @pytest.mark.slow

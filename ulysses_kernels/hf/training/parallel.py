@@ -22,6 +22,9 @@ def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
     """
     if isinstance(sp_group, ParallelGroups):
         sp_group, dp_group = sp_group.sp_group, dp_group if dp_group is not None else sp_group.dp_group
+    if isinstance(model_or_params, nn.Module) and _fsdp_sharded(model_or_params):
+        raise ValueError("allreduce_gradients: the model is sharded by FSDP (apply_fsdp / fully_shard), which "
+                         "reduces its gradients itself; reducing them again would sum different shards")
     params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
     params = [p for p in params if p.requires_grad]
     todo = []
@@ -50,6 +53,14 @@ def allreduce_gradients(model_or_params, sp_group=None, dp_group=None) -> None:
                 flat.div_(world)
             for g, r in zip(gs, _unflatten_dense_tensors(flat, gs)):
                 g.copy_(r)
+
+
+def _fsdp_sharded(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # a torch without FSDP2
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
