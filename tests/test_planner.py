@@ -279,4 +279,7 @@ def test_plan_cli_plans_mixtures_of_experts_by_model_type(tmp_path):
     path.write_text(json.dumps(transformers.Qwen3NextConfig().to_dict()))
     out = _cli("--model", str(tmp_path), "--seq-len", "4096")
     assert out.returncode == 2 and "are modelled for mixtral, qwen2_moe, qwen3_moe" in out.stderr, out.stderr
-    assert _cli("--model", "no_such_model_type", "--seq-len", "4096").returncode == 2
+    unknown = _cli("--model", "no_such_model_type", "--seq-len", "4096")
+    assert unknown.returncode == 2 and "nor a transformers model type" in unknown.stderr
+    unmodelled = _cli("--model", "rwkv", "--seq-len", "4096")   # a model type without attention heads
+    assert unmodelled.returncode == 2 and "the planner cannot read RwkvConfig" in unmodelled.stderr, unmodelled.stderr

@@ -356,7 +356,10 @@ def plan(args) -> int:
 
     try:
         shape = _plan_shape(args.model)
-    except (OSError, KeyError, ValueError, ImportError) as exc:
+    except ValueError as exc:   # a config the planner reads but does not model
+        print(f"ulysses-kernels plan: --model {args.model!r}: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, KeyError, ImportError) as exc:
         print(f"ulysses-kernels plan: --model {args.model!r} is neither a preset ({', '.join(PRESETS)}), a "
               f"readable config.json nor a transformers model type: {exc}", file=sys.stderr)
         return 2

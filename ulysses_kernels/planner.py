@@ -264,7 +264,12 @@ def shape_from_model_type(model_type: str) -> ModelShape:
     KeyError for a name transformers does not know, ImportError without transformers."""
     from transformers import CONFIG_MAPPING
 
-    return shape_from_dict(CONFIG_MAPPING[model_type]().to_dict())
+    config = CONFIG_MAPPING[model_type]()
+    try:
+        return shape_from_dict(config.to_dict())
+    except KeyError as missing:
+        raise ValueError(f"the planner cannot read {type(config).__name__}: it has no {missing} (a layout the planner "
+                         "does not model)") from None
 
 
 def shape_from_config(path: str) -> ModelShape:
