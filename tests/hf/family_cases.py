@@ -54,8 +54,11 @@ def family_config(name: str, **overrides):
                                                qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4,
                                                n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
                                                first_k_dense_replace=1, moe_intermediate_size=32, **common)
+    elif name == "qwen3_moe":  # q/k norms, every layer a mixture of experts (the mesh tests only)
+        config = transformers.Qwen3MoeConfig(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, **common)
     else:
-        raise ValueError(f"unknown family {name!r}; one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {name!r}; one of {', '.join(FAMILIES)}, qwen3_moe")
     for key, value in overrides.items():
         setattr(config, key, value)
     return config

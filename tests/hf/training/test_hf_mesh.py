@@ -23,6 +23,7 @@ from ulysses_kernels import hf as ukhf  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 PACKED = DOCUMENTS["two packed documents"]
+MESH_FAMILIES = ("llama", "qwen3_moe")   # Qwen3-MoE: every MLP a mixture of experts, q/k norms
 
 
 def _ranks(group):
@@ -42,25 +43,47 @@ def _error(call):
     return None
 
 
-def _tensor_parallel_step(mesh):
-    """docs/hf.md's recipe for TP beside SP: the model's `base_model_tp_plan` applied on the
-    "tp" dimension with torch's parallelize_module, the groups from the "sp" dimension (the
-    TP ranks take the same batch). The step's gradients, DTensors gathered whole."""
-    from torch.distributed.tensor import DTensor
+def apply_tp_plan(model, tp_mesh):
+    """docs/api.md's recipe for TP beside SP: the model's `base_model_tp_plan` applied on the
+    "tp" dimension with torch's parallelize_module ("colwise" / "rowwise" entries whose modules
+    exist); the parameters its "replicated_with_grad_allreduce" entries name (Qwen3's q/k norms:
+    each TP rank sees its own heads) returned, to be summed over TP after the backward."""
+    import fnmatch
+
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = model.config.base_model_tp_plan
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    names = [name for name, _ in model.model.named_modules()]
+    parallelize_module(model.model, tp_mesh, {pattern: styles[style]() for pattern, style in plan.items()
+                                              if style in styles and fnmatch.filter(names, pattern)})
+    replicated = [pattern for pattern, style in plan.items() if style == "replicated_with_grad_allreduce"]
+    return [p for name, p in model.model.named_parameters()
+            if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], pattern) for pattern in replicated)]
+
+
+def _tensor_parallel_step(mesh, family):
+    """One step of `family` on a ("tp", "sp") mesh, the groups from the "sp" dimension (the TP
+    ranks take the same batch). The step's gradients, DTensors gathered whole."""
+    from sweep import batch_ids, positions
+    from torch.distributed.tensor import DTensor
 
     groups = uk.groups_from_mesh(mesh, sp="sp")
     ukhf.register(groups)
-    model = make_family_model("llama", "ulysses")
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {path: styles[style]() for path, style in model.config.base_model_tp_plan.items()}
-    parallelize_module(model.model, mesh["tp"], plan)
-    loss, grads = sp_step(model, PACKED, groups)
+    model = make_family_model(family, "ulysses")
+    summed_over_tp = apply_tp_plan(model, mesh["tp"])
+    loss = ukhf.causal_lm_loss(model, ukhf.shard_batch(batch_ids(), groups, position_ids=positions(PACKED)), groups)
+    loss.backward()
+    for p in summed_over_tp:
+        dist.all_reduce(p.grad, group=mesh["tp"].get_group())
+    ukhf.allreduce_gradients(model, groups)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     sharded = sum(isinstance(g, DTensor) for g in grads.values())
-    return (loss, {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}), sharded
+    return ((loss.detach(), {n: g.full_tensor() if isinstance(g, DTensor) else g for n, g in grads.items()}),
+            sharded, len(summed_over_tp))
 
 
-def _fsdp_steps(mesh, dp="dp", steps=2, lr=0.1):
+def _fsdp_steps(mesh, family="llama", dp="dp", steps=2, lr=0.1):
     """FSDP2 over the mesh's DP x SP ranks (`apply_fsdp(shard="world")`), with patch_model's
     tiles and activation checkpointing: `steps` SGD steps, each step's loss and gradients
     (gathered whole; FSDP reduces them, `allreduce_gradients` is not called)."""
@@ -68,7 +91,9 @@ def _fsdp_steps(mesh, dp="dp", steps=2, lr=0.1):
 
     groups = uk.groups_from_mesh(mesh, sp="sp", dp=dp)
     ukhf.register(groups)
-    model = ukhf.patch_model(make_family_model("llama", "ulysses"), mlp_tile_tokens=5, loss_tile_tokens=7)
+    moe = family == "qwen3_moe"   # mixture-of-experts blocks are not tiled (patch_model refuses them)
+    model = ukhf.patch_model(make_family_model(family, "ulysses"), tiled_mlp=not moe, mlp_tile_tokens=5,
+                             loss_tile_tokens=7)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
     model = ukhf.apply_fsdp(model, groups, shard="world")
     out = []
@@ -110,11 +135,15 @@ def mesh_jobs(rank, world):
     out["flat"] = _step(flat)
 
     tp_sp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "sp"))
-    out["tp"] = _tensor_parallel_step(tp_sp)
-    out["fsdp"] = _fsdp_steps(dp_sp)
+    for family in MESH_FAMILIES:
+        out[("tp", family)] = _tensor_parallel_step(tp_sp, family)
+        out[("fsdp", family)] = _fsdp_steps(dp_sp, family)
+    ukhf.register(groups)
+    out["dp_sp moe"] = sp_step(make_family_model("qwen3_moe", "ulysses"), PACKED, groups)
     # a dimension the groups do not name (here replicas of the same batch; tensor or expert
     # parallel in practice): FSDP shards over the SP ranks only, not the world
-    out["fsdp, another dimension"] = _fsdp_steps(init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "sp")), dp=None)
+    out["fsdp, another dimension"] = _fsdp_steps(init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "sp")),
+                                                  dp=None)
 
     q = torch.randn(1, 4, 4, 16, dtype=torch.float64)
     out["errors"] = [
@@ -138,6 +167,23 @@ def per_rank():
 @pytest.fixture(scope="module")
 def reference():
     return reference_step(make_family_model("llama", "eager64"), PACKED)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Per family of MESH_FAMILIES: the one-process steps (two SGD steps)."""
+    out = {}
+    for family in MESH_FAMILIES:
+        model, steps = make_family_model(family, "eager64"), []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            steps.append(reference_step(model, PACKED))
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p -= 0.1 * p.grad
+        out[family] = steps
+    return out
 
 
 def _assert_step(got, want, what):
@@ -174,42 +220,46 @@ def test_a_ring_dimension_and_flattened_dimensions(per_rank, reference):
 
 
 @pytest.mark.slow
-def test_fsdp2_over_dp_and_sp_with_checkpointing_and_tiles(per_rank):
+def test_fsdp2_over_dp_and_sp_with_checkpointing_and_tiles(per_rank, references):
     """FSDP2 sharded over a ("dp", "sp") mesh's four ranks (both DP groups take the same batch,
     so the DP-only run is one process), patch_model's tiled MLP and loss and activation
-    checkpointing on: two SGD steps, each step's loss and every gradient equal to one
-    process's (the SP ranks' gradients summed, not averaged: no double counting over SP);
-    `allreduce_gradients` on the FSDP model is refused (it would reduce them twice).
-    On a ("rep", "sp") mesh whose "rep" the groups do not name, FSDP shards over SP only
-    (over the whole world it summed the replicas too: twice the gradient)."""
-    from sweep import reference_step
-
-    model = make_family_model("llama", "eager64")
-    want = []
-    for _ in range(2):
-        model.zero_grad(set_to_none=True)
-        want.append(reference_step(model, PACKED))
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= 0.1 * p.grad
+    checkpointing on (Qwen3-MoE: the loss tiled, not its experts), a tiny Llama and a tiny
+    Qwen3-MoE: two SGD steps, each step's loss and
+    every gradient equal to one process's (the SP ranks' gradients summed, not averaged: no
+    double counting over SP); `allreduce_gradients` on the FSDP model is refused (it would
+    reduce them twice). On a ("rep", "sp") mesh whose "rep" the groups do not name, FSDP
+    shards over SP only (over the whole world it summed the replicas too: twice the
+    gradient)."""
     for rank, out in enumerate(per_rank):
-        for case in ("fsdp", "fsdp, another dimension"):
+        for case, family in [(("fsdp", f), f) for f in MESH_FAMILIES] + [("fsdp, another dimension", "llama")]:
             steps, refusals = out[case][0::2], out[case][1::2]
-            for step, (got, expected) in enumerate(zip(steps, want)):
+            for step, (got, expected) in enumerate(zip(steps, references[family])):
                 _assert_step(got, expected, f"{case} rank {rank} step {step}")
             assert all(r is not None and "sharded by FSDP" in r for r in refusals), refusals
 
 
 @pytest.mark.slow
-def test_tensor_parallelism_beside_sequence_parallelism(per_rank, reference):
-    """("tp", "sp") at TP 2 x SP 2: q/k/v/o and the MLP sharded by the model's tp_plan (2 of
-    4 query heads, 1 of 2 KV heads on each TP rank, Ulysses 2 over them), one step equal to
-    one process; `allreduce_gradients` sums the DTensor gradients' local shards over SP (it
-    raised "aten.cat.default got mixed torch.Tensor and DTensor")."""
+def test_tensor_parallelism_beside_sequence_parallelism(per_rank, references):
+    """("tp", "sp") at TP 2 x SP 2, a tiny Llama and a tiny Qwen3-MoE: q/k/v/o (and Llama's
+    MLP) sharded by the model's tp_plan (2 of 4 query heads, 1 of 2 KV heads on each TP rank,
+    Ulysses 2 over them; Qwen3-MoE's experts replicated), Qwen3's q/k norms summed over TP as
+    its plan says, one step equal to one process; `allreduce_gradients` sums the DTensor
+    gradients' local shards over SP (it raised "aten.cat.default got mixed torch.Tensor and
+    DTensor")."""
+    expected_shards = {"llama": (2 * 7, 0), "qwen3_moe": (2 * 4, 2 * 2)}   # (DTensor grads, norms summed over TP)
     for rank, out in enumerate(per_rank):
-        step, sharded = out["tp"]
-        assert sharded == 2 * 7, sharded   # 2 layers x q, k, v, o, gate, up, down
-        _assert_step(step, reference, f"tp rank {rank}")
+        for family in MESH_FAMILIES:
+            step, sharded, summed = out[("tp", family)]
+            assert (sharded, summed) == expected_shards[family], (family, sharded, summed)
+            _assert_step(step, references[family][0], f"tp {family} rank {rank}")
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_on_a_dp_sp_mesh(per_rank, references):
+    """A tiny Qwen3-MoE through groups_from_mesh on the ("dp", "sp") mesh: one step equal to
+    one process (the experts only some ranks' tokens chose reduced on every rank)."""
+    for rank, out in enumerate(per_rank):
+        _assert_step(out["dp_sp moe"], references["qwen3_moe"][0], f"dp_sp moe rank {rank}")
 
 
 @pytest.mark.slow
