@@ -163,6 +163,13 @@ def sp_jobs(rank, world):
     out["zero3_sp2_ga2"] = _trained(run_sp("trainer", 2, shared_dir("ds3ga"), deepspeed=zero(3),
                                            gradient_accumulation_steps=2, max_steps=2))
     out["zero3_sp4"] = _trained(run_sp("trainer", 4, shared_dir("ds3sp4"), deepspeed=zero(3)), True)
+    try:   # the mixin and accelerate's own (DeepSpeed ALST) sequence parallelism together
+        from accelerate import ParallelismConfig
+
+        run_sp("trainer", 2, shared_dir("both_sp"), deepspeed=zero(2), parallelism_config=ParallelismConfig(sp_size=2))
+        out["both_sp"] = None
+    except ValueError as error:
+        out["both_sp"] = str(error)
     out["sft_zero3_sp2"] = _trained(run_sp("sft", 2, shared_dir("ds3sft"), deepspeed=zero(3)))
     out["engine_zero3_sp2"] = engine_loop(rank, world, 3, 2)
     out["engine_zero2_sp2"] = engine_loop(rank, world, 2, 2)
@@ -215,6 +222,15 @@ def test_trainer_zero_sp2_dp2_matches_dp_only_run(stage):
 def test_trainer_zero3_sp4_matches_one_process():
     errors = _compare_ranks("zero3_sp4", _run(1)[0]["zero3"])
     assert not errors, "\n".join(errors)
+
+
+def test_the_mixin_with_accelerates_own_sequence_parallelism_is_refused():
+    """TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2)) under DeepSpeed with
+    the mixin: the same ValueError on every rank (it was accepted, the sequence sharded by
+    both and Trainer's step count scaled by sp_size)."""
+    messages = {out["both_sp"] for out in _run(4)}
+    assert len(messages) == 1 and None not in messages, messages
+    assert "accelerate's own sequence parallelism is set too (ParallelismConfig sp_size=2)" in messages.pop()
 
 
 def test_trainer_zero3_gradient_accumulation_matches_dp_only_run():

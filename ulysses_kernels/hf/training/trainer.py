@@ -97,6 +97,15 @@ class DataParallelData:
         if self.accelerator.num_processes != dist.get_world_size():
             raise ValueError(f"{mixin}: accelerate sees {self.accelerator.num_processes} "
                              f"processes, torch.distributed {dist.get_world_size()}")
+        # accelerate's own sequence (DeepSpeed's ALST) or context parallelism on top of the
+        # mixin's would shard the sequence twice and rescale the steps (Trainer.get_sp_size)
+        config = getattr(self.accelerator, "parallelism_config", None)
+        both = [f"{name}={getattr(config, name)}" for name in ("sp_size", "cp_size")
+                if config is not None and (getattr(config, name, None) or 1) > 1]
+        if both:
+            raise ValueError(f"{mixin}: accelerate's own sequence parallelism is set too (ParallelismConfig "
+                             f"{', '.join(both)}); the mixin shards the sequence itself: leave sp_size and cp_size "
+                             "at 1 in the parallelism_config (or drop the mixin for accelerate's own)")
 
     @contextlib.contextmanager
     def _shard_over_dp(self):
