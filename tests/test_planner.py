@@ -261,20 +261,23 @@ def test_mixture_of_experts_is_planned_where_its_layout_is_known():
     assert shape_from_dict(dict(transformers.LlamaConfig().to_dict(), num_local_experts=1)).routed_experts == 0
 
 
-@pytest.mark.slow   # the CLI in subprocesses
-def test_plan_cli_plans_mixtures_of_experts_by_model_type(tmp_path):
+@pytest.mark.slow   # builds transformers' flagship configs
+def test_plan_cli_plans_mixtures_of_experts_by_model_type(tmp_path, capsys):
     """`--model` takes a transformers model type at its default configuration: Qwen3-MoE,
     Mixtral, DeepSeek-V3 and GPT-OSS plan, their routed experts counted from the config;
-    an MoE layout the planner does not know (Qwen3-Next, as a config file) exits 2."""
+    an MoE layout the planner does not know (Qwen3-Next, as a config file) exits 2. (The
+    CLI's `main` in this process: one transformers import for the four plans.)"""
     transformers = pytest.importorskip("transformers")
+    from ulysses_kernels.cli import main
+
     base = ["--seq-len", "1000000", "--gpus", "8", "--gpu-memory-gib", "80", "--tiled", "--offload"]
     for family, experts in (("qwen3_moe", "24 MoE layers x 128 experts x 4,718,592"),
                             ("mixtral", "32 MoE layers x 8 experts x 176,160,768"),
                             ("deepseek_v3", "58 MoE layers x 256 experts x 44,040,192"),
                             ("gpt_oss", "36 MoE layers x 128 experts x 24,891,840")):
-        out = _cli("--model", family, *base)
-        assert out.returncode == 0, out.stderr
-        assert "longest sequence that fits" in out.stdout and experts in out.stdout, out.stdout
+        assert main(["plan", "--model", family, *base]) == 0
+        out = capsys.readouterr().out
+        assert "longest sequence that fits" in out and experts in out, out
     path = tmp_path / "config.json"
     path.write_text(json.dumps(transformers.Qwen3NextConfig().to_dict()))
     out = _cli("--model", str(tmp_path), "--seq-len", "4096")
