@@ -69,5 +69,16 @@ def _cuda():
     return torch.cuda.is_available()
 
 
+def _close_process_group():
+    """Every rank done before any tears its process group down: a rank that exits while
+    another still shuts down can abort its launcher's whole run."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     main()
+    _close_process_group()
