@@ -58,6 +58,9 @@ def test_plan_ring_auto_and_an_sp_the_heads_do_not_allow():
     assert auto.returncode == 0, auto.stderr
     assert json.loads(auto.stdout)["options"]["ring_size"] == 8
     assert "Ulysses 8 x ring 8 (each Ulysses group inside a node of 8 GPUs, the ring across nodes)" in auto.stderr
+    spelled = _cli("--model", "llama-3-8b", "--seq-len", "1000000", "--gpus-per-node", "8", "--nodes", "8", "--sp",
+                   "64", "--ring", "auto", "--json")   # --gpus-per-node: --gpus's other name
+    assert json.loads(spelled.stdout)["options"]["ring_size"] == 8, spelled.stderr
     one_node = _cli("--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "64", "--sp", "64", "--ring", "auto")
     assert "SP 64 (ring 2)" in one_node.stdout and "Ulysses 32 x ring 2 (one node)" in one_node.stderr
     refused = _cli(*base)

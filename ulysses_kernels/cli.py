@@ -270,9 +270,11 @@ def print_env(_args) -> int:
 def _plan_arguments(p):
     from .planner import PRESETS
 
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a config.json / checkpoint folder")
+    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}), a config.json / checkpoint "
+                                                  "folder, or a transformers model type (its default configuration)")
     p.add_argument("--seq-len", type=int, required=True, help="global sequence length (tokens)")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpus", "--gpus-per-node", dest="gpus", type=int, default=8,
+                   help="GPUs per node (default 8); the GPUs in all are --gpus x --nodes")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel size (default: all GPUs)")
