@@ -224,6 +224,31 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
+def layout_part(t: torch.Tensor, ranges) -> torch.Tensor:
+    """The tokens (dim 1) of `t` at `ranges` ((global start, length), in order): one rank's
+    part of a sequence layout (hf/families/halo.py's SequenceLayout)."""
+    return torch.cat([t[:, :0]] + [t[:, s:s + n] for s, n in ranges], dim=1)
+
+
+def chunk_layout(total: int):
+    """A generation chunk of `total` tokens split along the sequence over the default
+    group (hf/families/halo.py's contiguous layout): (the layout, this rank's ranges)."""
+    from ulysses_kernels.distributed.groups import resolve_group
+    from ulysses_kernels.hf.families.halo import contiguous_layout
+    from ulysses_kernels.layout import split_lengths
+
+    group = resolve_group(None)
+    layout = contiguous_layout(group, split_lengths(total, group[1]))
+    return layout, layout.ranges[layout.mine]
+
+
+def sharded_chunk_error(out, want_whole, ranges, state, want_state) -> float:
+    """A sharded generation chunk's largest error: this rank's output against the whole
+    result at its ranges (none on a rank without tokens), and the state every rank keeps."""
+    local = rel_err(out, layout_part(want_whole, ranges)) if out.shape[1] else 0.0
+    return max(local, rel_err(state, want_state))
+
+
 # ----------------------------------------------------------------------- skipping
 
 def needs_extension(fused_ops: bool = False):

@@ -146,6 +146,19 @@ def test_choose_ring_size_keeps_ulysses_inside_a_node(sp, heads, kv, node, ring)
     assert choose_ring_size(sp, heads, kv, gpus_per_node=None) <= ring
 
 
+def test_the_node_size_comes_from_the_launcher_or_the_argument(monkeypatch):
+    """init_sequence_parallel's node size: gpus_per_node, else LOCAL_WORLD_SIZE; None on one
+    node (or unknown); a world that is not whole nodes raises."""
+    from ulysses_kernels.distributed.groups import _node_size
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _node_size(16, None) is None and _node_size(16, 8) == 8 and _node_size(8, 8) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _node_size(16, None) == 4 and _node_size(16, 8) == 8 and _node_size(4, None) is None
+    with pytest.raises(ValueError, match="not whole nodes of 3"):
+        _node_size(16, 3)
+
+
 def test_choose_ring_size_rejects_bad_heads():
     with pytest.raises(ValueError, match="multiple"):
         choose_ring_size(8, 28, 3)

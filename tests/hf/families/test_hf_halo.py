@@ -12,12 +12,12 @@ A convolution run on each shard alone (the negative control) is off by far more.
 
 import pytest
 import torch
-from helpers import SPAWN_TIMEOUT, rel_err
+from helpers import SPAWN_TIMEOUT, chunk_layout, layout_part, rel_err, sharded_chunk_error
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from ulysses_kernels.hf.families.halo import contiguous_layout, halo_conv, halo_map, training_layout  # noqa: E402
+from ulysses_kernels.hf.families.halo import halo_conv, halo_map, training_layout  # noqa: E402
 from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
@@ -67,10 +67,6 @@ def _stacked_one_process(operator, params, reach, x, grad, documents):
     return out.detach(), grads[0], list(grads[1:])
 
 
-def _pieces(t, ranges):
-    return torch.cat([t[:, :0]] + [t[:, s:s + n] for s, n in ranges], dim=1)
-
-
 def _halo_worker(rank, world, ring):
     import torch.distributed as dist
 
@@ -87,19 +83,19 @@ def _halo_worker(rank, world, ring):
         want_out, want_dx, want_dw, want_db = _one_process(x, weight, bias, grad, cu)
         layout = training_layout(context, sp_lengths(total, ring, world // ring))
         mine = layout.ranges[layout.mine]
-        local = _pieces(x, mine).clone().requires_grad_()
+        local = layout_part(x, mine).clone().requires_grad_()
         w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
         out, last = halo_conv(local, w, b, layout, cu_seqlens=cu, activation="silu")
-        (out * _pieces(grad, mine)).sum().backward()
+        (out * layout_part(grad, mine)).sum().backward()
         dw, db = (t.grad.clone() if t.grad is not None else torch.zeros_like(t) for t in (w, b))   # no tokens: None
         dist.all_reduce(dw), dist.all_reduce(db)
         held = local.shape[1] > 0   # the 3-token case at 4 ranks: a rank holds none
         alone = causal_conv1d(local.detach(), weight, bias, None, "silu") if held else None   # the negative control
-        errors[index] = dict(out=rel_err(out.detach(), _pieces(want_out, mine)) if held else 0.0,
-                             dx=rel_err(local.grad, _pieces(want_dx, mine)) if held else 0.0,
+        errors[index] = dict(out=rel_err(out.detach(), layout_part(want_out, mine)) if held else 0.0,
+                             dx=rel_err(local.grad, layout_part(want_dx, mine)) if held else 0.0,
                              dw=rel_err(dw, want_dw), db=rel_err(db, want_db),
                              last=rel_err(last.detach(), x[:, total - kernel + 1:]),
-                             alone=rel_err(alone, _pieces(want_out, mine)) if held else 0.0)
+                             alone=rel_err(alone, layout_part(want_out, mine)) if held else 0.0)
         errors[("map", index)] = _stacked_errors(x, grad, documents, kernel, index, layout)
     return errors
 
@@ -111,15 +107,15 @@ def _stacked_errors(x, grad, documents, kernel, seed, layout):
     operator, params, reach = _stacked_convolutions(kernel, seed)
     want_out, want_dx, want_dparams = _stacked_one_process(operator, params, reach, x, grad, documents)
     mine = layout.ranges[layout.mine]
-    local = _pieces(x, mine).clone().requires_grad_()
+    local = layout_part(x, mine).clone().requires_grad_()
     out, last = halo_map(local, operator, reach, layout, cu_seqlens=torch.tensor(documents) if documents else None)
-    dx, *dparams = torch.autograd.grad((out * _pieces(grad, mine)).sum(), [local, *params], allow_unused=True)
+    dx, *dparams = torch.autograd.grad((out * layout_part(grad, mine)).sum(), [local, *params], allow_unused=True)
     dparams = [d if d is not None else torch.zeros_like(p) for d, p in zip(dparams, params)]
     for d in dparams:
         dist.all_reduce(d)
     held = local.shape[1] > 0
-    return dict(out=rel_err(out.detach(), _pieces(want_out, mine)) if held else 0.0,
-                dx=rel_err(dx, _pieces(want_dx, mine)) if held else 0.0,
+    return dict(out=rel_err(out.detach(), layout_part(want_out, mine)) if held else 0.0,
+                dx=rel_err(dx, layout_part(want_dx, mine)) if held else 0.0,
                 dw=max(rel_err(d, w) for d, w in zip(dparams, want_dparams)), db=0.0,
                 last=rel_err(last.detach(), x[:, x.shape[1] - reach:]) if reach <= x.shape[1] else 0.0,
                 alone=0.0)
@@ -145,28 +141,23 @@ def _chunk_worker(rank, world):
     inputs as the next state."""
     import torch.distributed as dist
 
-    from ulysses_kernels.distributed.groups import resolve_group
-    from ulysses_kernels.layout import split_lengths
-
     dist.barrier()
     errors = []
     for total, kernel in ((13, 4), (3, 4), (7, 6)):
         x, weight, bias, _ = _inputs(total, kernel, seed=total)
         before = torch.randn(2, kernel - 1, C, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         want = causal_conv1d(x, weight, bias, None, None, history=before)
-        lens = split_lengths(total, world)
-        layout = contiguous_layout(resolve_group(None), lens)
-        mine = layout.ranges[layout.mine]
-        out, last = halo_conv(_pieces(x, mine), weight, bias, layout, before=before)
+        layout, mine = chunk_layout(total)
+        out, last = halo_conv(layout_part(x, mine), weight, bias, layout, before=before)
         want_last = torch.cat([before, x], dim=1)[:, -(kernel - 1):]
-        errors.append(max(rel_err(out, _pieces(want, mine)) if out.shape[1] else 0.0, rel_err(last, want_last)))
+        errors.append(sharded_chunk_error(out, want, mine, last, want_last))
         operator, _, reach = _stacked_convolutions(kernel, seed=total)   # halo_map after a state
         with torch.no_grad():
             before = torch.randn(2, reach, C, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
             want = operator(torch.cat([before, x], dim=1))
-            out, last = halo_map(_pieces(x, mine), operator, reach, layout, before=before)
+            out, last = halo_map(layout_part(x, mine), operator, reach, layout, before=before)
         want_last = torch.cat([before, x], dim=1)[:, -reach:]
-        errors.append(max(rel_err(out, _pieces(want, mine)) if out.shape[1] else 0.0, rel_err(last, want_last)))
+        errors.append(sharded_chunk_error(out, want, mine, last, want_last))
     return errors
 
 

@@ -399,6 +399,20 @@ def test_mode_switches_and_hub_kernels_keep_the_adapters(tmp_path):
                 assert error < MODE_SWITCH_TOLERANCE, (rank, family, step, mode, error, where)
 
 
+@pytest.mark.slow   # builds a Hugging Face model
+def test_zaya_refuses_a_padding_mask_for_its_convolutions():
+    """ZAYA's projection given a padding mask for its convolutions (the per-token mask
+    transformers derives from a padded batch) refuses it rather than convolving padding:
+    under sequence parallelism the mask of a padded row is not this rank's slice."""
+    model = hybrid_model("zaya", "eager", 2)   # the adapter alone, outside any model forward
+    install_adapters(model)
+    projection = model.model.layers[0].self_attn.qkv_proj
+    hidden = torch.randn(1, 5, model.config.hidden_size, dtype=torch.float64)
+    mask = torch.tensor([[0, 1, 1, 1, 1]])
+    with pytest.raises(ukhf.NotSequenceParallelError, match="padding mask for its convolution"):
+        projection(hidden, None, mask)
+
+
 def test_a_forward_replaced_after_adaptation_is_refused():
     """What replaces an adapted mixer's forward after the package adapted it (a hub kernel,
     a user's patch) is refused at the model's next forward, not run on the local shard;

@@ -10,12 +10,12 @@ The scan run on each shard from zero (the negative control) is off by far more.
 
 import pytest
 import torch
-from helpers import SPAWN_TIMEOUT, rel_err
+from helpers import SPAWN_TIMEOUT, chunk_layout, layout_part, rel_err, sharded_chunk_error
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from ulysses_kernels.hf.families.halo import contiguous_layout, training_layout  # noqa: E402
+from ulysses_kernels.hf.families.halo import training_layout  # noqa: E402
 from ulysses_kernels.hf.families.mamba1 import SelectiveScan  # noqa: E402
 from ulysses_kernels.hf.families.mixers import over_documents  # noqa: E402
 from ulysses_kernels.hf.families.state_passing import layout_recurrence  # noqa: E402
@@ -44,10 +44,6 @@ def _one_process(tensors, A, grad, cu):
     return out.detach(), [leaf.grad for leaf in leaves]
 
 
-def _pieces(t, ranges):
-    return torch.cat([t[:, :0]] + [t[:, s:s + n] for s, n in ranges], dim=1)
-
-
 def _worker(rank, world, ring):
     import torch.distributed as dist
 
@@ -63,19 +59,19 @@ def _worker(rank, world, ring):
         want, want_grads = _one_process(tensors, A, grad, cu)
         layout = training_layout(context, sp_lengths(total, ring, world // ring))
         mine = layout.ranges[layout.mine]
-        local = [_pieces(t, mine).clone().requires_grad_() for t in tensors]
+        local = [layout_part(t, mine).clone().requires_grad_() for t in tensors]
         a = A.clone().requires_grad_()
         out = layout_recurrence(SelectiveScan(a), local, layout, cu)
-        (out * _pieces(grad, mine)).sum().backward()
+        (out * layout_part(grad, mine)).sum().backward()
         da = a.grad.clone() if a.grad is not None else torch.zeros_like(a)   # a rank without tokens
         dist.all_reduce(da)
         alone = SelectiveScan(A).run([t.detach() for t in local], None)[0]
         held = sum(n for _, n in mine) > 0   # a rank of the 3-token case at world 4 holds none
         errors[index] = dict(
-            out=rel_err(out.detach(), _pieces(want, mine)) if held else 0.0,
-            grads=max([rel_err(t.grad, _pieces(w, mine)) for t, w in zip(local, want_grads)] if held else [0.0]),
+            out=rel_err(out.detach(), layout_part(want, mine)) if held else 0.0,
+            grads=max([rel_err(t.grad, layout_part(w, mine)) for t, w in zip(local, want_grads)] if held else [0.0]),
             dA=rel_err(da, want_grads[-1]),
-            alone=rel_err(alone, _pieces(want, mine)) if held else 0.0)
+            alone=rel_err(alone, layout_part(want, mine)) if held else 0.0)
     return errors
 
 
@@ -91,19 +87,15 @@ def test_the_scan_with_passed_states_equals_one_process(world, ring):
 
 
 def _chunk_worker(rank, world):
-    from ulysses_kernels.distributed.groups import resolve_group
-    from ulysses_kernels.layout import split_lengths
-
     errors = []
     for total in (13, 3):
         tensors, A, _ = _inputs(total, seed=total)
         initial = torch.randn(2, CHANNELS, STATE, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
         want, want_final = SelectiveScan(A).run(tensors, initial)
-        layout = contiguous_layout(resolve_group(None), split_lengths(total, world))
-        mine = layout.ranges[layout.mine]
-        out, final = layout_recurrence(SelectiveScan(A), [_pieces(t, mine) for t in tensors], layout, None,
+        layout, mine = chunk_layout(total)
+        out, final = layout_recurrence(SelectiveScan(A), [layout_part(t, mine) for t in tensors], layout, None,
                                        initial=initial, with_final=True)
-        errors.append(max(rel_err(out, _pieces(want, mine)) if out.shape[1] else 0.0, rel_err(final, want_final)))
+        errors.append(sharded_chunk_error(out, want, mine, final, want_final))
     return errors
 
 
@@ -145,9 +137,9 @@ def _wkv_worker(rank, world, ring):
         want = over_documents(lambda k, v: WkvRecurrence(layer).run([k, v], None)[0], [k, v], cu)
         layout = training_layout(context, sp_lengths(total, ring, world // ring))
         mine = layout.ranges[layout.mine]
-        out = layout_recurrence(WkvRecurrence(layer), [_pieces(k, mine), _pieces(v, mine)], layout, cu)
+        out = layout_recurrence(WkvRecurrence(layer), [layout_part(k, mine), layout_part(v, mine)], layout, cu)
         if out.shape[1]:
-            errors.append(rel_err(out, _pieces(want, mine)))
+            errors.append(rel_err(out, layout_part(want, mine)))
     return errors
 
 

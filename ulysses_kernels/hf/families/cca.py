@@ -26,7 +26,7 @@ import torch
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .halo import contiguous_layout, halo_map, training_layout
-from .mixers import original_forward
+from .mixers import check_cache_outside_generation, original_forward
 
 CCA_CLASSES = ("ZayaCCAProjection",)
 
@@ -100,15 +100,12 @@ def cca_projection_forward(self, hidden_states: torch.Tensor, cache=None, conv_m
     sequence (the module doc)."""
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
         return _generation_forward(self, hidden_states, cache, conv_mask)
+    if cache is None:   # (the package's mask function refuses a padded batch first: a mask is never dropped here)
+        _padding_refused(self, conv_mask)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
-        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
-            return original_forward(self)(hidden_states, cache, conv_mask)
-        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
-                            "convolution state is kept there only (and holds one row's history, not a document's)",
-                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
-                      "use_cache=False.")
-    _padding_refused(self, conv_mask)
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")
+        return original_forward(self)(hidden_states, cache, conv_mask)
     rows = _rows(self, hidden_states)
     mixed, _ = halo_map(rows, _mixed_operator(self), _width(self), training_layout(context, lens),
                         cu_seqlens=cu_seqlens)

@@ -31,7 +31,7 @@ from ...layout import place_heads
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import chunk_head_parallel, original_forward, over_documents
+from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                           "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet")
@@ -196,15 +196,9 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attent
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     if cache is not None:
-        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
-            return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        if context.sp_size == 1:   # transformers' layer would carry its state across the documents
-            raise ValueError(f"ulysses_kernels.hf: {type(self).__name__} got a cache and packed documents: its cache "
-                             "holds one state per row, not per document; call the model with use_cache=False")
-        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
-                            "conv and recurrent states are sharded by heads there only",
-                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
-                      "use_cache=False.")
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens),
+                                       "its conv and recurrent states are sharded by heads there only")
+        return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     problem = placement_problem(self, world)
     if problem:
         raise refusal(None, f"{type(self).__name__}: {problem}")

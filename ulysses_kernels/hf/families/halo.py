@@ -119,6 +119,28 @@ def _rows(table: torch.Tensor, rows: dict, positions: range) -> torch.Tensor:
     return table.index_select(1, index)
 
 
+def _ranges_with_history(x: torch.Tensor, layout: SequenceLayout, width: int, before: Optional[torch.Tensor]):
+    """(the gathered table, its rows, [(start, n, extended)]): each of this rank's non-empty
+    ranges (global start, length) with the `width` inputs before it prepended,
+    `extended` `[B, width + n, C]`."""
+    table, rows = _table(x, layout, width, before)
+    ranges, offset = [], 0
+    for start, n in layout.ranges[layout.mine]:
+        if n:
+            history = _rows(table, rows, range(start - width, start))
+            ranges.append((start, n, torch.cat([history, x[:, offset:offset + n]], dim=1)))
+        offset += n
+    return table, rows, ranges
+
+
+def _outputs(out: List[torch.Tensor], empty: Optional[torch.Tensor], table, rows, layout: SequenceLayout, width: int):
+    """(this rank's outputs in local order, `empty` on a rank without tokens, reading the
+    gathers: every rank's output depends on them, the module doc; the last `width` inputs
+    of the global sequence, the same on every rank)."""
+    result = torch.cat(out, dim=1) if out else empty
+    return result + (0 * table).sum(), _rows(table, rows, range(layout.total - width, layout.total))
+
+
 def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], layout: SequenceLayout, *,
               cu_seqlens=None, activation: Optional[str] = None, before: Optional[torch.Tensor] = None
               ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -131,25 +153,18 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     width = weight.shape[-1] - 1
     if width == 0:
         return causal_conv1d(x, weight, bias, None, activation), x[:, :0]
-    table, rows = _table(x, layout, width, before)
+    table, rows, ranges = _ranges_with_history(x, layout, width, before)
     bounds = document_bounds(cu_seqlens, layout.total)
-    out, offset = [], 0
-    for start, n in layout.ranges[layout.mine]:
-        if n == 0:
-            continue
-        extended = torch.cat([_rows(table, rows, range(start - width, start)), x[:, offset:offset + n]], dim=1)
+    out = []
+    for start, n, extended in ranges:
         starts = None
-        if bounds is not None:
+        if bounds is not None:   # per tap position, its document's start: taps before it read zero
             positions = torch.arange(start - width, start + n, device=x.device)
             edges = torch.tensor(bounds, device=x.device)
             document = edges[torch.searchsorted(edges, positions.clamp(min=0), right=True) - 1]
             starts = document - (start - width)
         out.append(causal_conv1d(extended, weight, bias, starts, activation)[:, width:])
-        offset += n
-    total = layout.total
-    last = _rows(table, rows, range(total - width, total))
-    result = torch.cat(out, dim=1) if out else x[:, :0] + (0 * weight).sum()
-    return result + (0 * table).sum(), last   # every rank's output reads the gathers (the module doc)
+    return _outputs(out, x[:, :0] + (0 * weight).sum(), table, rows, layout, width)
 
 
 def halo_map(x: torch.Tensor, operator: Callable, width: int, layout: SequenceLayout, *, cu_seqlens=None,
@@ -164,11 +179,10 @@ def halo_map(x: torch.Tensor, operator: Callable, width: int, layout: SequenceLa
     the same on every rank)."""
     if width == 0:
         return operator(x), x[:, :0]
-    table, rows = _table(x, layout, width, before)
+    table, rows, ranges = _ranges_with_history(x, layout, width, before)
     bounds = document_bounds(cu_seqlens, layout.total) or [0, layout.total]
-    out, offset = [], 0
-    for start, n in layout.ranges[layout.mine]:
-        extended = torch.cat([_rows(table, rows, range(start - width, start)), x[:, offset:offset + n]], dim=1)
+    out = []
+    for start, n, extended in ranges:
         pieces = sorted({start, start + n, *(b for b in bounds if start < b < start + n)})
         for a, b in zip(pieces[:-1], pieces[1:]):
             history = extended[:, a - start:a - start + width]
@@ -177,8 +191,5 @@ def halo_map(x: torch.Tensor, operator: Callable, width: int, layout: SequenceLa
                 kept = max(0, a - document)
                 history = torch.cat([torch.zeros_like(history[:, :width - kept]), history[:, width - kept:]], dim=1)
             out.append(operator(torch.cat([history, extended[:, width + a - start:width + b - start]], dim=1)))
-        offset += n
-    total = layout.total
-    last = _rows(table, rows, range(total - width, total))
-    result = torch.cat(out, dim=1) if out else operator(x.new_zeros(x.shape[0], width + 1, x.shape[2]))[:, :0]
-    return result + (0 * table).sum(), last   # every rank's output reads the gathers (the module doc)
+    empty = None if out else operator(x.new_zeros(x.shape[0], width + 1, x.shape[2]))[:, :0]   # its channels
+    return _outputs(out, empty, table, rows, layout, width)

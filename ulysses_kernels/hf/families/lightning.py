@@ -27,7 +27,7 @@ from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixer_ring import portion_pieces, ring_portion, ring_recurrence
-from .mixers import chunk_head_parallel, original_forward, over_documents
+from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 
@@ -146,12 +146,8 @@ def lightning_forward(self, hidden_states: torch.Tensor, position_embeddings=Non
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     if cache is not None:
-        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
-            return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
-                            "states are sharded by heads there only (and hold one state per row, not per document)",
-                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
-                      "use_cache=False.")
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its states are sharded by heads there only")
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     problem = placement_problem(self, world)
     if problem:
         raise refusal(None, f"{type(self).__name__}: {problem}")

@@ -32,9 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
 from .halo import contiguous_layout, halo_conv, training_layout
-from .mixers import causal_conv1d, conv_history, original_forward
+from .mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 from .state_passing import layout_recurrence
 
 MAMBA1_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer")
@@ -147,12 +146,8 @@ def mamba1_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
         return _generation_forward(self, hidden_states, cache)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
-        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
-            return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
-                            "conv and scan states are kept there only (and hold one state per row, not per document)",
-                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
-                      "use_cache=False.")
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its conv and scan states are kept there only")
+        return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     if attention_mask is not None and bool((attention_mask == 0).any()):
         raise ValueError(f"ulysses_kernels.hf: {type(self).__name__} got an attention_mask with zeros (padding); pass "
                          "unpadded (optionally packed) batches: ulysses_kernels.hf.shard_batch unpads them")

@@ -41,7 +41,7 @@ from ...layout import place_heads
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import chunk_head_parallel, document_bounds, original_forward
+from .mixers import check_cache_outside_generation, chunk_head_parallel, document_bounds, original_forward
 from .ssd_scan import ScanChunks, scan_documents
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer", "Mamba2Mixer")
@@ -55,8 +55,6 @@ except ImportError:   # pragma: no cover - exercised only without transformers
 
 _PLACEMENT_ADVICE = ("Use a sequence-parallel size its heads and groups fit (each count divisible by it, or dividing "
                      "it), or run without sequence parallelism (sp_size=1).")
-_GENERATION_ADVICE = ("Train and evaluate with use_cache=False (shard_batch's model_inputs() passes it); generate "
-                      "with ulysses_kernels.hf.generate (or prefill and decoding).")
 
 
 # ------------------------------------------------------------------- the layer's checks
@@ -224,13 +222,8 @@ def _forward_with_cache(module, context, hidden_states, cache, attention_mask, c
     with use_cache=False): transformers' own forward on one rank, where nothing is sharded;
     refused on more (the states of the local heads would have to be gathered) and for
     packed documents (the cache holds one state per row, not per document)."""
-    name = type(module).__name__
-    if context.sp_size > 1:
-        raise refusal(None, f"{name} got a cache outside ulysses_kernels.hf.generate / prefill: its conv and "
-                            "recurrent states are sharded by heads there only", _GENERATION_ADVICE)
-    if document_bounds(cu_seqlens, sum(lens)) is not None:
-        raise ValueError(f"ulysses_kernels.hf: {name} got a cache and packed documents: its cache holds one state "
-                         "per row, not per document; call the model with use_cache=False")
+    check_cache_outside_generation(module, context, cu_seqlens, sum(lens),
+                                   "its conv and recurrent states are sharded by heads there only")
     return original_forward(module)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
 
 

@@ -40,7 +40,7 @@ from torch import nn
 from ...api import ulysses_head_parallel
 from ...distributed.collectives import all_gather_tensor
 from ...layout import LocalHeads, place_heads
-from ..model import record_of
+from ..model import record_of, refusal
 
 
 def original_forward(module: nn.Module):
@@ -48,6 +48,26 @@ def original_forward(module: nn.Module):
     what the adapter runs where it has nothing to change (one rank, a refused call)."""
     own = record_of(module).marked(module, "own_forward")
     return own if own is not None else types.MethodType(type(module).__bases__[0].forward, module)   # the adapted class's base
+
+
+GENERATION_ADVICE = ("Train and evaluate with use_cache=False (shard_batch's model_inputs() passes it); generate "
+                     "with ulysses_kernels.hf.generate (or prefill and decoding).")
+
+
+def check_cache_outside_generation(module: nn.Module, context, cu_seqlens, length: int, kept: str) -> None:
+    """A cache given to an adapted mixer outside `generate` / `prefill` (transformers' models
+    make one unless called with use_cache=False): returns where transformers' own forward
+    may fill it (one rank, one document per row: nothing is sharded); else raises, the same
+    on every rank: `NotSequenceParallelError` on several ranks (`kept`: where the layer's
+    states live instead), ValueError for packed documents on one (the cache holds one state
+    per row, not per document)."""
+    name = type(module).__name__
+    if context.sp_size > 1:
+        raise refusal(None, f"{name} got a cache outside ulysses_kernels.hf.generate / prefill: {kept}",
+                      GENERATION_ADVICE)
+    if document_bounds(cu_seqlens, length) is not None:
+        raise ValueError(f"ulysses_kernels.hf: {name} got a cache and packed documents: its cache holds one state "
+                         "per row, not per document; call the model with use_cache=False")
 
 
 # ------------------------------------------------------------------ the forward's documents

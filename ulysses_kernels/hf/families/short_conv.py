@@ -18,9 +18,8 @@ import sys
 import torch
 
 from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
 from .halo import contiguous_layout, halo_conv, training_layout
-from .mixers import causal_conv1d, conv_history, original_forward
+from .mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 
@@ -59,12 +58,8 @@ def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, attention_
         return _generation_forward(self, hidden_states, cache)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
-        if context.sp_size == 1 and (cu_seqlens is None or torch.as_tensor(cu_seqlens).numel() <= 2):
-            return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-        raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
-                            "convolution state is kept there only (and holds one row's history, not a document's)",
-                      "Generate with ulysses_kernels.hf.generate (or prefill and decoding), and train with "
-                      "use_cache=False.")
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")
+        return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
     bx, c = _gated_inputs(self, hidden_states)
     weight, bias = _weights(self)
