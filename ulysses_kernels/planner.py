@@ -36,7 +36,9 @@ class MixerShape:
                        # (heads 1, groups 0, key_dim the state, value_dim the channels) or "rg_lru"
                        # (heads: the gates' blocks, value_dim the LRU width) or "cca" (ZAYA's convolutions
                        # of q|k before its attention: heads / groups the query / KV heads, key_dim the head
-                       # dim, value_dim the hidden size, conv_kernel / second_kernel the two kernels)
+                       # dim, value_dim the hidden size, conv_kernel / second_kernel the two kernels) or
+                       # "rwkv" (a block's time and channel mixing: key_dim the hidden size, value_dim the
+                       # WKV channels, mlp_width the channel mixing's width, conv_kernel 2: the token shift)
     layers: int
     heads: int
     groups: int
@@ -50,6 +52,7 @@ class MixerShape:
     proj_bias: bool = False   # Mamba1's in_proj / out_proj bias
     norm_weights: bool = False   # Mamba1's dt/B/C norms with weights (Jamba; Falcon-Mamba's are weightless)
     second_kernel: int = 0    # ZAYA's grouped convolution (a group per head) after the depthwise one
+    mlp_width: int = 0        # RWKV's channel mixing (its MLP) width
 
     @property
     def conv_channels(self) -> int:
@@ -68,6 +71,9 @@ class MixerShape:
             channels = self.conv_channels
             return channels * (self.conv_kernel + 1) + channels * (channels // (self.heads + self.groups)) \
                 * self.second_kernel + channels
+        if self.kind == "rwkv":         # time mixing: decay, bonus, three mixes, key, value, receptance, output;
+            h, a, w = hidden, self.value_dim, self.mlp_width   # channel mixing: two mixes, key, receptance, value
+            return (2 * a + 3 * h + 4 * h * a) + (2 * h + 2 * h * w + h * h)
         if self.kind == "lightning":    # qkv_proj, output_gate, out_proj, the norm over all heads
             return 5 * hidden * inner + inner
         if self.kind == "rg_lru":       # linear_x, linear_y, linear_out, the convolution (biases), the two gates
@@ -101,6 +107,8 @@ class MixerShape:
         if self.kind == "cca":      # the same on every rank: the last q|k projections and inputs the convolutions
             reach = max(1, self.conv_kernel + self.second_kernel - 2)   # and the delayed value read
             return batch * reach * (self.conv_channels + self.value_dim) * dtype_bytes
+        if self.kind == "rwkv":     # the same on every rank: the two shifts' last input, WKV's (num, den, max)
+            return batch * (2 * self.key_dim * dtype_bytes + 3 * self.value_dim * max(4, dtype_bytes))
         if self.kind == "rg_lru":   # the same on every rank: the conv history, the recurrent state (float32 at least)
             return batch * ((self.conv_kernel - 1) * self.value_dim * dtype_bytes + self.value_dim * max(4, dtype_bytes))
         if self.kind == "mamba1":   # the same on every rank: the conv history, the scan state (float32 at least)
@@ -282,7 +290,7 @@ def shape_from_config(path: str) -> ModelShape:
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid", "hybrid_sliding")
 # "hybrid": attention beside a Mamba2 mixer (Falcon-H1); "conv": LFM2's short convolutions
-MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding", "conv", "recurrent")
+MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding", "conv", "recurrent", "rwkv")
 
 
 def shape_from_dict(cfg: dict) -> ModelShape:
@@ -373,6 +381,8 @@ def layer_kinds(cfg: dict) -> list:
         return ["hybrid"] * layers
     if cfg.get("model_type") in ("mamba2", "mamba", "falcon_mamba"):   # no attention: every layer a mixer
         return ["mamba"] * layers
+    if cfg.get("model_type") == "rwkv":
+        return ["rwkv"] * layers
     if cfg.get("model_type") == "recurrent_gemma":   # a pattern of block types the layers repeat
         pattern = cfg.get("block_types") or []
         return ["recurrent" if pattern[i % len(pattern)] == "recurrent" else "sliding_attention" for i in range(layers)]
@@ -401,6 +411,10 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
+    if cfg.get("model_type") == "rwkv":   # transformers' defaults for the widths left unset
+        hidden = cfg["hidden_size"]
+        return MixerShape("rwkv", layers, 1, 0, hidden, cfg.get("attention_hidden_size") or hidden, 2,
+                          mlp_width=cfg.get("intermediate_size") or 4 * hidden)
     if cfg.get("model_type") == "recurrent_gemma":   # Griffin's RG-LRU: heads = its gates' blocks
         return MixerShape("rg_lru", layers, cfg["num_attention_heads"], 0, 0, cfg["lru_width"], cfg["conv1d_width"])
     if cfg.get("model_type") in ("mamba", "falcon_mamba", "jamba", "zamba"):   # Mamba1 (Zamba: its heads split

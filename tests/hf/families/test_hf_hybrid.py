@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
+from torch import nn
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
@@ -61,18 +62,18 @@ MAMBA1_FAMILIES = ("mamba", "falcon_mamba", "jamba", "zamba")
 # RecurrentGemma (Griffin's RG-LRU, the halo and state passing): two recurrent layers and a local
 # attention layer with a window of 7.
 RG_LRU_FAMILIES = ("recurrent_gemma",)
-# RWKV-4 (token shifts by the halo, WKV by state passing in log space): no generation (refused).
+# RWKV-4 (token shifts by the halo, WKV by state passing in log space).
 RWKV_FAMILIES = ("rwkv",)
 # xLSTM's mLSTM (a stabilised matrix memory): by heads, not on a ring, no generation (refused).
 XLSTM_FAMILIES = ("xlstm",)
 RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + CCA_FAMILIES + LINEAR_FAMILIES
                  + KDA_FAMILIES + MAMBA1_FAMILIES + RG_LRU_FAMILIES + RWKV_FAMILIES)
-NO_GENERATION = {"xlstm": "xLSTMCache", "rwkv": "a list of its own"}   # refused on every rank, saying why
+NO_GENERATION = {"xlstm": "xLSTMCache"}   # refused on every rank, saying why
 # One family of each mechanism: the gated delta rule (two projection layouts), Mamba2, KDA,
-# lightning attention, the halo, Mamba1 and the RG-LRU by state passing (and RWKV's state in
-# log space on a ring: it does not generate).
+# lightning attention, the halo, Mamba1, the RG-LRU and RWKV's WKV (a state in log space) by
+# state passing.
 ONE_PER_MECHANISM = ("qwen3_next", "olmo_hybrid", "bamba", "kimi_linear", "minimax", "lfm3", "mamba",
-                     "recurrent_gemma")
+                     "recurrent_gemma", "rwkv")
 FAMILIES = RING_FAMILIES + XLSTM_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
@@ -112,7 +113,7 @@ def hybrid_model(family, attn, world, **extra):
         fields.update(num_hidden_layers=3, attention_window_size=7,
                       lru_width=16 * _ATTENTION[world]["num_attention_heads"])
     elif family in RWKV_FAMILIES:   # no in-place weight rescaling in eval mode
-        fields = dict(rescale_every=0)
+        fields = dict(rescale_every=0, **extra)
     elif family == "xlstm":   # hidden 96 at SP 3: 6 heads of q/k dim 8 (qk_dim_factor 0.5)
         fields = dict(num_heads=6, hidden_size=96, embedding_dim=96) if world == 3 else dict(num_heads=4)
     elif family in KDA_FAMILIES:   # MLA beside it: as many KV heads as query heads (fewer break transformers' decode)
@@ -230,13 +231,24 @@ def test_training_step_equals_one_process_per_document(world):
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
                        "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "zaya", "minimax", "kimi_linear", "bailing_hybrid",
-                       "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma")
+                       "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma", "rwkv")
 PROMPT, NEW_TOKENS = 13, 6
 
 
 def generation_model(family, attn, world):
     extra = dict(attn_layer_indices=[1]) if family == "bamba" else {}
+    if family in RWKV_FAMILIES:   # transformers' own decoding sizes every state by the hidden size
+        extra = dict(attention_hidden_size=64)
     return hybrid_model(family, attn, world, **extra).eval()
+
+
+def _reference_generation(reference, family, ids):
+    """`model.generate` on one process; RWKV's one row at a time: transformers 5.25 decodes a
+    batch of B rows wrongly (its token shift of one token broadcasts `[B, 1, C]` with the
+    state's `[B, C]` into `[B, B, C]`), correctly at batch 1."""
+    if family in RWKV_FAMILIES:
+        return torch.cat([reference.generate(row[None], max_new_tokens=NEW_TOKENS, do_sample=False) for row in ids])
+    return reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 
 def _generation_worker(rank, world, families):
@@ -246,10 +258,10 @@ def _generation_worker(rank, world, families):
     out = {}
     for family in families:
         # SDPA: refused by a model without attention (Mamba2, Mamba), fails in transformers' Kimi Linear (MLA's heads)
-        reference_attention = "eager" if family in ("mamba2", "mamba", "falcon_mamba") + KDA_FAMILIES else "sdpa"
+        reference_attention = "eager" if family in ("mamba2", "mamba", "falcon_mamba", "rwkv") + KDA_FAMILIES else "sdpa"
         reference, model = generation_model(family, reference_attention, world), generation_model(family, "ulysses", world)
         with torch.no_grad():
-            want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            want = _reference_generation(reference, family, ids)
             want_logits = reference(ids, use_cache=False).logits[:, -1]
         whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
         chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
@@ -318,7 +330,7 @@ def test_ring_training_equals_one_process(ulysses):
     (mixer_ring.py), exact against one process per document (every family at 2 x 2, one per
     mechanism at 1 x 4); generation on a ring is refused on every rank, and so is xLSTM on a
     ring."""
-    families = RING_FAMILIES if ulysses == 2 else ONE_PER_MECHANISM + RWKV_FAMILIES
+    families = RING_FAMILIES if ulysses == 2 else ONE_PER_MECHANISM
     per_rank = spawn(_ring_worker, 4, args=(ulysses, families), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
     for rank, out in enumerate(per_rank):
@@ -595,14 +607,17 @@ def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
                       torch.rand(1, total, 4, dtype=torch.float64, generator=g)])
 
 
-@pytest.mark.parametrize("family", [f for f in RING_FAMILIES if f not in RWKV_FAMILIES])   # no model of xLSTM, RWKV
+@pytest.mark.parametrize("family", RING_FAMILIES)   # no model of xLSTM
 def test_the_planner_counts_the_mixers_parameters(family):
-    """`planner.MixerShape` from the model's config: its parameter count is the module's."""
+    """`planner.MixerShape` from the model's config: its parameter count is the module's
+    (RWKV's: a block's time and channel mixing together)."""
     for world in (2, 3):
         model = hybrid_model(family, "eager", world)
         mixers = [m for m in model.modules() if type(m).__name__ in ADAPTERS]
         config = model.config.to_dict()
         shape = mixer_from_dict(config, layer_kinds(config))
+        if family in RWKV_FAMILIES:   # one shape per block: its two mixers' parameters together
+            mixers = [nn.ModuleList([m for m in mixers if m.layer_id == block]) for block in range(shape.layers)]
         assert shape.layers == len(mixers) > 0
         for mixer in mixers:
             # ZAYA's projections are its attention's q, k, v (counted as attention's): the convolutions only

@@ -29,8 +29,6 @@ def _for(classes, kind: str, forward: Callable, problem: Callable, no_generation
     return {name: Adapter(kind, forward, problem, no_generation) for name in classes}
 
 
-_RWKV_STATE = "the model keeps its recurrent state in a list of its own, not in a cache the package provides"
-
 # transformers class name -> its adapter: the whole registry, written here (a new mixer family
 # adds its line; nothing registers itself by being imported).
 ADAPTERS: Dict[str, Adapter] = {
@@ -44,8 +42,8 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(kimi_delta.KDA_CLASSES, "kimi_delta", kimi_delta.kimi_delta_forward, kimi_delta.placement_problem),
     **_for(mamba1.MAMBA1_CLASSES, "mamba1", mamba1.mamba1_forward, mamba1.placement_problem),
     **_for(rg_lru.RG_LRU_CLASSES, "rg_lru", rg_lru.recurrent_block_forward, None),
-    **_for(rwkv.TIME_MIX_CLASSES, "rwkv", rwkv.time_mix_forward, None, no_generation=_RWKV_STATE),
-    **_for(rwkv.CHANNEL_MIX_CLASSES, "rwkv", rwkv.channel_mix_forward, None, no_generation=_RWKV_STATE),
+    **_for(rwkv.TIME_MIX_CLASSES, "rwkv", rwkv.time_mix_forward, None),
+    **_for(rwkv.CHANNEL_MIX_CLASSES, "rwkv", rwkv.channel_mix_forward, None),
     **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem,
            no_generation="the model keeps its recurrent state in a cache of its own (xLSTMCache), which the "
                          "package's decoding cache does not provide"),

@@ -25,7 +25,7 @@ import torch
 
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
-from .halo import contiguous_layout, halo_map, training_layout
+from .halo import generation_layout, halo_map, training_layout
 from .mixers import check_cache_outside_generation, original_forward
 
 CCA_CLASSES = ("ZayaCCAProjection",)
@@ -86,10 +86,7 @@ def _generation_forward(module, hidden_states, cache, conv_mask):
     _padding_refused(module, conv_mask)
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
     rows = _rows(module, hidden_states)
-    if cache.chunk_lens is not None:   # a chunk split along the sequence: the halo, after the state
-        layout = contiguous_layout(cache.ulysses, cache.chunk_lens)
-    else:                              # every rank holds the whole chunk
-        layout = contiguous_layout((None, 1, 0), [hidden_states.shape[1]])
+    layout = generation_layout(cache, hidden_states.shape[1])   # the halo after the state (a sharded chunk)
     mixed, last = halo_map(rows, _mixed_operator(module), _width(module), layout, before=state.get("rows"))
     state["rows"] = last.detach().clone()
     return _projections(module, hidden_states, rows, mixed)

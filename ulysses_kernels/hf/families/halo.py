@@ -76,6 +76,15 @@ def contiguous_layout(ulysses, lens: Sequence[int]) -> SequenceLayout:
     return SequenceLayout([[(s, n)] for s, n in zip(starts, lens)], ulysses[2], ulysses, (None, 1, 0))
 
 
+def generation_layout(cache, length: int) -> SequenceLayout:
+    """The layout of a forward inside `generate` / `prefill` (hf/inference/cache.py): a chunk
+    split along the sequence over the Ulysses group, or, every rank holding the whole chunk
+    (decoding), one range of `length` on a group of one."""
+    if cache.chunk_lens is not None:
+        return contiguous_layout(cache.ulysses, cache.chunk_lens)
+    return contiguous_layout((None, 1, 0), [length])
+
+
 def _slots(layout: SequenceLayout) -> int:
     return max(1, max(len(r) for r in layout.ranges))
 

@@ -18,17 +18,23 @@ Sequence-parallel: the shifts read the last input of the shard before (a halo of
 zero where a document starts); the WKV state is diagonal (a decay per channel), so each rank
 runs its shard with the layer's own kernel from zero, the ranks share each shard's (decay,
 final state), and every rank composes the state entering its shard in log space (`compose`)
-and runs again from it. Documents restart the state. Not in generation (the model keeps its
-state in a list of its own, not a cache: refused on every rank).
+and runs again from it. Documents restart the state.
+
+Generation (`ulysses_kernels.hf.generate` / `prefill`): the layer's state (the last input of
+each shift, the WKV state `(num, den, max)`) is small and the same on every rank, kept in the
+decoding cache (`mixer_state`, per block); a sharded prefill chunk continues from it by the
+halo and state passing, a replicated one (decoding) runs the layer on the whole chunk. The
+model's own state list, when it passes one, gets the same values, so what it returns is
+what one device returns.
 """
 
 import sys
 
 import torch
 
-from ..context import token_mixer_call
+from ..context import context_of, require_default_context, token_mixer_call
 from ..model import refusal
-from .halo import halo_conv, training_layout
+from .halo import generation_layout, halo_conv, training_layout
 from .state_passing import layout_recurrence
 
 TIME_MIX_CLASSES = ("RwkvSelfAttention",)
@@ -82,44 +88,104 @@ class WkvRecurrence:
         return torch.stack([a * state[:, 0] + b * final[:, 0], a * state[:, 1] + b * final[:, 1], top], dim=1)
 
 
-def _shifted(hidden, context, lens, cu_seqlens):
-    """Each token's previous token over the global sequence (zero where a document starts):
-    a depthwise convolution of kernel 2 reading only its first tap, through the halo."""
-    C = hidden.shape[-1]
-    taps = hidden.new_zeros(C, 2)
+def _shifted(hidden, layout, cu_seqlens=None, before=None):
+    """Each token's previous token over the global sequence (zero where a document starts,
+    `before` before position 0): a depthwise convolution of kernel 2 reading only its first
+    tap, through the halo. Returns (shifted, the last input `[B, 1, C]`)."""
+    taps = hidden.new_zeros(hidden.shape[-1], 2)
     taps[:, 0] = 1
-    return halo_conv(hidden, taps, None, training_layout(context, lens), cu_seqlens=cu_seqlens)[0]
+    return halo_conv(hidden, taps, None, layout, cu_seqlens=cu_seqlens, before=before)
+
+
+def _mixed(module, hidden, shifted, name):
+    mix = getattr(module, f"time_mix_{name}")
+    return getattr(module, name)(hidden * mix + shifted * (1 - mix))
+
+
+def _time_mix(module, hidden, shifted, layout, cu_seqlens, initial=None):
+    """(output, WKV state leaving the sequence) of the time mixing, its shift given."""
+    key, value = _mixed(module, hidden, shifted, "key"), _mixed(module, hidden, shifted, "value")
+    receptance = torch.sigmoid(_mixed(module, hidden, shifted, "receptance"))
+    wkv, final = layout_recurrence(WkvRecurrence(module), [key, value], layout, cu_seqlens, initial=initial,
+                                   with_final=True)
+    return module.output(receptance * wkv), final
+
+
+def _channel_mix(module, hidden, shifted):
+    key = torch.square(torch.relu(_mixed(module, hidden, shifted, "key")))
+    return torch.sigmoid(_mixed(module, hidden, shifted, "receptance")) * module.value(key)
 
 
 def _refuse_state(module, state):
     if state is not None:
-        raise refusal(None, f"{type(module).__name__} got a recurrent state (generation, or a forward continuing "
-                            "one): the model keeps it in a list of its own, which sequence parallelism does not shard",
-                      "Train and evaluate with use_cache=False; generate without sequence parallelism (sp_size=1).")
+        raise refusal(None, f"{type(module).__name__} got a recurrent state outside ulysses_kernels.hf.generate / "
+                            "prefill: the model's own state list is not shared over the sequence-parallel ranks",
+                      "Train and evaluate with use_cache=False; generate with ulysses_kernels.hf.generate.")
+
+
+def _inference_cache(module):
+    """The decoding cache of a `generate` / `prefill` in progress (None: none)."""
+    context = context_of(module) or require_default_context()
+    return context.inference_cache
+
+
+def _block_state(module, cache, length, *, counts):
+    """The block's state in the cache (a dict, every rank's the same). The time mixing
+    counts the block into the forward in progress; the channel mixing after it reads the
+    same dict."""
+    cache.context.attention_calls += 1
+    if counts:
+        return cache.mixer_state(module.layer_id, length)
+    return cache.mixer_states.setdefault(module.layer_id, {})
+
+
+def _keep(model_state, index, layer_id, value):
+    """The model's own state list (`[B, C, layers]` tensors), when it passes one, gets the
+    cache's value for this block."""
+    if model_state is not None:
+        model_state[index][:, :, layer_id] = value
+
+
+def _time_mix_generation(module, hidden, cache, model_state):
+    state = _block_state(module, cache, hidden.shape[1], counts=True)
+    layout = generation_layout(cache, hidden.shape[1])
+    shifted, state["time_shift"] = _shifted(hidden, layout, before=state.get("time_shift"))
+    out, state["wkv"] = _time_mix(module, hidden, shifted, layout, None, initial=state.get("wkv"))
+    state["time_shift"], state["wkv"] = state["time_shift"].detach().clone(), state["wkv"].detach()
+    _keep(model_state, 1, module.layer_id, state["time_shift"][:, -1])
+    for index, part in zip((2, 3, 4), state["wkv"].unbind(dim=1)):
+        _keep(model_state, index, module.layer_id, part)
+    return out
+
+
+def _channel_mix_generation(module, hidden, cache, model_state):
+    state = _block_state(module, cache, hidden.shape[1], counts=False)
+    layout = generation_layout(cache, hidden.shape[1])
+    shifted, last = _shifted(hidden, layout, before=state.get("channel_shift"))
+    state["channel_shift"] = last.detach().clone()
+    _keep(model_state, 0, module.layer_id, state["channel_shift"][:, -1])
+    return _channel_mix(module, hidden, shifted)
 
 
 def time_mix_forward(self, hidden, state=None, use_cache=False):
-    """RwkvSelfAttention's forward (the module doc); returns (output, None)."""
-    context, lens, cu_seqlens = token_mixer_call(self, hidden.shape[1], {})
+    """RwkvSelfAttention's forward (the module doc); returns (output, the model's state list)."""
+    cache = _inference_cache(self)
+    if cache is not None:   # ulysses_kernels.hf.generate / prefill
+        return _time_mix_generation(self, hidden, cache, state), state
     _refuse_state(self, state)
-    shifted = _shifted(hidden, context, lens, cu_seqlens)
-    key = self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))
-    value = self.value(hidden * self.time_mix_value + shifted * (1 - self.time_mix_value))
-    receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance
-                                               + shifted * (1 - self.time_mix_receptance)))
-    wkv = layout_recurrence(WkvRecurrence(self), [key, value], training_layout(context, lens), cu_seqlens)
-    return self.output(receptance * wkv), None
+    context, lens, cu_seqlens = token_mixer_call(self, hidden.shape[1], {})
+    layout = training_layout(context, lens)
+    return _time_mix(self, hidden, _shifted(hidden, layout, cu_seqlens)[0], layout, cu_seqlens)[0], None
 
 
 def channel_mix_forward(self, hidden, state=None):
-    """RwkvFeedForward's forward (the module doc); returns (output, None)."""
-    context, lens, cu_seqlens = token_mixer_call(self, hidden.shape[1], {})
+    """RwkvFeedForward's forward (the module doc); returns (output, the model's state list)."""
+    cache = _inference_cache(self)
+    if cache is not None:
+        return _channel_mix_generation(self, hidden, cache, state), state
     _refuse_state(self, state)
-    shifted = _shifted(hidden, context, lens, cu_seqlens)
-    key = torch.square(torch.relu(self.key(hidden * self.time_mix_key + shifted * (1 - self.time_mix_key))))
-    receptance = torch.sigmoid(self.receptance(hidden * self.time_mix_receptance
-                                               + shifted * (1 - self.time_mix_receptance)))
-    return receptance * self.value(key), None
+    context, lens, cu_seqlens = token_mixer_call(self, hidden.shape[1], {})
+    return _channel_mix(self, hidden, _shifted(hidden, training_layout(context, lens), cu_seqlens)[0]), None
 
 
 time_mix_forward.runs_on_a_ring = channel_mix_forward.runs_on_a_ring = True   # halo and state passing follow the ring

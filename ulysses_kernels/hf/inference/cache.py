@@ -39,11 +39,14 @@ from ..core.attach import model_context
 from ..families.llama4 import retune_queries, tunes_temperature
 
 
-def head_counts(model) -> Tuple[int, int]:
-    """(query heads, KV heads) of a transformers model's (text) config."""
+def head_counts(model) -> Optional[Tuple[int, int]]:
+    """(query heads, KV heads) of a transformers model's (text) config; None for a model
+    without attention (Mamba, RWKV, xLSTM: its config has no attention heads)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    hq = int(config.num_attention_heads)
-    return hq, int(getattr(config, "num_key_value_heads", None) or hq)
+    hq = getattr(config, "num_attention_heads", None)
+    if hq is None:
+        return None
+    return int(hq), int(getattr(config, "num_key_value_heads", None) or hq)
 
 
 def _context_for(model, ulysses_group, ring_group, backend):
@@ -77,12 +80,15 @@ class HeadShardedCache(DynamicCache):
         self.context = context if context is not None else _context_for(model, ulysses_group, ring_group, backend)
         self.ulysses = resolve_group(ulysses_group)
         self.ring = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
-        self.num_q_heads, self.num_kv_heads = head_counts(model)
-        err = head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
-        if err:
-            raise ValueError(f"HeadShardedCache: {err}")
-        self.q_place = place_heads(self.num_q_heads, self.ulysses[1])
-        self.kv_place = place_heads(self.num_kv_heads, self.ulysses[1])
+        # A model without attention holds no K/V (its token mixers keep `mixer_states`): no heads to place
+        self.num_q_heads, self.num_kv_heads = head_counts(model) or (None, None)
+        self.q_place = self.kv_place = None
+        if self.num_q_heads is not None:
+            err = head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
+            if err:
+                raise ValueError(f"HeadShardedCache: {err}")
+            self.q_place = place_heads(self.num_q_heads, self.ulysses[1])
+            self.kv_place = place_heads(self.num_kv_heads, self.ulysses[1])
         self.backend = backend
         self.path = None                     # the Path of this cache (the first attention's q/k/v decide)
         self.held = [0] * self.ring[1]       # tokens each ring rank holds (the same list on every rank)
