@@ -38,7 +38,9 @@ class MixerShape:
                        # of q|k before its attention: heads / groups the query / KV heads, key_dim the head
                        # dim, value_dim the hidden size, conv_kernel / second_kernel the two kernels) or
                        # "rwkv" (a block's time and channel mixing: key_dim the hidden size, value_dim the
-                       # WKV channels, mlp_width the channel mixing's width, conv_kernel 2: the token shift)
+                       # WKV channels, mlp_width the channel mixing's width, conv_kernel 2: the token shift) or
+                       # "mlstm" (xLSTM: groups = heads, key_dim / value_dim the q/k and v head dims, no
+                       # convolution: conv_kernel 1; proj_bias its `use_bias`)
     layers: int
     heads: int
     groups: int
@@ -74,6 +76,10 @@ class MixerShape:
         if self.kind == "rwkv":         # time mixing: decay, bonus, three mixes, key, value, receptance, output;
             h, a, w = hidden, self.value_dim, self.mlp_width   # channel mixing: two mixes, key, receptance, value
             return (2 * a + 3 * h + 4 * h * a) + (2 * h + 2 * h * w + h * h)
+        if self.kind == "mlstm":        # q, k, v, the output gate, the input and forget gates (biased), the
+            qk = self.heads * self.key_dim   # per-head norm, out_proj; biases where `use_bias`
+            return (hidden * (2 * qk + 3 * inner + 2 * self.heads) + 2 * self.heads + inner
+                    + self.proj_bias * (2 * qk + 3 * inner + hidden))
         if self.kind == "lightning":    # qkv_proj, output_gate, out_proj, the norm over all heads
             return 5 * hidden * inner + inner
         if self.kind == "rg_lru":       # linear_x, linear_y, linear_out, the convolution (biases), the two gates
@@ -115,6 +121,8 @@ class MixerShape:
             d, n = self.value_dim, self.key_dim
             return batch * ((self.conv_kernel - 1) * d * dtype_bytes + d * n * max(4, dtype_bytes))
         heads = max(1, self.heads // sp)
+        if self.kind == "mlstm":    # this rank's heads: C, n and the stabiliser m (float32 at least)
+            return batch * heads * (self.key_dim * self.value_dim + self.key_dim + 1) * max(4, dtype_bytes)
         groups = max(1, self.groups // sp)
         channels = 2 * groups * self.key_dim + heads * self.value_dim
         state_bytes = {"gated_deltanet": 4, "kimi_delta": 4, "lightning": dtype_bytes}.get(self.kind,
@@ -290,7 +298,7 @@ def shape_from_config(path: str) -> ModelShape:
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid", "hybrid_sliding")
 # "hybrid": attention beside a Mamba2 mixer (Falcon-H1); "conv": LFM2's short convolutions
-MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding", "conv", "recurrent", "rwkv")
+MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding", "conv", "recurrent", "rwkv", "mlstm")
 
 
 def shape_from_dict(cfg: dict) -> ModelShape:
@@ -381,8 +389,8 @@ def layer_kinds(cfg: dict) -> list:
         return ["hybrid"] * layers
     if cfg.get("model_type") in ("mamba2", "mamba", "falcon_mamba"):   # no attention: every layer a mixer
         return ["mamba"] * layers
-    if cfg.get("model_type") == "rwkv":
-        return ["rwkv"] * layers
+    if cfg.get("model_type") in ("rwkv", "xlstm"):   # no attention: every block its mixer
+        return [{"rwkv": "rwkv", "xlstm": "mlstm"}[cfg["model_type"]]] * layers
     if cfg.get("model_type") == "recurrent_gemma":   # a pattern of block types the layers repeat
         pattern = cfg.get("block_types") or []
         return ["recurrent" if pattern[i % len(pattern)] == "recurrent" else "sliding_attention" for i in range(layers)]
@@ -415,6 +423,10 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         hidden = cfg["hidden_size"]
         return MixerShape("rwkv", layers, 1, 0, hidden, cfg.get("attention_hidden_size") or hidden, 2,
                           mlp_width=cfg.get("intermediate_size") or 4 * hidden)
+    if cfg.get("model_type") == "xlstm":   # the layer's head dims (its config's qk_head_dim rounds up to 64)
+        heads, hidden = cfg["num_heads"], cfg["hidden_size"]
+        return MixerShape("mlstm", layers, heads, heads, int(hidden * cfg["qk_dim_factor"]) // heads,
+                          int(hidden * cfg["v_dim_factor"]) // heads, 1, proj_bias=bool(cfg.get("use_bias")))
     if cfg.get("model_type") == "recurrent_gemma":   # Griffin's RG-LRU: heads = its gates' blocks
         return MixerShape("rg_lru", layers, cfg["num_attention_heads"], 0, 0, cfg["lru_width"], cfg["conv1d_width"])
     if cfg.get("model_type") in ("mamba", "falcon_mamba", "jamba", "zamba"):   # Mamba1 (Zamba: its heads split

@@ -5,7 +5,7 @@ model, checking them and taking them off. The forwards themselves are the famili
 exchange's side) and halo.py (the sequence halo)."""
 
 import sys
-from typing import Callable, Dict, List, NamedTuple, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional, Union
 
 from torch import nn
 
@@ -15,18 +15,15 @@ from . import cca, gated_deltanet, kimi_delta, lightning, mamba1, mamba2, rg_lru
 
 class Adapter(NamedTuple):
     """A token mixer's sequence-parallel forward: its kind (a layer kind the guard lets
-    through), `forward(module, hidden_states, ...)`, `problem(module, world)`: why a
-    module's heads have no placement over `world` Ulysses ranks (None: they have), and why
-    it does not generate (None: `ulysses_kernels.hf.generate` runs it)."""
+    through), `forward(module, hidden_states, ...)` and `problem(module, world)`: why a
+    module's heads have no placement over `world` Ulysses ranks (None: they have)."""
     kind: str
     forward: Callable
     problem: Optional[Callable]
-    no_generation: Optional[str] = None
 
 
-def _for(classes, kind: str, forward: Callable, problem: Callable, no_generation: Optional[str] = None
-         ) -> Dict[str, Adapter]:
-    return {name: Adapter(kind, forward, problem, no_generation) for name in classes}
+def _for(classes, kind: str, forward: Callable, problem: Callable) -> Dict[str, Adapter]:
+    return {name: Adapter(kind, forward, problem) for name in classes}
 
 
 # transformers class name -> its adapter: the whole registry, written here (a new mixer family
@@ -44,24 +41,25 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(rg_lru.RG_LRU_CLASSES, "rg_lru", rg_lru.recurrent_block_forward, None),
     **_for(rwkv.TIME_MIX_CLASSES, "rwkv", rwkv.time_mix_forward, None),
     **_for(rwkv.CHANNEL_MIX_CLASSES, "rwkv", rwkv.channel_mix_forward, None),
-    **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem,
-           no_generation="the model keeps its recurrent state in a cache of its own (xLSTMCache), which the "
-                         "package's decoding cache does not provide"),
+    **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem),
 }
 
 
 # Adapted class -> the cache class its model's forward insists on (it refuses any other
-# cache): the decoding cache derives from it too (hf/inference/generation.py's make_cache).
-OWN_CACHES: Dict[str, str] = {"MiniMaxLightningAttention": "MiniMaxCache"}
+# cache: the name of a class of the model's module), or the fields it reads of its cache (a
+# class of the package's): the decoding cache derives from it too (hf/inference/generation.py's
+# make_cache).
+OWN_CACHES: Dict[str, Union[str, type]] = {"MiniMaxLightningAttention": "MiniMaxCache",
+                                           "xLSTMLayer": xlstm.XlstmCacheFields}
 
 
 def own_cache_class(model: nn.Module) -> Optional[type]:
     """The cache class `model` insists on (OWN_CACHES; None: any cache)."""
     for module in model.modules():
         base = _BASE_CLASSES.get(type(module))
-        name = OWN_CACHES.get(base.__name__) if base is not None else None
-        if name is not None:
-            return getattr(sys.modules[base.__module__], name)
+        own = OWN_CACHES.get(base.__name__) if base is not None else None
+        if own is not None:
+            return own if isinstance(own, type) else getattr(sys.modules[base.__module__], own)
     return None
 
 
@@ -144,16 +142,6 @@ def replaced_adapter_problem(modules) -> Optional[str]:
         if "forward" in vars(module):
             return (f"{name} ({type(module).__name__}) got a forward of its own after the package adapted it "
                     f"({vars(module)['forward']!r}), which would mix each rank's slice of the sequence only")
-    return None
-
-
-def generation_problem(model: nn.Module) -> Optional[str]:
-    """Why an adapted mixer of `model` does not generate (None: every one does)."""
-    for name, module in model.named_modules():
-        base = _BASE_CLASSES.get(type(module))
-        why = ADAPTERS[base.__name__].no_generation if base is not None else None
-        if why:
-            return f"{name} ({base.__name__}) does not generate sequence-parallel: {why}"
     return None
 
 

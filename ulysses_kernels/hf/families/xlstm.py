@@ -14,8 +14,15 @@ Sequence-parallel: q, k, v and the two gate pre-activations go to the head layou
 exchange; the layer's own backend runs over the whole sequence of this rank's heads, once
 per document; the output comes back and the norm, the gate and `out_proj` run on the local
 shard. Not on a ring (the stabilised state does not compose as `M S + F`: refused on every
-rank), and not in generation (the model keeps its state in a cache of its own, `xLSTMCache`,
-which the package's decoding cache does not provide: refused on every rank).
+rank).
+
+Generation (`ulysses_kernels.hf.generate` / `prefill`): each rank keeps the states `(C, n, m)`
+of its own heads on the decoding cache (`mixer_states`), as the other mixers sharded by heads.
+transformers' xLSTMModel reads its cache's `rnn_state[layer]` and hands it to the layer: the
+decoding cache answers with a `DecodingSlot` (which layer, which cache; `XlstmCacheFields`),
+so the adapted layer finds its states there. A sharded prefill chunk runs the layer's backend
+over the whole chunk for this rank's heads from their states; a decode step runs this rank's
+heads and all-gathers their outputs (`mixers.chunk_head_parallel`).
 """
 
 from typing import Optional
@@ -25,7 +32,7 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import token_mixer_call
 from ..model import refusal
-from .mixers import over_documents
+from .mixers import chunk_head_parallel, over_documents
 
 XLSTM_CLASSES = ("xLSTMLayer",)
 
@@ -74,9 +81,85 @@ def _heads_forward(module, cu_seqlens):
     return run
 
 
+_STATES = ("C", "n", "m")   # the mLSTM's states, in transformers' order
+
+
+class DecodingSlot:
+    """Layer `layer`'s entry of the decoding cache's `rnn_state` (what transformers' xLSTMModel
+    passes to the layer as its state): the adapted layer reads and replaces its heads' states
+    in `cache.mixer_states`. Indexed like transformers' `(C, n, m)`, so a model that copies the
+    layer's returned states into it copies them onto themselves."""
+
+    def __init__(self, cache, layer: int):
+        self.cache, self.layer = cache, layer
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, index):
+        return self.cache.mixer_states[self.layer][_STATES[index]]
+
+
+class _Slots:
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __getitem__(self, layer):
+        return DecodingSlot(self.cache, layer)
+
+
+class XlstmCacheFields:
+    """What transformers' xLSTMModel reads of its cache besides the layers' states (the
+    decoding cache derives from this: adapters.py's OWN_CACHES): `rnn_state[layer]`, a
+    `DecodingSlot`, and `seqlen_offset`, which the model counts up."""
+    seqlen_offset = 0
+
+    @property
+    def rnn_state(self):
+        return _Slots(self)
+
+
+def _decoding_heads(module, state):
+    """The layer's backend on this rank's heads of a generation chunk, from their states
+    (`state["C"]`, `["n"]`, `["m"]`; none before the first chunk), which it replaces."""
+    def run(local, heads):
+        c, n, m = (state.get(name) for name in _STATES)
+        h, last = module.mlstm_backend(query=local["q"].transpose(1, 2), key=local["k"].transpose(1, 2),
+                                       value=local["v"].transpose(1, 2), igate=local["i"][..., 0].transpose(1, 2),
+                                       fgate=local["f"][..., 0].transpose(1, 2), c_initial=c, n_initial=n,
+                                       m_initial=m, return_last_states=True)
+        state.update(zip(_STATES, (t.detach() for t in last)))
+        return h.transpose(1, 2)
+    return run
+
+
+def _generation_forward(module, x, slot):
+    cache = slot.cache
+    cache.context.attention_calls += 1
+    name = type(module).__name__
+    problem = placement_problem(module, cache.ulysses[1])
+    if problem:
+        raise refusal(None, f"{name}: {problem}")
+    limit = module.config.max_inference_chunksize   # every rank decides alike: from every rank's length
+    if cache.chunk_lens is not None and not module.training and max(cache.chunk_lens) > limit:
+        raise refusal(None, f"{name} got a prefill chunk of {max(cache.chunk_lens)} tokens on a rank: in eval mode "
+                            f"the model cuts a rank's tokens into pieces of max_inference_chunksize ({limit}), which "
+                            "are not contiguous over the ranks",
+                      "Prefill in chunks of at most the sequence-parallel size x max_inference_chunksize "
+                      "(ulysses_kernels.hf.generate's prefill_chunk_size, prefill's chunk_size).")
+    state = cache.mixer_state(slot.layer, x.shape[1])
+    B, S, _ = x.shape
+    q, k, v, o, i, f = _inputs(module, x)
+    h = chunk_head_parallel(_decoding_heads(module, state), {"q": q, "k": k, "v": v, "i": i, "f": f}, cache)
+    h = module.multihead_norm(h).reshape(B, S, -1)
+    return module.out_proj(module.ogate_act_fn(o) * h), slot
+
+
 def xlstm_forward(self, x: torch.Tensor, state=None):
     """The mLSTM layer's forward, sequence-parallel by heads (the module doc); returns (y,
-    None) as the block unpacks it."""
+    None) as the block unpacks it (in generation, the layer's `DecodingSlot`)."""
+    if isinstance(state, DecodingSlot):   # ulysses_kernels.hf.generate / prefill
+        return _generation_forward(self, x, state)
     context, lens, cu_seqlens = token_mixer_call(self, x.shape[1], {})
     group, world, _ = context.ulysses()
     name = type(self).__name__

@@ -56,6 +56,7 @@ is whole on every rank.
 """
 
 import contextlib
+import functools
 import inspect
 import math
 from typing import Optional
@@ -67,7 +68,7 @@ from ...distributed.collectives import all_gather_tensor, broadcast_tensor
 from ...layout import split_lengths
 from ..core.attach import sequence_parallel_model
 from ..core.attention import _require_transformers
-from ..families.adapters import adapted_kind, generation_problem, own_cache_class
+from ..families.adapters import adapted_kind, own_cache_class
 from ..families.vision import merged_prompt
 from ..families.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
 from ..model import refusal, unwrap
@@ -90,10 +91,6 @@ def make_cache(model, group=None, *, backend: Optional[str] = None):
     from .cache import head_sharded_cache_class
 
     context = sequence_parallel_model(model, group)
-    problem = generation_problem(unwrap(model))
-    if problem:
-        raise refusal(unwrap(model), problem, "Generate without sequence parallelism (sp_size=1); training runs "
-                                              "sequence-parallel.")
     if context.ring()[1] > 1 and any(adapted_kind(m) for m in unwrap(model).modules()):
         raise refusal(unwrap(model), "its token mixers' conv and recurrent states are kept by heads within a Ulysses "
                                      "group; generation on a ring is not supported for them",
@@ -311,6 +308,33 @@ def _check_last_token_is_text(input_ids, multimodal):
                          "processor's generation prompt does)")
 
 
+@contextlib.contextmanager
+def _inputs_after_the_cache(model, cache):
+    """Within: transformers' generate feeds its first forward only the prompt tokens the cache
+    has not seen. It cuts them itself where it reads the prompt's length from an attention
+    mask; a model whose forward takes none (xLSTM) would get the whole prompt again after the
+    prefill, so its `prepare_inputs_for_generation` gets the cut here (a no-op wherever
+    transformers made it)."""
+    original = model.prepare_inputs_for_generation
+    own = vars(model).get("prepare_inputs_for_generation")
+
+    @functools.wraps(original)   # transformers checks the generation kwargs against its signature
+    def prepare(input_ids, *args, **kwargs):
+        seen = cache.get_seq_length()
+        if not args and kwargs.get("next_sequence_length") is None and 0 < seen < input_ids.shape[1]:
+            kwargs["next_sequence_length"] = input_ids.shape[1] - seen
+        return original(input_ids, *args, **kwargs)
+
+    model.prepare_inputs_for_generation = prepare
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.prepare_inputs_for_generation
+        else:
+            model.prepare_inputs_for_generation = own
+
+
 def _share_rng(cache, device):
     """The first rank's default RNG state on every rank of the grid, so sampling draws the
     same tokens everywhere (the logits are identical on every rank)."""
@@ -350,7 +374,7 @@ def generate(model, input_ids: torch.Tensor, group=None, *, prefill_chunk_size: 
     if input_ids.shape[1] > 1:
         prefill(model, input_ids[:, :-1], cache=cache, chunk_size=prefill_chunk_size, **multimodal)
     _share_rng(cache, input_ids.device)
-    with decoding(cache):
+    with decoding(cache), _inputs_after_the_cache(model, cache):
         out = model.generate(input_ids, **{_cache_keyword(model): cache}, **generation_kwargs)
     tokens = out.sequences if hasattr(out, "sequences") else out
     _same_everywhere(torch.tensor(list(tokens.shape), dtype=torch.int64), _grid(cache),
