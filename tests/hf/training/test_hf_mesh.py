@@ -62,7 +62,7 @@ def apply_tp_plan(model, tp_mesh):
             if any(fnmatch.fnmatch(name.rsplit(".", 1)[0], pattern) for pattern in replicated)]
 
 
-def _tensor_parallel_step(mesh, family):
+def _tensor_parallel_step(mesh, family, **overrides):
     """One step of `family` on a ("tp", "sp") mesh, the groups from the "sp" dimension (the TP
     ranks take the same batch). The step's gradients, DTensors gathered whole."""
     from sweep import batch_ids, positions
@@ -70,7 +70,7 @@ def _tensor_parallel_step(mesh, family):
 
     groups = uk.groups_from_mesh(mesh, sp="sp")
     ukhf.register(groups)
-    model = make_family_model(family, "ulysses")
+    model = make_family_model(family, "ulysses", **overrides)
     summed_over_tp = apply_tp_plan(model, mesh["tp"])
     loss = ukhf.causal_lm_loss(model, ukhf.shard_batch(batch_ids(), groups, position_ids=positions(PACKED)), groups)
     loss.backward()
@@ -138,6 +138,8 @@ def mesh_jobs(rank, world):
     for family in MESH_FAMILIES:
         out[("tp", family)] = _tensor_parallel_step(tp_sp, family)
         out[("fsdp", family)] = _fsdp_steps(dp_sp, family)
+    out["tp heads"] = _error(lambda: _tensor_parallel_step(tp_sp, "llama", num_attention_heads=6,
+                                                           num_key_value_heads=2))   # 3 heads a TP rank, SP 2
     ukhf.register(groups)
     out["dp_sp moe"] = sp_step(make_family_model("qwen3_moe", "ulysses"), PACKED, groups)
     # a dimension the groups do not name (here replicas of the same batch; tensor or expert
@@ -252,6 +254,16 @@ def test_tensor_parallelism_beside_sequence_parallelism(per_rank, references):
             step, sharded, summed = out[("tp", family)]
             assert (sharded, summed) == expected_shards[family], (family, sharded, summed)
             _assert_step(step, references[family][0], f"tp {family} rank {rank}")
+
+
+@pytest.mark.slow
+def test_heads_of_a_tensor_parallel_rank_not_divisible_by_sp_are_refused_on_every_rank(per_rank):
+    """6 query heads at TP 2 leave 3 on a rank, which SP 2 cannot split: the same ValueError
+    on every rank, naming tensor parallelism's split, and nothing hangs."""
+    error = per_rank[0]["tp heads"]
+    assert all(out["tp heads"] == error for out in per_rank), [out["tp heads"] for out in per_rank]
+    assert error is not None and "the model's 6 query heads are split by tensor parallelism first (3 on this rank)" \
+        in error and "must be divisible by the sequence-parallel size 2" in error, error
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from torch import nn
 
 from ...api import ulysses_attention
 from ...extensions import HF_INSTALL_HINT
+from ...layout import head_plan_error
 from ..context import (
     FORWARD_INPUTS,
     SequenceParallelContext,
@@ -143,6 +144,25 @@ def layer_variants(module: nn.Module, kwargs, causal: bool) -> dict:
     return dict(window_size=window, softcap=kwargs.get("softcap") or 0.0, sinks=sinks)
 
 
+def tensor_parallel_heads_problem(module: nn.Module, q_heads: int, kv_heads: int, world: int) -> Optional[str]:
+    """Why this rank's heads have no placement over the Ulysses group where tensor parallelism
+    (the layer's weights are DTensors) gave the rank fewer query heads than the model has
+    (None: they have, or no TP: `ulysses_attention` says why then). The same on every rank:
+    TP splits the heads evenly."""
+    from torch.distributed.tensor import DTensor
+
+    config = getattr(module, "config", None)
+    total = getattr(config, "num_attention_heads", None)
+    if not isinstance(total, int) or q_heads >= total or not any(isinstance(p, DTensor) for p in module.parameters()):
+        return None
+    problem = head_plan_error(world, q_heads, kv_heads)
+    if problem is None:
+        return None
+    return (f"{problem}: the model's {total} query heads are split by tensor parallelism first ({q_heads} on this "
+            f"rank); the heads of a tensor-parallel rank (heads / TP size) must be divisible by the "
+            f"sequence-parallel size {world}")
+
+
 def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                               value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                               dropout: float = 0.0, scaling: Optional[float] = None,
@@ -203,6 +223,9 @@ def ulysses_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
         true = positions_in_documents(context.token_ranges(lens), documents, query.device)
         query = retune_queries(module, query, torch.arange(query.shape[2], device=query.device), true)
 
+    split = tensor_parallel_heads_problem(module, query.shape[1], key.shape[1], context.ulysses()[1])
+    if split:
+        raise ValueError(f"{where}: {split}")
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
