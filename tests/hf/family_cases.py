@@ -65,15 +65,18 @@ def family_config(name: str, **overrides):
 
 
 def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                          s_aux=None, **kwargs):
-    """transformers' eager attention (Gemma 2's softcap, GPT-OSS's sinks, the additive
-    masks eager builds, windows included) with the softmax in the inputs' dtype: eager
-    upcasts to float32 only, which would bound a float64 comparison at ~1e-7."""
+                          s_aux=None, position_bias=None, **kwargs):
+    """transformers' eager attention (Gemma 2's softcap, GPT-OSS's sinks, Inkling's relative
+    `position_bias`, the additive masks eager builds, windows included) with the softmax in
+    the inputs' dtype: eager upcasts to float32 only, which would bound a float64 comparison
+    at ~1e-7."""
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if position_bias is not None:
+        scores = scores + position_bias
     if attention_mask is not None:
         scores = scores + attention_mask
     if s_aux is not None:

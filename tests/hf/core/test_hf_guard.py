@@ -98,12 +98,14 @@ def test_sequence_mixing_modules_inside_the_layers_are_refused():
 
 
 def test_a_short_convolution_inside_the_attention_is_found():
-    """Inkling convolves its keys and values along the sequence (a depthwise conv in the
-    k / v path): the module rule finds it even where the layer kinds would not tell."""
+    """Inkling 2 convolves its keys and values along the sequence (a depthwise conv in the
+    k / v projection, not adapted yet): the module rule finds it even where the layer kinds
+    would not tell."""
     from tiny_models import causal_lm_class
 
-    model = causal_lm_class("inkling_text")._from_config(tiny_config("inkling_text"))
-    assert "self_attn.k_sconv.conv1d holds a convolution or token shift along the sequence" in guard.module_problem(model)
+    model = causal_lm_class("inkling2_text")._from_config(tiny_config("inkling2_text"))
+    assert "self_attn.k_proj.sconv.conv1d holds a convolution or token shift along the sequence" \
+        in guard.module_problem(model)
 
 
 def test_models_that_number_positions_themselves_are_refused():

@@ -73,7 +73,12 @@ RING_FAMILIES = (DELTANET_FAMILIES + MAMBA2_FAMILIES + SHORT_CONV_FAMILIES + CCA
 # state passing.
 ONE_PER_MECHANISM = ("qwen3_next", "olmo_hybrid", "bamba", "kimi_linear", "minimax", "lfm3", "mamba",
                      "recurrent_gemma", "rwkv")
-FAMILIES = RING_FAMILIES + XLSTM_FAMILIES
+# Inkling (v1): its four short convolutions per layer by the halo, its attention (a relative bias
+# per query, computed from positions in the document) by heads; window 7, bias reach 9; not on
+# a ring, no generation (refused).
+INKLING_FAMILIES = ("inkling_text",)
+NO_GENERATION = {"inkling_text": "does not generate sequence-parallel yet"}   # refused on every rank, saying why
+FAMILIES = RING_FAMILIES + XLSTM_FAMILIES + INKLING_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
 # key heads / groups than ranks (replicated).
@@ -113,6 +118,11 @@ def hybrid_model(family, attn, world, **extra):
                       lru_width=16 * _ATTENTION[world]["num_attention_heads"])
     elif family in RWKV_FAMILIES:   # no in-place weight rescaling in eval mode
         fields = dict(rescale_every=0, **extra)
+    elif family in INKLING_FAMILIES:   # the sliding layers' heads as the full layers'; window and bias reach
+        heads = _ATTENTION[world]                                    # below a document (14 tokens)
+        fields.update(swa_num_attention_heads=heads["num_attention_heads"],
+                      swa_num_key_value_heads=heads["num_key_value_heads"], swa_head_dim=16, sliding_window_size=7,
+                      rel_extent=9)
     elif family == "xlstm":   # hidden 96 at SP 3: 6 heads of q/k dim 8 (qk_dim_factor 0.5)
         fields = dict(num_heads=6, hidden_size=96, embedding_dim=96) if world == 3 else dict(num_heads=4)
         fields.update(extra)
@@ -162,8 +172,15 @@ def _training_worker(rank, world, families):
             want = reference_step(reference, DOCUMENTS["two packed documents"])
             got = sp_step(patched, DOCUMENTS["two packed documents"], groups)
             out[(family, "patched")] = largest_error(got, want)
+        if family in NO_GENERATION and world == 2:
+            try:
+                ukhf.generate(model.eval(), torch.arange(3, 12)[None], groups, max_new_tokens=2)
+                out[(family, "generate")] = None
+            except ukhf.NotSequenceParallelError as error:
+                out[(family, "generate")] = str(error)
+            model.train()
         if family in NEGATIVE_CONTROLS and world == 2:
-            with mixers_on_the_local_slice(model), float64_throughout(family):
+            with mixers_on_the_local_slice(model), float64_throughout(family), local_attention(model, family):
                 model.zero_grad(set_to_none=True)
                 reference.zero_grad(set_to_none=True)
                 want = reference_step(reference, DOCUMENTS["one uneven document"])
@@ -176,7 +193,23 @@ def _training_worker(rank, world, families):
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
 NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "zaya", "minimax", "kimi_linear", "xlstm", "mamba",
-                     "recurrent_gemma", "rwkv")
+                     "recurrent_gemma", "rwkv", "inkling_text")
+
+
+@contextlib.contextmanager
+def local_attention(model, family):
+    """Inkling's own attention (on the local slice, within `mixers_on_the_local_slice`) through
+    the float64 eager function: the package's attention function refuses its relative bias."""
+    from family_cases import register_exact_eager
+
+    if family not in INKLING_FAMILIES:
+        yield
+        return
+    saved, model.config._attn_implementation = model.config._attn_implementation, register_exact_eager()
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = saved
 
 
 @contextlib.contextmanager
@@ -216,6 +249,8 @@ def test_training_step_equals_one_process_per_document(world):
                 assert error < TOLERANCE, (world, rank, family, case, error, where)
             if family in NEGATIVE_CONTROLS and world == 2:
                 assert out[(family, "local mixer")][0] > 1e-3, (rank, family, out[(family, "local mixer")])
+            if family in NO_GENERATION and world == 2:   # refused on every rank, saying why
+                assert NO_GENERATION[family] in out[(family, "generate")], out[(family, "generate")]
 
 
 # Generation: transformers' own generate needs an attention layer in the model (its mask
@@ -314,7 +349,9 @@ def _ring_worker(rank, world, ulysses, families):
                                                         reference_step(reference, documents))
     refused = {"generate": lambda: ukhf.generate(hybrid_model("qwen3_next", "ulysses", max(ulysses, 2)).eval(),
                                                  torch.arange(3, 12)[None], groups, max_new_tokens=2, do_sample=False),
-               "xlstm": lambda: sp_step(hybrid_model("xlstm", "ulysses", 2), DOCUMENTS["one uneven document"], groups)}
+               "xlstm": lambda: sp_step(hybrid_model("xlstm", "ulysses", 2), DOCUMENTS["one uneven document"], groups),
+               "inkling_text": lambda: sp_step(hybrid_model("inkling_text", "ulysses", 2), DOCUMENTS["one uneven document"],
+                                               groups)}
     for case, call in refused.items():
         try:
             call()
@@ -340,7 +377,7 @@ def test_ring_training_equals_one_process(ulysses):
             for case in DOCUMENTS:
                 error, where = out[(family, case)]
                 assert error < TOLERANCE, (ulysses, rank, family, case, error, where)
-    for case, expected in (("generate", "ring"), ("xlstm", "ring")):
+    for case, expected in (("generate", "ring"), ("xlstm", "ring"), ("inkling_text", "ring")):
         messages = {out[case] for out in per_rank}
         assert len(messages) == 1 and None not in messages, (case, messages)
         assert expected in messages.pop(), case
@@ -609,7 +646,7 @@ def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
                       torch.rand(1, total, 4, dtype=torch.float64, generator=g)])
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", RING_FAMILIES + XLSTM_FAMILIES)   # no model of Inkling
 def test_the_planner_counts_the_mixers_parameters(family):
     """`planner.MixerShape` from the model's config: its parameter count is the module's
     (RWKV's: a block's time and channel mixing together)."""

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import cca, gated_deltanet, kimi_delta, lightning, mamba1, mamba2, rg_lru, rwkv, short_conv, xlstm
+from . import cca, gated_deltanet, inkling, kimi_delta, lightning, mamba1, mamba2, rg_lru, rwkv, short_conv, xlstm
 
 
 class Adapter(NamedTuple):
@@ -42,6 +42,8 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(rwkv.TIME_MIX_CLASSES, "rwkv", rwkv.time_mix_forward, None),
     **_for(rwkv.CHANNEL_MIX_CLASSES, "rwkv", rwkv.channel_mix_forward, None),
     **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem),
+    **_for(inkling.SHORT_CONV_CLASSES, "short_conv", inkling.short_conv_forward, None),
+    **_for(inkling.ATTENTION_CLASSES, "inkling_attention", inkling.attention_forward, inkling.placement_problem),
 }
 
 
@@ -153,8 +155,8 @@ def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
         if kind is None:
             continue
         if ring > 1 and not getattr(ADAPTERS[type(module).__name__].forward, "runs_on_a_ring", False):
-            return (f"{name} ({type(module).__name__}) is a recurrent token mixer whose adapter does not pass its "
-                    f"state across the chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
+            return (f"{name} ({type(module).__name__}) is a token mixer whose adapter does not run across the "
+                    f"chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
         problem = ADAPTERS[type(module).__name__].problem
         found = problem(module, world) if problem is not None else None
         if found:

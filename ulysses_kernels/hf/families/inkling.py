@@ -1,0 +1,158 @@
+"""Inkling (`inkling_text`) under sequence parallelism: its short convolutions by the sequence
+halo, its attention by the head exchange with the relative bias and the query scaling
+computed from global positions (docs/hf_hybrids.md, "Hybrid models"; halo.py).
+
+One decoder layer, as transformers 5.25 computes it (`InklingAttention`,
+`InklingShortConvolution`):
+
+- four depthwise causal convolutions of kernel `sconv_kernel_size` / `conv_kernel_size`, each
+  `x + conv(x)` in float32: on the keys and on the values before the attention (their own
+  channels), on the attention's output and on the MLP's output (the hidden size);
+- the attention: q and k RMS-normed per head, scaled by `1 / head_dim`; a relative bias per
+  query and head, `(r_proj(h)_h @ proj)[t - s]` for `0 <= t - s < rel_extent` (zero beyond),
+  added to the scores; a full layer's queries and bias scaled by
+  `1 + alpha log(max(1, (t + 1) / n_floor))` when `log_scaling_n_floor` is set; a sliding
+  layer (`hybrid_sliding`) sees the `sliding_window_size` last keys and its bias reaches as
+  far. Positions `t`, `s` are counted from the sequence's first token (each document's, when
+  documents run alone).
+
+Sequence-parallel: the convolutions read the last `kernel - 1` inputs of the shards before
+(the halo, zero across document starts); q, k, v and the relative states `r` go to the head
+layout in one exchange, where each rank computes its heads' attention over every document
+with the bias and scaling at the tokens' positions in their document, then the output comes
+back. The attention is dense per document and head (`[n, n]` scores, as transformers' own):
+the package's kernels take no additive bias. Not in generation, not on a ring (refused on
+every rank).
+"""
+
+from typing import Optional
+
+import torch
+
+from ...api import ulysses_head_parallel
+from ..context import DecodingCache, token_mixer_call
+from ..model import refusal
+from .halo import halo_conv, training_layout
+from .mixers import check_cache_outside_generation, original_forward, over_documents
+
+SHORT_CONV_CLASSES = ("InklingShortConvolution",)
+ATTENTION_CLASSES = ("InklingAttention",)
+
+
+def placement_problem(module, world: int) -> Optional[str]:
+    """Why this attention's heads have no placement over `world` ranks (None: they have)."""
+    heads, kv_heads = module.num_heads, module.num_key_value_heads
+    if heads % world:
+        return f"its query heads ({heads}) are not divisible by the sequence-parallel size ({world})"
+    if kv_heads % world and world % kv_heads:
+        return (f"its key/value heads ({kv_heads}) neither divide nor are divisible by the sequence-parallel size "
+                f"({world})")
+    return None
+
+
+def _refuse_generation(module):
+    raise refusal(None, f"{type(module).__name__} does not generate sequence-parallel yet: its convolution states "
+                        "and the relative bias of its cached keys are not kept sharded",
+                  "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
+
+
+def _refuse_padding(module, conv_mask):
+    if conv_mask is not None:
+        raise refusal(None, f"{type(module).__name__} got a padding mask for its convolutions: under sequence "
+                            "parallelism a padded row's mask is not this rank's slice",
+                      "Pack documents without padding (ulysses_kernels.hf.shard_batch) instead.")
+
+
+def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
+    """`x + conv(x)` in float32 over the global sequence (the module doc)."""
+    if isinstance(cache, DecodingCache):
+        _refuse_generation(self)
+    _refuse_padding(self, conv_mask)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
+    if cache is not None:
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")
+        return original_forward(self)(hidden_states, cache=cache, conv_mask=conv_mask)
+    x = hidden_states.float()
+    mixed = halo_conv(x, self.conv1d.weight[:, 0, :].float(), None, training_layout(context, lens),
+                      cu_seqlens=cu_seqlens)[0]
+    return (mixed + x).to(hidden_states.dtype)
+
+
+def _relative_bias(module, relative, positions):
+    """`[B, Hl, n, n]`: each query's bias over the keys of its document (`relative`
+    `[B, n, Hl, d_rel]`; `positions` `[n]` from the document's start), zero outside
+    `0 <= t - s < rel_extent`, as `InklingRelativeLogits`."""
+    table = module.rel_logits_proj
+    logits = (relative @ table.proj).transpose(1, 2)
+    distance = (positions[:, None] - positions[None, :])[None, None]
+    index = distance.clamp(0, table.rel_extent - 1).expand(*logits.shape[:2], -1, -1)
+    return logits.gather(-1, index).masked_fill((distance < 0) | (distance >= table.rel_extent), 0.0)
+
+
+def _query_scale(module, positions):
+    """A full layer's log scaling of the queries and the bias at `positions` (None: none)."""
+    config = module.config
+    if module.is_sliding or config.log_scaling_n_floor is None:
+        return None
+    n = (positions + 1).float()
+    return 1.0 + config.log_scaling_alpha * torch.log((n / config.log_scaling_n_floor).clamp(min=1.0))
+
+
+def _document_attention(module, q, k, v, relative):
+    """One document of this rank's heads, `[B, n, Hl, D]` each (k, v already one per query
+    head): causal (and windowed) attention with the bias, the softmax in float32 or wider."""
+    n = q.shape[1]
+    positions = torch.arange(n, device=q.device)
+    bias = _relative_bias(module, relative, positions)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    tau = _query_scale(module, positions)
+    if tau is not None:
+        tau = tau.view(1, 1, -1, 1)
+        q = (q.float() * tau).to(q.dtype)
+        bias = (bias.float() * tau).to(bias.dtype)
+    scores = torch.matmul(q, k.transpose(2, 3)) * module.scaling + bias
+    distance = positions[:, None] - positions[None, :]
+    hidden = distance < 0
+    if module.sliding_window is not None:
+        hidden = hidden | (distance >= module.sliding_window)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def _heads_forward(module, cu_seqlens):
+    groups = module.num_key_value_groups
+
+    def run(local, heads):
+        q_heads, kv_heads = heads.heads("q"), heads.heads("k")
+        # each local query head's key/value head, local to this rank
+        index = torch.tensor([h // groups - kv_heads.start for h in q_heads], device=local["q"].device)
+        k, v = local["k"].index_select(2, index), local["v"].index_select(2, index)
+        return over_documents(lambda q, k, v, r: _document_attention(module, q, k, v, r),
+                              [local["q"], k, v, local["r"]], cu_seqlens)
+    return run
+
+
+def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, conv_mask=None, cache=None,
+                      **kwargs):
+    """InklingAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
+    if isinstance(cache, DecodingCache):
+        _refuse_generation(self)
+    _refuse_padding(self, conv_mask)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
+    if cache is not None:
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")
+        return original_forward(self)(hidden_states, attention_mask, conv_mask=conv_mask, cache=cache, **kwargs)
+    group, world, _ = context.ulysses()
+    problem = placement_problem(self, world)
+    if problem:
+        raise refusal(None, f"{type(self).__name__}: {problem}")
+    B, S, _ = hidden_states.shape
+    shape = (B, S, -1, self.head_dim)
+    q = self.q_norm(self.q_proj(hidden_states).view(shape))
+    k = self.k_norm(self.k_sconv(self.k_proj(hidden_states)).view(shape))
+    v = self.v_sconv(self.v_proj(hidden_states)).view(shape)
+    r = self.r_proj(hidden_states).view(B, S, self.num_heads, -1)
+    out = ulysses_head_parallel(_heads_forward(self, cu_seqlens), {"q": q, "k": k, "v": v, "r": r}, group,
+                                seq_lens=lens)
+    return self.o_proj(out.reshape(B, S, -1)), None
