@@ -119,10 +119,10 @@ def hybrid_model(family, attn, world, **extra):
     elif family in RWKV_FAMILIES:   # no in-place weight rescaling in eval mode
         fields = dict(rescale_every=0, **extra)
     elif family in INKLING_FAMILIES:   # the sliding layers' heads as the full layers'; window and bias reach
-        heads = _ATTENTION[world]                                    # below a document (14 tokens)
+        heads = _ATTENTION[world]      # below a document (14 tokens); the queries' log scaling from position 4 on
         fields.update(swa_num_attention_heads=heads["num_attention_heads"],
                       swa_num_key_value_heads=heads["num_key_value_heads"], swa_head_dim=16, sliding_window_size=7,
-                      rel_extent=9)
+                      rel_extent=9, log_scaling_n_floor=4, log_scaling_alpha=0.5)
     elif family == "xlstm":   # hidden 96 at SP 3: 6 heads of q/k dim 8 (qk_dim_factor 0.5)
         fields = dict(num_heads=6, hidden_size=96, embedding_dim=96) if world == 3 else dict(num_heads=4)
         fields.update(extra)
@@ -137,7 +137,7 @@ PATCHED = ("qwen3_next", "bamba")
 
 def float64_throughout(family):
     """Mamba2's torch path upcasts to float32 (a downcast of float64): kept float64 for the
-    Mamba2 families (test_hf_mamba2.hf_keeps_float64), so that their comparisons sit at
+    Mamba2 families (and Inkling's float32 convolutions and router) (test_hf_mamba2.hf_keeps_float64), so that their comparisons sit at
     rounding instead of float32's ~1e-7 (a two-layer pure Mamba2 measured 7.4e-7 against a
     1e-6 tolerance in float32); Kimi Delta Attention's rule likewise (family_cases's float64
     twin)."""
@@ -145,7 +145,8 @@ def float64_throughout(family):
 
     if family in KDA_FAMILIES:   # its rule in float32 measured up to 6e-7: the float64 twin (the gates stay float32)
         return float64_delta_rule()
-    return hf_keeps_float64() if family in MAMBA2_FAMILIES + MAMBA1_FAMILIES else contextlib.nullcontext()
+    return hf_keeps_float64() if family in MAMBA2_FAMILIES + MAMBA1_FAMILIES + INKLING_FAMILIES \
+        else contextlib.nullcontext()
 
 
 def _training_worker(rank, world, families):
