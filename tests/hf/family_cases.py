@@ -65,11 +65,11 @@ def family_config(name: str, **overrides):
 
 
 def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                          s_aux=None, position_bias=None, **kwargs):
+                          s_aux=None, position_bias=None, sinks=None, **kwargs):
     """transformers' eager attention (Gemma 2's softcap, GPT-OSS's sinks, Inkling's relative
-    `position_bias`, the additive masks eager builds, windows included) with the softmax in
-    the inputs' dtype: eager upcasts to float32 only, which would bound a float64 comparison
-    at ~1e-7."""
+    `position_bias` and Inkling 2's per-query `sinks`, the additive masks eager builds,
+    windows included) with the softmax in the inputs' dtype: eager upcasts to float32 only,
+    which would bound a float64 comparison at ~1e-7."""
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -79,11 +79,12 @@ def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0
         scores = scores + position_bias
     if attention_mask is not None:
         scores = scores + attention_mask
-    if s_aux is not None:
+    if s_aux is not None:   # a logit per head (GPT-OSS)
         sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1)
+    if sinks is not None:   # a logit per query and head `[B, H, S, 1]` with a zero value
         scores = torch.cat([scores, sinks.to(scores.dtype)], dim=-1)
     probs = torch.softmax(scores, dim=-1)
-    if s_aux is not None:
+    if s_aux is not None or sinks is not None:
         probs = probs[..., :-1]
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
 

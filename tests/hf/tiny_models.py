@@ -110,9 +110,25 @@ def _xlstm_kernels_in_float64(model):
 
 
 # Per family: what the model needs after it is built.
+def _float32_parts_in_float32(model):
+    """Inkling 2's router (and Inkling 2 Loop's message gates) cast their inputs to float32
+    and multiply them with weights a float64 model has in float64: their own forward raises.
+    Those weights stay float32, as transformers declares them; the rest of the model is
+    float64."""
+    for module in model.modules():
+        if type(module).__name__ in ("Inkling2TopKRouter", "Inkling2LoopTopKRouter"):
+            module.float()
+        if type(module).__name__ == "Inkling2LoopMessageGate":
+            module.forget_gate_proj.float()
+            module.message_gate_proj.float()
+    return model
+
+
 AFTER_BUILD = {
     "xmod": lambda model: model.set_default_language("en_XX"),   # its adapters need a language
     "xlstm": _xlstm_kernels_in_float64,
+    "inkling2_text": _float32_parts_in_float32,
+    "inkling2_loop_text": _float32_parts_in_float32,
 }
 
 
@@ -308,6 +324,7 @@ def build_tiny_model(model_type: str, attn_implementation: str, *, seed: int = 0
             model = model_class._from_config(config, experts_implementation="eager", **kwargs)
         except TypeError:
             model = model_class._from_config(config, **kwargs)
+    model = model.to(torch.float64).train()
     if model_type in AFTER_BUILD:
         AFTER_BUILD[model_type](model)
-    return model.to(torch.float64).train()
+    return model

@@ -76,8 +76,10 @@ ONE_PER_MECHANISM = ("qwen3_next", "olmo_hybrid", "bamba", "kimi_linear", "minim
 # Inkling (v1): its four short convolutions per layer by the halo, its attention (a relative bias
 # per query, computed from positions in the document) by heads; window 7, bias reach 9; not on
 # a ring, no generation (refused).
-INKLING_FAMILIES = ("inkling_text",)
-NO_GENERATION = {"inkling_text": "does not generate sequence-parallel yet"}   # refused on every rank, saying why
+# Inkling 2 (and Loop, 4 layers: 1 before the loop, 2 looped twice, 1 after): static and per-token
+# convolutions, per-query sinks, attention residuals over depth at every layer.
+INKLING_FAMILIES = ("inkling_text", "inkling2_text", "inkling2_loop_text")
+NO_GENERATION = {family: "does not generate sequence-parallel yet" for family in INKLING_FAMILIES}
 FAMILIES = RING_FAMILIES + XLSTM_FAMILIES + INKLING_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
@@ -123,13 +125,20 @@ def hybrid_model(family, attn, world, **extra):
         fields.update(swa_num_attention_heads=heads["num_attention_heads"],
                       swa_num_key_value_heads=heads["num_key_value_heads"], swa_head_dim=16, sliding_window_size=7,
                       rel_extent=9, log_scaling_n_floor=4, log_scaling_alpha=0.5)
+        if family != "inkling_text":
+            fields.update(n_layers_per_attn_res_block=1)
+        if family == "inkling2_loop_text":
+            fields.update(num_hidden_layers=4, layer_types=["hybrid_sliding", "hybrid"] * 2, loop_layer_index_start=1,
+                          loop_layer_index_end=3, loop_num_passes=2)
     elif family == "xlstm":   # hidden 96 at SP 3: 6 heads of q/k dim 8 (qk_dim_factor 0.5)
         fields = dict(num_heads=6, hidden_size=96, embedding_dim=96) if world == 3 else dict(num_heads=4)
         fields.update(extra)
     elif family in KDA_FAMILIES:   # MLA beside it: as many KV heads as query heads (fewer break transformers' decode)
         heads = _ATTENTION[world]["num_attention_heads"]
         fields.update(num_key_value_heads=heads, linear_num_heads=heads, linear_head_dim=16)
-    return build_tiny_model(family, attn, overrides=fields)
+    model = build_tiny_model(family, attn, overrides=fields)
+    # Inkling 2's float32 router and gates float64 too: float64_throughout keeps their casts float64
+    return model.double() if family in INKLING_FAMILIES else model
 
 
 PATCHED = ("qwen3_next", "bamba")
@@ -194,7 +203,7 @@ def _training_worker(rank, world, families):
 # linear attention; the halo):
 # its token mixers run on the local slice instead move the step by far more than the tolerance.
 NEGATIVE_CONTROLS = ("qwen3_5_text", "bamba", "lfm3", "zaya", "minimax", "kimi_linear", "xlstm", "mamba",
-                     "recurrent_gemma", "rwkv", "inkling_text")
+                     "recurrent_gemma", "rwkv", "inkling_text", "inkling2_text")
 
 
 @contextlib.contextmanager
@@ -224,7 +233,9 @@ def mixers_on_the_local_slice(model):
         token_mixer_call(self, hidden_states.shape[1], kwargs)
         forward = original_forward(self)
         named = inspect.signature(forward).parameters
-        return forward(hidden_states, *args, **{k: v for k, v in kwargs.items() if k in named and k != "cache"})
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in named.values())   # Inkling 2's position_ids
+        return forward(hidden_states, *args, **{k: v for k, v in kwargs.items()
+                                                 if (takes_any or k in named) and k != "cache"})
 
     classes = {type(m) for m in model.modules() if adapted_kind(m) is not None}
     saved = {cls: cls.forward for cls in classes}

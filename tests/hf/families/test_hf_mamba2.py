@@ -115,12 +115,18 @@ def tiny_mixer(family: str, heads: int = 8, groups: int = 2, head_dim: int = 16,
 
 @contextlib.contextmanager
 def hf_keeps_float64():
-    """transformers' upcasts to float32 (`.float()`, `.to(torch.float32)`) keep float64
-    tensors float64 (see the module doc); everything else is untouched."""
-    to_float, to = torch.Tensor.float, torch.Tensor.to
+    """transformers' upcasts to float32 (`.float()`, `.to(torch.float32)`, a float32
+    `zeros_like` of a float64 tensor) keep float64 tensors float64 (see the module doc);
+    everything else is untouched."""
+    to_float, to, zeros_like = torch.Tensor.float, torch.Tensor.to, torch.zeros_like
 
     def keep_float(self, *args, **kwargs):
         return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
+
+    def keep_zeros_like(self, *args, **kwargs):   # a float32 accumulator for float64 tensors (Inkling 2's experts)
+        if self.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return zeros_like(self, *args, **kwargs)
 
     def keep_to(self, *args, **kwargs):
         if self.dtype == torch.float64:
@@ -129,11 +135,11 @@ def hf_keeps_float64():
                 kwargs["dtype"] = torch.float64
         return to(self, *args, **kwargs)
 
-    torch.Tensor.float, torch.Tensor.to = keep_float, keep_to
+    torch.Tensor.float, torch.Tensor.to, torch.zeros_like = keep_float, keep_to, keep_zeros_like
     try:
         yield
     finally:
-        torch.Tensor.float, torch.Tensor.to = to_float, to
+        torch.Tensor.float, torch.Tensor.to, torch.zeros_like = to_float, to, zeros_like
 
 
 def inputs(dtype=torch.float64):

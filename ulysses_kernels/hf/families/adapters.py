@@ -10,7 +10,20 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Union
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import cca, gated_deltanet, inkling, kimi_delta, lightning, mamba1, mamba2, rg_lru, rwkv, short_conv, xlstm
+from . import (
+    cca,
+    gated_deltanet,
+    inkling,
+    inkling2,
+    kimi_delta,
+    lightning,
+    mamba1,
+    mamba2,
+    rg_lru,
+    rwkv,
+    short_conv,
+    xlstm,
+)
 
 
 class Adapter(NamedTuple):
@@ -44,6 +57,11 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem),
     **_for(inkling.SHORT_CONV_CLASSES, "short_conv", inkling.short_conv_forward, None),
     **_for(inkling.ATTENTION_CLASSES, "inkling_attention", inkling.attention_forward, inkling.placement_problem),
+    **_for(inkling2.STATIC_CONV_CLASSES, "short_conv", inkling2.static_conv_forward, None),
+    **_for(inkling2.DYNAMIC_CONV_CLASSES, "short_conv", inkling2.dynamic_conv_forward, None),
+    **_for(inkling2.ATTENTION_CLASSES, "inkling_attention", inkling2.attention_forward, inkling.placement_problem),
+    **_for(inkling2.RESIDUAL_CLASSES, "depth_attention", inkling2.block_residual_forward, None),
+    **_for(inkling2.MESSAGE_CLASSES, "depth_attention", inkling2.message_residual_forward, None),
 }
 
 

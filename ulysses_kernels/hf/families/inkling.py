@@ -50,13 +50,13 @@ def placement_problem(module, world: int) -> Optional[str]:
     return None
 
 
-def _refuse_generation(module):
+def refuse_generation(module):
     raise refusal(None, f"{type(module).__name__} does not generate sequence-parallel yet: its convolution states "
                         "and the relative bias of its cached keys are not kept sharded",
                   "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
 
 
-def _refuse_padding(module, conv_mask):
+def refuse_padding(module, conv_mask):
     if conv_mask is not None:
         raise refusal(None, f"{type(module).__name__} got a padding mask for its convolutions: under sequence "
                             "parallelism a padded row's mask is not this rank's slice",
@@ -66,8 +66,8 @@ def _refuse_padding(module, conv_mask):
 def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
     """`x + conv(x)` in float32 over the global sequence (the module doc)."""
     if isinstance(cache, DecodingCache):
-        _refuse_generation(self)
-    _refuse_padding(self, conv_mask)
+        refuse_generation(self)
+    refuse_padding(self, conv_mask)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
         check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")
@@ -78,11 +78,11 @@ def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=
     return (mixed + x).to(hidden_states.dtype)
 
 
-def _relative_bias(module, relative, positions):
+def relative_bias(table, relative, positions):
     """`[B, Hl, n, n]`: each query's bias over the keys of its document (`relative`
     `[B, n, Hl, d_rel]`; `positions` `[n]` from the document's start), zero outside
-    `0 <= t - s < rel_extent`, as `InklingRelativeLogits`."""
-    table = module.rel_logits_proj
+    `0 <= t - s < rel_extent`, as `InklingRelativeLogits` (`table`: it, or Inkling 2's
+    `Inkling2RelativePositionBias`: the same `proj` and `rel_extent`)."""
     logits = (relative @ table.proj).transpose(1, 2)
     distance = (positions[:, None] - positions[None, :])[None, None]
     index = distance.clamp(0, table.rel_extent - 1).expand(*logits.shape[:2], -1, -1)
@@ -98,14 +98,17 @@ def _query_scale(module, positions):
     return 1.0 + config.log_scaling_alpha * torch.log((n / config.log_scaling_n_floor).clamp(min=1.0))
 
 
-def _document_attention(module, q, k, v, relative):
+def document_attention(module, q, k, v, relative, *, table, scale_queries: bool = False, sinks=None):
     """One document of this rank's heads, `[B, n, Hl, D]` each (k, v already one per query
-    head): causal (and windowed) attention with the bias, the softmax in float32 or wider."""
+    head): causal (and windowed: `module.sliding_window`) attention scaled by
+    `module.scaling`, with the relative bias of `table`, Inkling's log scaling of queries and
+    bias (`scale_queries`) and Inkling 2's sinks (`[B, n, Hl, 1]`: a logit per query and head
+    with a zero value); the softmax in float32 or wider."""
     n = q.shape[1]
     positions = torch.arange(n, device=q.device)
-    bias = _relative_bias(module, relative, positions)
+    bias = relative_bias(table, relative, positions)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    tau = _query_scale(module, positions)
+    tau = _query_scale(module, positions) if scale_queries else None
     if tau is not None:
         tau = tau.view(1, 1, -1, 1)
         q = (q.float() * tau).to(q.dtype)
@@ -116,11 +119,15 @@ def _document_attention(module, q, k, v, relative):
     if module.sliding_window is not None:
         hidden = hidden | (distance >= module.sliding_window)
     scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.transpose(1, 2).to(scores.dtype)], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
-    return torch.matmul(probs, v).transpose(1, 2)
+    return torch.matmul(probs[..., :n], v).transpose(1, 2)
 
 
-def _heads_forward(module, cu_seqlens):
+def heads_forward(module, cu_seqlens, *, table, scale_queries: bool = False):
+    """`ulysses_head_parallel`'s function: this rank's query heads (tensors "q", "k", "v",
+    "r" and optionally "sinks") over every document (`document_attention`)."""
     groups = module.num_key_value_groups
 
     def run(local, heads):
@@ -128,8 +135,11 @@ def _heads_forward(module, cu_seqlens):
         # each local query head's key/value head, local to this rank
         index = torch.tensor([h // groups - kv_heads.start for h in q_heads], device=local["q"].device)
         k, v = local["k"].index_select(2, index), local["v"].index_select(2, index)
-        return over_documents(lambda q, k, v, r: _document_attention(module, q, k, v, r),
-                              [local["q"], k, v, local["r"]], cu_seqlens)
+        tensors = [local["q"], k, v, local["r"]] + ([local["sinks"]] if "sinks" in local else [])
+
+        def one(q, k, v, r, sinks=None):
+            return document_attention(module, q, k, v, r, table=table, scale_queries=scale_queries, sinks=sinks)
+        return over_documents(one, tensors, cu_seqlens)
     return run
 
 
@@ -137,8 +147,8 @@ def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, co
                       **kwargs):
     """InklingAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
     if isinstance(cache, DecodingCache):
-        _refuse_generation(self)
-    _refuse_padding(self, conv_mask)
+        refuse_generation(self)
+    refuse_padding(self, conv_mask)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
         check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")
@@ -153,6 +163,6 @@ def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, co
     k = self.k_norm(self.k_sconv(self.k_proj(hidden_states)).view(shape))
     v = self.v_sconv(self.v_proj(hidden_states)).view(shape)
     r = self.r_proj(hidden_states).view(B, S, self.num_heads, -1)
-    out = ulysses_head_parallel(_heads_forward(self, cu_seqlens), {"q": q, "k": k, "v": v, "r": r}, group,
-                                seq_lens=lens)
+    run = heads_forward(self, cu_seqlens, table=self.rel_logits_proj, scale_queries=True)
+    out = ulysses_head_parallel(run, {"q": q, "k": k, "v": v, "r": r}, group, seq_lens=lens)
     return self.o_proj(out.reshape(B, S, -1)), None

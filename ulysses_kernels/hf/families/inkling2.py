@@ -1,0 +1,166 @@
+"""Inkling 2 (`inkling2_text`, `inkling2_loop_text`) under sequence parallelism: its short
+convolutions (static, and per-token taps in the full layers) by the sequence halo, its attention
+by the head exchange with the relative bias and per-query sinks, its attention residuals over
+the layers on each token (docs/hf_hybrids.md, "Hybrid models"; inkling.py holds what Inkling
+and Inkling 2 share).
+
+One decoder layer, as transformers 5.25 computes it:
+
+- `Inkling2ShortConvolution`: `(x + conv(x)) / sqrt(K + 1)` in float32, K the kernel (the keys
+  and values of a sliding layer; the attention's and the MLP's outputs of every layer);
+- `Inkling2DynamicShortConvolution` (the keys and values of a full layer): taps per token, the
+  static ones plus a projection of the token's key (or value) input, shared within a KV head,
+  over the last K inputs: `(x + sum_lag taps[lag] x[t - lag]) / sqrt(2K + 1)`;
+- the attention: queries and relative states scaled and L2-clipped per head (a full layer's
+  log-scaled by the token's position, `position_ids`), keys L2-clipped, values RMS-normed, all
+  per token; a relative bias `(r_t @ proj)[t - s]` within `rel_extent`; one sink logit per
+  query and head (`sink_proj`); scale `1 / sqrt(head_dim)`; a sliding layer windowed; the
+  output gated by the layer's input;
+- `Inkling2BlockAttentionResidual`: a softmax over the layers' outputs at each token (the
+  attention interface, but over depth, not the sequence).
+
+Sequence-parallel: the convolutions read the last `K - 1` inputs of the shards before (the
+halo; a dynamic convolution's inputs travel with their tokens' taps, so the history rows carry
+K x channels more), the attention's q, k, v, relative states and sinks go to the head layout in
+one exchange (inkling.py's `heads_forward`: dense per document and head), the residuals over
+depth run on each rank's tokens. Positions are the model's `position_ids` (each token's in its
+document, from `shard_batch`), never a shard's `arange`. Not in generation, not on a ring
+(refused on every rank).
+"""
+
+import math
+
+import torch
+
+from ...api import ulysses_head_parallel
+from ..context import DecodingCache, token_mixer_call
+from ..model import refusal
+from .halo import halo_conv, halo_map, training_layout
+from .inkling import heads_forward, placement_problem, refuse_generation, refuse_padding
+from .mixers import check_cache_outside_generation, original_forward
+
+# Inkling 2 Loop's classes are Inkling 2's, renamed; its message residual is one more attention over depth
+STATIC_CONV_CLASSES = ("Inkling2ShortConvolution", "Inkling2LoopShortConvolution")
+DYNAMIC_CONV_CLASSES = ("Inkling2DynamicShortConvolution", "Inkling2LoopDynamicShortConvolution")
+ATTENTION_CLASSES = ("Inkling2SlidingAttention", "Inkling2FullAttention", "Inkling2LoopSlidingAttention",
+                     "Inkling2LoopFullAttention")
+RESIDUAL_CLASSES = ("Inkling2BlockAttentionResidual", "Inkling2LoopBlockAttentionResidual")
+MESSAGE_CLASSES = ("Inkling2LoopMessageAttentionResidual",)
+
+
+def _convolution_call(module, hidden_states, cache, conv_mask, kwargs):
+    """(context, lengths, documents) of a convolution's training forward; None where
+    transformers' own forward runs (a cache on one rank, `check_cache_outside_generation`)."""
+    if isinstance(cache, DecodingCache):
+        refuse_generation(module)
+    refuse_padding(module, conv_mask)
+    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
+    if cache is not None:
+        check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its convolution state is kept there "
+                                                                                "only")
+        return None
+    return context, lens, cu_seqlens
+
+
+def static_conv_forward(self, hidden_states: torch.Tensor, dynamic_input=None, cache=None, conv_mask=None,
+                        cache_offset: int = 0, **kwargs):
+    """`(x + conv(x)) / sqrt(K + 1)` in float32 over the global sequence (the module doc)."""
+    call = _convolution_call(self, hidden_states, cache, conv_mask, kwargs)
+    if call is None:
+        return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
+                                      cache_offset=cache_offset, **kwargs)
+    context, lens, cu_seqlens = call
+    x = hidden_states.float()
+    mixed = halo_conv(x, self.conv1d.weight[:, 0, :].float(), None, training_layout(context, lens),
+                      cu_seqlens=cu_seqlens)[0]
+    return ((mixed + x) / math.sqrt(self.conv_kernel_size + 1)).to(hidden_states.dtype)
+
+
+def _dynamic_taps(module, dynamic_input, B, S):
+    """Every token's taps `[B, S, heads, channels / heads, K]` (lag order: `[..., 0]` the token
+    itself), float32 or wider, as transformers sums them."""
+    K = module.conv_kernel_size
+    dynamic = module.weight_proj(dynamic_input).float().view(B, S, module.num_heads, 1, K)
+    return module.static_weight.float().T.view(module.num_heads, -1, K) + dynamic
+
+
+def dynamic_conv_forward(self, hidden_states: torch.Tensor, dynamic_input: torch.Tensor, cache=None,
+                         conv_mask=None, cache_offset: int = 0, **kwargs):
+    """The convolution with per-token taps over the global sequence (the module doc)."""
+    call = _convolution_call(self, hidden_states, cache, conv_mask, kwargs)
+    if call is None:
+        return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
+                                      cache_offset=cache_offset, **kwargs)
+    context, lens, cu_seqlens = call
+    B, S, C = hidden_states.shape
+    K, heads = self.conv_kernel_size, self.num_heads
+    x = hidden_states.float()
+    taps = _dynamic_taps(self, dynamic_input, B, S)
+    rows = torch.cat([x, taps.to(x.dtype).reshape(B, S, C * K)], dim=-1)   # each token's taps travel with it
+
+    def operator(piece):   # [B, K - 1 + m, C (1 + K)] -> [B, m, C]
+        m = piece.shape[1] - (K - 1)
+        windows = piece[..., :C].unfold(1, K, 1).flip(-1).reshape(B, m, heads, C // heads, K)
+        own = piece[:, K - 1:, C:].reshape(B, m, heads, C // heads, K)
+        return (windows * own).sum(-1).reshape(B, m, C)
+
+    mixed = halo_map(rows, operator, K - 1, training_layout(context, lens), cu_seqlens=cu_seqlens)[0]
+    return ((mixed + x) / math.sqrt(2 * K + 1)).to(hidden_states.dtype)
+
+
+def attention_forward(self, hidden_states: torch.Tensor, key_hidden_states=None, value_hidden_states=None,
+                      attention_mask=None, relative_distance=None, conv_mask=None, cache=None, cache_offset: int = 0,
+                      **kwargs):
+    """Inkling2SlidingAttention's and Inkling2FullAttention's forward, sequence-parallel (the
+    module doc); returns (output, None)."""
+    if isinstance(cache, DecodingCache):
+        refuse_generation(self)
+    refuse_padding(self, conv_mask)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
+    if cache is not None:
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")
+        return original_forward(self)(hidden_states=hidden_states, key_hidden_states=key_hidden_states,
+                                      value_hidden_states=value_hidden_states, attention_mask=attention_mask,
+                                      relative_distance=relative_distance, conv_mask=conv_mask, cache=cache,
+                                      cache_offset=cache_offset, **kwargs)
+    group, world, _ = context.ulysses()
+    problem = placement_problem(self, world)
+    if problem:
+        raise refusal(None, f"{type(self).__name__}: {problem}")
+    B, S, _ = hidden_states.shape
+    position_ids = kwargs["position_ids"]
+    keys_from = hidden_states if key_hidden_states is None else key_hidden_states
+    values_from = hidden_states if value_hidden_states is None else value_hidden_states
+    q = self.q_proj(hidden_states, position_ids).transpose(1, 2)
+    k = self.k_proj(keys_from, conv_mask=conv_mask, **kwargs).transpose(1, 2)
+    v = self.v_proj(values_from, conv_mask=conv_mask, **kwargs).transpose(1, 2)
+    table = self.relative_position_bias
+    r = table.norm(table.linear(hidden_states).view(B, S, table.num_heads, -1), position_ids)
+    sinks = self.sink_proj(hidden_states).unsqueeze(-1)
+    out = ulysses_head_parallel(heads_forward(self, cu_seqlens, table=table),
+                                {"q": q, "k": k, "v": v, "r": r, "sinks": sinks}, group, seq_lens=lens)
+    return self.o_proj(out.reshape(B, S, -1), hidden_states), None
+
+
+def _over_depth(module, block_states, partial_block_states, queries):
+    """`[B, S, queries, hidden]`: each token's attention of `queries` `[queries, hidden]` over
+    its layers' outputs (normed), as transformers' eager attention computes it (softmax in
+    float32 or wider), on this rank's tokens: never through the attention function, which is
+    the sequence's."""
+    stacked = module.norm(torch.cat([block_states, partial_block_states.unsqueeze(-2)], dim=-2).float())
+    hidden = stacked.shape[-1]
+    queries = queries.float().view(-1, hidden).to(stacked.dtype)
+    scores = torch.einsum("qh,bslh->bsql", queries, stacked) * hidden ** -0.5
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(stacked.dtype)
+    return torch.einsum("bsql,bslh->bsqh", probs, stacked)
+
+
+def block_residual_forward(self, block_states: torch.Tensor, partial_block_states: torch.Tensor):
+    """`Inkling2BlockAttentionResidual`'s forward on this rank's tokens (`_over_depth`)."""
+    return _over_depth(self, block_states, partial_block_states, self.query).unbind(-2)
+
+
+def message_residual_forward(self, block_states: torch.Tensor, partial_block_states: torch.Tensor,
+                             loop_layer_idx: int):
+    """`Inkling2LoopMessageAttentionResidual`'s forward on this rank's tokens (`_over_depth`)."""
+    return _over_depth(self, block_states, partial_block_states, self.query[loop_layer_idx])
