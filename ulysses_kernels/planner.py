@@ -40,7 +40,9 @@ class MixerShape:
                        # "rwkv" (a block's time and channel mixing: key_dim the hidden size, value_dim the
                        # WKV channels, mlp_width the channel mixing's width, conv_kernel 2: the token shift) or
                        # "mlstm" (xLSTM: groups = heads, key_dim / value_dim the q/k and v head dims, no
-                       # convolution: conv_kernel 1; proj_bias its `use_bias`)
+                       # convolution: conv_kernel 1; proj_bias its `use_bias`) or "inkling" (the convolutions
+                       # of Inkling's layers: heads / groups the full / sliding layers' K/V widths, key_dim their
+                       # kernel, value_dim the hidden size, conv_kernel the hidden convolutions' kernel)
     layers: int
     heads: int
     groups: int
@@ -55,6 +57,7 @@ class MixerShape:
     norm_weights: bool = False   # Mamba1's dt/B/C norms with weights (Jamba; Falcon-Mamba's are weightless)
     second_kernel: int = 0    # ZAYA's grouped convolution (a group per head) after the depthwise one
     mlp_width: int = 0        # RWKV's channel mixing (its MLP) width
+    sliding_layers: int = 0   # Inkling's layers with the sliding layers' K/V width (`groups`)
 
     @property
     def conv_channels(self) -> int:
@@ -62,6 +65,23 @@ class MixerShape:
         if self.kind == "cca":
             return (self.heads + self.groups) * self.key_dim
         return 2 * self.groups * self.key_dim + self.heads * self.value_dim
+
+    def total_params(self, hidden: int) -> int:
+        """Every layer's token mixer (`params`; Inkling's full and sliding layers apart)."""
+        if self.kind == "inkling":   # four depthwise convolutions a layer, no bias
+            full, sliding = self.layers - self.sliding_layers, self.sliding_layers
+            return (full * 2 * self.heads + sliding * 2 * self.groups) * self.key_dim \
+                + self.layers * 2 * hidden * self.conv_kernel
+        return self.layers * self.params(hidden)
+
+    def total_state_bytes(self, sp: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
+        """Every layer's generation state on one of `sp` Ulysses ranks (`state_bytes`;
+        Inkling's: the last inputs of its four convolutions, in float32 whatever the weights'
+        dtype, as they compute, the same on every rank)."""
+        if self.kind == "inkling":
+            widths = (self.layers - self.sliding_layers) * self.heads + self.sliding_layers * self.groups
+            return batch * (2 * widths * (self.key_dim - 1) + self.layers * 2 * self.value_dim * (self.conv_kernel - 1)) * 4
+        return self.layers * self.state_bytes(sp, batch=batch, dtype_bytes=dtype_bytes)
 
     def params(self, hidden: int) -> int:
         """One layer's token mixer (projections, convolution, per-head parameters, norm)."""
@@ -258,7 +278,7 @@ class ModelShape:
     @property
     def params(self) -> int:
         embed = self.vocab * self.hidden
-        mixers = self.mixer.layers * self.mixer.params(self.hidden) if self.mixer is not None else 0
+        mixers = self.mixer.total_params(self.hidden) if self.mixer is not None else 0
         return (embed * (1 if self.tied_embeddings else 2) + self.mlp_params + self.layers * 2 * self.hidden
                 + self.attention_layer_count * self.attention_params + mixers + self.hidden)
 
@@ -423,6 +443,15 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         hidden = cfg["hidden_size"]
         return MixerShape("rwkv", layers, 1, 0, hidden, cfg.get("attention_hidden_size") or hidden, 2,
                           mlp_width=cfg.get("intermediate_size") or 4 * hidden)
+    if cfg.get("model_type") == "inkling_text":   # its convolutions (its attention is counted as attention's)
+        sliding = sum(kind == "hybrid_sliding" for kind in kinds)
+        return MixerShape("inkling", layers, cfg["num_key_value_heads"] * cfg["head_dim"],
+                          cfg["swa_num_key_value_heads"] * cfg["swa_head_dim"],
+                          cfg.get("sconv_kernel_size") or cfg["conv_kernel_size"],   # an alias in the config class
+                          cfg["hidden_size"], cfg["conv_kernel_size"], sliding_layers=sliding)
+    if cfg.get("model_type") in ("inkling2_text", "inkling2_loop_text"):
+        raise ValueError("plan: Inkling 2's layers (per-token convolutions, attention residuals over depth, loops) "
+                         "are not modelled")
     if cfg.get("model_type") == "xlstm":   # the layer's head dims (its config's qk_head_dim rounds up to 64)
         heads, hidden = cfg["num_heads"], cfg["hidden_size"]
         return MixerShape("mlstm", layers, heads, heads, int(hidden * cfg["qk_dim_factor"]) // heads,
@@ -689,7 +718,7 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
                  + total * 2 * kv_local * d * b)                          # the cache's K/V exchange
     mlp = 3 * min(local, mlp_tile or local) * shape.mlp_token_width * b
     mixer = shape.mixer
-    states = mixer.layers * mixer.state_bytes(sp, batch=batch, dtype_bytes=b) if mixer is not None else 0
+    states = mixer.total_state_bytes(sp, batch=batch, dtype_bytes=b) if mixer is not None else 0
     return {
         "weights (replicated)": shape.params * b,
         "KV cache (this rank's heads)": shape.attention_layer_count * 2 * kv_local * d * seq_len * batch * b,

@@ -79,7 +79,7 @@ ONE_PER_MECHANISM = ("qwen3_next", "olmo_hybrid", "bamba", "kimi_linear", "minim
 # Inkling 2 (and Loop, 4 layers: 1 before the loop, 2 looped twice, 1 after): static and per-token
 # convolutions, per-query sinks, attention residuals over depth at every layer.
 INKLING_FAMILIES = ("inkling_text", "inkling2_text", "inkling2_loop_text")
-NO_GENERATION = {family: "does not generate sequence-parallel yet" for family in INKLING_FAMILIES}
+NO_GENERATION = {family: "does not generate sequence-parallel yet" for family in ("inkling2_text", "inkling2_loop_text")}
 FAMILIES = RING_FAMILIES + XLSTM_FAMILIES + INKLING_FAMILIES
 # Head counts per SP size: attention query/KV heads (head dim 16), Gated DeltaNet key/value
 # heads, Mamba2 heads and groups (heads x head dim 16 = the layer's width). SP 4: fewer
@@ -269,7 +269,7 @@ def test_training_step_equals_one_process_per_document(world):
 # creation asks the cache for one), so Bamba gets one (its tiny default is all Mamba).
 GENERATION_FAMILIES = ("qwen3_next", "qwen3_5_text", "lara_mini", "olmo_hybrid", "bamba", "nemotron_h", "falcon_h1",
                        "zamba2", "mamba2", "lfm2", "lfm2_moe", "lfm3", "zaya", "minimax", "kimi_linear", "bailing_hybrid",
-                       "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma", "rwkv", "xlstm")
+                       "mamba", "falcon_mamba", "jamba", "zamba", "recurrent_gemma", "rwkv", "xlstm", "inkling_text")
 PROMPT, NEW_TOKENS = 13, 6
 
 
@@ -298,7 +298,8 @@ def _generation_worker(rank, world, families):
     out = {}
     for family in families:
         # SDPA: refused by a model without attention (Mamba2, Mamba), fails in transformers' Kimi Linear (MLA's heads)
-        reference_attention = "eager" if family in ("mamba2", "mamba", "falcon_mamba", "rwkv", "xlstm") + KDA_FAMILIES else "sdpa"
+        reference_attention = "eager" if family in ("mamba2", "mamba", "falcon_mamba", "rwkv", "xlstm") + KDA_FAMILIES + INKLING_FAMILIES \
+            else "sdpa"   # SDPA drops Inkling's bias
         reference, model = generation_model(family, reference_attention, world), generation_model(family, "ulysses", world)
         with torch.no_grad():
             want = _reference_generation(reference, family, ids)
@@ -311,7 +312,7 @@ def _generation_worker(rank, world, families):
         out[family] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
                            new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits),
                            state_bytes=cache.mixer_bytes(),
-                           planned_bytes=mixers.layers * mixers.state_bytes(world, batch=ids.shape[0], dtype_bytes=8))
+                           planned_bytes=mixers.total_state_bytes(world, batch=ids.shape[0], dtype_bytes=8))
         if family == "xlstm":   # its model cuts a rank's tokens into pieces itself: refused, saying how to prefill
             model.config.max_inference_chunksize = 3
             try:
@@ -674,6 +675,20 @@ def test_the_planner_counts_the_mixers_parameters(family):
             # ZAYA's projections are its attention's q, k, v (counted as attention's): the convolutions only
             params = [p for name, p in mixer.named_parameters() if family not in CCA_FAMILIES or name.startswith("conv")]
             assert sum(p.numel() for p in params) == shape.params(model.config.hidden_size), family
+
+
+def test_the_planner_counts_inklings_convolutions():
+    """Inkling's MixerShape: its four convolutions a layer, the sliding layers' K/V width apart
+    from the full layers' (here 4 x 16 against 2 x 16): parameters as the modules', generation
+    states as the decoding cache holds them (float32: the last inputs of each convolution)."""
+    model = build_tiny_model("inkling_text", "eager", overrides=dict(swa_num_attention_heads=4, swa_num_key_value_heads=4,
+                                                                     swa_head_dim=16))
+    config = model.config.to_dict()
+    shape = mixer_from_dict(config, layer_kinds(config))
+    convs = [m for m in model.modules() if type(m).__name__ == "InklingShortConvolution"]
+    assert shape.total_params(model.config.hidden_size) == sum(m.conv1d.weight.numel() for m in convs)
+    kernel_inputs = sum(m.conv1d.in_channels * (m.conv_kernel_size - 1) for m in convs)
+    assert shape.total_state_bytes(2, batch=3) == 3 * kernel_inputs * 4
 
 
 def _ring_chunks_worker(rank, world, cases):

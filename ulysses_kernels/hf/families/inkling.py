@@ -21,8 +21,13 @@ Sequence-parallel: the convolutions read the last `kernel - 1` inputs of the sha
 layout in one exchange, where each rank computes its heads' attention over every document
 with the bias and scaling at the tokens' positions in their document, then the output comes
 back. The attention is dense per document and head (`[n, n]` scores, as transformers' own):
-the package's kernels take no additive bias. Not in generation, not on a ring (refused on
-every rank).
+the package's kernels take no additive bias. Not on a ring (refused on every rank).
+
+Generation (`ulysses_kernels.hf.generate` / `prefill`): each convolution keeps its last inputs
+on the decoding cache (the same on every rank; a sharded prefill chunk reads them through the
+halo); the attention caches this rank's KV heads (`update_own_heads`: every key, a sliding
+layer's too, its window a mask) and its query heads attend over them with the bias and scaling
+at the tokens' global positions (`decoding_heads`).
 """
 
 from typing import Optional
@@ -32,8 +37,8 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
-from .halo import halo_conv, training_layout
-from .mixers import check_cache_outside_generation, original_forward, over_documents
+from .halo import generation_layout, halo_conv, training_layout
+from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 SHORT_CONV_CLASSES = ("InklingShortConvolution",)
 ATTENTION_CLASSES = ("InklingAttention",)
@@ -63,10 +68,27 @@ def refuse_padding(module, conv_mask):
                       "Pack documents without padding (ulysses_kernels.hf.shard_batch) instead.")
 
 
+def conv_generation(module, hidden_states, cache, layer: int, weight, finish):
+    """A convolution inside `generate` / `prefill`: continues from its last inputs (every
+    rank's copy, `cache.mixer_states[layer]`), which it replaces; a layer's first convolution
+    (`conv_idx` 0) counts the layer into the forward in progress. `finish(mixed, x)`: the
+    layer's output from the convolution and its float32 input."""
+    cache.context.attention_calls += 1
+    T = hidden_states.shape[1]
+    state = cache.mixer_state(layer, T) if module.conv_idx == 0 else cache.mixer_states.setdefault(layer, {})
+    name = f"conv{module.conv_idx}"
+    x = hidden_states.float()
+    mixed, last = halo_conv(x, weight.float(), None, generation_layout(cache, T), before=state.get(name))
+    state[name] = last.detach().clone()
+    return finish(mixed, x).to(hidden_states.dtype)
+
+
 def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
     """`x + conv(x)` in float32 over the global sequence (the module doc)."""
-    if isinstance(cache, DecodingCache):
-        refuse_generation(self)
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        refuse_padding(self, conv_mask)
+        return conv_generation(self, hidden_states, cache, self.layer_idx, self.conv1d.weight[:, 0, :],
+                               lambda mixed, x: mixed + x)
     refuse_padding(self, conv_mask)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
@@ -78,13 +100,13 @@ def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=
     return (mixed + x).to(hidden_states.dtype)
 
 
-def relative_bias(table, relative, positions):
-    """`[B, Hl, n, n]`: each query's bias over the keys of its document (`relative`
-    `[B, n, Hl, d_rel]`; `positions` `[n]` from the document's start), zero outside
-    `0 <= t - s < rel_extent`, as `InklingRelativeLogits` (`table`: it, or Inkling 2's
+def relative_bias(table, relative, distance):
+    """`[B, Hl, n, m]`: each query's bias over the keys (`relative` `[B, n, Hl, d_rel]`;
+    `distance` `[n, m]`, the query's position less the key's), zero outside
+    `0 <= distance < rel_extent`, as `InklingRelativeLogits` (`table`: it, or Inkling 2's
     `Inkling2RelativePositionBias`: the same `proj` and `rel_extent`)."""
     logits = (relative @ table.proj).transpose(1, 2)
-    distance = (positions[:, None] - positions[None, :])[None, None]
+    distance = distance[None, None]
     index = distance.clamp(0, table.rel_extent - 1).expand(*logits.shape[:2], -1, -1)
     return logits.gather(-1, index).masked_fill((distance < 0) | (distance >= table.rel_extent), 0.0)
 
@@ -98,15 +120,19 @@ def _query_scale(module, positions):
     return 1.0 + config.log_scaling_alpha * torch.log((n / config.log_scaling_n_floor).clamp(min=1.0))
 
 
-def document_attention(module, q, k, v, relative, *, table, scale_queries: bool = False, sinks=None):
-    """One document of this rank's heads, `[B, n, Hl, D]` each (k, v already one per query
-    head): causal (and windowed: `module.sliding_window`) attention scaled by
-    `module.scaling`, with the relative bias of `table`, Inkling's log scaling of queries and
-    bias (`scale_queries`) and Inkling 2's sinks (`[B, n, Hl, 1]`: a logit per query and head
-    with a zero value); the softmax in float32 or wider."""
+def document_attention(module, q, k, v, relative, *, table, scale_queries: bool = False, sinks=None,
+                       positions=None, key_positions=None):
+    """Queries `[B, n, Hl, D]` over keys and values `[B, m, Hl, D]` (one per query head) of
+    one document, `positions` / `key_positions` from its start (default: `arange(n)` for
+    both, a document attending to itself): causal (and windowed: `module.sliding_window`)
+    attention scaled by `module.scaling`, with the relative bias of `table`, Inkling's log
+    scaling of queries and bias (`scale_queries`) and Inkling 2's sinks (`[B, n, Hl, 1]`: a
+    logit per query and head with a zero value); the softmax in float32 or wider."""
     n = q.shape[1]
-    positions = torch.arange(n, device=q.device)
-    bias = relative_bias(table, relative, positions)
+    positions = torch.arange(n, device=q.device) if positions is None else positions
+    key_positions = positions if key_positions is None else key_positions
+    distance = positions[:, None] - key_positions[None, :]
+    bias = relative_bias(table, relative, distance)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     tau = _query_scale(module, positions) if scale_queries else None
     if tau is not None:
@@ -114,7 +140,6 @@ def document_attention(module, q, k, v, relative, *, table, scale_queries: bool 
         q = (q.float() * tau).to(q.dtype)
         bias = (bias.float() * tau).to(bias.dtype)
     scores = torch.matmul(q, k.transpose(2, 3)) * module.scaling + bias
-    distance = positions[:, None] - positions[None, :]
     hidden = distance < 0
     if module.sliding_window is not None:
         hidden = hidden | (distance >= module.sliding_window)
@@ -122,18 +147,19 @@ def document_attention(module, q, k, v, relative, *, table, scale_queries: bool 
     if sinks is not None:
         scores = torch.cat([scores, sinks.transpose(1, 2).to(scores.dtype)], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
-    return torch.matmul(probs[..., :n], v).transpose(1, 2)
+    return torch.matmul(probs[..., :k.shape[2]], v).transpose(1, 2)
+
+
+def _kv_index(module, q_heads, kv_heads, device):
+    """Each local query head's key/value head, as an index into the local KV heads."""
+    return torch.tensor([h // module.num_key_value_groups - kv_heads.start for h in q_heads], device=device)
 
 
 def heads_forward(module, cu_seqlens, *, table, scale_queries: bool = False):
     """`ulysses_head_parallel`'s function: this rank's query heads (tensors "q", "k", "v",
     "r" and optionally "sinks") over every document (`document_attention`)."""
-    groups = module.num_key_value_groups
-
     def run(local, heads):
-        q_heads, kv_heads = heads.heads("q"), heads.heads("k")
-        # each local query head's key/value head, local to this rank
-        index = torch.tensor([h // groups - kv_heads.start for h in q_heads], device=local["q"].device)
+        index = _kv_index(module, heads.heads("q"), heads.heads("k"), local["q"].device)
         k, v = local["k"].index_select(2, index), local["v"].index_select(2, index)
         tensors = [local["q"], k, v, local["r"]] + ([local["sinks"]] if "sinks" in local else [])
 
@@ -143,12 +169,47 @@ def heads_forward(module, cu_seqlens, *, table, scale_queries: bool = False):
     return run
 
 
+def decoding_heads(module, cache, keys, values, *, table, scale_queries: bool = False):
+    """`chunk_head_parallel`'s function in generation: this rank's query heads of the chunk
+    (global positions from the cache's `forward_start`) over the keys this rank holds
+    (`update_own_heads`: every earlier token and the chunk, positions from 0)."""
+    start, kv_heads = cache.forward_start, cache.kv_heads_held(module.num_key_value_heads)
+
+    def run(local, heads):
+        q = local["q"]
+        index = _kv_index(module, heads.heads("q"), kv_heads, q.device)
+        k, v = (t.transpose(1, 2).index_select(2, index) for t in (keys, values))
+        positions = torch.arange(start, start + q.shape[1], device=q.device)
+        return document_attention(module, q, k, v, local["r"], table=table, scale_queries=scale_queries,
+                                  sinks=local.get("sinks"), positions=positions,
+                                  key_positions=torch.arange(k.shape[1], device=q.device))
+    return run
+
+
+def _generation_attention(module, hidden_states, cache):
+    """The attention inside `generate` / `prefill`: the chunk's K/V join this rank's held
+    heads (`update_own_heads`), its queries attend over them by heads (`decoding_heads`)."""
+    cache.context.attention_calls += 1
+    problem = placement_problem(module, cache.ulysses[1])
+    if problem:
+        raise refusal(None, f"{type(module).__name__}: {problem}")
+    B, T, _ = hidden_states.shape
+    shape = (B, T, -1, module.head_dim)
+    q = module.q_norm(module.q_proj(hidden_states).view(shape))
+    k = module.k_norm(module.k_sconv(module.k_proj(hidden_states), cache=cache).view(shape))
+    v = module.v_sconv(module.v_proj(hidden_states), cache=cache).view(shape)
+    r = module.r_proj(hidden_states).view(B, T, module.num_heads, -1)
+    keys, values = cache.update_own_heads(k.transpose(1, 2), v.transpose(1, 2), module.layer_idx)
+    run = decoding_heads(module, cache, keys, values, table=module.rel_logits_proj, scale_queries=True)
+    return module.o_proj(chunk_head_parallel(run, {"q": q, "r": r}, cache).reshape(B, T, -1))
+
+
 def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, conv_mask=None, cache=None,
                       **kwargs):
     """InklingAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    if isinstance(cache, DecodingCache):
-        refuse_generation(self)
     refuse_padding(self, conv_mask)
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        return _generation_attention(self, hidden_states, cache), None
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
         check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")

@@ -203,13 +203,29 @@ class HeadShardedCache(DynamicCache):
         return sum(t.numel() * t.element_size() for state in self.mixer_states.values() for t in state.values()
                    if isinstance(t, torch.Tensor))
 
-    def _own_chunk(self, key_states, value_states, layer_idx):
+    # -- a layer that attends by itself (hf/families/inkling.py: a relative bias no kernel takes)
+    def update_own_heads(self, key_states, value_states, layer_idx):
+        """The chunk's K/V `[B, H, T_local, D]` (H: the layer's own KV heads, any count that
+        has a placement) -> this rank's held K/V `[B, H_own, S, D]` with the chunk, for a layer
+        that attends over them itself; its heads are `kv_heads_held(H)`. Without a ring, and a
+        sliding window is the layer's to apply (every key is kept)."""
+        self._enter_layer(layer_idx, key_states.shape[2], "attention")
+        k, v = self._own_chunk(key_states, value_states, layer_idx, any_heads=True)
+        return DynamicCache.update(self, k, v, layer_idx)
+
+    def kv_heads_held(self, heads: int) -> range:
+        """The heads of a `heads`-head tensor this rank holds (`update_own_heads`)."""
+        start = place_heads(heads, self.ulysses[1]).source_head(self.ulysses[2])
+        return range(start, start + place_heads(heads, self.ulysses[1]).local)
+
+    def _own_chunk(self, key_states, value_states, layer_idx, *, any_heads: bool = False):
         """This rank's heads of the chunk's cached tensors, over the whole chunk: exchanged
         from the sequence shards (a sharded chunk) or sliced (a replicated one). The heads
         are placed like KV heads (`layout.place_heads`): split, or replicated where there are
-        fewer than ranks, so a one-head latent lives whole on every rank."""
+        fewer than ranks, so a one-head latent lives whole on every rank. `any_heads`: the
+        layer's own head count (`update_own_heads`), not only the model's."""
         heads = key_states.shape[1]
-        if heads not in (self.num_kv_heads, 1) or value_states.shape[1] != heads:
+        if (not any_heads and heads not in (self.num_kv_heads, 1)) or value_states.shape[1] != heads:
             raise ValueError(f"HeadShardedCache: layer {layer_idx} caches keys of {heads} heads and values of "
                              f"{value_states.shape[1]}; the cache holds the model's {self.num_kv_heads} KV heads or "
                              f"a one-head latent (MLA)")
