@@ -58,6 +58,7 @@ class MixerShape:
     second_kernel: int = 0    # ZAYA's grouped convolution (a group per head) after the depthwise one
     mlp_width: int = 0        # RWKV's channel mixing (its MLP) width
     sliding_layers: int = 0   # Inkling's layers with the sliding layers' K/V width (`groups`)
+    dynamic: bool = False     # Inkling 2: its full layers' key and value convolutions take per-token taps
 
     @property
     def conv_channels(self) -> int:
@@ -69,6 +70,8 @@ class MixerShape:
     def total_params(self, hidden: int) -> int:
         """Every layer's token mixer (`params`; Inkling's full and sliding layers apart)."""
         if self.kind == "inkling":   # four depthwise convolutions a layer, no bias
+            if self.dynamic:
+                raise ValueError("plan: the parameters of Inkling 2's per-token convolutions are not modelled")
             full, sliding = self.layers - self.sliding_layers, self.sliding_layers
             return (full * 2 * self.heads + sliding * 2 * self.groups) * self.key_dim \
                 + self.layers * 2 * hidden * self.conv_kernel
@@ -77,7 +80,7 @@ class MixerShape:
     def total_state_bytes(self, sp: int, *, batch: int = 1, dtype_bytes: int = 2) -> int:
         """Every layer's generation state on one of `sp` Ulysses ranks (`state_bytes`;
         Inkling's: the last inputs of its four convolutions, in float32 whatever the weights'
-        dtype, as they compute, the same on every rank)."""
+        dtype, as they compute, the same on every rank; `layers` counts a loop's passes)."""
         if self.kind == "inkling":
             widths = (self.layers - self.sliding_layers) * self.heads + self.sliding_layers * self.groups
             return batch * (2 * widths * (self.key_dim - 1) + self.layers * 2 * self.value_dim * (self.conv_kernel - 1)) * 4
@@ -443,15 +446,16 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
         hidden = cfg["hidden_size"]
         return MixerShape("rwkv", layers, 1, 0, hidden, cfg.get("attention_hidden_size") or hidden, 2,
                           mlp_width=cfg.get("intermediate_size") or 4 * hidden)
-    if cfg.get("model_type") == "inkling_text":   # its convolutions (its attention is counted as attention's)
-        sliding = sum(kind == "hybrid_sliding" for kind in kinds)
-        return MixerShape("inkling", layers, cfg["num_key_value_heads"] * cfg["head_dim"],
+    if cfg.get("model_type") in ("inkling_text", "inkling2_text", "inkling2_loop_text"):   # their convolutions
+        # (the attention is counted as attention's); the Loop's looped layers hold a state per pass
+        looped = kinds[cfg.get("loop_layer_index_start", 0):cfg.get("loop_layer_index_end", 0)]
+        passes = (cfg.get("loop_num_passes") or 1) - 1
+        sliding = sum(kind == "hybrid_sliding" for kind in kinds + looped * passes)
+        return MixerShape("inkling", layers + len(looped) * passes, cfg["num_key_value_heads"] * cfg["head_dim"],
                           cfg["swa_num_key_value_heads"] * cfg["swa_head_dim"],
                           cfg.get("sconv_kernel_size") or cfg["conv_kernel_size"],   # an alias in the config class
-                          cfg["hidden_size"], cfg["conv_kernel_size"], sliding_layers=sliding)
-    if cfg.get("model_type") in ("inkling2_text", "inkling2_loop_text"):
-        raise ValueError("plan: Inkling 2's layers (per-token convolutions, attention residuals over depth, loops) "
-                         "are not modelled")
+                          cfg["hidden_size"], cfg["conv_kernel_size"], sliding_layers=sliding,
+                          dynamic=cfg["model_type"] != "inkling_text")
     if cfg.get("model_type") == "xlstm":   # the layer's head dims (its config's qk_head_dim rounds up to 64)
         heads, hidden = cfg["num_heads"], cfg["hidden_size"]
         return MixerShape("mlstm", layers, heads, heads, int(hidden * cfg["qk_dim_factor"]) // heads,

@@ -37,7 +37,7 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
-from .halo import generation_layout, halo_conv, training_layout
+from .halo import generation_layout, halo_conv, halo_map, training_layout
 from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 SHORT_CONV_CLASSES = ("InklingShortConvolution",)
@@ -55,12 +55,6 @@ def placement_problem(module, world: int) -> Optional[str]:
     return None
 
 
-def refuse_generation(module):
-    raise refusal(None, f"{type(module).__name__} does not generate sequence-parallel yet: its convolution states "
-                        "and the relative bias of its cached keys are not kept sharded",
-                  "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
-
-
 def refuse_padding(module, conv_mask):
     if conv_mask is not None:
         raise refusal(None, f"{type(module).__name__} got a padding mask for its convolutions: under sequence "
@@ -68,19 +62,37 @@ def refuse_padding(module, conv_mask):
                       "Pack documents without padding (ulysses_kernels.hf.shard_batch) instead.")
 
 
+def _conv_state(module, cache, layer: int, length: int):
+    """(the layer's state dict on the decoding cache, this convolution's key in it): a layer's
+    first convolution (`conv_idx` 0) counts the layer into the forward in progress."""
+    cache.context.attention_calls += 1
+    state = cache.mixer_state(layer, length) if module.conv_idx == 0 else cache.mixer_states.setdefault(layer, {})
+    return state, f"conv{module.conv_idx}"
+
+
 def conv_generation(module, hidden_states, cache, layer: int, weight, finish):
     """A convolution inside `generate` / `prefill`: continues from its last inputs (every
-    rank's copy, `cache.mixer_states[layer]`), which it replaces; a layer's first convolution
-    (`conv_idx` 0) counts the layer into the forward in progress. `finish(mixed, x)`: the
+    rank's copy, `cache.mixer_states[layer]`), which it replaces. `finish(mixed, x)`: the
     layer's output from the convolution and its float32 input."""
-    cache.context.attention_calls += 1
     T = hidden_states.shape[1]
-    state = cache.mixer_state(layer, T) if module.conv_idx == 0 else cache.mixer_states.setdefault(layer, {})
-    name = f"conv{module.conv_idx}"
+    state, name = _conv_state(module, cache, layer, T)
     x = hidden_states.float()
     mixed, last = halo_conv(x, weight.float(), None, generation_layout(cache, T), before=state.get(name))
     state[name] = last.detach().clone()
     return finish(mixed, x).to(hidden_states.dtype)
+
+
+def rows_generation(module, rows, cache, layer: int, operator, width: int, kept: int):
+    """`halo.halo_map`'s operator of reach `width` over `rows` `[B, T, C]` inside `generate` /
+    `prefill`, after the layer's last rows (every rank's copy), which it replaces: their first
+    `kept` channels (the operator reads no more of the rows before a token), zeros after."""
+    state, name = _conv_state(module, cache, layer, rows.shape[1])
+    before = state.get(name)
+    if before is not None:
+        before = torch.cat([before, before.new_zeros(*before.shape[:2], rows.shape[2] - kept)], dim=-1)
+    out, last = halo_map(rows, operator, width, generation_layout(cache, rows.shape[1]), before=before)
+    state[name] = last[..., :kept].detach().clone()
+    return out
 
 
 def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):

@@ -24,8 +24,11 @@ halo; a dynamic convolution's inputs travel with their tokens' taps, so the hist
 K x channels more), the attention's q, k, v, relative states and sinks go to the head layout in
 one exchange (inkling.py's `heads_forward`: dense per document and head), the residuals over
 depth run on each rank's tokens. Positions are the model's `position_ids` (each token's in its
-document, from `shard_batch`), never a shard's `arange`. Not in generation, not on a ring
-(refused on every rank).
+document, from `shard_batch`), never a shard's `arange`. Not on a ring (refused on every rank).
+
+Generation: as Inkling's (inkling.py): each convolution's last inputs on the decoding cache,
+this rank's KV heads cached and attended by its query heads; the Loop's later passes use cache
+layers of their own (`layer_idx + cache_offset`), as transformers' cache does.
 """
 
 import math
@@ -36,8 +39,8 @@ from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .halo import halo_conv, halo_map, training_layout
-from .inkling import heads_forward, placement_problem, refuse_generation, refuse_padding
-from .mixers import check_cache_outside_generation, original_forward
+from .inkling import conv_generation, decoding_heads, heads_forward, placement_problem, refuse_padding, rows_generation
+from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward
 
 # Inkling 2 Loop's classes are Inkling 2's, renamed; its message residual is one more attention over depth
 STATIC_CONV_CLASSES = ("Inkling2ShortConvolution", "Inkling2LoopShortConvolution")
@@ -51,8 +54,6 @@ MESSAGE_CLASSES = ("Inkling2LoopMessageAttentionResidual",)
 def _convolution_call(module, hidden_states, cache, conv_mask, kwargs):
     """(context, lengths, documents) of a convolution's training forward; None where
     transformers' own forward runs (a cache on one rank, `check_cache_outside_generation`)."""
-    if isinstance(cache, DecodingCache):
-        refuse_generation(module)
     refuse_padding(module, conv_mask)
     context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
     if cache is not None:
@@ -65,6 +66,11 @@ def _convolution_call(module, hidden_states, cache, conv_mask, kwargs):
 def static_conv_forward(self, hidden_states: torch.Tensor, dynamic_input=None, cache=None, conv_mask=None,
                         cache_offset: int = 0, **kwargs):
     """`(x + conv(x)) / sqrt(K + 1)` in float32 over the global sequence (the module doc)."""
+    scale = math.sqrt(self.conv_kernel_size + 1)
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        refuse_padding(self, conv_mask)
+        return conv_generation(self, hidden_states, cache, self.layer_idx + cache_offset, self.conv1d.weight[:, 0, :],
+                               lambda mixed, x: (mixed + x) / scale)
     call = _convolution_call(self, hidden_states, cache, conv_mask, kwargs)
     if call is None:
         return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
@@ -73,7 +79,7 @@ def static_conv_forward(self, hidden_states: torch.Tensor, dynamic_input=None, c
     x = hidden_states.float()
     mixed = halo_conv(x, self.conv1d.weight[:, 0, :].float(), None, training_layout(context, lens),
                       cu_seqlens=cu_seqlens)[0]
-    return ((mixed + x) / math.sqrt(self.conv_kernel_size + 1)).to(hidden_states.dtype)
+    return ((mixed + x) / scale).to(hidden_states.dtype)
 
 
 def _dynamic_taps(module, dynamic_input, B, S):
@@ -87,11 +93,12 @@ def _dynamic_taps(module, dynamic_input, B, S):
 def dynamic_conv_forward(self, hidden_states: torch.Tensor, dynamic_input: torch.Tensor, cache=None,
                          conv_mask=None, cache_offset: int = 0, **kwargs):
     """The convolution with per-token taps over the global sequence (the module doc)."""
-    call = _convolution_call(self, hidden_states, cache, conv_mask, kwargs)
-    if call is None:
-        return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
-                                      cache_offset=cache_offset, **kwargs)
-    context, lens, cu_seqlens = call
+    if not isinstance(cache, DecodingCache):
+        call = _convolution_call(self, hidden_states, cache, conv_mask, kwargs)
+        if call is None:
+            return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
+                                          cache_offset=cache_offset, **kwargs)
+    refuse_padding(self, conv_mask)
     B, S, C = hidden_states.shape
     K, heads = self.conv_kernel_size, self.num_heads
     x = hidden_states.float()
@@ -104,7 +111,11 @@ def dynamic_conv_forward(self, hidden_states: torch.Tensor, dynamic_input: torch
         own = piece[:, K - 1:, C:].reshape(B, m, heads, C // heads, K)
         return (windows * own).sum(-1).reshape(B, m, C)
 
-    mixed = halo_map(rows, operator, K - 1, training_layout(context, lens), cu_seqlens=cu_seqlens)[0]
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: after the layer's last rows
+        mixed = rows_generation(self, rows, cache, self.layer_idx + cache_offset, operator, K - 1, C)
+    else:
+        context, lens, cu_seqlens = call
+        mixed = halo_map(rows, operator, K - 1, training_layout(context, lens), cu_seqlens=cu_seqlens)[0]
     return ((mixed + x) / math.sqrt(2 * K + 1)).to(hidden_states.dtype)
 
 
@@ -113,9 +124,11 @@ def attention_forward(self, hidden_states: torch.Tensor, key_hidden_states=None,
                       **kwargs):
     """Inkling2SlidingAttention's and Inkling2FullAttention's forward, sequence-parallel (the
     module doc); returns (output, None)."""
-    if isinstance(cache, DecodingCache):
-        refuse_generation(self)
     refuse_padding(self, conv_mask)
+    keys_from = hidden_states if key_hidden_states is None else key_hidden_states
+    values_from = hidden_states if value_hidden_states is None else value_hidden_states
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        return _generation_attention(self, hidden_states, keys_from, values_from, cache, cache_offset, kwargs), None
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
         check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")
@@ -129,8 +142,6 @@ def attention_forward(self, hidden_states: torch.Tensor, key_hidden_states=None,
         raise refusal(None, f"{type(self).__name__}: {problem}")
     B, S, _ = hidden_states.shape
     position_ids = kwargs["position_ids"]
-    keys_from = hidden_states if key_hidden_states is None else key_hidden_states
-    values_from = hidden_states if value_hidden_states is None else value_hidden_states
     q = self.q_proj(hidden_states, position_ids).transpose(1, 2)
     k = self.k_proj(keys_from, conv_mask=conv_mask, **kwargs).transpose(1, 2)
     v = self.v_proj(values_from, conv_mask=conv_mask, **kwargs).transpose(1, 2)
@@ -153,6 +164,28 @@ def _over_depth(module, block_states, partial_block_states, queries):
     scores = torch.einsum("qh,bslh->bsql", queries, stacked) * hidden ** -0.5
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(stacked.dtype)
     return torch.einsum("bsql,bslh->bsqh", probs, stacked)
+
+
+def _generation_attention(module, hidden_states, keys_from, values_from, cache, cache_offset: int, kwargs):
+    """The attention inside `generate` / `prefill` (inkling.py's `decoding_heads`): the chunk's
+    K/V join this rank's held heads of cache layer `layer_idx + cache_offset` (the Loop's later
+    passes have layers of their own), its queries, relative states and sinks attend by heads."""
+    cache.context.attention_calls += 1
+    problem = placement_problem(module, cache.ulysses[1])
+    if problem:
+        raise refusal(None, f"{type(module).__name__}: {problem}")
+    B, T, _ = hidden_states.shape
+    position_ids = kwargs["position_ids"]
+    q = module.q_proj(hidden_states, position_ids).transpose(1, 2)
+    k = module.k_proj(keys_from, cache=cache, cache_offset=cache_offset, **kwargs)
+    v = module.v_proj(values_from, cache=cache, cache_offset=cache_offset, **kwargs)
+    table = module.relative_position_bias
+    r = table.norm(table.linear(hidden_states).view(B, T, table.num_heads, -1), position_ids)
+    sinks = module.sink_proj(hidden_states).unsqueeze(-1)
+    keys, values = cache.update_own_heads(k, v, module.layer_idx + cache_offset)
+    run = decoding_heads(module, cache, keys, values, table=table)
+    out = chunk_head_parallel(run, {"q": q, "r": r, "sinks": sinks}, cache)
+    return module.o_proj(out.reshape(B, T, -1), hidden_states)
 
 
 def block_residual_forward(self, block_states: torch.Tensor, partial_block_states: torch.Tensor):
