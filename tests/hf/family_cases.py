@@ -65,11 +65,12 @@ def family_config(name: str, **overrides):
 
 
 def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                          s_aux=None, position_bias=None, sinks=None, **kwargs):
+                          s_aux=None, position_bias=None, sinks=None, indices=None, **kwargs):
     """transformers' eager attention (Gemma 2's softcap, GPT-OSS's sinks, Inkling's relative
-    `position_bias` and Inkling 2's per-query `sinks`, the additive masks eager builds,
-    windows included) with the softmax in the inputs' dtype: eager upcasts to float32 only,
-    which would bound a float64 comparison at ~1e-7."""
+    `position_bias` and Inkling 2's per-query `sinks`, DeepSeek-V3.2's selected key `indices`
+    `[B, S, k]` (what transformers' eager folds into the mask), the additive masks eager
+    builds, windows included) with the softmax in the inputs' dtype: eager upcasts to float32
+    only, which would bound a float64 comparison at ~1e-7."""
     group = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -79,6 +80,9 @@ def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0
         scores = scores + position_bias
     if attention_mask is not None:
         scores = scores + attention_mask
+    if indices is not None:   # keys the indexer did not select
+        dropped = torch.ones_like(scores[:, 0], dtype=torch.bool).scatter(-1, indices.long(), False)
+        scores = scores.masked_fill(dropped[:, None], torch.finfo(scores.dtype).min)
     if s_aux is not None:   # a logit per head (GPT-OSS)
         sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1)
     if sinks is not None:   # a logit per query and head `[B, H, S, 1]` with a zero value

@@ -16,11 +16,17 @@ GROUP_KINDS = ("a torch.distributed ProcessGroup, a 1-D DeviceMesh (mesh['sp']) 
 
 
 def as_process_group(group):
-    """`group` as a ProcessGroup: a ProcessGroup or None as it is, a 1-D DeviceMesh its group.
+    """`group` as a ProcessGroup: a ProcessGroup or None as it is, a 1-D DeviceMesh its group,
+    `ParallelGroups` without a ring its sequence-parallel group.
     Anything else raises a ValueError naming what to pass; the answer depends on the
     argument alone, so every rank raises the same."""
     if group is None or isinstance(group, dist.ProcessGroup) or group is dist.GroupMember.NON_GROUP_MEMBER:
         return group   # (a non-member's group: resolve_group says so)
+    if isinstance(group, ParallelGroups):   # its sequence-parallel group; a ring is a second argument
+        if group.ring_size > 1:
+            raise ValueError(f"ParallelGroups with a ring ({group.ulysses_size} Ulysses x {group.ring_size} ring) were "
+                             "passed as one group: pass group=groups.ulysses_group, ring_group=groups.ring_group")
+        return group.sp_group
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(group, mesh_type):
         if group.ndim != 1:

@@ -68,9 +68,10 @@ def _layer_kinds(config):
             yield field, list(kinds)
 
 
-def config_problem(config, adapted_kinds=frozenset()) -> Optional[str]:
+def config_problem(config, adapted_kinds=frozenset(), indexed: bool = False) -> Optional[str]:
     """What the config asks for that the attention function (and the token-mixer adapters
-    of `adapted_kinds`' layers, mixers.py) cannot honour, or None."""
+    of `adapted_kinds`' layers, mixers.py) cannot honour, or None. `indexed`: the model's
+    sparse attention runs the package's adapter (families/dsa.py), which honours its indexer."""
     for sub in text_configs(config):
         for field, kinds in _layer_kinds(sub):
             other = sorted(set(kinds) - ATTENTION_LAYERS - TOKENWISE_LAYERS - set(adapted_kinds))
@@ -79,7 +80,7 @@ def config_problem(config, adapted_kinds=frozenset()) -> Optional[str]:
                         "is not attention would run on this rank's slice of the sequence only")
         indexer = sorted(k for k, v in vars(sub).items() if (k.startswith("index_") or k.startswith("indexer_"))
                          and v not in (None, False, 0, [], ()))
-        if indexer:
+        if indexer and not indexed:
             return (f"a sparse-attention indexer (config.{indexer[0]}) picks keys for each query from scores and a "
                     "mask over the whole sequence, which this rank does not hold")
         if getattr(sub, "is_causal", True) is False:
@@ -295,7 +296,8 @@ def check_model(model: nn.Module) -> None:
     checked at its first forward. The token mixers the package adapts (mixers.py,
     `install_adapters`, which runs first) and their layer kinds pass."""
     config = getattr(model, "config", None)
-    problem = ((config_problem(config, adapted_layer_kinds(model)) if config is not None else None)
+    indexed = any(adapted_kind(m) == "sparse_attention" for m in model.modules())
+    problem = ((config_problem(config, adapted_layer_kinds(model), indexed) if config is not None else None)
                or head_problem(model) or interface_problem(model) or position_problem(model) or module_problem(model))
     if problem:
         raise refusal(model, problem)

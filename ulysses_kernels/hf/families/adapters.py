@@ -12,6 +12,7 @@ from torch import nn
 from ..model import ensure_record, record_of
 from . import (
     cca,
+    dsa,
     gated_deltanet,
     inkling,
     inkling2,
@@ -62,6 +63,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(inkling2.ATTENTION_CLASSES, "inkling_attention", inkling2.attention_forward, inkling.placement_problem),
     **_for(inkling2.RESIDUAL_CLASSES, "depth_attention", inkling2.block_residual_forward, None),
     **_for(inkling2.MESSAGE_CLASSES, "depth_attention", inkling2.message_residual_forward, None),
+    **_for(dsa.DSA_CLASSES, "sparse_attention", dsa.dsa_forward, None),
 }
 
 

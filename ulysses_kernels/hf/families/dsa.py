@@ -1,0 +1,138 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2) under sequence parallelism, training: the queries
+stay on their sequence shard, what every head shares is gathered (docs/hf_families.md,
+"Sparse attention: DeepSeek-V3.2 (training)"; the selection rule: selection.py).
+
+One layer, as transformers 5.24 and 5.25 compute it (`DeepseekV32Attention`): MLA (queries
+through a low-rank `q_resid`; keys and values expanded from one latent `c` of `kv_lora_rank`
+per token plus a shared rotary key), and an indexer (without gradients) that scores every
+visible key for each query, `sum_h w_h relu(q_h . k)` in float32, and keeps the `index_topk`
+best; the attention runs over those only.
+
+Sequence-parallel: every rank gathers the latent and the rotary key (`kv_lora_rank +
+qk_rope_head_dim` values a token, differentiable: the backward sums each token's gradient on
+its owner) and the indexer key (`index_head_dim` a token, no gradient) of the whole sequence;
+each rank scores its own queries over every key of their document up to them, selects its
+top k by one rule (selection.py: the k largest, ties to the smaller global key index) and
+attends over the selected keys in MLA's absorbed form (the queries into the latent space by
+`kv_b_proj`'s key half, the output out of it by its value half): no head exchange, and no
+rank expands the whole sequence's keys. Positions are global (each token's in its document).
+
+Dense for now: each rank holds its queries' scores over every key (`[B, heads, S_local, T]`),
+as transformers' eager path does over the whole sequence. Not in generation, not on a ring
+(refused on every rank).
+"""
+
+import sys
+
+import torch
+
+from ...api import gather_sequence
+from ...exchange.sequence import all_gather_sequence
+from ..context import DecodingCache, token_mixer_call
+from ..model import refusal
+from .mixers import check_cache_outside_generation, document_starts, original_forward
+from .selection import select_keys
+
+DSA_CLASSES = ("DeepseekV32Attention",)
+
+
+def _refuse_generation(module):
+    raise refusal(None, f"{type(module).__name__} does not generate sequence-parallel yet: its latent and indexer-key "
+                        "cache are not kept sharded",
+                  "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
+
+
+def _visible(lens, rank, cu_seqlens, device):
+    """`[S_local, T]`: which keys each of this rank's queries sees (its document's, up to
+    itself), and the queries' global positions."""
+    total = sum(lens)
+    start = sum(lens[:rank])
+    queries = torch.arange(start, start + lens[rank], device=device)
+    keys = torch.arange(total, device=device)
+    visible = keys[None, :] <= queries[:, None]
+    starts = document_starts(cu_seqlens, total, device)
+    if starts is not None:
+        visible = visible & (keys[None, :] >= starts[queries][:, None])
+    return visible
+
+
+def _rotated(indexer, x, position_embeddings):
+    """The indexer's rope (half-split, on its first `qk_rope_head_dim` channels) of `x` `[B, S,
+    heads, D]`, as transformers applies it."""
+    rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
+    x_rot, x_pass = torch.split(x, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
+    cos, sin = position_embeddings
+    return torch.cat([rope(x_rot, x_rot, cos, sin, unsqueeze_dim=2)[0], x_pass], dim=-1)
+
+
+def _indexer_keys(indexer, hidden_states, position_embeddings):
+    """The indexer's key of each local token `[B, S, D]`."""
+    return _rotated(indexer, indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2), position_embeddings).squeeze(2)
+
+
+@torch.no_grad()
+def index_scores(indexer, hidden_states, q_resid, position_embeddings, keys):
+    """`[B, S_local, T]` float32 scores of this rank's queries over every key `keys` `[B, T,
+    D]` (gathered), as transformers' indexer computes them."""
+    B, S, _ = q_resid.shape
+    q = _rotated(indexer, indexer.wq_b(q_resid).view(B, S, indexer.n_heads, indexer.head_dim), position_embeddings)
+    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale
+    scores = torch.relu(scores)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
+        * (indexer.n_heads ** -0.5)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def _selected(scores, visible, k):
+    """`[B, S_local, T]` bool: the keys the rule keeps for each query, among the visible."""
+    scores = scores.masked_fill(~visible, float("-inf"))
+    T = scores.shape[-1]
+    chosen = select_keys(scores, min(k, T)).long()
+    keep = scores.new_zeros(*scores.shape[:-1], T + 1, dtype=torch.bool)   # empty slots into a last column
+    keep.scatter_(-1, torch.where(chosen >= 0, chosen, T), True)
+    return keep[..., :T] & visible
+
+
+def _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, keep):
+    """MLA over the gathered latent `[B, T, R]` and rotary keys `[B, T, r]`, queries `[B, H,
+    S, dn]` / `[B, H, S, r]`, keys kept by `keep` `[B, S, T]`: `[B, H, S, dv]`."""
+    H, dn, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
+    weight = module.kv_b_proj.weight.view(H, dn + dv, -1)
+    q_latent = torch.einsum("bhsd,hdr->bhsr", q_pass, weight[:, :dn])
+    scores = (torch.einsum("bhsr,btr->bhst", q_latent, latent)
+              + torch.einsum("bhsd,btd->bhst", q_rot, rot_keys)) * module.scaling
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(latent.dtype)
+    out_latent = torch.einsum("bhst,btr->bhsr", probs, latent)
+    return torch.einsum("bhsr,hvr->bhsv", out_latent, weight[:, dn:])
+
+
+def dsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
+                position_ids=None, **kwargs):
+    """DeepseekV32Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
+    if isinstance(cache, DecodingCache):
+        _refuse_generation(self)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], dict(kwargs, position_ids=position_ids))
+    if cache is not None:
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its latent is gathered there only")
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
+                                      position_ids=position_ids, **kwargs)
+    group, _, rank = context.ulysses()
+    B, S, _ = hidden_states.shape
+    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb_interleave
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
+                                 dim=-1)
+    cos, sin = position_embeddings
+    q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin)
+    shared = torch.cat([self.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1)   # what every head reads of a token
+    shared = gather_sequence(shared, group, dim=1, seq_lens=lens)
+    latent, rot_keys = torch.split(shared, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    with torch.no_grad():
+        keys = all_gather_sequence(_indexer_keys(self.indexer, hidden_states, position_embeddings), lens, 1, group)
+        scores = index_scores(self.indexer, hidden_states, q_resid, position_embeddings, keys)
+        keep = _selected(scores, _visible(lens, rank, cu_seqlens, hidden_states.device), self.indexer.index_topk)
+    out = _absorbed_attention(self, q_pass, q_rot, latent, rot_keys, keep)
+    return self.o_proj(out.transpose(1, 2).reshape(B, S, -1)), None
