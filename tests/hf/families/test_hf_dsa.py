@@ -1,10 +1,11 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2) under sequence parallelism (hf/families/dsa.py):
-one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) under sequence parallelism
+(hf/families/dsa.py): one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
 boundaries do not line up with the shards, float64 weights (the indexer in float32, as
 transformers computes it), against one process running each document alone: the loss, every
 gradient and the selected key sets of every layer. The selection bites: 4 keys a query, fewer
 than any shard holds, so a query on rank 1 drops keys of rank 0; every query's 4th and 5th best
-scores are apart (no tie decides a set). Selecting every key instead moves the loss.
+scores are apart (no tie decides a set). Selecting every key instead moves the loss. GLM-5's
+second layer reuses the first's selection ("shared"), its indexer's rope on interleaved pairs.
 """
 
 import pytest
@@ -22,13 +23,15 @@ from ulysses_kernels.launch import spawn  # noqa: E402
 
 TOPK = 4   # below a shard at SP 4 (5-6 of 23 tokens)
 FIELDS = dict(index_topk=TOPK, index_n_heads=16, index_head_dim=32)
+FAMILIES = {"deepseek_v32": {}, "glm_moe_dsa": dict(indexer_types=["full", "shared"])}
+INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
 TOLERANCE = 1e-6   # the router computes in float32 (the rest within 1e-14)
 
 
-def dsa_model(attn, **fields):
+def dsa_model(family, attn, **fields):
     from tiny_models import build_tiny_model
 
-    return build_tiny_model("deepseek_v32", attn, overrides=dict(FIELDS, **fields))
+    return build_tiny_model(family, attn, overrides=dict(FIELDS, **FAMILIES[family], **fields))
 
 
 def _bounds(documents):
@@ -36,7 +39,7 @@ def _bounds(documents):
     return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
 
 
-def _sp_worker(rank, world):
+def _sp_worker(rank, world, family):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
     selected, recorded = dsa._selected, []
@@ -51,22 +54,22 @@ def _sp_worker(rank, world):
     try:
         for case, documents in DOCUMENTS.items():
             recorded.clear()
-            out[case] = sp_step(dsa_model("ulysses"), documents, groups)
+            out[case] = sp_step(dsa_model(family, "ulysses"), documents, groups)
             # every rank's queries of each layer, in global order
             out[(case, "selected")] = [uk.gather_sequence(keep.to(torch.float64), groups, dim=0).bool()
                                        for keep in recorded]
-        out["all keys"] = sp_step(dsa_model("ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
+        out["all keys"] = sp_step(dsa_model(family, "ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
     finally:
         dsa._selected = selected
     return out
 
 
-def _reference(documents):
+def _reference(family, documents):
     """One process per document: the step, the selected sets `[S, S]` per layer (global
     indices) and the smallest gap between a query's 4th and 5th visible scores."""
     from family_cases import register_exact_eager
 
-    model = dsa_model(register_exact_eager())
+    model = dsa_model(family, register_exact_eager())
     bounds = _bounds(documents)
     calls = []
 
@@ -74,7 +77,7 @@ def _reference(documents):
         calls.append((indexer, args, kwargs, output))
 
     hooks = [m.register_forward_hook(keep_inputs, with_kwargs=True) for m in model.modules()
-             if type(m).__name__ == "DeepseekV32Indexer"]
+             if type(m).__name__ in INDEXERS]
     step = reference_step(model, documents)
     for hook in hooks:
         hook.remove()
@@ -101,13 +104,16 @@ def _reference(documents):
 
 @pytest.fixture(scope="module")
 def references():
-    return {case: _reference(documents) for case, documents in DOCUMENTS.items()}
+    return {family: {case: _reference(family, documents) for case, documents in DOCUMENTS.items()}
+            for family in FAMILIES}
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_training_equals_one_process_per_document_with_the_selection_biting(world, references):
-    per_rank = spawn(_sp_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+def test_training_equals_one_process_per_document_with_the_selection_biting(world, family, references):
+    references = references[family]
+    per_rank = spawn(_sp_worker, world, args=(family,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
     for case in DOCUMENTS:
         step, selected, gap = references[case]
@@ -127,4 +133,4 @@ def test_a_sparse_attention_family_is_refused_in_generation():
     """Generation is not sequence-parallel yet for DSA: refused at the first layer, with the
     reason (the same on every rank: nothing rank-dependent is read before)."""
     with pytest.raises(ukhf.NotSequenceParallelError, match="latent and indexer-key cache"):
-        dsa._refuse_generation(dsa_model("eager").model.layers[0].self_attn)
+        dsa._refuse_generation(dsa_model("deepseek_v32", "eager").model.layers[0].self_attn)

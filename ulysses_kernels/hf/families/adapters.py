@@ -64,6 +64,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(inkling2.RESIDUAL_CLASSES, "depth_attention", inkling2.block_residual_forward, None),
     **_for(inkling2.MESSAGE_CLASSES, "depth_attention", inkling2.message_residual_forward, None),
     **_for(dsa.DSA_CLASSES, "sparse_attention", dsa.dsa_forward, None),
+    **_for(dsa.GLM_CLASSES, "sparse_attention", dsa.glm_forward, None),
 }
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2) under sequence parallelism, training: the queries
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) under sequence parallelism, training: the queries
 stay on their sequence shard, what every head shares is gathered (docs/hf_families.md,
 "Sparse attention: DeepSeek-V3.2 (training)"; the selection rule: selection.py).
 
@@ -6,7 +6,9 @@ One layer, as transformers 5.24 and 5.25 compute it (`DeepseekV32Attention`): ML
 through a low-rank `q_resid`; keys and values expanded from one latent `c` of `kv_lora_rank`
 per token plus a shared rotary key), and an indexer (without gradients) that scores every
 visible key for each query, `sum_h w_h relu(q_h . k)` in float32, and keeps the `index_topk`
-best; the attention runs over those only.
+best; the attention runs over those only. GLM-5 (`GlmMoeDsaAttention`): the indexer's rope on
+interleaved pairs, and its "shared" layers reuse the previous full layer's selection (passed
+from layer to layer as `prev_topk_indices`; here, the selection mask).
 
 Sequence-parallel: every rank gathers the latent and the rotary key (`kv_lora_rank +
 qk_rope_head_dim` values a token, differentiable: the backward sums each token's gradient on
@@ -34,6 +36,8 @@ from .mixers import check_cache_outside_generation, document_starts, original_fo
 from .selection import select_keys
 
 DSA_CLASSES = ("DeepseekV32Attention",)
+GLM_CLASSES = ("GlmMoeDsaAttention",)   # GLM-5: some layers reuse the previous full layer's selection
+_INTERLEAVED_INDEXERS = ("GlmMoeDsaIndexer",)   # the indexer's rope on interleaved pairs, not halves
 
 
 def _refuse_generation(module):
@@ -57,9 +61,11 @@ def _visible(lens, rank, cu_seqlens, device):
 
 
 def _rotated(indexer, x, position_embeddings):
-    """The indexer's rope (half-split, on its first `qk_rope_head_dim` channels) of `x` `[B, S,
-    heads, D]`, as transformers applies it."""
-    rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
+    """The indexer's rope (on its first `qk_rope_head_dim` channels: half-split, or interleaved
+    pairs for GLM-5) of `x` `[B, S, heads, D]`, as transformers applies it."""
+    family = sys.modules[type(indexer).__module__]
+    interleaved = type(indexer).__name__ in _INTERLEAVED_INDEXERS
+    rope = family.apply_rotary_pos_emb_interleave if interleaved else family.apply_rotary_pos_emb
     x_rot, x_pass = torch.split(x, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
     cos, sin = position_embeddings
     return torch.cat([rope(x_rot, x_rot, cos, sin, unsqueeze_dim=2)[0], x_pass], dim=-1)
@@ -107,32 +113,67 @@ def _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, keep):
     return torch.einsum("bhsr,hvr->bhsv", out_latent, weight[:, dn:])
 
 
+def _sparse_attention(module, hidden_states, position_embeddings, position_ids, kwargs, shared_keep=None):
+    """(output, the selection `[B, S_local, T]`) of a DSA layer (the module doc); a layer
+    without an indexer of its own reuses `shared_keep`, the previous full layer's."""
+    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1],
+                                                 dict(kwargs, position_ids=position_ids))
+    group, _, rank = context.ulysses()
+    B, S, _ = hidden_states.shape
+    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb_interleave
+    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+    q = module.q_b_proj(q_resid).view(B, S, -1, module.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states),
+                                 [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    cos, sin = position_embeddings
+    q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, module.qk_rope_head_dim), cos, sin)
+    shared = torch.cat([module.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1)   # what every head reads of a token
+    shared = gather_sequence(shared, group, dim=1, seq_lens=lens)
+    latent, rot_keys = torch.split(shared, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    keep = shared_keep
+    if module.indexer is not None:
+        with torch.no_grad():
+            keys = all_gather_sequence(_indexer_keys(module.indexer, hidden_states, position_embeddings), lens, 1,
+                                       group)
+            scores = index_scores(module.indexer, hidden_states, q_resid, position_embeddings, keys)
+            keep = _selected(scores, _visible(lens, rank, cu_seqlens, hidden_states.device),
+                             module.indexer.index_topk)
+    elif keep is None:
+        raise ValueError(f"ulysses_kernels.hf: {type(module).__name__} shares the selection of a previous layer, "
+                         "which gave none")
+    out = _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, keep)
+    return module.o_proj(out.transpose(1, 2).reshape(B, S, -1)), keep
+
+
+def _call_outside_training(module, hidden_states, cache, kwargs):
+    """None to go on; refuses generation, and gives a cache outside it to transformers' own
+    forward where `check_cache_outside_generation` lets it (True)."""
+    if isinstance(cache, DecodingCache):
+        _refuse_generation(module)
+    if cache is None:
+        return None
+    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
+    check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its latent is gathered there only")
+    return True
+
+
 def dsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
                 position_ids=None, **kwargs):
     """DeepseekV32Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    if isinstance(cache, DecodingCache):
-        _refuse_generation(self)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], dict(kwargs, position_ids=position_ids))
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its latent is gathered there only")
+    if _call_outside_training(self, hidden_states, cache, dict(kwargs, position_ids=position_ids)):
         return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
                                       position_ids=position_ids, **kwargs)
-    group, _, rank = context.ulysses()
-    B, S, _ = hidden_states.shape
-    rope = sys.modules[type(self).__module__].apply_rotary_pos_emb_interleave
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-    q = self.q_b_proj(q_resid).view(B, S, -1, self.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-    kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim],
-                                 dim=-1)
-    cos, sin = position_embeddings
-    q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, self.qk_rope_head_dim), cos, sin)
-    shared = torch.cat([self.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1)   # what every head reads of a token
-    shared = gather_sequence(shared, group, dim=1, seq_lens=lens)
-    latent, rot_keys = torch.split(shared, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-    with torch.no_grad():
-        keys = all_gather_sequence(_indexer_keys(self.indexer, hidden_states, position_embeddings), lens, 1, group)
-        scores = index_scores(self.indexer, hidden_states, q_resid, position_embeddings, keys)
-        keep = _selected(scores, _visible(lens, rank, cu_seqlens, hidden_states.device), self.indexer.index_topk)
-    out = _absorbed_attention(self, q_pass, q_rot, latent, rot_keys, keep)
-    return self.o_proj(out.transpose(1, 2).reshape(B, S, -1)), None
+    return _sparse_attention(self, hidden_states, position_embeddings, position_ids, kwargs)[0], None
+
+
+def glm_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
+                position_ids=None, prev_topk_indices=None, **kwargs):
+    """GlmMoeDsaAttention's forward, sequence-parallel; returns (output, None, the selection),
+    which the model hands to the next layer as `prev_topk_indices` (a "shared" layer's)."""
+    if _call_outside_training(self, hidden_states, cache, dict(kwargs, position_ids=position_ids)):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
+                                      position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
+    out, keep = _sparse_attention(self, hidden_states, position_embeddings, position_ids, kwargs,
+                                  shared_keep=prev_topk_indices)
+    return out, None, keep
