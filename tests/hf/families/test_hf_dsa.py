@@ -2,7 +2,8 @@
 (hf/families/dsa.py): one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
 boundaries do not line up with the shards, float64 weights (the indexer in float32, as
 transformers computes it), against one process running each document alone: the loss, every
-gradient and the selected key sets of every layer. The selection bites: 4 keys a query, fewer
+gradient and the selected key sets of every layer, the indexer and the attention run in
+tiles (7 keys, 5 queries). The selection bites: 4 keys a query, fewer
 than any shard holds, so a query on rank 1 drops keys of rank 0; every query's 4th and 5th best
 scores are apart (no tie decides a set). Selecting every key instead moves the loss. GLM-5's
 second layer reuses the first's selection ("shared"), its indexer's rope on interleaved pairs.
@@ -42,14 +43,17 @@ def _bounds(documents):
 def _sp_worker(rank, world, family):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
-    selected, recorded = dsa._selected, []
+    select, recorded = dsa.select, []
+    dsa.KEY_TILE, dsa.QUERY_TILE = 7, 5   # several tiles of keys (the indexer) and of queries (the attention)
 
-    def record(scores, visible, k):
-        keep = selected(scores, visible, k)
-        recorded.append(keep[0])
-        return keep
+    def record(*args):
+        chosen = select(*args)
+        keep = torch.zeros(chosen.shape[1], S + 1, dtype=torch.bool)   # empty slots into a last column
+        keep.scatter_(-1, torch.where(chosen[0] >= 0, chosen[0], S), True)
+        recorded.append(keep[:, :S])
+        return chosen
 
-    dsa._selected = record
+    dsa.select = record
     out = {}
     try:
         for case, documents in DOCUMENTS.items():
@@ -60,7 +64,7 @@ def _sp_worker(rank, world, family):
                                        for keep in recorded]
         out["all keys"] = sp_step(dsa_model(family, "ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
     finally:
-        dsa._selected = selected
+        dsa.select = select
     return out
 
 

@@ -19,21 +19,25 @@ attends over the selected keys in MLA's absorbed form (the queries into the late
 `kv_b_proj`'s key half, the output out of it by its value half): no head exchange, and no
 rank expands the whole sequence's keys. Positions are global (each token's in its document).
 
-Dense for now: each rank holds its queries' scores over every key (`[B, heads, S_local, T]`),
-as transformers' eager path does over the whole sequence. Not in generation, not on a ring
+Memory per rank: the gathered latent and indexer keys of the whole sequence (704 values a
+token), the queries in the latent space (`[B, heads, S_local, kv_lora_rank]`), and one tile at
+a time of the indexer's scores (`[B, QUERY_TILE, index heads, KEY_TILE]`, float32, a running
+top k across the key tiles) and of the attention (each tile's chosen rows and scores,
+recomputed in the backward), never `[S, heads, T]`. Not in generation, not on a ring
 (refused on every rank).
 """
 
 import sys
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .mixers import check_cache_outside_generation, document_starts, original_forward
-from .selection import select_keys
+from .selection import tiled_select
 
 DSA_CLASSES = ("DeepseekV32Attention",)
 GLM_CLASSES = ("GlmMoeDsaAttention",)   # GLM-5: some layers reuse the previous full layer's selection
@@ -76,46 +80,77 @@ def _indexer_keys(indexer, hidden_states, position_embeddings):
     return _rotated(indexer, indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2), position_embeddings).squeeze(2)
 
 
+KEY_TILE = 4096     # keys the indexer scores at once: `[B, S_local, index heads, KEY_TILE]` float32
+QUERY_TILE = 256    # queries attending at once over their selection (recomputed in the backward)
+
+
 @torch.no_grad()
 def index_scores(indexer, hidden_states, q_resid, position_embeddings, keys):
-    """`[B, S_local, T]` float32 scores of this rank's queries over every key `keys` `[B, T,
-    D]` (gathered), as transformers' indexer computes them."""
+    """`[B, S_local, T]` float32 scores of this rank's queries over the keys `keys` `[B, T, D]`,
+    as transformers' indexer computes them (`sum_h w_h relu(q_h . k)`)."""
     B, S, _ = q_resid.shape
     q = _rotated(indexer, indexer.wq_b(q_resid).view(B, S, indexer.n_heads, indexer.head_dim), position_embeddings)
-    scores = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale
-    scores = torch.relu(scores)
+    scores = torch.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
         * (indexer.n_heads ** -0.5)
     return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
 
 
-def _selected(scores, visible, k):
-    """`[B, S_local, T]` bool: the keys the rule keeps for each query, among the visible."""
-    scores = scores.masked_fill(~visible, float("-inf"))
-    T = scores.shape[-1]
-    chosen = select_keys(scores, min(k, T)).long()
-    keep = scores.new_zeros(*scores.shape[:-1], T + 1, dtype=torch.bool)   # empty slots into a last column
-    keep.scatter_(-1, torch.where(chosen >= 0, chosen, T), True)
-    return keep[..., :T] & visible
+@torch.no_grad()
+def select(indexer, hidden_states, q_resid, position_embeddings, keys, visible):
+    """`[B, S_local, k]` long: the keys of `keys` `[B, T, D]` each query keeps (the rule of
+    selection.py among the `visible` `[S_local, T]`, ascending, EMPTY-padded), `QUERY_TILE`
+    queries and `KEY_TILE` keys at a time with a running top k: at most `[B, QUERY_TILE,
+    index heads, KEY_TILE]` scores at once."""
+    k = min(indexer.index_topk, keys.shape[1])
+    cos, sin = position_embeddings
+    chosen = []
+    for start in range(0, hidden_states.shape[1], QUERY_TILE):
+        part = slice(start, start + QUERY_TILE)
+        queries = (hidden_states[:, part], q_resid[:, part], (cos[:, part], sin[:, part]))
+
+        def tile(first, stop, queries=queries, part=part):
+            scores = index_scores(indexer, *queries, keys[:, first:stop])
+            return scores.masked_fill(~visible[part, first:stop], float("-inf"))
+        chosen.append(tiled_select(tile, keys.shape[1], k, KEY_TILE)[1].long())
+    return torch.cat(chosen, dim=1)
 
 
-def _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, keep):
+def _attend_tile(q_latent, q_rot, latent, rot_keys, chosen, scaling):
+    """Queries `[B, H, q, R]` (in the latent) / `[B, H, q, r]` over their chosen keys `[B, q,
+    k]` (EMPTY: none) of the latent `[B, T, R]` and rotary keys `[B, T, r]`: `[B, H, q, R]`."""
+    B, q, k = chosen.shape
+    index = chosen.clamp(min=0)
+
+    def picked(x):   # [B, T, C] -> each query's chosen rows [B, q, k, C]
+        return x.unsqueeze(1).expand(B, q, *x.shape[1:]).gather(2, index[..., None].expand(B, q, k, x.shape[-1]))
+    c, r = picked(latent), picked(rot_keys)
+    scores = (torch.einsum("bhqr,bqkr->bhqk", q_latent, c) + torch.einsum("bhqd,bqkd->bhqk", q_rot, r)) * scaling
+    scores = scores.masked_fill((chosen < 0)[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(c.dtype)
+    return torch.einsum("bhqk,bqkr->bhqr", probs, c)
+
+
+def _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, chosen):
     """MLA over the gathered latent `[B, T, R]` and rotary keys `[B, T, r]`, queries `[B, H,
-    S, dn]` / `[B, H, S, r]`, keys kept by `keep` `[B, S, T]`: `[B, H, S, dv]`."""
-    H, dn, dv = module.num_heads, module.qk_nope_head_dim, module.v_head_dim
-    weight = module.kv_b_proj.weight.view(H, dn + dv, -1)
+    S, dn]` / `[B, H, S, r]`, each over its chosen keys `[B, S, k]`: `[B, H, S, dv]`. In MLA's
+    absorbed form (the queries into the latent by `kv_b_proj`'s key half, the output out of it
+    by its value half), `QUERY_TILE` queries at a time, each tile recomputed in the backward:
+    the scores and the chosen rows of one tile at a time."""
+    H, dn = module.num_heads, module.qk_nope_head_dim
+    weight = module.kv_b_proj.weight.view(H, dn + module.v_head_dim, -1)
     q_latent = torch.einsum("bhsd,hdr->bhsr", q_pass, weight[:, :dn])
-    scores = (torch.einsum("bhsr,btr->bhst", q_latent, latent)
-              + torch.einsum("bhsd,btd->bhst", q_rot, rot_keys)) * module.scaling
-    scores = scores.masked_fill(~keep[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(latent.dtype)
-    out_latent = torch.einsum("bhst,btr->bhsr", probs, latent)
-    return torch.einsum("bhsr,hvr->bhsv", out_latent, weight[:, dn:])
+    tiles = []
+    for start in range(0, chosen.shape[1], QUERY_TILE):
+        part = slice(start, start + QUERY_TILE)
+        tiles.append(checkpoint(_attend_tile, q_latent[:, :, part], q_rot[:, :, part], latent, rot_keys,
+                                chosen[:, part], module.scaling, use_reentrant=False))
+    return torch.einsum("bhsr,hvr->bhsv", torch.cat(tiles, dim=2), weight[:, dn:])
 
 
-def _sparse_attention(module, hidden_states, position_embeddings, position_ids, kwargs, shared_keep=None):
-    """(output, the selection `[B, S_local, T]`) of a DSA layer (the module doc); a layer
-    without an indexer of its own reuses `shared_keep`, the previous full layer's."""
+def _sparse_attention(module, hidden_states, position_embeddings, position_ids, kwargs, shared_chosen=None):
+    """(output, the chosen keys `[B, S_local, k]`) of a DSA layer (the module doc); a layer
+    without an indexer of its own reuses `shared_chosen`, the previous full layer's."""
     context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1],
                                                  dict(kwargs, position_ids=position_ids))
     group, _, rank = context.ulysses()
@@ -131,19 +166,18 @@ def _sparse_attention(module, hidden_states, position_embeddings, position_ids, 
     shared = torch.cat([module.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1)   # what every head reads of a token
     shared = gather_sequence(shared, group, dim=1, seq_lens=lens)
     latent, rot_keys = torch.split(shared, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
-    keep = shared_keep
+    chosen = shared_chosen
     if module.indexer is not None:
         with torch.no_grad():
             keys = all_gather_sequence(_indexer_keys(module.indexer, hidden_states, position_embeddings), lens, 1,
                                        group)
-            scores = index_scores(module.indexer, hidden_states, q_resid, position_embeddings, keys)
-            keep = _selected(scores, _visible(lens, rank, cu_seqlens, hidden_states.device),
-                             module.indexer.index_topk)
-    elif keep is None:
+            chosen = select(module.indexer, hidden_states, q_resid, position_embeddings, keys,
+                            _visible(lens, rank, cu_seqlens, hidden_states.device))
+    elif chosen is None:
         raise ValueError(f"ulysses_kernels.hf: {type(module).__name__} shares the selection of a previous layer, "
                          "which gave none")
-    out = _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, keep)
-    return module.o_proj(out.transpose(1, 2).reshape(B, S, -1)), keep
+    out = _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, chosen)
+    return module.o_proj(out.transpose(1, 2).reshape(B, S, -1)), chosen
 
 
 def _call_outside_training(module, hidden_states, cache, kwargs):
@@ -169,11 +203,12 @@ def dsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attentio
 
 def glm_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
                 position_ids=None, prev_topk_indices=None, **kwargs):
-    """GlmMoeDsaAttention's forward, sequence-parallel; returns (output, None, the selection),
-    which the model hands to the next layer as `prev_topk_indices` (a "shared" layer's)."""
+    """GlmMoeDsaAttention's forward, sequence-parallel; returns (output, None, the chosen keys
+    `[B, S_local, k]`, global indices), which the model hands to the next layer as
+    `prev_topk_indices` (a "shared" layer's)."""
     if _call_outside_training(self, hidden_states, cache, dict(kwargs, position_ids=position_ids)):
         return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
                                       position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
-    out, keep = _sparse_attention(self, hidden_states, position_embeddings, position_ids, kwargs,
-                                  shared_keep=prev_topk_indices)
-    return out, None, keep
+    out, chosen = _sparse_attention(self, hidden_states, position_embeddings, position_ids, kwargs,
+                                    shared_chosen=prev_topk_indices)
+    return out, None, chosen
