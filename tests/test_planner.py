@@ -289,3 +289,26 @@ def test_plan_cli_plans_mixtures_of_experts_by_model_type(tmp_path, capsys):
     assert unknown.returncode == 2 and "nor a transformers model type" in unknown.stderr
     unmodelled = _cli("--model", "rwkv", "--seq-len", "4096")   # a model type without attention heads
     assert unmodelled.returncode == 2 and "the planner cannot read RwkvConfig" in unmodelled.stderr, unmodelled.stderr
+
+
+def test_a_tiled_mlp_saves_nothing_in_a_mixture_of_experts():
+    """patch_model tiles dense MLPs only (it refuses MoE blocks): `--tiled` leaves an MoE
+    model's per-layer activations as they are, and still shrinks a dense model's."""
+    from ulysses_kernels.planner import shape_from_model_type
+
+    base = dict(seq_len=65536, gpus_per_node=8)
+    for name, shape in (("mixtral", shape_from_model_type("mixtral")), ("llama-3-8b", PRESETS["llama-3-8b"])):
+        tiled, untiled = (memory_terms(shape, PlanOptions(**base, tiled_mlp=t)) for t in (True, False))
+        assert (tiled == untiled) == (shape.moe is not None), name
+
+
+def test_plan_ring_auto_follows_the_runtime_node_rule():
+    """Two nodes of 6 GPUs, SP 4: the second SP group (ranks 4-7) spans both nodes, so
+    `--ring auto` keeps Ulysses inside what a node holds of it, as init_sequence_parallel's
+    rule does (`choose_ring_size` with the node size whenever the world spans nodes)."""
+    from ulysses_kernels.layout import choose_ring_size
+
+    proc = _cli("--model", "llama-3-8b", "--seq-len", "4096", "--gpus", "6", "--nodes", "2", "--sp", "4",
+                "--ring", "auto")
+    ring = choose_ring_size(4, 32, 8, gpus_per_node=6)
+    assert f"Ulysses {4 // ring} x ring {ring} (each Ulysses group inside a node of 6 GPUs" in proc.stderr, proc.stderr

@@ -318,7 +318,7 @@ def _plan_ring(args, shape) -> Tuple[Optional[int], Optional[str]]:
     from .layout import choose_ring_size, head_plan_error
 
     sp = args.sp or args.gpus * args.nodes
-    node = args.gpus if args.nodes > 1 and sp > args.gpus else None   # an SP group that spans nodes
+    node = args.gpus if args.nodes > 1 else None   # several nodes: the rule init_sequence_parallel applies
     if args.ring == "auto":
         ring = choose_ring_size(sp, shape.heads, shape.kv_heads, gpus_per_node=node)
         where = f"each Ulysses group inside a node of {node} GPUs, the ring across nodes" if node else "one node"

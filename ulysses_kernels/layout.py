@@ -185,8 +185,8 @@ def choose_ring_size(sp_size: int, num_heads: int, num_kv_heads: Optional[int] =
     these head counts (query heads split, KV heads split or replicated) and, given
     `gpus_per_node`, keeps each Ulysses group inside a node: the degree divides the GPUs of
     a node, so the all-to-all stays on the node's links and only the ring's point-to-point
-    steps cross nodes (docs/ring.md, "Which layout": modelled on 2 nodes x 8 GPUs at 32K,
-    Ulysses 8 x ring 2 is 1.13x faster than Ulysses 16, whose all-to-all crosses the NIC). Ranks are numbered node by node, an SP group's Ulysses groups are runs of
+    steps cross nodes (docs/ring.md, "Which layout", models the two against each other). Ranks
+    are numbered node by node, an SP group's Ulysses groups are runs of
     consecutive ranks. A ring of `sp_size` (Ulysses degree 1) always works, so every SP
     size fits every model."""
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads

@@ -579,10 +579,11 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     # o_proj input (SAVED_OUT x query width); the MLP's gate, up, activation and product
     # (SAVED_MLP x intermediate), or only its input when tiled.
     saved = s * p * (SAVED_HIDDEN * shape.hidden + SAVED_QKV * qkv + SAVED_OUT * shape.heads * shape.head_dim)
-    saved += s * p * (shape.hidden if o.tiled_mlp else SAVED_MLP * shape.mlp_token_width)
+    tiled = o.tiled_mlp and shape.moe is None   # patch_model tiles dense MLPs only, never an MoE block
+    saved += s * p * (shape.hidden if tiled else SAVED_MLP * shape.mlp_token_width)
     if shape.moe is not None:   # the router's probabilities (fp32) and each token's top-k choice
         saved += s * (4 * shape.moe.experts + 8 * shape.moe.top_k)
-    mlp_rows = min(s, mlp_tile_tokens(shape.hidden)) if o.tiled_mlp else s
+    mlp_rows = min(s, mlp_tile_tokens(shape.hidden)) if tiled else s
     transient = mlp_rows * p * TRANSIENT_MLP * shape.mlp_token_width  # the MLP backward of a tile
     ulysses = sp // o.ring_size
     heads_here = math.ceil(shape.heads / ulysses)

@@ -59,3 +59,17 @@ def test_single_process_group_resolution():
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         uk.ulysses_attention(q, k, v, group=object())
     assert torch.equal(uk.ulysses_attention(q, k, v), uk.flash_attention(q, k, v))
+
+
+def test_parallel_groups_as_one_group():
+    """`ParallelGroups` where a call takes one group: without a ring its sequence-parallel
+    group; with a ring a ValueError naming the two groups to pass (the same on every rank:
+    it reads the argument alone)."""
+    from ulysses_kernels.distributed.groups import ParallelGroups, as_process_group
+
+    plain = ParallelGroups(sp_group="sp", dp_group="dp", sp_rank=0, sp_size=2, dp_rank=0, dp_size=1, mesh=None,
+                           ulysses_group="sp", ulysses_size=2)
+    assert as_process_group(plain) == "sp"
+    ringed = plain._replace(ulysses_group="u", ring_group="r", ulysses_size=2, ring_size=2, sp_size=4)
+    with pytest.raises(ValueError, match="ulysses_group, ring_group=groups.ring_group"):
+        as_process_group(ringed)

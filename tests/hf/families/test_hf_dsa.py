@@ -132,9 +132,3 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
     moved = rel_err(per_rank[0]["all keys"][0], references["one uneven document"][0][0])
     assert moved > 1e-3, moved   # every key instead of the selected ones
 
-
-def test_a_sparse_attention_family_is_refused_in_generation():
-    """Generation is not sequence-parallel yet for DSA: refused at the first layer, with the
-    reason (the same on every rank: nothing rank-dependent is read before)."""
-    with pytest.raises(ukhf.NotSequenceParallelError, match="latent and indexer-key cache"):
-        dsa._refuse_generation(dsa_model("deepseek_v32", "eager").model.layers[0].self_attn)

@@ -119,10 +119,10 @@ def hybrid_model(family, attn, world, **extra):
                       lru_width=16 * _ATTENTION[world]["num_attention_heads"])
     elif family in RWKV_FAMILIES:   # no in-place weight rescaling in eval mode
         fields = dict(rescale_every=0, **extra)
-    elif family in INKLING_FAMILIES:   # the sliding layers' heads as the full layers'; window and bias reach
-        heads = _ATTENTION[world]      # below a document (14 tokens); the queries' log scaling from position 4 on
-        fields.update(swa_num_attention_heads=heads["num_attention_heads"],
-                      swa_num_key_value_heads=heads["num_key_value_heads"], swa_head_dim=16, sliding_window_size=7,
+    elif family in INKLING_FAMILIES:   # twice the full layers' heads in the sliding ones (SP 4: their KV heads split,
+        heads = _ATTENTION[world]      # the full layers' replicated); window and bias reach below a document (14
+        fields.update(swa_num_attention_heads=2 * heads["num_attention_heads"],   # tokens); log scaling from 4 on
+                      swa_num_key_value_heads=2 * heads["num_key_value_heads"], swa_head_dim=16, sliding_window_size=7,
                       rel_extent=9, log_scaling_n_floor=4, log_scaling_alpha=0.5)
         if family != "inkling_text":   # (its tiny config's logits cover 200058 tokens, its embedding 96)
             fields.update(n_layers_per_attn_res_block=1, unpadded_vocab_size=96)
@@ -458,18 +458,30 @@ def test_mode_switches_and_hub_kernels_keep_the_adapters(tmp_path):
                 assert error < MODE_SWITCH_TOLERANCE, (rank, family, step, mode, error, where)
 
 
-@pytest.mark.slow   # builds a Hugging Face model
-def test_zaya_refuses_a_padding_mask_for_its_convolutions():
-    """ZAYA's projection given a padding mask for its convolutions (the per-token mask
-    transformers derives from a padded batch) refuses it rather than convolving padding:
-    under sequence parallelism the mask of a padded row is not this rank's slice."""
-    model = hybrid_model("zaya", "eager", 2)   # the adapter alone, outside any model forward
+PADDED_CONVOLUTIONS = {   # family -> a call of an adapted module given a padding mask for its convolutions
+    "zaya": lambda layer, hidden, mask: layer.self_attn.qkv_proj(hidden, None, mask),
+    "inkling_text": lambda layer, hidden, mask: layer.attn_sconv(hidden, conv_mask=mask),
+    "inkling2_text": lambda layer, hidden, mask: layer.post_attention_convolution(hidden, conv_mask=mask),
+}
+
+
+@pytest.mark.slow   # builds Hugging Face models
+@pytest.mark.parametrize("family", PADDED_CONVOLUTIONS)
+def test_a_padding_mask_for_the_convolutions_is_refused(family):
+    """A convolution given a padding mask (the per-token mask transformers derives from a
+    padded batch) refuses it rather than convolving padding: under sequence parallelism the
+    mask of a padded row is not this rank's slice. So does Inkling's attention, which passes
+    it to its own convolutions."""
+    model = hybrid_model(family, "eager", 2)   # the adapters alone, outside any model forward
     install_adapters(model)
-    projection = model.model.layers[0].self_attn.qkv_proj
+    layer = model.model.layers[0]
     hidden = torch.randn(1, 5, model.config.hidden_size, dtype=torch.float64)
     mask = torch.tensor([[0, 1, 1, 1, 1]])
     with pytest.raises(ukhf.NotSequenceParallelError, match="padding mask for its convolution"):
-        projection(hidden, None, mask)
+        PADDED_CONVOLUTIONS[family](layer, hidden, mask)
+    if family == "inkling_text":
+        with pytest.raises(ukhf.NotSequenceParallelError, match="padding mask for its convolution"):
+            layer.self_attn(hidden, None, conv_mask=mask)
 
 
 def test_a_forward_replaced_after_adaptation_is_refused():

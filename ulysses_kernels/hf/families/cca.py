@@ -5,8 +5,9 @@ One projection, as transformers 5.25 computes it: q and k projected per token; t
 concatenation through a depthwise convolution of kernel `cca_time0`, then a grouped one (a
 group per head) of kernel `cca_time1`, both unpadded, so each token reads the
 `(cca_time0 - 1) + (cca_time1 - 1)` projections before it (zeros before its document); q and
-k then add residual mixes of the token's own projections. Half of each value head is the
-token's (`v_proj_current`), half the token before's (`v_proj_delayed`; at a document's first
+k then add residual mixes of the token's own projections. Half the value channels are the
+token's (`v_proj_current`), half the token before's (`v_proj_delayed`, concatenated after them
+as transformers does; at a document's first
 token, the projection of zeros). The attention after it is the package's (the head exchange),
 through the attention function.
 
@@ -24,9 +25,8 @@ chunk (decoding) continues from it on every rank.
 import torch
 
 from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
 from .halo import generation_layout, halo_map, training_layout
-from .mixers import check_cache_outside_generation, original_forward
+from .mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
 
 CCA_CLASSES = ("ZayaCCAProjection",)
 
@@ -73,17 +73,10 @@ def _projections(module, hidden_states, rows, mixed):
     return query, key, value
 
 
-def _padding_refused(module, conv_mask):
-    if conv_mask is not None:
-        raise refusal(None, f"{type(module).__name__} got a padding mask for its convolution: under sequence "
-                            "parallelism a padded row's mask is not this rank's slice",
-                      "Pack documents without padding (ulysses_kernels.hf.shard_batch) instead.")
-
-
 def _generation_forward(module, hidden_states, cache, conv_mask):
     """A forward inside `generate` / `prefill`: the causal part continues from the layer's
     state (every rank's copy), which it then replaces."""
-    _padding_refused(module, conv_mask)
+    refuse_conv_padding(module, conv_mask)
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
     rows = _rows(module, hidden_states)
     layout = generation_layout(cache, hidden_states.shape[1])   # the halo after the state (a sharded chunk)
@@ -98,7 +91,7 @@ def cca_projection_forward(self, hidden_states: torch.Tensor, cache=None, conv_m
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
         return _generation_forward(self, hidden_states, cache, conv_mask)
     if cache is None:   # (the package's mask function refuses a padded batch first: a mask is never dropped here)
-        _padding_refused(self, conv_mask)
+        refuse_conv_padding(self, conv_mask)
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
         check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")

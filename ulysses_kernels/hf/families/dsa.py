@@ -84,16 +84,27 @@ KEY_TILE = 4096     # keys the indexer scores at once: `[B, S_local, index heads
 QUERY_TILE = 256    # queries attending at once over their selection (recomputed in the backward)
 
 
+def _query_side(indexer, hidden_states, q_resid, position_embeddings):
+    """The indexer's queries `[B, S, heads, D]` and their weights `[B, S, heads]`, float32."""
+    B, S, _ = q_resid.shape
+    q = _rotated(indexer, indexer.wq_b(q_resid).view(B, S, indexer.n_heads, indexer.head_dim), position_embeddings)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
+        * (indexer.n_heads ** -0.5)
+    return q.float(), weights
+
+
+def _scores(indexer, q, weights, keys):
+    """`[B, S, T]`: `sum_h w_h relu(q_h . k)` of the queries over `keys` `[B, T, D]`, in
+    transformers' order of operations (float32)."""
+    scores = torch.relu(torch.matmul(q, keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
 @torch.no_grad()
 def index_scores(indexer, hidden_states, q_resid, position_embeddings, keys):
     """`[B, S_local, T]` float32 scores of this rank's queries over the keys `keys` `[B, T, D]`,
-    as transformers' indexer computes them (`sum_h w_h relu(q_h . k)`)."""
-    B, S, _ = q_resid.shape
-    q = _rotated(indexer, indexer.wq_b(q_resid).view(B, S, indexer.n_heads, indexer.head_dim), position_embeddings)
-    scores = torch.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
-    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
-        * (indexer.n_heads ** -0.5)
-    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    as transformers' indexer computes them."""
+    return _scores(indexer, *_query_side(indexer, hidden_states, q_resid, position_embeddings), keys)
 
 
 @torch.no_grad()
@@ -103,14 +114,13 @@ def select(indexer, hidden_states, q_resid, position_embeddings, keys, visible):
     queries and `KEY_TILE` keys at a time with a running top k: at most `[B, QUERY_TILE,
     index heads, KEY_TILE]` scores at once."""
     k = min(indexer.index_topk, keys.shape[1])
-    cos, sin = position_embeddings
+    q, weights = _query_side(indexer, hidden_states, q_resid, position_embeddings)
     chosen = []
-    for start in range(0, hidden_states.shape[1], QUERY_TILE):
+    for start in range(0, q.shape[1], QUERY_TILE):
         part = slice(start, start + QUERY_TILE)
-        queries = (hidden_states[:, part], q_resid[:, part], (cos[:, part], sin[:, part]))
 
-        def tile(first, stop, queries=queries, part=part):
-            scores = index_scores(indexer, *queries, keys[:, first:stop])
+        def tile(first, stop, part=part):
+            scores = _scores(indexer, q[:, part], weights[:, part], keys[:, first:stop])
             return scores.masked_fill(~visible[part, first:stop], float("-inf"))
         chosen.append(tiled_select(tile, keys.shape[1], k, KEY_TILE)[1].long())
     return torch.cat(chosen, dim=1)

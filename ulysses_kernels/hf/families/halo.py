@@ -22,7 +22,7 @@ collectives (also a rank with no tokens).
 
 In generation a sharded chunk (the prefill: sequence shards of the chunk, hf/inference/cache.py)
 reads the history before the chunk from the layer's replicated state (`before`), and every rank
-keeps the chunk's last `width` inputs as the next state (`last_inputs`), so decoding runs the
+keeps the chunk's last `width` inputs as the next state (the second value returned), so decoding runs the
 layer replicated.
 """
 

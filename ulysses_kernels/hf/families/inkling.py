@@ -37,8 +37,15 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
-from .halo import generation_layout, halo_conv, halo_map, training_layout
-from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
+from .halo import generation_layout, halo_map, training_layout
+from .mixers import (
+    causal_conv1d,
+    check_cache_outside_generation,
+    chunk_head_parallel,
+    original_forward,
+    over_documents,
+    refuse_conv_padding,
+)
 
 SHORT_CONV_CLASSES = ("InklingShortConvolution",)
 ATTENTION_CLASSES = ("InklingAttention",)
@@ -55,60 +62,55 @@ def placement_problem(module, world: int) -> Optional[str]:
     return None
 
 
-def refuse_padding(module, conv_mask):
-    if conv_mask is not None:
-        raise refusal(None, f"{type(module).__name__} got a padding mask for its convolutions: under sequence "
-                            "parallelism a padded row's mask is not this rank's slice",
-                      "Pack documents without padding (ulysses_kernels.hf.shard_batch) instead.")
-
-
-def _conv_state(module, cache, layer: int, length: int):
-    """(the layer's state dict on the decoding cache, this convolution's key in it): a layer's
-    first convolution (`conv_idx` 0) counts the layer into the forward in progress."""
+def _rows_generation(module, rows, cache, layer: int, operator, width: int, kept: int):
+    """`operator` over `rows` inside `generate` / `prefill`, after the layer's last rows on the
+    decoding cache (every rank's copy, `cache.mixer_states[layer]`), which it replaces: their
+    first `kept` channels (what the operator reads of the rows before a token), zeros after.
+    A layer's first convolution (`conv_idx` 0) counts the layer into the forward in progress."""
     cache.context.attention_calls += 1
-    state = cache.mixer_state(layer, length) if module.conv_idx == 0 else cache.mixer_states.setdefault(layer, {})
-    return state, f"conv{module.conv_idx}"
-
-
-def conv_generation(module, hidden_states, cache, layer: int, weight, finish):
-    """A convolution inside `generate` / `prefill`: continues from its last inputs (every
-    rank's copy, `cache.mixer_states[layer]`), which it replaces. `finish(mixed, x)`: the
-    layer's output from the convolution and its float32 input."""
-    T = hidden_states.shape[1]
-    state, name = _conv_state(module, cache, layer, T)
-    x = hidden_states.float()
-    mixed, last = halo_conv(x, weight.float(), None, generation_layout(cache, T), before=state.get(name))
-    state[name] = last.detach().clone()
-    return finish(mixed, x).to(hidden_states.dtype)
-
-
-def rows_generation(module, rows, cache, layer: int, operator, width: int, kept: int):
-    """`halo.halo_map`'s operator of reach `width` over `rows` `[B, T, C]` inside `generate` /
-    `prefill`, after the layer's last rows (every rank's copy), which it replaces: their first
-    `kept` channels (the operator reads no more of the rows before a token), zeros after."""
-    state, name = _conv_state(module, cache, layer, rows.shape[1])
+    T = rows.shape[1]
+    state = cache.mixer_state(layer, T) if module.conv_idx == 0 else cache.mixer_states.setdefault(layer, {})
+    name = f"conv{module.conv_idx}"
     before = state.get(name)
     if before is not None:
         before = torch.cat([before, before.new_zeros(*before.shape[:2], rows.shape[2] - kept)], dim=-1)
-    out, last = halo_map(rows, operator, width, generation_layout(cache, rows.shape[1]), before=before)
+    out, last = halo_map(rows, operator, width, generation_layout(cache, T), before=before)
     state[name] = last[..., :kept].detach().clone()
     return out
 
 
+def convolve(module, rows, operator, *, kept: int, cache, layer: int, conv_mask, kwargs):
+    """An Inkling (or Inkling 2) convolution over the global sequence: `operator`
+    (`halo.halo_map`'s, reach `module.conv_kernel_size - 1`) over the local `rows` `[B, S, C']`
+    whose first `kept` channels are the inputs; in training (each document on its own), or in
+    generation after the layer's state (`layer`: its cache layer). None where transformers' own
+    forward runs instead (a cache outside generation on one rank)."""
+    refuse_conv_padding(module, conv_mask)
+    width = module.conv_kernel_size - 1
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        return _rows_generation(module, rows, cache, layer, operator, width, kept)
+    context, lens, cu_seqlens = token_mixer_call(module, rows.shape[1], kwargs)
+    if cache is not None:
+        check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its convolution state is kept there "
+                                                                                "only")
+        return None
+    return halo_map(rows, operator, width, training_layout(context, lens), cu_seqlens=cu_seqlens)[0]
+
+
+def depthwise(conv1d: torch.nn.Conv1d):
+    """`halo.halo_map`'s operator of a depthwise convolution without bias, in float32 or wider:
+    a piece `[B, K - 1 + m, C]` (its history first) -> `[B, m, C]`."""
+    weight, width = conv1d.weight[:, 0, :].float(), conv1d.kernel_size[0] - 1
+    return lambda piece: causal_conv1d(piece[:, width:], weight, None, None, None, history=piece[:, :width])
+
+
 def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
     """`x + conv(x)` in float32 over the global sequence (the module doc)."""
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        refuse_padding(self, conv_mask)
-        return conv_generation(self, hidden_states, cache, self.layer_idx, self.conv1d.weight[:, 0, :],
-                               lambda mixed, x: mixed + x)
-    refuse_padding(self, conv_mask)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")
-        return original_forward(self)(hidden_states, cache=cache, conv_mask=conv_mask)
     x = hidden_states.float()
-    mixed = halo_conv(x, self.conv1d.weight[:, 0, :].float(), None, training_layout(context, lens),
-                      cu_seqlens=cu_seqlens)[0]
+    mixed = convolve(self, x, depthwise(self.conv1d), kept=x.shape[-1], cache=cache, layer=self.layer_idx,
+                     conv_mask=conv_mask, kwargs=kwargs)
+    if mixed is None:
+        return original_forward(self)(hidden_states, cache=cache, conv_mask=conv_mask)
     return (mixed + x).to(hidden_states.dtype)
 
 
@@ -198,6 +200,17 @@ def decoding_heads(module, cache, keys, values, *, table, scale_queries: bool = 
     return run
 
 
+def _projections(module, hidden_states, cache, kwargs=None):
+    """q, k, v `[B, S, heads, head_dim]` (k and v after their convolutions, given the cache
+    of a generation or None) and the relative states `[B, S, heads, d_rel]`, as transformers'."""
+    B, S, _ = hidden_states.shape
+    shape = (B, S, -1, module.head_dim)
+    q = module.q_norm(module.q_proj(hidden_states).view(shape))
+    k = module.k_norm(module.k_sconv(module.k_proj(hidden_states), cache=cache, **(kwargs or {})).view(shape))
+    v = module.v_sconv(module.v_proj(hidden_states), cache=cache, **(kwargs or {})).view(shape)
+    return q, k, v, module.r_proj(hidden_states).view(B, S, module.num_heads, -1)
+
+
 def _generation_attention(module, hidden_states, cache):
     """The attention inside `generate` / `prefill`: the chunk's K/V join this rank's held
     heads (`update_own_heads`), its queries attend over them by heads (`decoding_heads`)."""
@@ -206,11 +219,7 @@ def _generation_attention(module, hidden_states, cache):
     if problem:
         raise refusal(None, f"{type(module).__name__}: {problem}")
     B, T, _ = hidden_states.shape
-    shape = (B, T, -1, module.head_dim)
-    q = module.q_norm(module.q_proj(hidden_states).view(shape))
-    k = module.k_norm(module.k_sconv(module.k_proj(hidden_states), cache=cache).view(shape))
-    v = module.v_sconv(module.v_proj(hidden_states), cache=cache).view(shape)
-    r = module.r_proj(hidden_states).view(B, T, module.num_heads, -1)
+    q, k, v, r = _projections(module, hidden_states, cache)
     keys, values = cache.update_own_heads(k.transpose(1, 2), v.transpose(1, 2), module.layer_idx)
     run = decoding_heads(module, cache, keys, values, table=module.rel_logits_proj, scale_queries=True)
     return module.o_proj(chunk_head_parallel(run, {"q": q, "r": r}, cache).reshape(B, T, -1))
@@ -219,7 +228,7 @@ def _generation_attention(module, hidden_states, cache):
 def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, conv_mask=None, cache=None,
                       **kwargs):
     """InklingAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    refuse_padding(self, conv_mask)
+    refuse_conv_padding(self, conv_mask)
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
         return _generation_attention(self, hidden_states, cache), None
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
@@ -231,11 +240,7 @@ def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, co
     if problem:
         raise refusal(None, f"{type(self).__name__}: {problem}")
     B, S, _ = hidden_states.shape
-    shape = (B, S, -1, self.head_dim)
-    q = self.q_norm(self.q_proj(hidden_states).view(shape))
-    k = self.k_norm(self.k_sconv(self.k_proj(hidden_states)).view(shape))
-    v = self.v_sconv(self.v_proj(hidden_states)).view(shape)
-    r = self.r_proj(hidden_states).view(B, S, self.num_heads, -1)
+    q, k, v, r = _projections(self, hidden_states, None, kwargs)
     run = heads_forward(self, cu_seqlens, table=self.rel_logits_proj, scale_queries=True)
     out = ulysses_head_parallel(run, {"q": q, "k": k, "v": v, "r": r}, group, seq_lens=lens)
     return self.o_proj(out.reshape(B, S, -1)), None

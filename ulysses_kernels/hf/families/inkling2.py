@@ -38,9 +38,8 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
-from .halo import halo_conv, halo_map, training_layout
-from .inkling import conv_generation, decoding_heads, heads_forward, placement_problem, refuse_padding, rows_generation
-from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward
+from .inkling import convolve, decoding_heads, depthwise, heads_forward, placement_problem
+from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, refuse_conv_padding
 
 # Inkling 2 Loop's classes are Inkling 2's, renamed; its message residual is one more attention over depth
 STATIC_CONV_CLASSES = ("Inkling2ShortConvolution", "Inkling2LoopShortConvolution")
@@ -51,35 +50,16 @@ RESIDUAL_CLASSES = ("Inkling2BlockAttentionResidual", "Inkling2LoopBlockAttentio
 MESSAGE_CLASSES = ("Inkling2LoopMessageAttentionResidual",)
 
 
-def _convolution_call(module, hidden_states, cache, conv_mask, kwargs):
-    """(context, lengths, documents) of a convolution's training forward; None where
-    transformers' own forward runs (a cache on one rank, `check_cache_outside_generation`)."""
-    refuse_padding(module, conv_mask)
-    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its convolution state is kept there "
-                                                                                "only")
-        return None
-    return context, lens, cu_seqlens
-
-
 def static_conv_forward(self, hidden_states: torch.Tensor, dynamic_input=None, cache=None, conv_mask=None,
                         cache_offset: int = 0, **kwargs):
     """`(x + conv(x)) / sqrt(K + 1)` in float32 over the global sequence (the module doc)."""
-    scale = math.sqrt(self.conv_kernel_size + 1)
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        refuse_padding(self, conv_mask)
-        return conv_generation(self, hidden_states, cache, self.layer_idx + cache_offset, self.conv1d.weight[:, 0, :],
-                               lambda mixed, x: (mixed + x) / scale)
-    call = _convolution_call(self, hidden_states, cache, conv_mask, kwargs)
-    if call is None:
+    x = hidden_states.float()
+    mixed = convolve(self, x, depthwise(self.conv1d), kept=x.shape[-1], cache=cache,
+                     layer=self.layer_idx + cache_offset, conv_mask=conv_mask, kwargs=kwargs)
+    if mixed is None:
         return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
                                       cache_offset=cache_offset, **kwargs)
-    context, lens, cu_seqlens = call
-    x = hidden_states.float()
-    mixed = halo_conv(x, self.conv1d.weight[:, 0, :].float(), None, training_layout(context, lens),
-                      cu_seqlens=cu_seqlens)[0]
-    return ((mixed + x) / scale).to(hidden_states.dtype)
+    return ((mixed + x) / math.sqrt(self.conv_kernel_size + 1)).to(hidden_states.dtype)
 
 
 def _dynamic_taps(module, dynamic_input, B, S):
@@ -90,32 +70,30 @@ def _dynamic_taps(module, dynamic_input, B, S):
     return module.static_weight.float().T.view(module.num_heads, -1, K) + dynamic
 
 
-def dynamic_conv_forward(self, hidden_states: torch.Tensor, dynamic_input: torch.Tensor, cache=None,
-                         conv_mask=None, cache_offset: int = 0, **kwargs):
-    """The convolution with per-token taps over the global sequence (the module doc)."""
-    if not isinstance(cache, DecodingCache):
-        call = _convolution_call(self, hidden_states, cache, conv_mask, kwargs)
-        if call is None:
-            return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
-                                          cache_offset=cache_offset, **kwargs)
-    refuse_padding(self, conv_mask)
-    B, S, C = hidden_states.shape
-    K, heads = self.conv_kernel_size, self.num_heads
-    x = hidden_states.float()
-    taps = _dynamic_taps(self, dynamic_input, B, S)
-    rows = torch.cat([x, taps.to(x.dtype).reshape(B, S, C * K)], dim=-1)   # each token's taps travel with it
-
-    def operator(piece):   # [B, K - 1 + m, C (1 + K)] -> [B, m, C]
+def _per_token_taps(B, C, K, heads):
+    """`halo.halo_map`'s operator of a convolution whose taps travel with the tokens: a piece
+    `[B, K - 1 + m, C (1 + K)]` (inputs, then each token's `C x K` taps) -> `[B, m, C]`."""
+    def operator(piece):
         m = piece.shape[1] - (K - 1)
         windows = piece[..., :C].unfold(1, K, 1).flip(-1).reshape(B, m, heads, C // heads, K)
         own = piece[:, K - 1:, C:].reshape(B, m, heads, C // heads, K)
         return (windows * own).sum(-1).reshape(B, m, C)
+    return operator
 
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: after the layer's last rows
-        mixed = rows_generation(self, rows, cache, self.layer_idx + cache_offset, operator, K - 1, C)
-    else:
-        context, lens, cu_seqlens = call
-        mixed = halo_map(rows, operator, K - 1, training_layout(context, lens), cu_seqlens=cu_seqlens)[0]
+
+def dynamic_conv_forward(self, hidden_states: torch.Tensor, dynamic_input: torch.Tensor, cache=None,
+                         conv_mask=None, cache_offset: int = 0, **kwargs):
+    """The convolution with per-token taps over the global sequence (the module doc): each
+    token's taps travel with its input through the halo, and the state keeps inputs only."""
+    B, S, C = hidden_states.shape
+    K = self.conv_kernel_size
+    x = hidden_states.float()
+    rows = torch.cat([x, _dynamic_taps(self, dynamic_input, B, S).to(x.dtype).reshape(B, S, C * K)], dim=-1)
+    mixed = convolve(self, rows, _per_token_taps(B, C, K, self.num_heads), kept=C, cache=cache,
+                     layer=self.layer_idx + cache_offset, conv_mask=conv_mask, kwargs=kwargs)
+    if mixed is None:
+        return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
+                                      cache_offset=cache_offset, **kwargs)
     return ((mixed + x) / math.sqrt(2 * K + 1)).to(hidden_states.dtype)
 
 
@@ -124,7 +102,7 @@ def attention_forward(self, hidden_states: torch.Tensor, key_hidden_states=None,
                       **kwargs):
     """Inkling2SlidingAttention's and Inkling2FullAttention's forward, sequence-parallel (the
     module doc); returns (output, None)."""
-    refuse_padding(self, conv_mask)
+    refuse_conv_padding(self, conv_mask)
     keys_from = hidden_states if key_hidden_states is None else key_hidden_states
     values_from = hidden_states if value_hidden_states is None else value_hidden_states
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
@@ -141,16 +119,25 @@ def attention_forward(self, hidden_states: torch.Tensor, key_hidden_states=None,
     if problem:
         raise refusal(None, f"{type(self).__name__}: {problem}")
     B, S, _ = hidden_states.shape
-    position_ids = kwargs["position_ids"]
-    q = self.q_proj(hidden_states, position_ids).transpose(1, 2)
-    k = self.k_proj(keys_from, conv_mask=conv_mask, **kwargs).transpose(1, 2)
-    v = self.v_proj(values_from, conv_mask=conv_mask, **kwargs).transpose(1, 2)
-    table = self.relative_position_bias
-    r = table.norm(table.linear(hidden_states).view(B, S, table.num_heads, -1), position_ids)
-    sinks = self.sink_proj(hidden_states).unsqueeze(-1)
-    out = ulysses_head_parallel(heads_forward(self, cu_seqlens, table=table),
-                                {"q": q, "k": k, "v": v, "r": r, "sinks": sinks}, group, seq_lens=lens)
+    q, k, v, r, sinks = _projections(self, hidden_states, keys_from, values_from, dict(kwargs, conv_mask=conv_mask))
+    out = ulysses_head_parallel(heads_forward(self, cu_seqlens, table=self.relative_position_bias),
+                                {"q": q, "k": k.transpose(1, 2), "v": v.transpose(1, 2), "r": r, "sinks": sinks},
+                                group, seq_lens=lens)
     return self.o_proj(out.reshape(B, S, -1), hidden_states), None
+
+
+def _projections(module, hidden_states, keys_from, values_from, kwargs):
+    """q `[B, S, heads, D]`, k and v `[B, kv heads, S, D]` (after their convolutions: `kwargs`
+    carries the cache and its offset in generation), the relative states `[B, S, heads,
+    d_rel]` and the sinks `[B, S, heads, 1]`, as transformers computes them per token."""
+    B, S, _ = hidden_states.shape
+    position_ids = kwargs["position_ids"]
+    q = module.q_proj(hidden_states, position_ids).transpose(1, 2)
+    k = module.k_proj(keys_from, **kwargs)
+    v = module.v_proj(values_from, **kwargs)
+    table = module.relative_position_bias
+    r = table.norm(table.linear(hidden_states).view(B, S, table.num_heads, -1), position_ids)
+    return q, k, v, r, module.sink_proj(hidden_states).unsqueeze(-1)
 
 
 def _over_depth(module, block_states, partial_block_states, queries):
@@ -175,15 +162,10 @@ def _generation_attention(module, hidden_states, keys_from, values_from, cache, 
     if problem:
         raise refusal(None, f"{type(module).__name__}: {problem}")
     B, T, _ = hidden_states.shape
-    position_ids = kwargs["position_ids"]
-    q = module.q_proj(hidden_states, position_ids).transpose(1, 2)
-    k = module.k_proj(keys_from, cache=cache, cache_offset=cache_offset, **kwargs)
-    v = module.v_proj(values_from, cache=cache, cache_offset=cache_offset, **kwargs)
-    table = module.relative_position_bias
-    r = table.norm(table.linear(hidden_states).view(B, T, table.num_heads, -1), position_ids)
-    sinks = module.sink_proj(hidden_states).unsqueeze(-1)
+    q, k, v, r, sinks = _projections(module, hidden_states, keys_from, values_from,
+                                     dict(kwargs, cache=cache, cache_offset=cache_offset))
     keys, values = cache.update_own_heads(k, v, module.layer_idx + cache_offset)
-    run = decoding_heads(module, cache, keys, values, table=table)
+    run = decoding_heads(module, cache, keys, values, table=module.relative_position_bias)
     out = chunk_head_parallel(run, {"q": q, "r": r, "sinks": sinks}, cache)
     return module.o_proj(out.reshape(B, T, -1), hidden_states)
 

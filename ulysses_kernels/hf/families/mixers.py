@@ -70,6 +70,16 @@ def check_cache_outside_generation(module: nn.Module, context, cu_seqlens, lengt
                          "per row, not per document; call the model with use_cache=False")
 
 
+def refuse_conv_padding(module: nn.Module, conv_mask) -> None:
+    """A padding mask given to a convolution along the sequence (the per-token mask
+    transformers derives from a padded batch) is refused, the same on every rank: a padded
+    row's mask is not this rank's slice."""
+    if conv_mask is not None:
+        raise refusal(None, f"{type(module).__name__} got a padding mask for its convolution: under sequence "
+                            "parallelism a padded row's mask is not this rank's slice",
+                      "Pack documents without padding (ulysses_kernels.hf.shard_batch) instead.")
+
+
 # ------------------------------------------------------------------ the forward's documents
 
 def document_bounds(cu_seqlens, length: int) -> Optional[List[int]]:
