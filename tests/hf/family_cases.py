@@ -23,6 +23,37 @@ _COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_at
                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256, attention_dropout=0.0)
 
 
+@contextlib.contextmanager
+def hf_keeps_float64():
+    """transformers' upcasts to float32 (`.float()`, `.to(torch.float32)`, a float32
+    `zeros_like` of a float64 tensor) keep float64 tensors float64, so that a float64
+    comparison of a family that computes parts in float32 whatever its weights' dtype (Mamba2's
+    scan, HY-V4's hyper-connections) sits at rounding, not at float32's ~1e-7 (summed over
+    tokens in a different order on P ranks: up to ~1e-6); everything else is untouched."""
+    to_float, to, zeros_like = torch.Tensor.float, torch.Tensor.to, torch.zeros_like
+
+    def keep_float(self, *args, **kwargs):
+        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
+
+    def keep_zeros_like(self, *args, **kwargs):   # a float32 accumulator for float64 tensors (Inkling 2's experts)
+        if self.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
+            kwargs["dtype"] = torch.float64
+        return zeros_like(self, *args, **kwargs)
+
+    def keep_to(self, *args, **kwargs):
+        if self.dtype == torch.float64:
+            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
+            if kwargs.get("dtype") is torch.float32:
+                kwargs["dtype"] = torch.float64
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.float, torch.Tensor.to, torch.zeros_like = keep_float, keep_to, keep_zeros_like
+    try:
+        yield
+    finally:
+        torch.Tensor.float, torch.Tensor.to, torch.zeros_like = to_float, to, zeros_like
+
+
 def family_config(name: str, **overrides):
     """The tiny config of family `name` (see FAMILIES)."""
     import transformers

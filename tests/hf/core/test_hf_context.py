@@ -157,7 +157,7 @@ def test_attach_context_checks_the_model():
     from tiny_models import build_tiny_model, tiny_config
 
     with pytest.raises(ukhf.NotSequenceParallelError, match="indexed_attention"):
-        ukhf.attach_context(build_tiny_model("axk2", "eager"), None)
+        ukhf.attach_context(build_tiny_model("kolibri1_1", "eager"), None)
     # a model refused after its mixers were adapted (Qwen3-Next's question-answering head)
     # runs as transformers wrote it: the original forwards are back
     from ulysses_kernels.hf.families.adapters import adapted_kind

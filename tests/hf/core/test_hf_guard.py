@@ -244,12 +244,14 @@ def _refusals(rank, world):
             out[case] = str(error)
 
     batch = ukhf.shard_batch(_ids(), groups)
-    attempt("axk2 loss", lambda: ukhf.causal_lm_loss(build_tiny_model("axk2", "ulysses"), batch, groups))
+    attempt("kolibri1_1 loss", lambda: ukhf.causal_lm_loss(build_tiny_model("kolibri1_1", "ulysses"), batch,
+                                                                 groups))
     qwen3_next = build_tiny_model("qwen3_next", "ulysses")
     attempt("qwen3_next with a cache", lambda: qwen3_next(**dict(batch.model_inputs(), use_cache=True)))
     attempt("bloom forward", lambda: build_tiny_model("bloom", "ulysses")(**batch.model_inputs()))
-    attempt("glm_moe_dsa generate", lambda: ukhf.generate(build_tiny_model("glm_moe_dsa", "ulysses").eval(), _ids(9),
-                                                           groups, max_new_tokens=2, do_sample=False))
+    # dots3's sliding-window layers exchange heads (its DSA layers keep their queries on their shard)
+    dots3 = build_tiny_model("dots3_note_text", "ulysses", overrides=dict(num_attention_heads=3, num_key_value_heads=3))
+    attempt("dots3 sliding heads", lambda: ukhf.causal_lm_loss(dots3, batch, groups))
     attempt("sdpa loss", lambda: ukhf.causal_lm_loss(build_tiny_model("llama", "sdpa"), batch, groups))
     token_types = torch.zeros(1, 23, dtype=torch.long)
     token_types[:, 2:5] = 1   # image tokens on rank 0's shard only
@@ -281,10 +283,10 @@ def test_refusals_are_the_same_on_every_rank():
         messages = [r[case] for r in per_rank]
         assert messages[0] is not None, case
         assert messages[0] == messages[1], (case, messages)
-    assert "indexed_attention" in per_rank[0]["axk2 loss"]
+    assert "indexed_attention" in per_rank[0]["kolibri1_1 loss"]
     assert "outside ulysses_kernels.hf.generate" in per_rank[0]["qwen3_next with a cache"]
     assert "written by hand" in per_rank[0]["bloom forward"]
-    assert "latent and indexer-key cache" in per_rank[0]["glm_moe_dsa generate"]   # trains, does not generate
+    assert "query heads (3) must be divisible by the sequence-parallel size (2)" in per_rank[0]["dots3 sliding heads"]
     assert "'sdpa'" in per_rank[0]["sdpa loss"]
     assert "later tokens" in per_rank[0]["gemma3 image blocks"]
     assert "its head (LlamaForQuestionAnswering) pools over the sequence" in per_rank[0]["question answering forward"]

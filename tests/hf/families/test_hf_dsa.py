@@ -1,18 +1,22 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) under sequence parallelism
+"""DeepSeek Sparse Attention under sequence parallelism
 (hf/families/dsa.py): one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
 boundaries do not line up with the shards, float64 weights (the indexer in float32, as
 transformers computes it), against one process running each document alone: the loss, every
 gradient and the selected key sets of every layer, the indexer and the attention run in
-tiles (7 keys, 5 queries). The selection bites: 4 keys a query, fewer
+tiles (7 keys, 5 queries). The families: DeepSeek-V3.2, GLM-5, A.X-K2 (a gate of each head's
+output from its fused query projection), HY-V4 (per-head sinks and gates, hyper-connections
+kept float64 as the sweep does: sweep.FLOAT32_ISLANDS) and dots3 (a sliding-window MLA layer
+through the attention function after its DSA layers). The selection bites: 4 keys a query, fewer
 than any shard holds, so a query on rank 1 drops keys of rank 0; every query's 4th and 5th best
-scores are apart (no tie decides a set). Selecting every key instead moves the loss. GLM-5's
+scores are apart (no tie decides a set). Selecting every key instead moves the loss or the
+gradients. GLM-5's
 second layer reuses the first's selection ("shared"), its indexer's rope on interleaved pairs.
 """
 
 import pytest
 import torch
 from helpers import SLOW_SPAWN_TIMEOUT, rel_err
-from sweep import DOCUMENTS, S, largest_error, reference_step, sp_step
+from sweep import DOCUMENTS, S, largest_error, numerics, reference_step, sp_step
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
@@ -24,8 +28,12 @@ from ulysses_kernels.launch import spawn  # noqa: E402
 
 TOPK = 4   # below a shard at SP 4 (5-6 of 23 tokens)
 FIELDS = dict(index_topk=TOPK, index_n_heads=16, index_head_dim=32)
-FAMILIES = {"deepseek_v32": {}, "glm_moe_dsa": dict(indexer_types=["full", "shared"])}
-INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer")
+# GLM-5 / HY-V4: a layer reusing the previous full layer's selection; dots3: a sliding-window
+# MLA layer after its DSA layers, whose 12 heads the attention function exchanges at SP 2, 3, 4
+FAMILIES = {"deepseek_v32": {}, "glm_moe_dsa": dict(indexer_types=["full", "shared"]), "axk2": {},
+            "hy_v4": dict(indexer_types=["full", "full", "shared"]),
+            "dots3_note_text": dict(num_attention_heads=12, num_key_value_heads=12)}
+INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "AXK2Indexer", "HYV4Indexer", "Dots3NoteTextIndexer")
 TOLERANCE = 1e-6   # the router computes in float32 (the rest within 1e-14)
 
 
@@ -40,9 +48,14 @@ def _bounds(documents):
     return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
 
 
-def _sp_worker(rank, world, family):
+def _sp_worker(rank, world, families):
+    """{family: this rank's steps and selections} (one spawn for every family)."""
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
+    return {family: _sp_family(family, groups) for family in families}
+
+
+def _sp_family(family, groups):
     select, recorded = dsa.select, []
     dsa.KEY_TILE, dsa.QUERY_TILE = 7, 5   # several tiles of keys (the indexer) and of queries (the attention)
 
@@ -56,13 +69,15 @@ def _sp_worker(rank, world, family):
     dsa.select = record
     out = {}
     try:
-        for case, documents in DOCUMENTS.items():
-            recorded.clear()
-            out[case] = sp_step(dsa_model(family, "ulysses"), documents, groups)
-            # every rank's queries of each layer, in global order
-            out[(case, "selected")] = [uk.gather_sequence(keep.to(torch.float64), groups, dim=0).bool()
-                                       for keep in recorded]
-        out["all keys"] = sp_step(dsa_model(family, "ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
+        with numerics(family):
+            for case, documents in DOCUMENTS.items():
+                recorded.clear()
+                out[case] = sp_step(dsa_model(family, "ulysses"), documents, groups)
+                # every rank's queries of each layer, in global order
+                out[(case, "selected")] = [uk.gather_sequence(keep.to(torch.float64), groups, dim=0).bool()
+                                           for keep in recorded]
+            out["all keys"] = sp_step(dsa_model(family, "ulysses", index_topk=S), DOCUMENTS["one uneven document"],
+                                      groups)
     finally:
         dsa.select = select
     return out
@@ -71,6 +86,11 @@ def _sp_worker(rank, world, family):
 def _reference(family, documents):
     """One process per document: the step, the selected sets `[S, S]` per layer (global
     indices) and the smallest gap between a query's 4th and 5th visible scores."""
+    with numerics(family):
+        return _reference_in_numerics(family, documents)
+
+
+def _reference_in_numerics(family, documents):
     from family_cases import register_exact_eager
 
     model = dsa_model(family, register_exact_eager())
@@ -113,22 +133,66 @@ def references():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_training_equals_one_process_per_document_with_the_selection_biting(world, family, references):
-    references = references[family]
-    per_rank = spawn(_sp_worker, world, args=(family,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
-                     preload=["torch", "transformers", "ulysses_kernels.hf"])
-    for case in DOCUMENTS:
-        step, selected, gap = references[case]
-        assert gap > 1e-6, (case, gap)   # no near-tie decides a set
-        for rank, out in enumerate(per_rank):
-            error, where = largest_error(out[case], step)
-            assert error < TOLERANCE, (world, rank, case, error, where)
-            for layer, (got, want) in enumerate(zip(out[(case, "selected")], selected)):
-                assert torch.equal(got, want), (world, rank, case, layer)
-            # the selection bites: some query keeps fewer keys than it sees, across a shard
-            assert int(selected[0].sum(-1).max()) == TOPK
-    moved = rel_err(per_rank[0]["all keys"][0], references["one uneven document"][0][0])
-    assert moved > 1e-3, moved   # every key instead of the selected ones
+def test_training_equals_one_process_per_document_with_the_selection_biting(world, references):
+    per_family = spawn(_sp_worker, world, args=(list(FAMILIES),), timeout=SLOW_SPAWN_TIMEOUT,
+                       start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for family in FAMILIES:
+        per_rank = [outs[family] for outs in per_family]
+        for case in DOCUMENTS:
+            step, selected, gap = references[family][case]
+            assert gap > 1e-6, (family, case, gap)   # no near-tie decides a set
+            for rank, out in enumerate(per_rank):
+                error, where = largest_error(out[case], step)
+                assert error < TOLERANCE, (family, world, rank, case, error, where)
+                for layer, (got, want) in enumerate(zip(out[(case, "selected")], selected)):
+                    assert torch.equal(got, want), (family, world, rank, case, layer)
+                # the selection bites: some query keeps fewer keys than it sees, across a shard
+                assert int(selected[0].sum(-1).max()) == TOPK
+        # every key instead of the selected ones moves the loss or some gradient (HY-V4's loss
+        # by 5e-5 only, its gradients by more)
+        moved, where = largest_error(per_rank[0]["all keys"], references[family]["one uneven document"][0])
+        assert moved > 1e-3, (family, moved, where)
 
+
+# ------------------------------------------------------------------ generation
+
+PROMPT, NEW_TOKENS = 13, 6
+
+
+def _generation_worker(rank, world, families):
+    """{family: greedy tokens equal, whole and prefilled in chunks of 4; the prefill logits'
+    error in chunks of 5; the cache's bytes on this rank against the planner's}."""
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for family in families:
+        with numerics(family), torch.no_grad():
+            reference, model = dsa_model(family, "eager").eval(), dsa_model(family, "ulysses").eval()
+            want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+            want_logits = reference(ids, use_cache=False).logits[:, -1]
+            whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
+            chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS,
+                                    do_sample=False)
+            logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
+        out[family] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
+                           new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits),
+                           cache_bytes=cache.bytes_per_rank())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_generation_equals_one_process(world):
+    """Greedy `ukhf.generate` gives `model.generate`'s tokens on every rank, batch 2, the
+    prompt (13 tokens: the selection bites from the 5th) prefilled whole and in chunks of 4;
+    the prefill logits in chunks of 5 against one process; every rank holds every token's
+    latent, rotary key and indexer key (a layer reusing a selection: no indexer key)."""
+    per_rank = spawn(_generation_worker, world, args=(list(FAMILIES),), timeout=SLOW_SPAWN_TIMEOUT,
+                     start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for family in FAMILIES:
+        for rank, out in enumerate(per_rank):
+            r = out[family]
+            assert r["whole"] and r["chunked"], (family, world, rank, r)
+            assert r["logits"] < TOLERANCE, (family, world, rank, r)

@@ -149,7 +149,7 @@ def float64_throughout(family):
     rounding instead of float32's ~1e-7 (a two-layer pure Mamba2 measured 7.4e-7 against a
     1e-6 tolerance in float32); Kimi Delta Attention's rule likewise (family_cases's float64
     twin)."""
-    from test_hf_mamba2 import hf_keeps_float64
+    from family_cases import hf_keeps_float64
 
     if family in KDA_FAMILIES:   # its rule in float32 measured up to 6e-7: the float64 twin (the gates stay float32)
         return float64_delta_rule()

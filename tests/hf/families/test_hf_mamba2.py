@@ -16,12 +16,12 @@ float64, for the reference and for the adapter's call of the module's own norm (
 adapter's scan computes in float64 by itself). A float32 test runs without it.
 """
 
-import contextlib
 import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
+from family_cases import hf_keeps_float64  # noqa: F401 (the hybrid tests import it from here too)
 from helpers import SLOW_SPAWN_TIMEOUT, randn, rel_err, shard
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
@@ -111,35 +111,6 @@ def tiny_mixer(family: str, heads: int = 8, groups: int = 2, head_dim: int = 16,
     mixer = mixer.to(dtype).train()
     install_adapters(mixer)
     return mixer
-
-
-@contextlib.contextmanager
-def hf_keeps_float64():
-    """transformers' upcasts to float32 (`.float()`, `.to(torch.float32)`, a float32
-    `zeros_like` of a float64 tensor) keep float64 tensors float64 (see the module doc);
-    everything else is untouched."""
-    to_float, to, zeros_like = torch.Tensor.float, torch.Tensor.to, torch.zeros_like
-
-    def keep_float(self, *args, **kwargs):
-        return self if self.dtype == torch.float64 else to_float(self, *args, **kwargs)
-
-    def keep_zeros_like(self, *args, **kwargs):   # a float32 accumulator for float64 tensors (Inkling 2's experts)
-        if self.dtype == torch.float64 and kwargs.get("dtype") is torch.float32:
-            kwargs["dtype"] = torch.float64
-        return zeros_like(self, *args, **kwargs)
-
-    def keep_to(self, *args, **kwargs):
-        if self.dtype == torch.float64:
-            args = tuple(torch.float64 if a is torch.float32 else a for a in args)
-            if kwargs.get("dtype") is torch.float32:
-                kwargs["dtype"] = torch.float64
-        return to(self, *args, **kwargs)
-
-    torch.Tensor.float, torch.Tensor.to, torch.zeros_like = keep_float, keep_to, keep_zeros_like
-    try:
-        yield
-    finally:
-        torch.Tensor.float, torch.Tensor.to, torch.zeros_like = to_float, to, zeros_like
 
 
 def inputs(dtype=torch.float64):

@@ -64,7 +64,8 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(inkling2.RESIDUAL_CLASSES, "depth_attention", inkling2.block_residual_forward, None),
     **_for(inkling2.MESSAGE_CLASSES, "depth_attention", inkling2.message_residual_forward, None),
     **_for(dsa.DSA_CLASSES, "sparse_attention", dsa.dsa_forward, None),
-    **_for(dsa.GLM_CLASSES, "sparse_attention", dsa.glm_forward, None),
+    **_for(dsa.SHARED_SELECTION_CLASSES, "sparse_attention", dsa.shared_selection_forward, None),
+    **_for(dsa.DOTS3_CLASSES, "sparse_attention", dsa.dots3_forward, dsa.dots3_placement_problem),
 }
 
 

@@ -1,14 +1,16 @@
-"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5) under sequence parallelism, training: the queries
-stay on their sequence shard, what every head shares is gathered (docs/hf_families.md,
-"Sparse attention: DeepSeek-V3.2 (training)"; the selection rule: selection.py).
+"""DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, A.X-K2, HY-V4, dots3) under sequence
+parallelism, in training and generation: the queries stay on their sequence shard, what every
+head shares is gathered (docs/hf_families.md, "Sparse attention: DeepSeek Sparse Attention";
+the selection rule: selection.py).
 
 One layer, as transformers 5.24 and 5.25 compute it (`DeepseekV32Attention`): MLA (queries
 through a low-rank `q_resid`; keys and values expanded from one latent `c` of `kv_lora_rank`
 per token plus a shared rotary key), and an indexer (without gradients) that scores every
 visible key for each query, `sum_h w_h relu(q_h . k)` in float32, and keeps the `index_topk`
-best; the attention runs over those only. GLM-5 (`GlmMoeDsaAttention`): the indexer's rope on
-interleaved pairs, and its "shared" layers reuse the previous full layer's selection (passed
-from layer to layer as `prev_topk_indices`; here, the selection mask).
+best; the attention runs over those only. The families differ in their projections and
+output gates (`FAMILIES`), their indexer's rope (`_rope`, `_ROPE_LAST`) and scale
+(`_SCALE_IN_WEIGHTS`); GLM-5's and HY-V4's "shared" layers reuse the previous full layer's
+selection (passed from layer to layer as `prev_topk_indices`; here, the chosen keys).
 
 Sequence-parallel: every rank gathers the latent and the rotary key (`kv_lora_rank +
 qk_rope_head_dim` values a token, differentiable: the backward sums each token's gradient on
@@ -18,36 +20,58 @@ top k by one rule (selection.py: the k largest, ties to the smaller global key i
 attends over the selected keys in MLA's absorbed form (the queries into the latent space by
 `kv_b_proj`'s key half, the output out of it by its value half): no head exchange, and no
 rank expands the whole sequence's keys. Positions are global (each token's in its document).
+In generation the decoding cache holds the same keys of every token on every rank
+(`_generation_keys`), and a chunk's queries select and attend the same way.
 
 Memory per rank: the gathered latent and indexer keys of the whole sequence (704 values a
 token), the queries in the latent space (`[B, heads, S_local, kv_lora_rank]`), and one tile at
 a time of the indexer's scores (`[B, QUERY_TILE, index heads, KEY_TILE]`, float32, a running
 top k across the key tiles) and of the attention (each tile's chosen rows and scores,
-recomputed in the backward), never `[S, heads, T]`. Not in generation, not on a ring
-(refused on every rank).
+recomputed in the backward), never `[S, heads, T]`. Not on a ring (refused on every rank).
 """
 
+import inspect
 import sys
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
+from ...layout import head_plan_error
 from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
 from .mixers import check_cache_outside_generation, document_starts, original_forward
 from .selection import tiled_select
 
-DSA_CLASSES = ("DeepseekV32Attention",)
-GLM_CLASSES = ("GlmMoeDsaAttention",)   # GLM-5: some layers reuse the previous full layer's selection
-_INTERLEAVED_INDEXERS = ("GlmMoeDsaIndexer",)   # the indexer's rope on interleaved pairs, not halves
+DSA_CLASSES = ("DeepseekV32Attention", "AXK2Attention")
+# some layers reuse the previous full layer's selection ("shared"): GLM-5, HY-V4
+SHARED_SELECTION_CLASSES = ("GlmMoeDsaAttention", "HYV4Attention")
+DOTS3_CLASSES = ("Dots3NoteTextAttention",)   # DSA layers between sliding-window MLA layers
 
 
-def _refuse_generation(module):
-    raise refusal(None, f"{type(module).__name__} does not generate sequence-parallel yet: its latent and indexer-key "
-                        "cache are not kept sharded",
-                  "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
+# indexers whose rotary channels are the last `qk_rope_head_dim`, not the first (HY-V4)
+_ROPE_LAST = ("HYV4Indexer",)
+
+
+def _rope(cls: type) -> Callable:
+    """The rope `cls`'s forward applies, as transformers' module of `cls` defines it: on
+    interleaved pairs (`apply_rotary_pos_emb_interleave`) or on halves. Read from the forward
+    itself: it changes between releases (HY-V4's indexer and attention: halves in 5.24,
+    interleaved pairs in 5.25)."""
+    rope = _ROPES.get(cls)
+    if rope is None:
+        family = sys.modules[cls.__module__]
+        interleaved = "apply_rotary_pos_emb_interleave(" in inspect.getsource(cls.forward)
+        rope = _ROPES[cls] = family.apply_rotary_pos_emb_interleave if interleaved else family.apply_rotary_pos_emb
+    return rope
+
+
+_ROPES: dict = {}
+
+
+# indexers that scale the head weights by `softmax_scale` instead of each head's scores (HY-V4)
+_SCALE_IN_WEIGHTS = ("HYV4Indexer",)
 
 
 def _visible(lens, rank, cu_seqlens, device):
@@ -65,19 +89,23 @@ def _visible(lens, rank, cu_seqlens, device):
 
 
 def _rotated(indexer, x, position_embeddings):
-    """The indexer's rope (on its first `qk_rope_head_dim` channels: half-split, or interleaved
-    pairs for GLM-5) of `x` `[B, S, heads, D]`, as transformers applies it."""
-    family = sys.modules[type(indexer).__module__]
-    interleaved = type(indexer).__name__ in _INTERLEAVED_INDEXERS
-    rope = family.apply_rotary_pos_emb_interleave if interleaved else family.apply_rotary_pos_emb
-    x_rot, x_pass = torch.split(x, [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim], dim=-1)
+    """The indexer's rope (`_rope`, on its first or `_ROPE_LAST` channels) of `x` `[B, S,
+    heads, D]`, as transformers applies it."""
+    rope = _rope(type(indexer))
+    rotary, plain = indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim
     cos, sin = position_embeddings
-    return torch.cat([rope(x_rot, x_rot, cos, sin, unsqueeze_dim=2)[0], x_pass], dim=-1)
+    if type(indexer).__name__ not in _ROPE_LAST:
+        x_rot, x_pass = torch.split(x, [rotary, plain], dim=-1)
+        return torch.cat([rope(x_rot, x_rot, cos, sin, unsqueeze_dim=2)[0], x_pass], dim=-1)
+    x_pass, x_rot = torch.split(x, [plain, rotary], dim=-1)
+    return torch.cat([x_pass, rope(x_rot, x_rot, cos, sin, unsqueeze_dim=2)[0]], dim=-1)
 
 
 def _indexer_keys(indexer, hidden_states, position_embeddings):
-    """The indexer's key of each local token `[B, S, D]`."""
-    return _rotated(indexer, indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2), position_embeddings).squeeze(2)
+    """The indexer's key of each local token `[B, S, D]` (its norm in the norm's dtype: HY-V4's
+    is float32)."""
+    keys = indexer.k_norm(indexer.wk(hidden_states).to(indexer.k_norm.weight.dtype)).to(hidden_states.dtype)
+    return _rotated(indexer, keys.unsqueeze(2), position_embeddings).squeeze(2)
 
 
 KEY_TILE = 4096     # keys the indexer scores at once: `[B, S_local, index heads, KEY_TILE]` float32
@@ -90,14 +118,18 @@ def _query_side(indexer, hidden_states, q_resid, position_embeddings):
     q = _rotated(indexer, indexer.wq_b(q_resid).view(B, S, indexer.n_heads, indexer.head_dim), position_embeddings)
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() \
         * (indexer.n_heads ** -0.5)
+    if type(indexer).__name__ in _SCALE_IN_WEIGHTS:
+        weights = weights * indexer.softmax_scale
     return q.float(), weights
 
 
 def _scores(indexer, q, weights, keys):
     """`[B, S, T]`: `sum_h w_h relu(q_h . k)` of the queries over `keys` `[B, T, D]`, in
     transformers' order of operations (float32)."""
-    scores = torch.relu(torch.matmul(q, keys.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
-    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    scores = torch.matmul(q, keys.transpose(-1, -2).float().unsqueeze(1))
+    if type(indexer).__name__ not in _SCALE_IN_WEIGHTS:
+        scores = scores * indexer.softmax_scale
+    return torch.matmul(weights.unsqueeze(-2), torch.relu(scores)).squeeze(-2)
 
 
 @torch.no_grad()
@@ -126,9 +158,10 @@ def select(indexer, hidden_states, q_resid, position_embeddings, keys, visible):
     return torch.cat(chosen, dim=1)
 
 
-def _attend_tile(q_latent, q_rot, latent, rot_keys, chosen, scaling):
+def _attend_tile(q_latent, q_rot, latent, rot_keys, chosen, scaling, sinks):
     """Queries `[B, H, q, R]` (in the latent) / `[B, H, q, r]` over their chosen keys `[B, q,
-    k]` (EMPTY: none) of the latent `[B, T, R]` and rotary keys `[B, T, r]`: `[B, H, q, R]`."""
+    k]` (EMPTY: none) of the latent `[B, T, R]` and rotary keys `[B, T, r]`: `[B, H, q, R]`.
+    `sinks` `[H]` (HY-V4; None: none): one more logit a head in the softmax, with no value."""
     B, q, k = chosen.shape
     index = chosen.clamp(min=0)
 
@@ -137,8 +170,10 @@ def _attend_tile(q_latent, q_rot, latent, rot_keys, chosen, scaling):
     c, r = picked(latent), picked(rot_keys)
     scores = (torch.einsum("bhqr,bqkr->bhqk", q_latent, c) + torch.einsum("bhqd,bqkd->bhqk", q_rot, r)) * scaling
     scores = scores.masked_fill((chosen < 0)[:, None], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(B, -1, q, 1)], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(c.dtype)
-    return torch.einsum("bhqk,bqkr->bhqr", probs, c)
+    return torch.einsum("bhqk,bqkr->bhqr", probs[..., :k], c)
 
 
 def _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, chosen):
@@ -154,71 +189,220 @@ def _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, chosen):
     for start in range(0, chosen.shape[1], QUERY_TILE):
         part = slice(start, start + QUERY_TILE)
         tiles.append(checkpoint(_attend_tile, q_latent[:, :, part], q_rot[:, :, part], latent, rot_keys,
-                                chosen[:, part], module.scaling, use_reentrant=False))
+                                chosen[:, part], module.scaling, getattr(module, "sinks", None),
+                                use_reentrant=False))
     return torch.einsum("bhsr,hvr->bhsv", torch.cat(tiles, dim=2), weight[:, dn:])
 
 
-def _sparse_attention(module, hidden_states, position_embeddings, position_ids, kwargs, shared_chosen=None):
-    """(output, the chosen keys `[B, S_local, k]`) of a DSA layer (the module doc); a layer
-    without an indexer of its own reuses `shared_chosen`, the previous full layer's."""
-    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1],
-                                                 dict(kwargs, position_ids=position_ids))
-    group, _, rank = context.ulysses()
+class Projected(NamedTuple):
+    """A DSA layer's projections of its local tokens: the indexer's query input `q_resid` `[B,
+    S, q_lora_rank]`, the queries `[B, H, S, qk_head_dim]` and the shared latent `[B, S,
+    kv_lora_rank]` and rotary key `[B, 1, S, qk_rope_head_dim]` (both before rope), and the
+    output gate (None: none)."""
+    q_resid: torch.Tensor
+    queries: torch.Tensor
+    latent: torch.Tensor
+    rot_key: torch.Tensor
+    gate: Optional[torch.Tensor]
+
+
+def _latent_and_rot_key(module, hidden_states):
     B, S, _ = hidden_states.shape
-    rope = sys.modules[type(module).__module__].apply_rotary_pos_emb_interleave
-    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
-    q = module.q_b_proj(q_resid).view(B, S, -1, module.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = torch.split(q, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states),
                                  [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    return module.kv_a_layernorm(kv_pass.contiguous()), k_rot.view(B, 1, S, module.qk_rope_head_dim)
+
+
+def _queries(module, q_resid):
+    B, S, _ = q_resid.shape
+    return module.q_b_proj(q_resid).view(B, S, -1, module.qk_head_dim).transpose(1, 2)
+
+
+def _deepseek_projections(module, hidden_states):
+    """DeepSeek-V3.2, GLM-5: MLA with a low-rank query."""
+    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+    return Projected(q_resid, _queries(module, q_resid), *_latent_and_rot_key(module, hidden_states), gate=None)
+
+
+def _axk2_projections(module, hidden_states):
+    """A.X-K2: the queries and a sigmoid gate of each head's output from one projection of the
+    normed and raw low-rank query."""
+    B, S, _ = hidden_states.shape
+    q_compressed = module.q_a_proj(hidden_states)
+    q_resid = module.q_a_layernorm(q_compressed)
+    both = module.q_gate_proj(torch.cat([q_resid, q_compressed], dim=-1)).view(B, S, -1,
+                                                                              module.qk_head_dim + module.v_head_dim)
+    queries, gate = torch.split(both, [module.qk_head_dim, module.v_head_dim], dim=-1)
+    return Projected(q_resid, queries.transpose(1, 2), *_latent_and_rot_key(module, hidden_states), gate=gate)
+
+
+def _hyv4_projections(module, hidden_states):
+    """HY-V4: a sigmoid gate of each head's output from the hidden states (and sinks, read by
+    `_attend_tile`)."""
+    B, S, _ = hidden_states.shape
+    gate = module.gate_proj(hidden_states).view(B, S, -1, module.gate_projection_size)
+    return _deepseek_projections(module, hidden_states)._replace(gate=gate)
+
+
+def _dots3_projections(module, hidden_states):
+    """dots3: the normed query and latent rescaled, the rotary key normed, a sigmoid gate a head."""
+    B, S, _ = hidden_states.shape
+    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states)) * module.q_lora_scale
+    latent, rot_key = _latent_and_rot_key(module, hidden_states)
+    return Projected(q_resid, _queries(module, q_resid), latent * module.kv_lora_scale,
+                     module.k_rope_only_layernorm(rot_key), gate=module.g_proj(hidden_states).view(B, S, -1, 1))
+
+
+def _float_gate(out, gate):   # A.X-K2 takes the gate's sigmoid in float32
+    return (out * torch.sigmoid(gate.float())).to(out.dtype)
+
+
+def _gate(out, gate):
+    return out * torch.sigmoid(gate)
+
+
+class Family(NamedTuple):
+    projections: Callable
+    gated: Callable   # (output `[B, S, H, v_head_dim]`, gate) -> the gated output
+
+
+FAMILIES = {"DeepseekV32Attention": Family(_deepseek_projections, _gate),
+            "GlmMoeDsaAttention": Family(_deepseek_projections, _gate),
+            "AXK2Attention": Family(_axk2_projections, _float_gate),
+            "HYV4Attention": Family(_hyv4_projections, _gate),
+            "Dots3NoteTextAttention": Family(_dots3_projections, _gate)}
+
+
+def _base_class(module) -> type:
+    """transformers' class of an adapted module: the first in its MRO with a forward not this
+    module's."""
+    return next(c for c in type(module).__mro__ if "forward" in vars(c) and vars(c)["forward"].__module__ != __name__)
+
+
+def _family(module):
+    return FAMILIES[type(module).__name__]
+
+
+def _training_keys(module, hidden_states, kwargs):
+    """`keys(shared, index_keys)` of a training forward: the latent and rotary keys `[B, S, R +
+    r]` (gathered with a backward) and the indexer keys `[B, S, D]` (or None) of this rank's
+    tokens -> those of the whole sequence, and which of them each local query sees `[S_local,
+    T]` (its document's, up to itself)."""
+    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
+    group, _, rank = context.ulysses()
+
+    def keys(shared, index_keys):
+        gathered = None if index_keys is None else all_gather_sequence(index_keys, lens, 1, group)
+        return (gather_sequence(shared, group, dim=1, seq_lens=lens), gathered,
+                _visible(lens, rank, cu_seqlens, shared.device))
+    return keys
+
+
+def _generation_keys(module, cache):
+    """`keys(shared, index_keys)` inside `generate` / `prefill`: the chunk's keys join the ones
+    the cache holds (`update_own_heads`: one head, so every rank holds every token, like MLA's
+    latent), and each query of the chunk sees every key up to its position (one document a
+    row: generation refuses padding)."""
+    cache.context.attention_calls += 1
+    rank, layer = cache.ulysses[2], module.layer_idx
+
+    def keys(shared, index_keys):
+        if index_keys is None:   # a layer reusing a selection keeps no indexer key: latent and rotary key apart
+            latent, rot_key = torch.split(shared, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+            held = torch.cat([t[:, 0] for t in cache.update_own_heads(latent[:, None], rot_key[:, None], layer)],
+                             dim=-1)
+            held_index = None
+        else:
+            held, held_index = (t[:, 0] for t in cache.update_own_heads(shared[:, None], index_keys[:, None], layer))
+        first = cache.forward_start + (sum(cache.chunk_lens[:rank]) if cache.chunk_lens is not None else 0)
+        queries = torch.arange(first, first + shared.shape[1], device=shared.device)
+        visible = torch.arange(held.shape[1], device=shared.device)[None, :] <= queries[:, None]
+        return held, held_index, visible
+    return keys
+
+
+def _sparse_attention(module, hidden_states, position_embeddings, keys, shared_chosen=None):
+    """(output, the chosen keys `[B, S_local, k]`) of a DSA layer (the module doc) over the keys
+    that `keys` (`_training_keys`, `_generation_keys`) gives; a layer without an indexer of its
+    own reuses `shared_chosen`, the previous full layer's."""
+    B, S, _ = hidden_states.shape
+    family = _family(module)
+    rope = _rope(_base_class(module))
+    projected = family.projections(module, hidden_states)
+    q_pass, q_rot = torch.split(projected.queries, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
     cos, sin = position_embeddings
-    q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, module.qk_rope_head_dim), cos, sin)
-    shared = torch.cat([module.kv_a_layernorm(kv_pass), k_rot[:, 0]], dim=-1)   # what every head reads of a token
-    shared = gather_sequence(shared, group, dim=1, seq_lens=lens)
+    rotated_q, rotated_k = rope(q_rot, projected.rot_key, cos, sin)
+    q_rot, k_rot = rotated_q.to(q_rot.dtype), rotated_k.to(projected.rot_key.dtype)
+    local = torch.cat([projected.latent, k_rot[:, 0]], dim=-1)   # what every head reads of a token
+    index_keys = None
+    if module.indexer is not None:
+        with torch.no_grad():
+            index_keys = _indexer_keys(module.indexer, hidden_states, position_embeddings)
+    shared, index_keys, visible = keys(local, index_keys)
     latent, rot_keys = torch.split(shared, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
     chosen = shared_chosen
     if module.indexer is not None:
-        with torch.no_grad():
-            keys = all_gather_sequence(_indexer_keys(module.indexer, hidden_states, position_embeddings), lens, 1,
-                                       group)
-            chosen = select(module.indexer, hidden_states, q_resid, position_embeddings, keys,
-                            _visible(lens, rank, cu_seqlens, hidden_states.device))
+        chosen = select(module.indexer, hidden_states, projected.q_resid, position_embeddings, index_keys, visible)
     elif chosen is None:
         raise ValueError(f"ulysses_kernels.hf: {type(module).__name__} shares the selection of a previous layer, "
                          "which gave none")
-    out = _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, chosen)
-    return module.o_proj(out.transpose(1, 2).reshape(B, S, -1)), chosen
+    out = _absorbed_attention(module, q_pass, q_rot, latent, rot_keys, chosen).transpose(1, 2)
+    if projected.gate is not None:
+        out = family.gated(out, projected.gate.reshape(B, S, module.num_heads, -1))
+    return module.o_proj(out.reshape(B, S, -1)), chosen
 
 
-def _call_outside_training(module, hidden_states, cache, kwargs):
-    """None to go on; refuses generation, and gives a cache outside it to transformers' own
-    forward where `check_cache_outside_generation` lets it (True)."""
+def _keys_for(module, hidden_states, cache, kwargs):
+    """The keys' source of this forward (`_training_keys` / `_generation_keys`); None: a cache
+    outside generation that `check_cache_outside_generation` lets transformers' own forward
+    fill (one rank, one document a row)."""
     if isinstance(cache, DecodingCache):
-        _refuse_generation(module)
-    if cache is None:
+        return _generation_keys(module, cache)
+    if cache is not None:
+        context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
+        check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its keys are gathered there only")
         return None
-    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
-    check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its latent is gathered there only")
-    return True
+    return _training_keys(module, hidden_states, kwargs)
 
 
 def dsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
                 position_ids=None, **kwargs):
-    """DeepseekV32Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    if _call_outside_training(self, hidden_states, cache, dict(kwargs, position_ids=position_ids)):
+    """DeepseekV32Attention's and AXK2Attention's forward, sequence-parallel (the module doc);
+    returns (output, None)."""
+    keys = _keys_for(self, hidden_states, cache, dict(kwargs, position_ids=position_ids))
+    if keys is None:
         return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
                                       position_ids=position_ids, **kwargs)
-    return _sparse_attention(self, hidden_states, position_embeddings, position_ids, kwargs)[0], None
+    return _sparse_attention(self, hidden_states, position_embeddings, keys)[0], None
 
 
-def glm_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
-                position_ids=None, prev_topk_indices=None, **kwargs):
-    """GlmMoeDsaAttention's forward, sequence-parallel; returns (output, None, the chosen keys
-    `[B, S_local, k]`, global indices), which the model hands to the next layer as
-    `prev_topk_indices` (a "shared" layer's)."""
-    if _call_outside_training(self, hidden_states, cache, dict(kwargs, position_ids=position_ids)):
+def shared_selection_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None,
+                             cache=None, position_ids=None, prev_topk_indices=None, **kwargs):
+    """GlmMoeDsaAttention's and HYV4Attention's forward, sequence-parallel; returns (output,
+    None, the chosen keys `[B, S_local, k]`, global indices), which the model hands to the next
+    layer as `prev_topk_indices` (a "shared" layer's)."""
+    keys = _keys_for(self, hidden_states, cache, dict(kwargs, position_ids=position_ids))
+    if keys is None:
         return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
                                       position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
-    out, chosen = _sparse_attention(self, hidden_states, position_embeddings, position_ids, kwargs,
-                                    shared_chosen=prev_topk_indices)
+    out, chosen = _sparse_attention(self, hidden_states, position_embeddings, keys, shared_chosen=prev_topk_indices)
     return out, None, chosen
+
+
+def dots3_placement_problem(module, world: int) -> Optional[str]:
+    """Why a dots3 sliding-window layer's heads (exchanged by the attention function) have no
+    placement over `world` ranks (None: they have, or a DSA layer, whose queries stay on their
+    shard)."""
+    if module.indexer is not None:
+        return None
+    return head_plan_error(world, module.num_heads, module.num_heads)   # MLA expands keys to every head
+
+
+def dots3_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
+                  **kwargs):
+    """Dots3NoteTextAttention's forward: its DSA layers sequence-parallel (the module doc), its
+    sliding-window layers as transformers runs them (through the attention function, which is
+    the package's)."""
+    if self.indexer is None:
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    return dsa_forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)

@@ -82,13 +82,15 @@ class HeadShardedCache(DynamicCache):
         self.ring = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
         # A model without attention holds no K/V (its token mixers keep `mixer_states`): no heads to place
         self.num_q_heads, self.num_kv_heads = head_counts(model) or (None, None)
-        self.q_place = self.kv_place = None
+        self._places = None
         if self.num_q_heads is not None:
-            err = head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
-            if err:
-                raise ValueError(f"HeadShardedCache: {err}")
-            self.q_place = place_heads(self.num_q_heads, self.ulysses[1])
-            self.kv_place = place_heads(self.num_kv_heads, self.ulysses[1])
+            # Raised where a layer first exchanges heads (`q_place` / `kv_place`), the same layer
+            # on every rank: a layer that keeps its queries on their shard (hf/families/dsa.py)
+            # places no heads, so a model of such layers generates at any size.
+            self._head_plan_error = head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
+            if not self._head_plan_error:
+                self._places = (place_heads(self.num_q_heads, self.ulysses[1]),
+                                place_heads(self.num_kv_heads, self.ulysses[1]))
         self.backend = backend
         self.path = None                     # the Path of this cache (the first attention's q/k/v decide)
         self.held = [0] * self.ring[1]       # tokens each ring rank holds (the same list on every rank)
@@ -100,6 +102,23 @@ class HeadShardedCache(DynamicCache):
         self._updated = set()                # layers whose `update` (or mixer state) ran in that forward
         self._entered = set()                # (layer, "attention" | "mixer") uses in that forward
         self.mixer_states = {}               # layer -> this rank's heads' conv history and recurrent state
+
+    @property
+    def q_place(self):
+        """The placement of the model's query heads over the Ulysses group (None: no attention)."""
+        return self._placed()[0]
+
+    @property
+    def kv_place(self):
+        """The placement of the model's KV heads over the Ulysses group (None: no attention)."""
+        return self._placed()[1]
+
+    def _placed(self):
+        if self.num_q_heads is None:
+            return None, None
+        if self._places is None:
+            raise ValueError(f"HeadShardedCache: {self._head_plan_error}")
+        return self._places
 
     @property
     def _holds_chunk(self) -> bool:
