@@ -96,10 +96,11 @@ def family_config(name: str, **overrides):
 
 
 def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
-                          s_aux=None, position_bias=None, sinks=None, indices=None, **kwargs):
+                          s_aux=None, position_bias=None, sinks=None, indices=None, block_indices=None, **kwargs):
     """transformers' eager attention (Gemma 2's softcap, GPT-OSS's sinks, Inkling's relative
     `position_bias` and Inkling 2's per-query `sinks`, DeepSeek-V3.2's selected key `indices`
-    `[B, S, k]` (what transformers' eager folds into the mask), the additive masks eager
+    `[B, S, k]` and MiniMax-M3's key blocks per KV group `block_indices` `[B, KV heads, S, k]`
+    (what transformers' eager folds into the mask), the additive masks eager
     builds, windows included) with the softmax in the inputs' dtype: eager upcasts to float32
     only, which would bound a float64 comparison at ~1e-7."""
     group = query.shape[1] // key.shape[1]
@@ -114,6 +115,13 @@ def exact_eager_attention(module, query, key, value, attention_mask, dropout=0.0
     if indices is not None:   # keys the indexer did not select
         dropped = torch.ones_like(scores[:, 0], dtype=torch.bool).scatter(-1, indices.long(), False)
         scores = scores.masked_fill(dropped[:, None], torch.finfo(scores.dtype).min)
+    if block_indices is not None:   # key blocks the group's index head did not select (-1: none)
+        size, keys = module.indexer.block_size, key.shape[2]
+        blocks = -(-keys // size)
+        kept = torch.zeros(*block_indices.shape[:3], blocks + 1, dtype=torch.bool, device=scores.device)
+        kept = kept.scatter(-1, block_indices.masked_fill(block_indices < 0, blocks).long(), True)[..., :blocks]
+        kept = kept.repeat_interleave(size, dim=-1)[..., :keys].repeat_interleave(group, dim=1)
+        scores = scores.masked_fill(~kept, torch.finfo(scores.dtype).min)
     if s_aux is not None:   # a logit per head (GPT-OSS)
         sinks = s_aux.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], 1)
     if sinks is not None:   # a logit per query and head `[B, H, S, 1]` with a zero value

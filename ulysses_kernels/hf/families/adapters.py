@@ -11,6 +11,7 @@ from torch import nn
 
 from ..model import ensure_record, record_of
 from . import (
+    block_sparse,
     cca,
     dsa,
     gated_deltanet,
@@ -66,6 +67,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(dsa.DSA_CLASSES, "sparse_attention", dsa.dsa_forward, None),
     **_for(dsa.SHARED_SELECTION_CLASSES, "sparse_attention", dsa.shared_selection_forward, None),
     **_for(dsa.DOTS3_CLASSES, "sparse_attention", dsa.dots3_forward, dsa.dots3_placement_problem),
+    **_for(block_sparse.M3_CLASSES, "sparse_attention", block_sparse.m3_forward, block_sparse.placement_problem),
 }
 
 
