@@ -213,6 +213,12 @@ TINY_EXPERTS = {
     "deepseek_v2": dict(MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         first_k_dense_replace=1, q_lora_rank=None),
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"] * 2),
+    # DeepSeek Sparse Attention: MLA and an indexer a layer (GLM-5: none in its "shared" layers)
+    "deepseek_v32": dict(MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
+                         first_k_dense_replace=1, q_lora_rank=24, index_topk=8, index_n_heads=2, index_head_dim=16),
+    "glm_moe_dsa": dict(MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        first_k_dense_replace=1, mlp_layer_types=["dense", "sparse", "dense", "sparse"], q_lora_rank=24,
+                        index_topk=8, index_n_heads=2, index_head_dim=16, indexer_types=["full", "shared", "full", "shared"]),
 }
 
 
@@ -312,3 +318,127 @@ def test_plan_ring_auto_follows_the_runtime_node_rule():
                 "--ring", "auto")
     ring = choose_ring_size(4, 32, 8, gpus_per_node=6)
     assert f"Ulysses {4 // ring} x ring {ring} (each Ulysses group inside a node of 6 GPUs" in proc.stderr, proc.stderr
+
+
+# A small DeepSeek-V3.2 config (dense MLPs) whose DSA terms are worked out by hand below:
+# R = kv_lora_rank 16, r = qk_rope_head_dim 8, 4 heads, index heads 2 of dim 16, top 8.
+DSA_CONFIG = dict(model_type="deepseek_v32", hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, head_dim=8, intermediate_size=96, vocab_size=128, q_lora_rank=24,
+                  kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=8,
+                  index_n_heads=2, index_head_dim=16)
+
+
+def test_dsa_layer_terms_by_hand():
+    """One DSA layer at S = 8192 on P = 4 (2048 queries a rank; query tile 256, key tile
+    4096, top 8), bf16, each part against its hand arithmetic; the layer phase of the
+    training step is the local projections' and MLP's terms plus the DSA layer's kept parts
+    and its larger moment (here the indexer's tiles), not
+    a head-exchanged flash attention's; a ring is refused (dsa.py refuses one)."""
+    from ulysses_kernels import planner
+
+    shape = planner.shape_from_dict(DSA_CONFIG)
+    assert shape.dsa == planner.DsaShape(topk=8, index_heads=2, index_dim=16, layers=4, indexer_layers=4)
+    b = planner.dsa_layer_bytes(shape, 8192, 4)
+    assert b.gathered_keys == 8192 * (16 + 8) * 2 == 393_216              # S tokens, not S/P
+    assert b.gathered_index_keys == 8192 * 16 * 2 == 262_144
+    assert b.visibility == 256 * 4096 == 1_048_576                         # [QT, KT] bool, a tile
+    assert b.index_queries == 2048 * 2 * (16 + 1) * 4 == 278_528           # queries and weights, fp32
+    assert b.index_tile == 2 * 256 * 2 * 4096 * 4 + 256 * (8 + 4096) * 12 == 29_384_704
+    assert b.latent_queries == 4 * 2048 * 16 * 2 == 262_144                # every head: no head exchange
+    assert b.selection == 2048 * 8 * 8 == 131_072
+    assert b.attention_tile == 256 * 8 * 24 * 2 + 4 * 256 * 8 * (2 * 2 + 4) == 163_840
+    assert b.tile_backward == 2 * 8192 * 24 * 2 == 786_432                 # a scatter into [S, R + r], the keys' grad
+    assert b.transformers_scores == 8192 * 2 * 8192 * 4 == 536_870_912
+    assert b.saved == 786_432 and b.transient == 262_144 + 278_528 + 29_384_704 + 1_048_576 == 30_973_952
+    # the whole layer: local activations 2048 x 2 x (4 x 64 + 3 x 12 x 8 + 2 x 4 x 8 + 4 x 96) = 4,063,232
+    o = PlanOptions(seq_len=8192, gpus_per_node=4)
+    assert memory_terms(shape, o)["one layer in its backward (peak phase)"] == 4_063_232 + 786_432 + 30_973_952
+    # the reference attention's [heads, S, S] probabilities (1 GiB here) are no DSA layer's
+    reference = memory_terms(shape, dataclasses.replace(o, attention="reference"))
+    assert reference["one layer in its backward (peak phase)"] == 4_063_232 + 786_432 + 30_973_952
+    every = memory_terms(shape, dataclasses.replace(o, checkpointing=False))["every layer's saved activations"]
+    assert every == 4 * (4_063_232 + 786_432)
+    # on the wire per layer and rank: 3 x 2048 tokens x (16 + 8 + 16), against q|k (4 x 24) and v|out (4 x 16)
+    assert planner.dsa_wire_bytes(shape, 8192, 4) == {"DSA all-gather": 3 * 2048 * 40 * 2,
+                                                      "Ulysses head exchange": 3 * 2048 * 4 * 80 * 2 // 4}
+    with pytest.raises(ValueError, match="does not run on a ring"):
+        memory_terms(shape, PlanOptions(seq_len=8192, gpus_per_node=4, ring_size=2))
+
+
+def test_dsa_tiles_are_the_code_s():
+    """The planner's DSA tiles are the ones hf/families/dsa.py runs with (the planner may not
+    import it)."""
+    pytest.importorskip("torch")
+    from ulysses_kernels import planner
+    from ulysses_kernels.hf.families import dsa
+
+    assert (planner.DSA_QUERY_TILE, planner.DSA_KEY_TILE) == (dsa.QUERY_TILE, dsa.KEY_TILE)
+
+
+def test_dsa_decoding_cache_is_replicated_and_shared_layers_keep_no_indexer_key():
+    """The decoding cache per token, the same on every rank: the latent and rotary key of
+    each DSA layer (16 + 8), the indexer key (16) of each layer with an indexer: GLM-5's
+    "shared" layers have none (nor its parameters), dots3's sliding-window layers keep the
+    head-sharded KV cache instead."""
+    from ulysses_kernels import planner
+
+    v32 = planner.shape_from_dict(DSA_CONFIG)
+    glm = planner.shape_from_dict(dict(DSA_CONFIG, model_type="glm_moe_dsa",
+                                       indexer_types=["full", "shared", "full", "shared"]))
+    assert glm.dsa.layers == 4 and glm.dsa.indexer_layers == 2
+    assert v32.dsa.cache_bytes_per_token(v32.mla) == (4 * 24 + 4 * 16) * 2 == 320
+    assert glm.dsa.cache_bytes_per_token(glm.mla) == (4 * 24 + 2 * 16) * 2 == 256
+    indexer = 24 * 2 * 16 + 64 * 16 + 2 * 16 + 64 * 2     # wq_b, wk, k_norm (weight, bias), weights_proj
+    assert v32.params - glm.params == 2 * indexer == 3904
+    shared = planner.dsa_layer_bytes(glm, 8192, 4, indexer=False)
+    assert shared.gathered_index_keys == shared.index_queries == shared.index_tile == 0
+    assert shared.gathered_keys == 393_216
+    S, key = 1 << 16, "DSA key cache (every rank)"
+    for sp in (2, 4):   # replicated: not divided by P
+        terms = planner.prefill_terms(glm, S, sp)
+        assert terms[key] == 256 * S and terms["KV cache (this rank's heads)"] == 0
+    dots3 = planner.shape_from_dict(dict(DSA_CONFIG, model_type="dots3_note_text", layer_types=[
+        "indexed_attention", "sliding_attention", "sliding_attention", "indexed_attention"]))
+    assert dots3.dsa.layers == dots3.dsa.indexer_layers == 2
+    terms = planner.prefill_terms(dots3, S, 4)
+    assert terms[key] == (2 * 24 + 2 * 16) * 2 * S
+    assert terms["KV cache (this rank's heads)"] == 2 * 2 * 1 * 8 * S * 2   # 2 layers x K|V x 1 head x 8 x S x bf16
+
+
+def test_a_latent_attention_model_without_dsa_is_planned_as_before():
+    """DeepSeek-V3 (MLA, no indexer): no DSA terms, and its numbers are the ones the planner
+    gave before it knew DSA (S = 131072, P = 8)."""
+    transformers = pytest.importorskip("transformers")
+    from ulysses_kernels.planner import format_plan, prefill_terms, shape_from_dict
+
+    shape = shape_from_dict(transformers.DeepseekV3Config().to_dict())
+    assert shape.dsa is None and shape.params == 671_026_404_352
+    o = PlanOptions(seq_len=131072, gpus_per_node=8)
+    terms = memory_terms(shape, o)
+    assert terms["one layer in its backward (peak phase)"] == 8_154_775_552
+    assert terms["gathered compute weights"] == 47_882_502_144
+    prefill = prefill_terms(shape, 131072, 8)
+    assert prefill["KV cache (this rank's heads)"] == 32_749_125_632
+    assert not any("DSA" in k for k in prefill)
+    result = plan(shape, o)
+    assert not result.dsa_gib and "Sparse Attention" not in format_plan("deepseek_v3", o, result)
+
+
+def test_plan_cli_prints_deepseek_v32_s_dsa_terms(capsys):
+    """`plan --model deepseek_v32` (transformers' default: DeepSeek-V3.2, 61 DSA layers with
+    an indexer) at 131072 tokens on 8 GPUs: the DSA parts of one layer, the cache per token
+    and the forward's bytes on the wire; the indexers' parameters are counted."""
+    pytest.importorskip("transformers")
+    from ulysses_kernels.cli import main
+
+    assert main(["plan", "--model", "deepseek_v32", "--seq-len", "131072", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    lines = {line.strip().split("  ")[0]: line.split()[-2] for line in out.splitlines() if line.endswith(" GiB")}
+    assert lines["a tile's backward: gather grad [S, 576] + keys' grad [S, 576]"] == "0.28"   # 2 x 131072 x 576 x 2
+    assert lines["latent queries [128, S/P, 512], kept"] == "2.00"                 # 128 x 16384 x 512 x 2
+    assert lines["gathered latent + rotary keys [S, 576], kept"] == "0.14"         # 131072 x 576 x 2
+    assert lines["transformers' indexer scores [S, 64, S] fp32 (not counted)"] == "4096.00"
+    assert "decoding cache per token, the same on every rank: 85,888 bytes" in out   # 61 x (576 + 128) x 2
+    assert "154.0 MiB (the keys' all-gather); a Ulysses head exchange of the same layer: 2,240.0 MiB" in out
+    indexers = 61 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64)
+    assert f"parameters: {671_026_404_352 + indexers:,}" in out

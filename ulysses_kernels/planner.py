@@ -14,7 +14,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 GIB = float(1 << 30)
 # Activation multiples of one decoder layer (see memory_terms), fitted on CPU measurements
@@ -206,6 +206,111 @@ class MlaShape:
         return q + kv + heads * self.value_dim * hidden
 
 
+# hf/families/dsa.py's tiles (QUERY_TILE, KEY_TILE; tests/test_planner.py checks they agree):
+# the queries that attend at once over their selection, the keys the indexer scores at once.
+DSA_QUERY_TILE, DSA_KEY_TILE = 256, 4096
+
+
+@dataclass(frozen=True)
+class DsaShape:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, A.X-K2, HY-V4, dots3; hf/families/dsa.py,
+    docs/planner.md, "Sparse attention"): MLA whose queries attend only to the `topk` keys an
+    indexer of `index_heads` heads of `index_dim` picks for each. `layers`: the DSA layers
+    (dots3: its indexed ones; its sliding-window layers are MLA under the head exchange);
+    `indexer_layers`: those of them with an indexer of their own (GLM-5's and HY-V4's "shared"
+    layers reuse the previous full layer's selection and keep no indexer key)."""
+    topk: int
+    index_heads: int
+    index_dim: int
+    layers: int
+    indexer_layers: int
+
+    def indexer_params(self, hidden: int, q_lora_rank: int) -> int:
+        """One indexer: wq_b (from the low-rank query), wk, k_norm (a LayerNorm: weight and
+        bias), weights_proj."""
+        return (q_lora_rank * self.index_heads * self.index_dim + hidden * self.index_dim + 2 * self.index_dim
+                + hidden * self.index_heads)
+
+    def cache_bytes_per_token(self, mla: "MlaShape", dtype_bytes: int = 2) -> int:
+        """The decoding cache of the DSA layers, per token, on every rank (not divided by P:
+        `_generation_keys` keeps every token's keys on each rank): the latent and the rotary
+        key of every DSA layer, the indexer key of those with an indexer, in the compute dtype."""
+        return (self.layers * (mla.kv_lora_rank + mla.rope_dim) + self.indexer_layers * self.index_dim) * dtype_bytes
+
+
+class DsaLayerBytes(NamedTuple):
+    """One DSA layer's training bytes on one of P ranks, batch 1, S tokens, S/P of them this
+    rank's queries (`dsa_layer_bytes`; R = kv_lora_rank, r = qk_rope_head_dim, k = topk, QT /
+    KT the query / key tiles)."""
+    gathered_keys: int        # [S, R + r]: the all-gathered latent and rotary key, kept for the backward
+    gathered_index_keys: int  # [S, index_dim]: the all-gathered indexer key, the forward's (no gradient)
+    visibility: int           # [QT, KT] bool: which keys a tile's queries see (dsa.Visibility), the indexer's
+    index_queries: int        # [S/P, index heads, index_dim] and their weights [S/P, index heads], float32
+    index_tile: int           # [QT, index heads, KT] float32 twice (the scores and their relu), and the merge of
+                              # the running top k with the tile: [QT, k + KT] float32 scores and int64 keys
+    latent_queries: int       # [heads, S/P, R]: the queries in the latent space, kept
+    selection: int            # [S/P, k] int64: the chosen keys, kept
+    attention_tile: int       # [QT, k, R + r] chosen rows, [heads, QT, k] scores twice (the two einsums' sum,
+                              # masked) and their fp32 softmax
+    tile_backward: int        # [S, R + r] twice: a tile's gather backward (a scatter) and the keys' grad
+    transformers_scores: int  # [S, index heads, S] float32: transformers' indexer on one device (comparison only)
+
+    @property
+    def saved(self) -> int:
+        """What the layer keeps for its backward beyond a Ulysses layer's local projections."""
+        return self.gathered_keys + self.latent_queries + self.selection
+
+    @property
+    def transient(self) -> int:
+        """The largest moment of the layer's (re)computation: the forward's selection (the
+        gathered indexer keys live through it, beside either the indexer's tiles and their mask
+        or an attention tile) or a tile's backward."""
+        forward = self.gathered_index_keys + max(self.index_queries + self.index_tile + self.visibility,
+                                                 self.attention_tile)
+        return max(forward, self.attention_tile + self.tile_backward)
+
+
+def dsa_layer_bytes(shape: "ModelShape", seq_len: int, sp: int, dtype_bytes: int = 2, *,
+                    indexer: bool = True) -> DsaLayerBytes:
+    """One DSA layer (with its own indexer, or `indexer=False`: a "shared" layer) at `seq_len`
+    tokens on one of `sp` ranks, as hf/families/dsa.py runs it: the queries stay on their
+    shard, every rank all-gathers the whole sequence's latent + rotary key and indexer key
+    (S tokens, not S/P); the indexer scores one [QT, KT] tile at a time with a running top k;
+    the attention runs per query tile over the chosen rows, recomputed in the backward. The
+    backward of a tile's row gather scatters into a zero tensor of the gathered keys' shape
+    `[S, R + r]`, beside the keys' gradient accumulated over the tiles; which keys a query
+    sees is asked one `[QT, KT]` tile at a time."""
+    mla, dsa, p = shape.mla, shape.dsa, dtype_bytes
+    S, s = seq_len, math.ceil(seq_len / sp)
+    R, r = mla.kv_lora_rank, mla.rope_dim
+    qt, kt, k = min(DSA_QUERY_TILE, s), min(DSA_KEY_TILE, S), min(dsa.topk, S)
+    ih, idim = dsa.index_heads, dsa.index_dim
+    return DsaLayerBytes(
+        gathered_keys=S * (R + r) * p,
+        gathered_index_keys=S * idim * p if indexer else 0,
+        visibility=qt * kt,
+        index_queries=s * ih * (idim + 1) * 4 if indexer else 0,
+        index_tile=(2 * qt * ih * kt * 4 + qt * (k + kt) * (4 + 8)) if indexer else 0,
+        latent_queries=shape.heads * s * R * p,
+        selection=s * k * 8,
+        attention_tile=qt * k * (R + r) * p + shape.heads * qt * k * (2 * p + 4),
+        tile_backward=2 * S * (R + r) * p,
+        transformers_scores=S * ih * S * 4)
+
+
+def dsa_wire_bytes(shape: "ModelShape", seq_len: int, sp: int, dtype_bytes: int = 2) -> Dict[str, int]:
+    """Bytes one rank receives in one DSA layer's forward: the all-gather of the latent,
+    rotary and indexer keys, (P-1) x S/P tokens x (R + r + index_dim) values; against what
+    the Ulysses head exchange of the same MLA layer receives: (P-1)/P of its S/P tokens of
+    q and k (heads x qk head dim), v (heads x v head dim) in, the output (heads x v head dim)
+    back."""
+    mla, dsa, p = shape.mla, shape.dsa, dtype_bytes
+    s = math.ceil(seq_len / sp)
+    gather = (sp - 1) * s * (mla.kv_lora_rank + mla.rope_dim + dsa.index_dim) * p
+    widths = shape.heads * (2 * (mla.nope_dim + mla.rope_dim) + 2 * mla.value_dim)
+    return {"DSA all-gather": gather, "Ulysses head exchange": (sp - 1) * s * widths * p // sp}
+
+
 @dataclass(frozen=True)
 class ModelShape:
     hidden: int
@@ -223,6 +328,7 @@ class ModelShape:
     moe: Optional[ExpertShape] = None           # its experts, where the planner knows the family's keys
     mla: Optional[MlaShape] = None              # latent attention instead of q/k/v projections
     attention_extras: int = 0                   # per attention layer: an output bias, sinks (GPT-OSS)
+    dsa: Optional[DsaShape] = None              # DeepSeek Sparse Attention (with `mla`)
 
     def dense_mlp_problem(self) -> Optional[str]:
         """Why the planner cannot count this model's weights and MLP activations (None when
@@ -274,16 +380,24 @@ class ModelShape:
         return max(dense, self.moe.token_width if self.moe else 0)
 
     @property
+    def indexer_params(self) -> int:
+        """One DSA indexer's parameters (0: no DSA, or no layer with an indexer)."""
+        if self.dsa is None or not self.dsa.indexer_layers:
+            return 0
+        return self.dsa.indexer_params(self.hidden, self.mla.q_lora_rank)
+
+    @property
     def layer_params(self) -> int:
-        """The largest attention layer's parameters (its MLP and norms included)."""
-        return self.attention_params + self.largest_mlp_params + 2 * self.hidden
+        """The largest attention layer's parameters (its MLP, norms and DSA indexer included)."""
+        return self.attention_params + self.indexer_params + self.largest_mlp_params + 2 * self.hidden
 
     @property
     def params(self) -> int:
         embed = self.vocab * self.hidden
         mixers = self.mixer.total_params(self.hidden) if self.mixer is not None else 0
+        indexers = self.dsa.indexer_layers * self.indexer_params if self.dsa is not None else 0
         return (embed * (1 if self.tied_embeddings else 2) + self.mlp_params + self.layers * 2 * self.hidden
-                + self.attention_layer_count * self.attention_params + mixers + self.hidden)
+                + self.attention_layer_count * self.attention_params + indexers + mixers + self.hidden)
 
 
 # Published configurations (the models' config.json on the Hugging Face hub).
@@ -339,7 +453,7 @@ def shape_from_dict(cfg: dict) -> ModelShape:
                       qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
                       mixer=mixer, attention_layers=sum(k in ATTENTION_KINDS for k in kinds) if mixer else None,
                       routed_experts=routed_experts(cfg), moe=experts_from_dict(cfg), mla=mla_from_dict(cfg),
-                      attention_extras=attention_extras(cfg))
+                      attention_extras=attention_extras(cfg), dsa=dsa_from_dict(cfg))
 
 
 # Where the configs of transformers' MoE families keep their routed expert count (Mixtral,
@@ -355,7 +469,8 @@ def routed_experts(cfg: dict) -> int:
 
 # The mixture-of-experts families whose layouts the planner knows (experts_from_dict), each
 # checked against transformers' own modules (tests/test_planner.py).
-EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "deepseek_v32",
+                   "glm_moe_dsa")
 
 
 def experts_from_dict(cfg: dict) -> Optional[ExpertShape]:
@@ -374,9 +489,12 @@ def experts_from_dict(cfg: dict) -> Optional[ExpertShape]:
         shared = cfg.get("shared_expert_intermediate_size") or 0
         return ExpertShape(experts, top_k, cfg["moe_intermediate_size"], moe_layers, shared_width=shared,
                            shared_gate=bool(shared))
-    # DeepSeek-V2/V3: dense below `first_k_dense_replace`, then every `moe_layer_freq`-th layer
+    # DeepSeek-V2/V3: dense below `first_k_dense_replace`, then every `moe_layer_freq`-th layer;
+    # DeepSeek-V3.2, GLM-5: the layers `mlp_layer_types` calls "sparse" (the config derives it the same way)
     first, freq = cfg.get("first_k_dense_replace") or 0, cfg.get("moe_layer_freq") or 1
     moe_layers = sum(1 for i in range(first, layers) if i % freq == 0)
+    if cfg.get("mlp_layer_types"):
+        moe_layers = sum(kind == "sparse" for kind in cfg["mlp_layer_types"])
     return ExpertShape(experts, top_k, cfg["moe_intermediate_size"], moe_layers,
                        shared_width=(cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"])
 
@@ -397,6 +515,20 @@ def mla_from_dict(cfg: dict) -> Optional[MlaShape]:
         return None
     return MlaShape(cfg.get("q_lora_rank") or 0, cfg["kv_lora_rank"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
                     cfg["v_head_dim"])
+
+
+def dsa_from_dict(cfg: dict) -> Optional[DsaShape]:
+    """DeepSeek Sparse Attention's sizes (an MLA config with `index_topk`; None: none). Its
+    layers: every layer, or those `layer_types` calls "indexed_attention" (dots3); of them,
+    those with an indexer: all, or those `indexer_types` does not call "shared" (GLM-5, HY-V4)."""
+    if not (cfg.get("index_topk") and cfg.get("kv_lora_rank")):
+        return None
+    kinds, indexers = cfg.get("layer_types"), cfg.get("indexer_types")
+    layers = [i for i in range(cfg["num_hidden_layers"]) if not kinds or kinds[i] == "indexed_attention"]
+    if not layers:
+        return None
+    return DsaShape(cfg["index_topk"], cfg["index_n_heads"], cfg["index_head_dim"], len(layers),
+                    sum(1 for i in layers if not indexers or indexers[i] != "shared"))
 
 
 def layer_kinds(cfg: dict) -> list:
@@ -536,6 +668,8 @@ class Plan:
     per_gpu_gib: float = 0.0
     fits: bool = False
     max_seq_len: int = 0
+    dsa_gib: Dict[str, float] = field(default_factory=dict)   # a DSA model's layer, by part (dsa_terms)
+    dsa_notes: list = field(default_factory=list)             # its decoding cache and forward wire bytes
 
 
 def dq_accumulator_bytes(shape: ModelShape, heads: int, queries: int) -> int:
@@ -555,6 +689,9 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     """Bytes per GPU, by term, for one training step at o.seq_len tokens. A model the
     planner cannot count (ModelShape.dense_mlp_problem) raises ValueError."""
     _require_dense(shape)
+    if shape.dsa is not None and o.ring_size > 1:
+        raise ValueError("plan: DeepSeek Sparse Attention does not run on a ring (hf/families/dsa.py refuses one): "
+                         "use --ring 1")
     world = o.gpus_per_node * o.nodes
     sp = o.sp_size or world
     S, p = o.seq_len, o.dtype_bytes
@@ -585,6 +722,7 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
         saved += s * (4 * shape.moe.experts + 8 * shape.moe.top_k)
     mlp_rows = min(s, mlp_tile_tokens(shape.hidden)) if tiled else s
     transient = mlp_rows * p * TRANSIENT_MLP * shape.mlp_token_width  # the MLP backward of a tile
+    local, mlp_transient = saved, transient   # a DSA layer's too (its local projections, its MLP)
     ulysses = sp // o.ring_size
     heads_here = math.ceil(shape.heads / ulysses)
     queries = S // o.ring_size if o.ring_size > 1 else S
@@ -598,10 +736,18 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     if o.ring_size > 1:
         kv_heads_here = max(1, shape.kv_heads // ulysses)
         saved += queries * kv_heads_here * shape.head_dim * (2 * 2 * p + 2 * 4)  # K|V x2 buffers, fp32 dK|dV
+    layer, every_layer = saved + transient, shape.layers * saved
+    if shape.dsa is not None:   # DSA layers: no head exchange nor flash state, their own gathered keys and tiles
+        dsa = dsa_layer_bytes(shape, S, sp, p, indexer=shape.dsa.indexer_layers > 0)   # the largest: with one
+        dsa_saved, dsa_transient = local + dsa.saved, max(mlp_transient, dsa.transient)
+        others = shape.layers - shape.dsa.layers   # dots3's sliding-window MLA layers: the head exchange's
+        layer = max(dsa_saved + dsa_transient, layer if others else 0)
+        every_layer = shape.dsa.layers * dsa_saved + others * saved
+        transient = max(dsa_transient, transient if others else 0)
     if o.checkpointing:
-        t["one layer in its backward (peak phase)"] = saved + transient
+        t["one layer in its backward (peak phase)"] = layer
     else:
-        t["every layer's saved activations"] = shape.layers * saved
+        t["every layer's saved activations"] = every_layer
         t["the backward's temporaries (peak phase)"] = transient
     logit_rows = min(s, loss_tile_tokens(shape.vocab)) if o.tiled_loss else s
     t["logits and loss (peak phase)"] = logit_rows * shape.vocab * (p + 4 + 4)  # logits, fp32 softmax, its grad
@@ -658,7 +804,43 @@ def plan(shape: ModelShape, o: PlanOptions) -> Plan:
                   host_gib={k: v / GIB for k, v in host_terms(shape, o).items()},
                   per_gpu_gib=total / GIB, fits=total <= o.gpu_memory_gib * GIB)
     result.max_seq_len = max_seq_len(shape, o)
+    if shape.dsa is not None:
+        result.dsa_gib = {k: v / GIB for k, v in dsa_terms(shape, o).items()}
+        result.dsa_notes = dsa_notes(shape, o)
     return result
+
+
+def dsa_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
+    """The parts of one DSA layer with an indexer on one rank (`dsa_layer_bytes`), labelled
+    with their shapes, for `plan` to print: the layer phase of memory_terms counts them (kept
+    ones in what the layer saves, the forward's and the backward's at their larger moment);
+    transformers' own indexer scores are printed beside them, never counted."""
+    S, sp = o.seq_len, o.sp_size or o.gpus_per_node * o.nodes
+    b = dsa_layer_bytes(shape, S, sp, o.dtype_bytes)
+    R, r, d = shape.mla.kv_lora_rank, shape.mla.rope_dim, shape.dsa
+    k, qt, kt = min(d.topk, S), min(DSA_QUERY_TILE, math.ceil(S / sp)), min(DSA_KEY_TILE, S)
+    return {f"gathered latent + rotary keys [S, {R + r}], kept": b.gathered_keys,
+            f"gathered indexer keys [S, {d.index_dim}], forward": b.gathered_index_keys,
+            f"visible keys [{qt}, {kt}] bool, a tile": b.visibility,
+            f"indexer queries [S/P, {d.index_heads}, {d.index_dim}] fp32, forward": b.index_queries,
+            f"indexer scores [{qt}, {d.index_heads}, {kt}] fp32 x2 + top-{k} merge": b.index_tile,
+            f"latent queries [{shape.heads}, S/P, {R}], kept": b.latent_queries,
+            f"selection [S/P, {k}] int64, kept": b.selection,
+            f"attention tile [{qt}, {k}, {R + r}] rows + [{shape.heads}, {qt}, {k}] scores": b.attention_tile,
+            f"a tile's backward: gather grad [S, {R + r}] + keys' grad [S, {R + r}]": b.tile_backward,
+            f"transformers' indexer scores [S, {d.index_heads}, S] fp32 (not counted)": b.transformers_scores}
+
+
+def dsa_notes(shape: ModelShape, o: PlanOptions) -> list:
+    """A DSA model's decoding cache per token and the bytes one rank receives per DSA layer
+    in the forward (`DsaShape.cache_bytes_per_token`, `dsa_wire_bytes`)."""
+    d, mla, p = shape.dsa, shape.mla, o.dtype_bytes
+    wire = dsa_wire_bytes(shape, o.seq_len, o.sp_size or o.gpus_per_node * o.nodes, p)
+    return [f"decoding cache per token, the same on every rank: {d.cache_bytes_per_token(mla, p):,} bytes ({d.layers} "
+            f"layers x {mla.kv_lora_rank + mla.rope_dim} + {d.indexer_layers} indexers x {d.index_dim} values)",
+            f"received per DSA layer and rank in the forward: {wire['DSA all-gather'] / 2**20:,.1f} MiB "
+            f"(the keys' all-gather); a Ulysses head exchange of the same layer: "
+            f"{wire['Ulysses head exchange'] / 2**20:,.1f} MiB"]
 
 
 def max_seq_len(shape: ModelShape, o: PlanOptions, granularity: int = 1024) -> int:
@@ -690,6 +872,11 @@ def format_plan(name: str, o: PlanOptions, result: Plan) -> str:
                  f"({'fits' if result.fits else 'does NOT fit'} in {o.gpu_memory_gib:g} GiB)")
     for k, v in result.host_gib.items():
         lines.append(f"  host memory per GPU: {k}: {v:.2f} GiB")
+    if result.dsa_gib:
+        lines.append("\nDeepSeek Sparse Attention, one layer on one GPU (in the layer phase above):")
+        width = max(len(k) for k in result.dsa_gib)
+        lines += [f"  {k:<{width}}  {v:9.2f} GiB" for k, v in result.dsa_gib.items()]
+        lines += [f"  {note}" for note in result.dsa_notes]
     lines.append(f"\nlongest sequence that fits with these options: {result.max_seq_len:,} tokens")
     return "\n".join(lines)
 
@@ -708,8 +895,10 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
     no KV cache but their conv window and recurrent state, of this rank's heads, whatever
     the prompt's length (`MixerShape.state_bytes`). `chunk`: tokens per forward of a
     chunked prefill (the activations are the chunk's; the cache still holds every token).
-    A model, not a measurement. A model the planner cannot count (ModelShape.dense_mlp_problem)
-    raises ValueError."""
+    A DSA model's DSA layers cache the latent, rotary and indexer keys of every token on
+    every rank (`DsaShape.cache_bytes_per_token`; their layer phase is still the head-sharded
+    attention's). A model, not a measurement. A model the planner cannot count
+    (ModelShape.dense_mlp_problem) raises ValueError."""
     _require_dense(shape)
     active = min(seq_len, chunk or seq_len)
     local = math.ceil(active / sp) * batch
@@ -724,9 +913,16 @@ def prefill_terms(shape: ModelShape, seq_len: int, sp: int, *, dtype_bytes: int 
     mlp = 3 * min(local, mlp_tile or local) * shape.mlp_token_width * b
     mixer = shape.mixer
     states = mixer.total_state_bytes(sp, batch=batch, dtype_bytes=b) if mixer is not None else 0
-    return {
+    dsa = shape.dsa   # DSA layers cache their latent and indexer keys on every rank instead (no heads to split)
+    kv_layers = shape.attention_layer_count - (dsa.layers if dsa is not None else 0)
+    terms = {
         "weights (replicated)": shape.params * b,
-        "KV cache (this rank's heads)": shape.attention_layer_count * 2 * kv_local * d * seq_len * batch * b,
+        "KV cache (this rank's heads)": kv_layers * 2 * kv_local * d * seq_len * batch * b,
+    }
+    if dsa is not None:
+        terms["DSA key cache (every rank)"] = dsa.cache_bytes_per_token(shape.mla, b) * seq_len * batch
+    return {
+        **terms,
         "token-mixer states (this rank's heads)": states,
         "hidden states": hidden,
         "one layer (peak phase)": max(attention, mlp),

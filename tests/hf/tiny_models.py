@@ -68,10 +68,12 @@ FAMILY_OVERRIDES: Dict[str, dict] = {
     "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),   # the default has no experts
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),                       # the default has no layer types
     "lfm2": dict(layer_types=["conv", "full_attention"]),        # the default is all attention; checkpoints are not
-    "qwen4_exp": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-                      indexer_compress_ratio=2),                                    # its causal LM takes the text config
-    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-                           indexer_compress_ratio=2),                               # the default has no indexer
+    # the default has no indexer (the VLM's causal LM takes the text config); 16 index heads: with 2, many
+    # blocks score 0 after the ReLU, a tie that torch.topk breaks by the tensor's shape
+    "qwen4_exp": dict(indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                      indexer_compress_ratio=2),
+    "qwen4_exp_text": dict(indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=2),
     "mamba2": dict(num_heads=8, head_dim=16),                                       # heads x head dim = 2 x hidden
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),                       # an assistant has none
     "zaya": dict(num_experts_per_tok=1),                                            # its only choice

@@ -21,6 +21,7 @@ from . import (
     lightning,
     mamba1,
     mamba2,
+    qsa,
     rg_lru,
     rwkv,
     short_conv,
@@ -68,6 +69,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(dsa.SHARED_SELECTION_CLASSES, "sparse_attention", dsa.shared_selection_forward, None),
     **_for(dsa.DOTS3_CLASSES, "sparse_attention", dsa.dots3_forward, dsa.dots3_placement_problem),
     **_for(block_sparse.M3_CLASSES, "sparse_attention", block_sparse.m3_forward, block_sparse.placement_problem),
+    **_for(qsa.QSA_CLASSES, "sparse_attention", qsa.qsa_forward, None),
 }
 
 
@@ -168,6 +170,19 @@ def replaced_adapter_problem(modules) -> Optional[str]:
         if "forward" in vars(module):
             return (f"{name} ({type(module).__name__}) got a forward of its own after the package adapted it "
                     f"({vars(module)['forward']!r}), which would mix each rank's slice of the sequence only")
+    return None
+
+
+def generation_problem(model: nn.Module) -> Optional[str]:
+    """Why an adapted mixer of `model` does not generate sequence-parallel (its forward's
+    `generation_refused`), or None. Asked before a generation builds its cache: a model's
+    forward may read the cache before its mixers run (Qwen4-Exp's indexer positions)."""
+    for name, module in model.named_modules():
+        if adapted_kind(module) is None:
+            continue
+        why = getattr(ADAPTERS[type(module).__name__].forward, "generation_refused", None)
+        if why:
+            return f"{name} ({type(module).__name__}) {why}"
     return None
 
 

@@ -74,18 +74,28 @@ _ROPES: dict = {}
 _SCALE_IN_WEIGHTS = ("HYV4Indexer",)
 
 
-def _visible(lens, rank, cu_seqlens, device):
-    """`[S_local, T]`: which keys each of this rank's queries sees (its document's, up to
-    itself), and the queries' global positions."""
-    total = sum(lens)
+class Visibility(NamedTuple):
+    """Which keys this rank's queries see: the keys of their document (`starts`: each token's
+    document start `[T]`, None: one document a row) up to themselves (`queries`: their global
+    indices `[S_local]`). Asked one tile at a time: never `[S_local, T]` at once."""
+    queries: torch.Tensor
+    starts: Optional[torch.Tensor]
+
+    def tile(self, part: slice, first: int, stop: int) -> torch.Tensor:
+        """`[q, stop - first]`: the queries `part` over keys `first..stop-1`."""
+        queries = self.queries[part]
+        keys = torch.arange(first, stop, device=queries.device)
+        visible = keys[None, :] <= queries[:, None]
+        if self.starts is not None:
+            visible = visible & (keys[None, :] >= self.starts[queries][:, None])
+        return visible
+
+
+def _visible(lens, rank, cu_seqlens, device) -> Visibility:
+    """This rank's queries' `Visibility` over the whole sequence of a training forward."""
     start = sum(lens[:rank])
-    queries = torch.arange(start, start + lens[rank], device=device)
-    keys = torch.arange(total, device=device)
-    visible = keys[None, :] <= queries[:, None]
-    starts = document_starts(cu_seqlens, total, device)
-    if starts is not None:
-        visible = visible & (keys[None, :] >= starts[queries][:, None])
-    return visible
+    return Visibility(torch.arange(start, start + lens[rank], device=device),
+                      document_starts(cu_seqlens, sum(lens), device))
 
 
 def _rotated(indexer, x, position_embeddings):
@@ -142,9 +152,9 @@ def index_scores(indexer, hidden_states, q_resid, position_embeddings, keys):
 @torch.no_grad()
 def select(indexer, hidden_states, q_resid, position_embeddings, keys, visible):
     """`[B, S_local, k]` long: the keys of `keys` `[B, T, D]` each query keeps (the rule of
-    selection.py among the `visible` `[S_local, T]`, ascending, EMPTY-padded), `QUERY_TILE`
-    queries and `KEY_TILE` keys at a time with a running top k: at most `[B, QUERY_TILE,
-    index heads, KEY_TILE]` scores at once."""
+    selection.py among the keys `visible`, a `Visibility`, lets it see; ascending,
+    EMPTY-padded), `QUERY_TILE` queries and `KEY_TILE` keys at a time with a running top k:
+    at most `[B, QUERY_TILE, index heads, KEY_TILE]` scores at once."""
     k = min(indexer.index_topk, keys.shape[1])
     q, weights = _query_side(indexer, hidden_states, q_resid, position_embeddings)
     chosen = []
@@ -153,7 +163,7 @@ def select(indexer, hidden_states, q_resid, position_embeddings, keys, visible):
 
         def tile(first, stop, part=part):
             scores = _scores(indexer, q[:, part], weights[:, part], keys[:, first:stop])
-            return scores.masked_fill(~visible[part, first:stop], float("-inf"))
+            return scores.masked_fill(~visible.tile(part, first, stop), float("-inf"))
         chosen.append(tiled_select(tile, keys.shape[1], k, KEY_TILE)[1].long())
     return torch.cat(chosen, dim=1)
 
@@ -165,8 +175,9 @@ def _attend_tile(q_latent, q_rot, latent, rot_keys, chosen, scaling, sinks):
     B, q, k = chosen.shape
     index = chosen.clamp(min=0)
 
-    def picked(x):   # [B, T, C] -> each query's chosen rows [B, q, k, C]
-        return x.unsqueeze(1).expand(B, q, *x.shape[1:]).gather(2, index[..., None].expand(B, q, k, x.shape[-1]))
+    def picked(x):   # [B, T, C] -> each query's chosen rows [B, q, k, C]; the backward scatters into [B, T, C]
+        rows = index.reshape(B, q * k, 1).expand(B, q * k, x.shape[-1])
+        return x.gather(1, rows).view(B, q, k, x.shape[-1])
     c, r = picked(latent), picked(rot_keys)
     scores = (torch.einsum("bhqr,bqkr->bhqk", q_latent, c) + torch.einsum("bhqd,bqkd->bhqk", q_rot, r)) * scaling
     scores = scores.masked_fill((chosen < 0)[:, None], float("-inf"))
@@ -286,8 +297,8 @@ def _family(module):
 def _training_keys(module, hidden_states, kwargs):
     """`keys(shared, index_keys)` of a training forward: the latent and rotary keys `[B, S, R +
     r]` (gathered with a backward) and the indexer keys `[B, S, D]` (or None) of this rank's
-    tokens -> those of the whole sequence, and which of them each local query sees `[S_local,
-    T]` (its document's, up to itself)."""
+    tokens -> those of the whole sequence, and which of them each local query sees (a
+    `Visibility`: its document's, up to itself)."""
     context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
     group, _, rank = context.ulysses()
 
@@ -315,9 +326,7 @@ def _generation_keys(module, cache):
         else:
             held, held_index = (t[:, 0] for t in cache.update_own_heads(shared[:, None], index_keys[:, None], layer))
         first = cache.forward_start + (sum(cache.chunk_lens[:rank]) if cache.chunk_lens is not None else 0)
-        queries = torch.arange(first, first + shared.shape[1], device=shared.device)
-        visible = torch.arange(held.shape[1], device=shared.device)[None, :] <= queries[:, None]
-        return held, held_index, visible
+        return held, held_index, Visibility(torch.arange(first, first + shared.shape[1], device=shared.device), None)
     return keys
 
 

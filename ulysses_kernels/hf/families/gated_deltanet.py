@@ -34,7 +34,7 @@ from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrenc
 from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
-                          "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet")
+                          "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet")
 
 
 def placement_problem(module, world: int) -> Optional[str]:

@@ -1,6 +1,6 @@
-"""The key selection of sparse attention (DeepSeek Sparse Attention's indexer and its kin),
-one rule on one device and on P ranks (docs/hf_families.md, "Sparse attention: DeepSeek-V3.2
-(training)").
+"""The key selection of sparse attention (DeepSeek Sparse Attention's indexer and its kin:
+MiniMax-M3's blocks, Qwen4-Exp's blocks), one rule on one device and on P ranks
+(docs/hf_families.md, "Sparse attention: DeepSeek Sparse Attention").
 
 For each query, the k keys with the largest index scores, ties broken by the smaller global
 key index; the result is a set, emitted in ascending key order, its empty slots (fewer than k

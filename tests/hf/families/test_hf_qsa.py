@@ -1,0 +1,105 @@
+"""Qwen4-Exp's query-selected attention under sequence parallelism (hf/families/qsa.py): one
+training step at SP 2, 3 and 4 of a Gated DeltaNet layer then a QSA layer, one uneven document
+and two packed documents whose boundaries do not line up with the shards, float64, against
+one process running each document alone: the loss and every gradient. The selection bites:
+blocks of 2 tokens, 4 kept a query (8 tokens) besides its tail, fewer than a query on rank 3
+sees at SP 4; every deciding query's 4th and 5th block scores are apart (16 index heads: with
+2, many blocks score 0 after the ReLU, a tie). The indexer scores 3 blocks at a time, the
+attention runs 5 queries at a time. Keeping every block instead moves the loss.
+"""
+
+import math
+import sys
+
+import pytest
+import torch
+from helpers import SLOW_SPAWN_TIMEOUT
+from sweep import DOCUMENTS, S, largest_error, reference_step, sp_step
+
+pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
+                                           "(pip install -e '.[hf]' in the checkout)")
+
+import ulysses_kernels as uk  # noqa: E402
+from ulysses_kernels import hf as ukhf  # noqa: E402
+from ulysses_kernels.hf.families import qsa  # noqa: E402
+from ulysses_kernels.launch import spawn  # noqa: E402
+
+RATIO, BLOCKS_KEPT = 2, 4
+LINEAR_HEADS = {2: (2, 4), 3: (3, 6), 4: (4, 8)}   # the Gated DeltaNet's key and value heads: a placement at each SP
+TOLERANCE = 1e-6   # the router computes in float32 (the rest within 1e-14)
+
+
+def qsa_model(attn, world, **fields):
+    from tiny_models import build_tiny_model
+
+    keys, values = LINEAR_HEADS[world]
+    overrides = dict(layer_types=["linear_attention", "indexed_attention"], linear_num_key_heads=keys,
+                     linear_num_value_heads=values, indexer_n_heads=16, indexer_budget=RATIO * BLOCKS_KEPT,
+                     indexer_compress_ratio=RATIO)
+    return build_tiny_model("qwen4_exp_text", attn, overrides=dict(overrides, **fields))
+
+
+def _sp_worker(rank, world):
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    qsa.KEY_TILE, qsa.QUERY_TILE = 3, 5   # several tiles of blocks (the indexer) and of queries (the attention)
+    out = {case: sp_step(qsa_model("ulysses", world), documents, groups) for case, documents in DOCUMENTS.items()}
+    out["all blocks"] = sp_step(qsa_model("ulysses", world, indexer_budget=RATIO * S), DOCUMENTS["one uneven document"],
+                                groups)
+    return out
+
+
+def _block_scores(indexer, hidden, position_embeddings):
+    """`[n, blocks]`: each query's score of each complete block it sees (-inf: none), as
+    transformers' indexer computes them for a document run alone."""
+    rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
+    n, d = hidden.shape[1], indexer.index_head_dim
+    cos, sin = position_embeddings
+    q, raw = torch.split(indexer.index_qk_proj(hidden), [indexer.index_n_heads * d, d], dim=-1)
+    q = rope(indexer.q_layernorm(q.reshape(1, n, -1, d)), cos=cos, sin=sin, unsqueeze_dim=2)[0]
+    blocks = n // RATIO
+    pooled = indexer.k_layernorm(raw[0, :blocks * RATIO].view(blocks, RATIO, d).float().mean(1).to(raw.dtype))
+    starts = torch.arange(blocks) * RATIO
+    keys = rope(pooled.unsqueeze(1), cos=cos[0, starts], sin=sin[0, starts]).squeeze(1)
+    scores = torch.relu(torch.einsum("qhd,kd->qkh", q.float(), keys.float())).sum(-1) / math.sqrt(d)
+    complete = (torch.arange(n)[:, None] + 1) // RATIO > torch.arange(blocks)[None, :]
+    return scores.masked_fill(~complete, float("-inf"))
+
+
+def _reference(world, documents):
+    """One process per document: the step and the smallest gap between a deciding query's
+    4th and 5th block scores."""
+    from family_cases import register_exact_eager
+
+    model = qsa_model(register_exact_eager(), world)
+    calls = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args)))
+             for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]
+    step = reference_step(model, documents)
+    for hook in hooks:
+        hook.remove()
+    gap = float("inf")
+    with torch.no_grad():
+        for indexer, (hidden, position_embeddings, *_) in calls:
+            ranked = _block_scores(indexer, hidden, position_embeddings).sort(dim=-1, descending=True).values
+            if ranked.shape[-1] <= BLOCKS_KEPT:
+                continue
+            deciding = torch.isfinite(ranked[:, BLOCKS_KEPT])
+            if deciding.any():
+                gap = min(gap, float((ranked[:, BLOCKS_KEPT - 1] - ranked[:, BLOCKS_KEPT])[deciding].min()))
+    return step, gap
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_training_equals_one_process_per_document_with_the_selection_biting(world):
+    per_rank = spawn(_sp_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    references = {case: _reference(world, documents) for case, documents in DOCUMENTS.items()}
+    for case, (step, gap) in references.items():
+        assert 1e-6 < gap < float("inf"), (case, gap)   # the selection decides, and no near-tie decides a set
+        for rank, out in enumerate(per_rank):
+            error, where = largest_error(out[case], step)
+            assert error < TOLERANCE, (world, rank, case, error, where)
+    moved, where = largest_error(per_rank[0]["all blocks"], references["one uneven document"][0])
+    assert moved > 1e-3, (moved, where)   # every block instead of the selected ones

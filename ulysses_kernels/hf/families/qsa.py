@@ -1,0 +1,162 @@
+"""Qwen4-Exp's query-selected attention (QSA, `qwen4_exp_text`) under sequence parallelism,
+training: the queries stay on their sequence shard, the keys, values and the indexer's raw keys
+are gathered (docs/hf_families.md, "Sparse attention: Qwen4-Exp"; the selection rule:
+selection.py).
+
+One `indexed_attention` layer, as transformers 5.25 computes it (`Qwen4ExpTextAttention` with
+its `Qwen4ExpTextQSAIndexer`): gated GQA (a sigmoid gate from the query projection on the
+output), q and k RMS-normed per head, rope. The indexer cuts the keys a query sees into blocks
+of `indexer_compress_ratio` tokens from the first one it sees (its document's first token);
+a complete block's key is the RMS-normed mean of its tokens' raw index keys, turned by the
+rope of the block's first token; the query scores it `sum_h relu(q_h . k_block) / sqrt(d)`
+(float32) and keeps the `indexer_budget / indexer_compress_ratio` best complete blocks, and
+always the incomplete tail of the blocks up to itself. The attention runs over the kept tokens.
+
+Sequence-parallel: every rank gathers the keys and values of every KV head (differentiable:
+the backward sums each token's gradient on its owner), the raw index keys and the rope of
+every token (no gradient: the selection is a mask); the blocks' keys are computed from the
+gathered raw keys, the same on every rank; each rank selects for its own queries (selection.py's
+rule over the blocks, `KEY_TILE` blocks at a time) and attends over the kept tokens, gathered
+per query (`QUERY_TILE` queries at a time, recomputed in the backward): no head exchange.
+Not in generation, not on a ring (refused on every rank).
+"""
+
+import sys
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ...api import gather_sequence
+from ...exchange.sequence import all_gather_sequence
+from ..context import DecodingCache, token_mixer_call
+from ..model import refusal
+from .mixers import check_cache_outside_generation, document_starts, original_forward
+from .selection import EMPTY, tiled_select
+
+QSA_CLASSES = ("Qwen4ExpTextAttention",)
+KEY_TILE = 4096     # blocks the indexer scores at once: `[B, QUERY_TILE, index heads, KEY_TILE]` float32
+QUERY_TILE = 256    # queries attending at once over their kept tokens (recomputed in the backward)
+
+
+def _rope(module):
+    return sys.modules[type(module).__module__].apply_rotary_pos_emb
+
+
+def _projections(module, hidden_states, position_embeddings):
+    """The queries `[B, H, S, D]`, keys and values `[B, S, Hkv, D]`, the output gate `[B, S, H
+    x D]`, the index queries `[B, S, index heads, d]` (float32) and raw keys `[B, S, d]`, as
+    transformers computes them."""
+    B, S, _ = hidden_states.shape
+    D, rope, indexer = module.head_dim, _rope(module), module.indexer
+    queries, gate = torch.chunk(module.q_proj(hidden_states).view(B, S, -1, 2 * D), 2, dim=-1)
+    q = module.q_norm(queries.reshape(B, S, -1, D)).transpose(1, 2)
+    k = module.k_norm(module.k_proj(hidden_states).view(B, S, -1, D)).transpose(1, 2)
+    v = module.v_proj(hidden_states).view(B, S, -1, D)
+    cos, sin = position_embeddings
+    q, k = rope(q, k, cos, sin)
+    index_q, raw_keys = torch.split(indexer.index_qk_proj(hidden_states),
+                                    [indexer.index_n_heads * indexer.index_head_dim, indexer.index_head_dim], dim=-1)
+    index_q = rope(indexer.q_layernorm(index_q.reshape(B, S, -1, indexer.index_head_dim)), cos=cos, sin=sin,
+                   unsqueeze_dim=2)
+    return q, k.transpose(1, 2), v, gate.reshape(B, S, -1), index_q.float(), raw_keys
+
+
+def _blocks(indexer, raw_keys, cos, sin, starts):
+    """The complete blocks of every document of the sequence: (their first tokens `[NB]`, global
+    indices, and their keys `[B, NB, d]`: the RMS-normed float32 mean of their raw keys `[B, T,
+    d]`, turned by the rope `cos` / `sin` `[B, T, r]` of their first token). `starts`: each
+    token's document start `[T]`."""
+    r, T = indexer.compress_ratio, raw_keys.shape[1]
+    tokens = torch.arange(T, device=raw_keys.device)
+    bounds = torch.unique(starts)                                     # the documents' first tokens, ascending
+    doc_end = torch.cat([bounds[1:], bounds.new_tensor([T])])[torch.searchsorted(bounds, starts)]
+    offset = tokens - starts
+    first = tokens[(offset % r == 0) & (tokens + r <= doc_end)]
+    rows = first[:, None] + torch.arange(r, device=raw_keys.device)
+    pooled = raw_keys[:, rows].float().mean(dim=2).to(raw_keys.dtype)
+    keys = _rope(indexer)(indexer.k_layernorm(pooled).unsqueeze(2), cos=cos[:, first], sin=sin[:, first],
+                         unsqueeze_dim=2).squeeze(2)
+    return first, keys
+
+
+@torch.no_grad()
+def select_tokens(indexer, index_q, block_first, block_keys, queries, starts):
+    """`[B, n, budget + r - 1]` long: the tokens the queries at global indices `queries` `[n]`
+    (index queries `[B, n, heads, d]`) keep, EMPTY-padded: the kept complete blocks (selection.py's
+    rule over `KEY_TILE` blocks at a time) and the tail up to the query."""
+    r = indexer.compress_ratio
+    start = starts[queries]
+    complete = (queries - start + 1) // r                             # complete blocks each query sees
+    tail_first = start + complete * r
+
+    def tile(first, stop):
+        keys = block_keys[:, first:stop].float()
+        scores = torch.relu(torch.einsum("bqhd,bkd->bqkh", index_q, keys)).sum(-1) / indexer.index_head_dim ** 0.5
+        own = block_first[first:stop]
+        visible = (own[None, :] >= start[:, None]) & (own[None, :] + r - 1 <= queries[:, None])
+        return scores.masked_fill(~visible, float("-inf"))
+    chosen = tiled_select(tile, block_first.shape[0], indexer.block_topk, KEY_TILE)[1] if block_first.numel() else \
+        index_q.new_full((index_q.shape[0], queries.shape[0], indexer.block_topk), EMPTY, dtype=torch.long)
+    first = torch.where(chosen >= 0, block_first[chosen.clamp(min=0)], EMPTY)
+    picked = (first[..., None] + torch.arange(r, device=first.device)).masked_fill(first[..., None] < 0, EMPTY)
+    tail = tail_first[:, None] + torch.arange(r - 1, device=first.device)
+    tail = tail.masked_fill(tail > queries[:, None], EMPTY).expand(chosen.shape[0], -1, -1)
+    return torch.cat([picked.flatten(2), tail], dim=-1)
+
+
+def _attend_tile(q, k, v, kept, scaling, groups: int):
+    """Queries `[B, H, n, D]` over their kept tokens `[B, n, K]` (EMPTY: none) of the keys and
+    values `[B, T, Hkv, D]`: `[B, H, n, D]`, the softmax in float32 or wider."""
+    B, H, n, D = q.shape
+    index = kept.clamp(min=0)
+
+    def picked(x):   # [B, T, Hkv, D] -> each query's kept rows [B, n, K, H, D] (a query head's KV head);
+        # the backward scatters into [B, T, Hkv x D]
+        K, width = index.shape[-1], x.shape[2] * x.shape[3]
+        rows = x.reshape(B, x.shape[1], width).gather(1, index.reshape(B, n * K, 1).expand(B, n * K, width))
+        return rows.view(B, n, K, *x.shape[2:]).repeat_interleave(groups, dim=3)
+    keys, values = picked(k), picked(v)
+    scores = torch.einsum("bhqd,bqkhd->bhqk", q, keys) * scaling
+    scores = scores.masked_fill((kept < 0)[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    return torch.einsum("bhqk,bqkhd->bhqd", probs, values)
+
+
+def _attention(module, q, k, v, kept):
+    tiles = []
+    for start in range(0, kept.shape[1], QUERY_TILE):
+        part = slice(start, start + QUERY_TILE)
+        tiles.append(checkpoint(_attend_tile, q[:, :, part], k, v, kept[:, part], module.scaling,
+                                module.num_key_value_groups, use_reentrant=False))
+    return torch.cat(tiles, dim=2)
+
+
+def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs):
+    """Qwen4ExpTextAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
+    if isinstance(cache, DecodingCache):   # a cache made outside make_cache, which refuses first
+        raise refusal(None, f"{type(self).__name__} {qsa_forward.generation_refused}",
+                      "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
+    if cache is not None:
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are gathered there only")
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    group, _, rank = context.ulysses()
+    B, S, _ = hidden_states.shape
+    q, k, v, gate, index_q, raw_keys = _projections(self, hidden_states, position_embeddings)
+    k, v = (gather_sequence(x, group, dim=1, seq_lens=lens) for x in (k, v))
+    with torch.no_grad():
+        cos, sin = (all_gather_sequence(x.expand(B, -1, -1), lens, 1, group) for x in position_embeddings)
+        raw_keys = all_gather_sequence(raw_keys, lens, 1, group)
+        total = sum(lens)
+        starts = document_starts(cu_seqlens, total, hidden_states.device)
+        if starts is None:
+            starts = torch.zeros(total, dtype=torch.long, device=hidden_states.device)
+        block_first, block_keys = _blocks(self.indexer, raw_keys, cos, sin, starts)
+        queries = torch.arange(sum(lens[:rank]), sum(lens[:rank + 1]), device=hidden_states.device)
+        kept = select_tokens(self.indexer, index_q, block_first, block_keys, queries, starts)
+    out = _attention(self, q, k, v, kept).transpose(1, 2).reshape(B, S, -1)
+    return self.o_proj(out * torch.sigmoid(gate)), None
+
+
+qsa_forward.generation_refused = ("does not generate sequence-parallel yet: its keys, values, index keys and the "
+                                  "model's indexer positions are not kept on the decoding cache")
