@@ -11,6 +11,8 @@ than any shard holds, so a query on rank 1 drops keys of rank 0; every query's 4
 scores are apart (no tie decides a set). Selecting every key instead moves the loss or the
 gradients. GLM-5's
 second layer reuses the first's selection ("shared"), its indexer's rope on interleaved pairs.
+At SP 2, DeepSeek-V3.2 and GLM-5 also under `patch_model` (tiled MLP and loss) with activation
+checkpointing (the shared selection passed to a recomputed layer).
 """
 
 import pytest
@@ -35,6 +37,7 @@ FAMILIES = {"deepseek_v32": {}, "glm_moe_dsa": dict(indexer_types=["full", "shar
             "dots3_note_text": dict(num_attention_heads=12, num_key_value_heads=12)}
 INDEXERS = ("DeepseekV32Indexer", "GlmMoeDsaIndexer", "AXK2Indexer", "HYV4Indexer", "Dots3NoteTextIndexer")
 TOLERANCE = 1e-6   # the router computes in float32 (the rest within 1e-14)
+PATCHED = ("deepseek_v32", "glm_moe_dsa")   # at SP 2: patch_model and activation checkpointing on top
 
 
 def dsa_model(family, attn, **fields):
@@ -52,10 +55,10 @@ def _sp_worker(rank, world, families):
     """{family: this rank's steps and selections} (one spawn for every family)."""
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
-    return {family: _sp_family(family, groups) for family in families}
+    return {family: _sp_family(family, groups, world) for family in families}
 
 
-def _sp_family(family, groups):
+def _sp_family(family, groups, world):
     select, recorded = dsa.select, []
     dsa.KEY_TILE, dsa.QUERY_TILE = 7, 5   # several tiles of keys (the indexer) and of queries (the attention)
 
@@ -78,6 +81,10 @@ def _sp_family(family, groups):
                                            for keep in recorded]
             out["all keys"] = sp_step(dsa_model(family, "ulysses", index_topk=S), DOCUMENTS["one uneven document"],
                                       groups)
+            if family in PATCHED and world == 2:   # patch_model (tiled MLP and loss) and checkpointing on top
+                patched = ukhf.patch_model(dsa_model(family, "ulysses"), mlp_tile_tokens=5, loss_tile_tokens=5)
+                patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+                out["patched"] = sp_step(patched, DOCUMENTS["two packed documents"], groups)
     finally:
         dsa.select = select
     return out
@@ -149,6 +156,10 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
                     assert torch.equal(got, want), (family, world, rank, case, layer)
                 # the selection bites: some query keeps fewer keys than it sees, across a shard
                 assert int(selected[0].sum(-1).max()) == TOPK
+        if family in PATCHED and world == 2:
+            for rank, out in enumerate(per_rank):
+                error, where = largest_error(out["patched"], references[family]["two packed documents"][0])
+                assert error < TOLERANCE, (family, "patched", rank, error, where)
         # every key instead of the selected ones moves the loss or some gradient (HY-V4's loss
         # by 5e-5 only, its gradients by more)
         moved, where = largest_error(per_rank[0]["all keys"], references[family]["one uneven document"][0])
@@ -196,3 +207,42 @@ def test_generation_equals_one_process(world):
             r = out[family]
             assert r["whole"] and r["chunked"], (family, world, rank, r)
             assert r["logits"] < TOLERANCE, (family, world, rank, r)
+
+
+# ------------------------------------------------------------------ Trainer mixin
+
+def _trainer_worker(rank, world, sp):
+    """Trainer + SequenceParallelTrainerMixin on a tiny DeepSeek-V3.2 (float32, packed rows of
+    two documents, SGD without clipping: trainer_cases.py), at SP `sp` x DP world / sp."""
+    from trainer_cases import VOCAB as ROW_VOCAB
+    from trainer_cases import PackedDocuments, finish, launch_env, recording, shared_dir, trainer_args
+    from transformers import Trainer
+
+    launch_env(rank, world)
+    groups = uk.init_sequence_parallel(sp)
+    ukhf.register(groups)
+    model = dsa_model("deepseek_v32", "ulysses", vocab_size=ROW_VOCAB).float()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cls = recording(type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {}))
+    trainer = cls(model=model, args=trainer_args(shared_dir(f"dsa_sp{sp}")), sp_groups=groups,
+                  train_dataset=PackedDocuments())
+    trainer.train()
+    losses, params = finish(trainer)
+    return losses, {n: p - initial[n] for n, p in params.items()}
+
+
+@pytest.mark.slow
+def test_trainer_mixin_sp2_dp2_matches_the_dp_only_run():
+    """SP 2 x DP 2 against DP 2 (the adapter on one rank each, which equals transformers' per
+    document above): per-step losses and every parameter's update."""
+    from helpers import rel_err as error
+    from trainer_cases import TOL, UPDATE_TOL
+
+    reference = spawn(_trainer_worker, 2, args=(1,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                      preload=["torch", "transformers", "ulysses_kernels.hf"])[0]
+    per_rank = spawn(_trainer_worker, 4, args=(2,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, (losses, updates) in enumerate(per_rank):
+        assert error(losses, reference[0]) < TOL, (rank, losses, reference[0])
+        worst = max((error(u, reference[1][n]), n) for n, u in updates.items())
+        assert worst[0] < UPDATE_TOL, (rank, worst)
