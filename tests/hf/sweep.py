@@ -96,10 +96,10 @@ def build_outcome(build):
 
 
 # Families with float32 islands whatever the weights' dtype that sum over tokens, so that P ranks
-# and one process differ by float32 rounding, up to ~1e-6 (HY-V4's hyper-connections: 2.3e-6 on
-# their scale's gradient; 6.8e-8 with them in float64): both sides run them in float64
-# (family_cases.hf_keeps_float64).
-FLOAT32_ISLANDS = ("hy_v4",)
+# and one process differ by float32 rounding, beyond 1e-6 (the hyper-connections of HY-V4: 2.3e-6
+# on their scale's gradient, 6.8e-8 with them in float64; of DeepSeek-V4: 1.6e-5, 8.3e-8): both
+# sides run them in float64 (family_cases.hf_keeps_float64).
+FLOAT32_ISLANDS = ("hy_v4", "deepseek_v4")
 
 
 def numerics(model_type):

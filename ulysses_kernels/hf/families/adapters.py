@@ -13,6 +13,7 @@ from ..model import ensure_record, record_of
 from . import (
     block_sparse,
     cca,
+    compressed,
     dsa,
     gated_deltanet,
     inkling,
@@ -70,6 +71,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(dsa.DOTS3_CLASSES, "sparse_attention", dsa.dots3_forward, dsa.dots3_placement_problem),
     **_for(block_sparse.M3_CLASSES, "sparse_attention", block_sparse.m3_forward, block_sparse.placement_problem),
     **_for(qsa.QSA_CLASSES, "sparse_attention", qsa.qsa_forward, None),
+    **_for(compressed.V4_CLASSES, "sparse_attention", compressed.v4_forward, None),
 }
 
 

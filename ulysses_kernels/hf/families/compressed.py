@@ -1,0 +1,260 @@
+"""DeepSeek-V4's attention (`deepseek_v4`: a sliding window, and compressed entries selected by
+an indexer (CSA) or all of them (HCA)) under sequence parallelism, training: the queries stay
+on their sequence shard, what every head reads of a token is gathered (docs/hf_families.md,
+"Sparse attention: DeepSeek-V4"; the selection rule: selection.py).
+
+One layer, as transformers 5.25 computes it (`DeepseekV4Attention` with its compressors): MQA
+with one head of `head_dim` that is both key and value (RMS-normed, rope on its trailing
+channels), queries through a low-rank `q_residual`, a sink logit a head, and the output's rope
+undone before a grouped low-rank output projection. A query sees the last `sliding_window`
+tokens, and compressed entries: a CSA layer's compressor pools each window of `m` tokens (and
+the previous window's other half, softmax-gated with a position bias) into one entry turned by
+the rope of its first token, and its indexer (the same pooling of its own projections at
+`index_head_dim`) scores them `sum_h w_h relu(q_h . e) / sqrt(d)` in float32 and keeps the
+`index_topk` best; an HCA layer pools windows of `m'` tokens and keeps every entry. Entry `w`
+is visible to the query at position `t` once its window has closed, `w < (t + 1) // m`.
+transformers anchors the windows at the row's first slot; here at each document's first token,
+as when each document runs alone.
+
+Sequence-parallel: every rank gathers the key-value head of every token (differentiable: the
+backward sums each token's gradient on its owner) and the compressors' projections (the
+indexer's without gradient), pools every document's entries itself, selects for its own
+queries (selection.py's rule over `KEY_TILE` entries at a time) and attends, `QUERY_TILE`
+queries at a time (recomputed in the backward), over each query's window rows and its entries:
+no head exchange. Not in generation, not on a ring (refused on every rank).
+"""
+
+import sys
+from typing import NamedTuple
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from ...api import gather_sequence
+from ...exchange.sequence import all_gather_sequence
+from ..context import DecodingCache, token_mixer_call
+from ..model import refusal
+from .mixers import check_cache_outside_generation, document_starts, original_forward
+from .selection import EMPTY, tiled_select
+
+V4_CLASSES = ("DeepseekV4Attention",)
+KEY_TILE = 4096     # entries the indexer scores at once
+QUERY_TILE = 256    # queries attending at once (recomputed in the backward)
+
+
+def _rope(module):
+    return sys.modules[type(module).__module__].apply_rotary_pos_emb
+
+
+class Entries(NamedTuple):
+    """The compressed entries of every document of the sequence: `values` `[B, E, D]`, each
+    one's document start `starts` `[E]` (a global token index) and window `windows` `[E]`
+    (counted from its document's start), windows of `ratio` tokens."""
+    values: torch.Tensor
+    starts: torch.Tensor
+    windows: torch.Tensor
+    ratio: int
+
+    def visible(self, queries, query_starts) -> torch.Tensor:
+        """`[n, E]`: which entries the queries at global indices `queries` (their documents'
+        starts `query_starts`) see: their document's, once the window has closed."""
+        closed = (queries - query_starts + 1) // self.ratio
+        return (self.starts[None, :] == query_starts[:, None]) & (self.windows[None, :] < closed[:, None])
+
+
+def _pooled(compressor, kv, gate, overlap: bool, head_dim: int):
+    """One document's entries before rope `[B, windows, head_dim]`, from its tokens' projections
+    `kv` / `gate` `[B, n, C]` (C = 2 x head_dim with the overlap of the previous window's first
+    half, CSA; head_dim without, HCA), as transformers pools them without a cache."""
+    B, n, _ = kv.shape
+    ratio = compressor.compress_rate
+    windows = n // ratio
+    chunk_kv = kv[:, :windows * ratio].view(B, windows, ratio, -1)
+    chunk_gate = gate[:, :windows * ratio].view(B, windows, ratio, -1) + compressor.position_bias
+    if overlap:
+        new_kv = chunk_kv.new_zeros((B, windows, 2 * ratio, head_dim))
+        new_gate = chunk_gate.new_full((B, windows, 2 * ratio, head_dim), float("-inf"))
+        new_kv[:, :, ratio:] = chunk_kv[..., head_dim:]
+        new_gate[:, :, ratio:] = chunk_gate[..., head_dim:]
+        if windows > 1:
+            new_kv[:, 1:, :ratio] = chunk_kv[:, :-1, :, :head_dim]
+            new_gate[:, 1:, :ratio] = chunk_gate[:, :-1, :, :head_dim]
+        chunk_kv, chunk_gate = new_kv, new_gate
+    return compressor.kv_norm((chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(2))
+
+
+def _entries(compressor, kv, gate, doc_bounds, overlap: bool, head_dim: int) -> Entries:
+    """Every document's entries (`doc_bounds`: its first and past-last global token), each
+    turned by the compress rope of its window's first token from the document's start."""
+    values, starts, windows = [], [], []
+    ratio = compressor.compress_rate
+    for start, stop in doc_bounds:
+        count = (stop - start) // ratio
+        if count == 0:
+            continue
+        pooled = _pooled(compressor, kv[:, start:stop], gate[:, start:stop], overlap, head_dim)
+        positions = (torch.arange(count, device=kv.device) * ratio)[None].expand(kv.shape[0], -1)
+        cos, sin = compressor.rotary_emb(pooled, position_ids=positions, layer_type=compressor.rope_layer_type)
+        values.append(_rope(compressor)(pooled.unsqueeze(1), cos, sin).squeeze(1))
+        starts.append(torch.full((count,), start, device=kv.device, dtype=torch.long))
+        windows.append(torch.arange(count, device=kv.device))
+    if not values:
+        empty = torch.zeros(0, dtype=torch.long, device=kv.device)
+        return Entries(kv.new_zeros((kv.shape[0], 0, head_dim)), empty, empty, ratio)
+    return Entries(torch.cat(values, dim=1), torch.cat(starts), torch.cat(windows), ratio)
+
+
+def _doc_bounds(starts, total: int):
+    firsts = torch.unique(starts).tolist()
+    return list(zip(firsts, firsts[1:] + [total]))
+
+
+@torch.no_grad()
+def _select(indexer, hidden_states, q_residual, position_ids, entries: Entries, queries, query_starts):
+    """`[B, n, k]` long: the entries each local query keeps (selection.py's rule over the
+    indexer's float32 scores, `KEY_TILE` entries at a time), EMPTY-padded."""
+    B, n, _ = hidden_states.shape
+    cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids, layer_type=indexer.rope_layer_type)
+    q = indexer.q_b_proj(q_residual).view(B, n, -1, indexer.head_dim).transpose(1, 2)
+    q = _rope(indexer)(q, cos, sin).transpose(1, 2).float()                        # [B, n, heads, d]
+    scorer = indexer.scorer
+    weights = scorer.weights_proj(hidden_states).float() * scorer.weights_scaling  # [B, n, heads]
+    chosen = []
+    for first_query in range(0, n, QUERY_TILE):
+        part = slice(first_query, first_query + QUERY_TILE)
+
+        def tile(first, stop, part=part):
+            keys = entries.values[:, first:stop].float()
+            scores = torch.relu(torch.einsum("bqhd,bed->bqhe", q[:, part], keys)) * scorer.softmax_scale
+            scores = (scores * weights[:, part, :, None]).sum(dim=2)
+            visible = entries.visible(queries[part], query_starts[part])[:, first:stop]
+            return scores.masked_fill(~visible, float("-inf"))
+        chosen.append(tiled_select(tile, entries.values.shape[1], indexer.index_topk, KEY_TILE)[1].long())
+    return torch.cat(chosen, dim=1)
+
+
+def _rows(x, index):
+    """`x` `[B, T, C]` at `index` `[B, n, k]` (EMPTY: any row, masked by the caller): `[B, n,
+    k, C]`; the backward scatters into `[B, T, C]`."""
+    B, n, k = index.shape
+    flat = index.clamp(min=0).reshape(B, n * k, 1).expand(B, n * k, x.shape[-1])
+    return x.gather(1, flat).view(B, n, k, x.shape[-1])
+
+
+def _attend_tile(q, kv, window, entry_values, entry_index, entry_mask, sinks, scaling: float):
+    """Queries `[B, H, n, D]` over their window rows (`window` `[B, n, W]` of the gathered
+    key-value heads `kv` `[B, T, D]`) and their entries (`entry_index` `[B, n, k]` of
+    `entry_values` `[B, E, D]`, `entry_mask` `[B, n, k]` the usable ones), with a sink logit a
+    head; the softmax in float32 or wider: `[B, H, n, D]`."""
+    rows = _rows(kv, window)
+    scores = torch.einsum("bhqd,bqkd->bhqk", q, rows) * scaling
+    scores = scores.masked_fill((window < 0)[:, None], float("-inf"))
+    parts = [scores]
+    if entry_index is not None:
+        entry_rows = _rows(entry_values, entry_index)
+        entry_scores = torch.einsum("bhqd,bqkd->bhqk", q, entry_rows) * scaling
+        parts.append(entry_scores.masked_fill(~entry_mask[:, None], float("-inf")))
+    B, H, n, _ = q.shape
+    parts.append(sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, n, 1))
+    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1,
+                          dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    W = window.shape[-1]
+    out = torch.einsum("bhqk,bqkd->bhqd", probs[..., :W], rows)
+    if entry_index is not None:
+        out = out + torch.einsum("bhqk,bqkd->bhqd", probs[..., W:-1], entry_rows)
+    return out
+
+
+def _window(queries, query_starts, size: int):
+    """`[n, size]`: each query's window, its last `size` tokens of its document (EMPTY before
+    the document's start)."""
+    rows = queries[:, None] - torch.arange(size - 1, -1, -1, device=queries.device)[None, :]
+    return rows.masked_fill(rows < query_starts[:, None], EMPTY)
+
+
+def _entry_choice(module, hidden_states, q_residual, position_ids, entries, queries, query_starts):
+    """(entry index `[B, n, k]`, usable `[B, n, k]`) of each local query: the indexer's choice
+    (CSA) or every entry it sees (HCA); (None, None) without a compressor or entries."""
+    if entries is None or entries.values.shape[1] == 0:
+        return None, None
+    B = hidden_states.shape[0]
+    if module.layer_type == "compressed_sparse_attention":
+        chosen = _select(module.compressor.indexer, hidden_states, q_residual, position_ids, entries, queries,
+                         query_starts)
+        return chosen, chosen >= 0
+    E = entries.values.shape[1]
+    index = torch.arange(E, device=queries.device).expand(B, queries.shape[0], E)
+    return index, entries.visible(queries, query_starts).expand(B, -1, -1)
+
+
+def _gathered_entries(module, hidden_states, group, lens, bounds):
+    """The layer's compressed entries over the whole sequence (None: a sliding layer): its
+    compressor's projections gathered (with a backward), pooled per document."""
+    compressor = module.compressor
+    if compressor is None:
+        return None
+    overlap = module.layer_type == "compressed_sparse_attention"
+    projected = torch.cat([compressor.kv_proj(hidden_states), compressor.gate_proj(hidden_states)], dim=-1)
+    kv, gate = gather_sequence(projected, group, dim=1, seq_lens=lens).chunk(2, dim=-1)
+    return _entries(compressor, kv, gate, bounds, overlap, compressor.head_dim)
+
+
+def _gathered_index_entries(module, hidden_states, group, lens, bounds):
+    """The CSA indexer's entries over the whole sequence (no gradient: it only selects)."""
+    indexer = module.compressor.indexer
+    with torch.no_grad():
+        projected = torch.cat([indexer.kv_proj(hidden_states), indexer.gate_proj(hidden_states)], dim=-1)
+        kv, gate = all_gather_sequence(projected, lens, 1, group).chunk(2, dim=-1)
+        return _entries(indexer, kv, gate, bounds, True, indexer.head_dim)
+
+
+def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None, attention_mask=None,
+               cache=None, **kwargs):
+    """DeepseekV4Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
+    if isinstance(cache, DecodingCache):   # a cache made outside make_cache, which refuses first
+        raise refusal(None, f"{type(self).__name__} {v4_forward.generation_refused}",
+                      "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], dict(kwargs, position_ids=position_ids))
+    if cache is not None:
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are gathered there only")
+        return original_forward(self)(hidden_states, position_embeddings, position_ids, attention_mask, cache=cache,
+                                      **kwargs)
+    group, _, rank = context.ulysses()
+    B, S, _ = hidden_states.shape
+    D, rope = self.head_dim, _rope(self)
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = rope(self.q_b_norm(self.q_b_proj(q_residual).view(B, S, -1, D).transpose(1, 2)), cos, sin)
+    kv = rope(self.kv_norm(self.kv_proj(hidden_states)).view(B, S, -1, D).transpose(1, 2), cos, sin)
+    kv = gather_sequence(kv[:, 0], group, dim=1, seq_lens=lens)                      # [B, T, D]
+    total = sum(lens)
+    starts = document_starts(cu_seqlens, total, hidden_states.device)
+    if starts is None:
+        starts = torch.zeros(total, dtype=torch.long, device=hidden_states.device)
+    bounds = _doc_bounds(starts, total)
+    queries = torch.arange(sum(lens[:rank]), sum(lens[:rank + 1]), device=hidden_states.device)
+    query_starts = starts[queries]
+    entries = _gathered_entries(self, hidden_states, group, lens, bounds)
+    if self.layer_type == "compressed_sparse_attention":
+        index_entries = _gathered_index_entries(self, hidden_states, group, lens, bounds)
+        entry_index, entry_mask = _entry_choice(self, hidden_states, q_residual, position_ids, index_entries, queries,
+                                                query_starts)
+    else:
+        entry_index, entry_mask = _entry_choice(self, hidden_states, q_residual, position_ids, entries, queries,
+                                                query_starts)
+    window = _window(queries, query_starts, self.sliding_window).expand(B, -1, -1)
+    tiles = []
+    for first in range(0, S, QUERY_TILE):
+        part = slice(first, first + QUERY_TILE)
+        tiles.append(checkpoint(_attend_tile, q[:, :, part], kv, window[:, part],
+                                None if entries is None else entries.values,
+                                None if entry_index is None else entry_index[:, part],
+                                None if entry_mask is None else entry_mask[:, part], self.sinks, self.scaling,
+                                use_reentrant=False))
+    out = rope(torch.cat(tiles, dim=2), cos, -sin)                                  # the values' rope undone
+    grouped = self.o_a_proj(out.transpose(1, 2).reshape(B, S, self.config.o_groups, -1)).flatten(2)
+    return self.o_b_proj(grouped), None
+
+
+v4_forward.generation_refused = ("does not generate sequence-parallel yet: its window, compressed entries and "
+                                 "their partial windows are not kept on the decoding cache")
