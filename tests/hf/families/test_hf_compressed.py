@@ -6,7 +6,8 @@ process running each document alone: the loss and every gradient. Windows of 7 t
 compressed entries every 3 tokens (CSA, 2 kept a query by the indexer) and every 5 (HCA, all),
 neither dividing the shards, so windows straddle ranks; every deciding query's 2nd and 3rd
 entry scores are apart. The indexer scores 2 entries at a time, the attention runs 5 queries
-at a time. Keeping every entry instead moves the loss.
+at a time. Keeping every entry instead moves the loss. Generation: greedy tokens equal
+`model.generate` at SP 2 and 3.
 """
 
 import sys
@@ -116,3 +117,37 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
             assert error < TOLERANCE, (world, rank, case, error, where)
     moved, where = largest_error(per_rank[0]["all entries"], references["one uneven document"][0])
     assert moved > 1e-3, (moved, where)   # every entry instead of the selected ones
+
+
+PROMPT, NEW_TOKENS = 13, 6
+
+
+def _generation_worker(rank, world):
+    from helpers import rel_err
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    with numerics("deepseek_v4"), torch.no_grad():
+        reference, model = v4_model("eager").eval(), v4_model("ulysses").eval()
+        want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        want_logits = reference(ids, use_cache=False).logits[:, -1]
+        whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
+        chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
+        logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
+    return dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want), new=want[:, PROMPT:].tolist(),
+                logits=rel_err(logits, want_logits), state_bytes=cache.mixer_bytes())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_generation_equals_one_process(world):
+    """Greedy `ukhf.generate` gives `model.generate`'s tokens on every rank, batch 2, the
+    prompt (13 tokens: 4 CSA entries, 2 HCA entries, the indexer choosing) prefilled whole and
+    in chunks of 4 (windows and compressor windows straddling chunks); the prefill logits in
+    chunks of 5 against one process."""
+    per_rank = spawn(_generation_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, out in enumerate(per_rank):
+        assert out["whole"] and out["chunked"], (world, rank, out)
+        assert out["logits"] < TOLERANCE, (world, rank, out)

@@ -1,5 +1,5 @@
 """DeepSeek-V4's attention (`deepseek_v4`: a sliding window, and compressed entries selected by
-an indexer (CSA) or all of them (HCA)) under sequence parallelism, training: the queries stay
+an indexer (CSA) or all of them (HCA)) under sequence parallelism, in training and generation: the queries stay
 on their sequence shard, what every head reads of a token is gathered (docs/hf_families.md,
 "Sparse attention: DeepSeek-V4"; the selection rule: selection.py).
 
@@ -21,7 +21,12 @@ backward sums each token's gradient on its owner) and the compressors' projectio
 indexer's without gradient), pools every document's entries itself, selects for its own
 queries (selection.py's rule over `KEY_TILE` entries at a time) and attends, `QUERY_TILE`
 queries at a time (recomputed in the backward), over each query's window rows and its entries:
-no head exchange. Not in generation, not on a ring (refused on every rank).
+no head exchange. Not on a ring (refused on every rank).
+
+Generation (`ulysses_kernels.hf.generate` / `prefill`): every rank keeps the same decoding state
+a layer (`_generation_keys`): the last `sliding_window - 1` key-value rows, the entries so far
+and the projections of the windows not yet closed (and, for CSA's overlap, the one before); a
+chunk's rows and projections are gathered from its shards and join them.
 """
 
 import sys
@@ -33,7 +38,6 @@ from torch.utils.checkpoint import checkpoint
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
 from .mixers import check_cache_outside_generation, document_starts, original_forward
 from .selection import EMPTY, tiled_select
 
@@ -208,53 +212,124 @@ def _gathered_index_entries(module, hidden_states, group, lens, bounds):
         return _entries(indexer, kv, gate, bounds, True, indexer.head_dim)
 
 
-def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None, attention_mask=None,
-               cache=None, **kwargs):
-    """DeepseekV4Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    if isinstance(cache, DecodingCache):   # a cache made outside make_cache, which refuses first
-        raise refusal(None, f"{type(self).__name__} {v4_forward.generation_refused}",
-                      "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], dict(kwargs, position_ids=position_ids))
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are gathered there only")
-        return original_forward(self)(hidden_states, position_embeddings, position_ids, attention_mask, cache=cache,
-                                      **kwargs)
+class Keys(NamedTuple):
+    """What this rank's queries attend over: the key-value head of tokens `first..` `[B, T, D]`,
+    the entries (None: a sliding layer) and the indexer's (CSA; else None), the queries' global
+    indices `[n]` and their documents' starts `[n]`."""
+    kv: torch.Tensor
+    first: int
+    entries: object
+    index_entries: object
+    queries: torch.Tensor
+    query_starts: torch.Tensor
+
+
+def _training_keys(module, hidden_states, kv, kwargs) -> Keys:
+    """The keys of a training forward: gathered over the whole sequence, entries pooled per
+    document (`kv`: this rank's key-value head `[B, S_local, D]`)."""
+    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
     group, _, rank = context.ulysses()
-    B, S, _ = hidden_states.shape
-    D, rope = self.head_dim, _rope(self)
-    cos, sin = position_embeddings[self.rope_layer_type]
-    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
-    q = rope(self.q_b_norm(self.q_b_proj(q_residual).view(B, S, -1, D).transpose(1, 2)), cos, sin)
-    kv = rope(self.kv_norm(self.kv_proj(hidden_states)).view(B, S, -1, D).transpose(1, 2), cos, sin)
-    kv = gather_sequence(kv[:, 0], group, dim=1, seq_lens=lens)                      # [B, T, D]
     total = sum(lens)
     starts = document_starts(cu_seqlens, total, hidden_states.device)
     if starts is None:
         starts = torch.zeros(total, dtype=torch.long, device=hidden_states.device)
     bounds = _doc_bounds(starts, total)
     queries = torch.arange(sum(lens[:rank]), sum(lens[:rank + 1]), device=hidden_states.device)
-    query_starts = starts[queries]
-    entries = _gathered_entries(self, hidden_states, group, lens, bounds)
-    if self.layer_type == "compressed_sparse_attention":
-        index_entries = _gathered_index_entries(self, hidden_states, group, lens, bounds)
-        entry_index, entry_mask = _entry_choice(self, hidden_states, q_residual, position_ids, index_entries, queries,
-                                                query_starts)
-    else:
-        entry_index, entry_mask = _entry_choice(self, hidden_states, q_residual, position_ids, entries, queries,
-                                                query_starts)
-    window = _window(queries, query_starts, self.sliding_window).expand(B, -1, -1)
+    index_entries = _gathered_index_entries(module, hidden_states, group, lens, bounds) \
+        if module.layer_type == "compressed_sparse_attention" else None
+    return Keys(gather_sequence(kv, group, dim=1, seq_lens=lens), 0,
+                _gathered_entries(module, hidden_states, group, lens, bounds), index_entries, queries, starts[queries])
+
+
+def _grown(state: dict, name: str, compressor, projected, first: int, overlap: bool, head_dim: int) -> Entries:
+    """Generation: the entries of `state`'s `name` grown by the windows the chunk closes
+    (`projected`: the chunk's `[kv | gate]` projections on every rank, its first token
+    `first`); the state keeps the entries and the projections a later window still reads (its
+    own, and with `overlap` the window before)."""
+    ratio = compressor.compress_rate
+    tail, tail_first = state.get(f"{name} tail"), state.get(f"{name} tail first", first)
+    projected = projected if tail is None else torch.cat([tail, projected], dim=1)
+    done, now = state.get(f"{name} windows", 0), (tail_first + projected.shape[1]) // ratio
+    values = state.get(f"{name} entries")
+    if now > done:
+        since = max(done - 1, 0) if overlap else done   # the window before reads as the overlap, then is dropped
+        kv, gate = projected[:, since * ratio - tail_first:now * ratio - tail_first].chunk(2, dim=-1)
+        pooled = _pooled(compressor, kv, gate, overlap, head_dim)[:, done - since:]
+        positions = (torch.arange(done, now, device=kv.device) * ratio)[None].expand(kv.shape[0], -1)
+        cos, sin = compressor.rotary_emb(pooled, position_ids=positions, layer_type=compressor.rope_layer_type)
+        pooled = _rope(compressor)(pooled.unsqueeze(1), cos, sin).squeeze(1)
+        values = pooled if values is None else torch.cat([values, pooled], dim=1)
+    keep = (max(now - 1, 0) if overlap else now) * ratio
+    state[f"{name} tail"], state[f"{name} tail first"] = projected[:, keep - tail_first:], keep
+    state[f"{name} windows"], state[f"{name} entries"] = now, values
+    if values is None:
+        values = projected.new_zeros((projected.shape[0], 0, head_dim))
+    count = values.shape[1]
+    zeros = torch.zeros(count, dtype=torch.long, device=values.device)
+    return Entries(values, zeros, torch.arange(count, device=values.device), ratio)
+
+
+def _generation_keys(module, hidden_states, kv, cache) -> Keys:
+    """The keys inside `generate` / `prefill`: every rank keeps the last `sliding_window - 1`
+    key-value rows and the entries so far (the layer's decoding state, the same on every rank);
+    the chunk's rows and projections join them (gathered from its shards)."""
+    cache.context.attention_calls += 1
+    group, _, rank = cache.ulysses
+    lens = cache.chunk_lens
+    state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
+    first = cache.forward_start
+
+    def whole(x):   # the chunk's tokens on every rank
+        return x if lens is None else all_gather_sequence(x, lens, 1, group)
+    held = state.get("window")
+    rows = whole(kv) if held is None else torch.cat([held, whole(kv)], dim=1)
+    rows_first = first - (0 if held is None else held.shape[1])
+    state["window"] = rows[:, rows.shape[1] - min(module.sliding_window - 1, rows.shape[1]):]
+    entries = index_entries = None
+    compressor = module.compressor
+    if compressor is not None:
+        projected = torch.cat([compressor.kv_proj(hidden_states), compressor.gate_proj(hidden_states)], dim=-1)
+        overlap = module.layer_type == "compressed_sparse_attention"
+        entries = _grown(state, "compressor", compressor, whole(projected), first, overlap, compressor.head_dim)
+        if overlap:
+            indexer = compressor.indexer
+            projected = torch.cat([indexer.kv_proj(hidden_states), indexer.gate_proj(hidden_states)], dim=-1)
+            index_entries = _grown(state, "indexer", indexer, whole(projected), first, True, indexer.head_dim)
+    offset = first + (sum(lens[:rank]) if lens is not None else 0)
+    queries = torch.arange(offset, offset + hidden_states.shape[1], device=hidden_states.device)
+    return Keys(rows, rows_first, entries, index_entries, queries, torch.zeros_like(queries))
+
+
+def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None, attention_mask=None,
+               cache=None, **kwargs):
+    """DeepseekV4Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
+    if cache is not None and not isinstance(cache, DecodingCache):
+        context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1],
+                                                     dict(kwargs, position_ids=position_ids))
+        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are gathered there only")
+        return original_forward(self)(hidden_states, position_embeddings, position_ids, attention_mask, cache=cache,
+                                      **kwargs)
+    B, S, _ = hidden_states.shape
+    D, rope = self.head_dim, _rope(self)
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = rope(self.q_b_norm(self.q_b_proj(q_residual).view(B, S, -1, D).transpose(1, 2)), cos, sin)
+    kv = rope(self.kv_norm(self.kv_proj(hidden_states)).view(B, S, -1, D).transpose(1, 2), cos, sin)[:, 0]
+    keys = _generation_keys(self, hidden_states, kv, cache) if isinstance(cache, DecodingCache) else \
+        _training_keys(self, hidden_states, kv, dict(kwargs, position_ids=position_ids))
+    chooser = keys.index_entries if self.layer_type == "compressed_sparse_attention" else keys.entries
+    entry_index, entry_mask = _entry_choice(self, hidden_states, q_residual, position_ids, chooser, keys.queries,
+                                            keys.query_starts)
+    window = _window(keys.queries, keys.query_starts, self.sliding_window)
+    window = torch.where(window >= 0, window - keys.first, EMPTY).expand(B, -1, -1)
     tiles = []
     for first in range(0, S, QUERY_TILE):
         part = slice(first, first + QUERY_TILE)
-        tiles.append(checkpoint(_attend_tile, q[:, :, part], kv, window[:, part],
-                                None if entries is None else entries.values,
+        tiles.append(checkpoint(_attend_tile, q[:, :, part], keys.kv, window[:, part],
+                                None if keys.entries is None else keys.entries.values,
                                 None if entry_index is None else entry_index[:, part],
                                 None if entry_mask is None else entry_mask[:, part], self.sinks, self.scaling,
                                 use_reentrant=False))
     out = rope(torch.cat(tiles, dim=2), cos, -sin)                                  # the values' rope undone
     grouped = self.o_a_proj(out.transpose(1, 2).reshape(B, S, self.config.o_groups, -1)).flatten(2)
     return self.o_b_proj(grouped), None
-
-
-v4_forward.generation_refused = ("does not generate sequence-parallel yet: its window, compressed entries and "
-                                 "their partial windows are not kept on the decoding cache")
