@@ -5,7 +5,8 @@ one process running each document alone: the loss and every gradient. The select
 blocks of 2 tokens, 4 kept a query (8 tokens) besides its tail, fewer than a query on rank 3
 sees at SP 4; every deciding query's 4th and 5th block scores are apart (16 index heads: with
 2, many blocks score 0 after the ReLU, a tie). The indexer scores 3 blocks at a time, the
-attention runs 5 queries at a time. Keeping every block instead moves the loss.
+attention runs 5 queries at a time. Keeping every block instead moves the loss. Generation:
+greedy tokens equal `model.generate` at SP 2 and 3.
 """
 
 import math
@@ -103,3 +104,36 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
             assert error < TOLERANCE, (world, rank, case, error, where)
     moved, where = largest_error(per_rank[0]["all blocks"], references["one uneven document"][0])
     assert moved > 1e-3, (moved, where)   # every block instead of the selected ones
+
+
+PROMPT, NEW_TOKENS = 13, 6
+
+
+def _generation_worker(rank, world):
+    from helpers import rel_err
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference, model = qsa_model("eager", world).eval(), qsa_model("ulysses", world).eval()
+        want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        want_logits = reference(ids, use_cache=False).logits[:, -1]
+        whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
+        chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
+        logits, _ = ukhf.prefill(model, ids, groups, chunk_size=5)
+    return dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want), new=want[:, PROMPT:].tolist(),
+                logits=rel_err(logits, want_logits))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_generation_equals_one_process(world):
+    """Greedy `ukhf.generate` gives `model.generate`'s tokens on every rank, batch 2, the
+    prompt (13 tokens: 6 complete blocks, 4 kept) prefilled whole and in chunks of 4; the
+    prefill logits in chunks of 5 against one process."""
+    per_rank = spawn(_generation_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for rank, out in enumerate(per_rank):
+        assert out["whole"] and out["chunked"], (world, rank, out)
+        assert out["logits"] < TOLERANCE, (world, rank, out)

@@ -175,17 +175,14 @@ def replaced_adapter_problem(modules) -> Optional[str]:
     return None
 
 
-def generation_problem(model: nn.Module) -> Optional[str]:
-    """Why an adapted mixer of `model` does not generate sequence-parallel (its forward's
-    `generation_refused`), or None. Asked before a generation builds its cache: a model's
-    forward may read the cache before its mixers run (Qwen4-Exp's indexer positions)."""
-    for name, module in model.named_modules():
-        if adapted_kind(module) is None:
-            continue
-        why = getattr(ADAPTERS[type(module).__name__].forward, "generation_refused", None)
-        if why:
-            return f"{name} ({type(module).__name__}) {why}"
-    return None
+def prepare_cache(model: nn.Module, cache) -> None:
+    """Give a new decoding cache what `model`'s forward reads of it before its mixers run (an
+    adapted forward's `prepare_cache(module, cache)`: Qwen4-Exp's indexer positions)."""
+    for module in model.modules():
+        if adapted_kind(module) is not None:
+            prepare = getattr(ADAPTERS[type(module).__name__].forward, "prepare_cache", None)
+            if prepare is not None:
+                prepare(module, cache)
 
 
 def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:

@@ -1,6 +1,6 @@
 """Qwen4-Exp's query-selected attention (QSA, `qwen4_exp_text`) under sequence parallelism,
-training: the queries stay on their sequence shard, the keys, values and the indexer's raw keys
-are gathered (docs/hf_families.md, "Sparse attention: Qwen4-Exp"; the selection rule:
+in training and generation: the queries stay on their sequence shard, the keys, values and
+the indexer's raw keys are gathered (docs/hf_families.md, "Sparse attention: Qwen4-Exp"; the selection rule:
 selection.py).
 
 One `indexed_attention` layer, as transformers 5.25 computes it (`Qwen4ExpTextAttention` with
@@ -18,7 +18,11 @@ every token (no gradient: the selection is a mask); the blocks' keys are compute
 gathered raw keys, the same on every rank; each rank selects for its own queries (selection.py's
 rule over the blocks, `KEY_TILE` blocks at a time) and attends over the kept tokens, gathered
 per query (`QUERY_TILE` queries at a time, recomputed in the backward): no head exchange.
-Not in generation, not on a ring (refused on every rank).
+Not on a ring (refused on every rank).
+
+Generation (`ulysses_kernels.hf.generate` / `prefill`): every rank keeps every token's keys,
+values, raw index keys and rope (`_generation_attention`); a chunk's queries select and attend
+over them as in training.
 """
 
 import sys
@@ -29,7 +33,6 @@ from torch.utils.checkpoint import checkpoint
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
 from .mixers import check_cache_outside_generation, document_starts, original_forward
 from .selection import EMPTY, tiled_select
 
@@ -131,11 +134,49 @@ def _attention(module, q, k, v, kept):
     return torch.cat(tiles, dim=2)
 
 
+def _generation_attention(module, hidden_states, position_embeddings, cache):
+    """The attention inside `generate` / `prefill`: every rank keeps every token's keys,
+    values, raw index keys and rope (the layer's decoding state; a sharded chunk's gathered
+    from its shards), and the chunk's queries select and attend over them as in training (one
+    document a row: generation refuses padding)."""
+    cache.context.attention_calls += 1
+    group, _, rank = cache.ulysses
+    lens = cache.chunk_lens
+    B, n, _ = hidden_states.shape
+    # the model passes the rope of every token its indexer positions hold (on this rank): the chunk's are the last
+    current = tuple(x[:, -n:] for x in position_embeddings)
+    q, k, v, gate, index_q, raw_keys = _projections(module, hidden_states, current)
+    state = cache.mixer_state(module.layer_idx, n)
+    first = cache.forward_start
+
+    def grown(name, x):   # the chunk's tokens on every rank, after the ones the state holds
+        x = x if lens is None else all_gather_sequence(x, lens, 1, group)
+        state[name] = x if name not in state else torch.cat([state[name], x], dim=1)
+        return state[name]
+    k, v, raw_keys = grown("keys", k), grown("values", v), grown("index keys", raw_keys)
+    cos, sin = (grown(name, x.expand(B, -1, -1)) for name, x in zip(("cos", "sin"), current))
+    starts = torch.zeros(k.shape[1], dtype=torch.long, device=k.device)
+    block_first, block_keys = _blocks(module.indexer, raw_keys, cos, sin, starts)
+    offset = first + (sum(lens[:rank]) if lens is not None else 0)
+    queries = torch.arange(offset, offset + n, device=k.device)
+    kept = select_tokens(module.indexer, index_q, block_first, block_keys, queries, starts)
+    out = _attention(module, q, k, v, kept).transpose(1, 2).reshape(B, n, -1)
+    return module.o_proj(out * torch.sigmoid(gate))
+
+
+def _prepare_cache(module, cache) -> None:
+    """The model's forward appends its indexer positions to its first QSA layer's cache layer
+    before the layers run: that layer must exist, with none yet."""
+    index = module.config.layer_types.index("indexed_attention")
+    while len(cache.layers) <= index:
+        cache.layers.append(cache.layer_class_to_replicate())
+    cache.layers[index].indexer_position_ids = None
+
+
 def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs):
     """Qwen4ExpTextAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    if isinstance(cache, DecodingCache):   # a cache made outside make_cache, which refuses first
-        raise refusal(None, f"{type(self).__name__} {qsa_forward.generation_refused}",
-                      "Generate without sequence parallelism (sp_size=1); training runs sequence-parallel.")
+    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
+        return _generation_attention(self, hidden_states, position_embeddings, cache), None
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
         check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are gathered there only")
@@ -158,5 +199,4 @@ def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attentio
     return self.o_proj(out * torch.sigmoid(gate)), None
 
 
-qsa_forward.generation_refused = ("does not generate sequence-parallel yet: its keys, values, index keys and the "
-                                  "model's indexer positions are not kept on the decoding cache")
+qsa_forward.prepare_cache = _prepare_cache

@@ -68,7 +68,7 @@ from ...distributed.collectives import all_gather_tensor, broadcast_tensor
 from ...layout import split_lengths
 from ..core.attach import sequence_parallel_model
 from ..core.attention import _require_transformers
-from ..families.adapters import adapted_kind, generation_problem, own_cache_class
+from ..families.adapters import adapted_kind, own_cache_class, prepare_cache
 from ..families.vision import merged_prompt
 from ..families.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
 from ..model import refusal, unwrap
@@ -95,13 +95,11 @@ def make_cache(model, group=None, *, backend: Optional[str] = None):
         raise refusal(unwrap(model), "its token mixers' conv and recurrent states are kept by heads within a Ulysses "
                                      "group; generation on a ring is not supported for them",
                       "Generate with Ulysses only (ring_size=1); training runs on a ring.")
-    problem = generation_problem(unwrap(model))
-    if problem:
-        raise refusal(unwrap(model), problem, "Generate without sequence parallelism (sp_size=1); training runs "
-                                              "sequence-parallel.")
     cache_class = head_sharded_cache_class(own_cache_class(unwrap(model)))
-    return cache_class(model, context.group, context.ring_group, context=context,
-                       backend=backend if backend is not None else context.backend)
+    cache = cache_class(model, context.group, context.ring_group, context=context,
+                        backend=backend if backend is not None else context.backend)
+    prepare_cache(unwrap(model), cache)
+    return cache
 
 
 @contextlib.contextmanager
