@@ -1,8 +1,9 @@
 """MiniMax-M3's block-sparse attention under sequence parallelism (hf/families/block_sparse.py):
 one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
 boundaries do not line up with the shards, float64, against one process running each document
-alone (transformers' eager attention with the blocks its indexer keeps), the loss and every
-gradient; a sparse layer then a dense one. The selection bites: blocks of 4 keys, 2 kept a
+alone (transformers' eager attention with the blocks its indexer keeps), the loss, every
+gradient and the blocks each index head keeps for each query (identical sets, on the rank that
+holds the head); a sparse layer then a dense one. The selection bites: blocks of 4 keys, 2 kept a
 query (its own and one more), fewer than any shard's blocks, so a query on rank 1 drops
 blocks of rank 0; every deciding query's 2nd and 3rd block scores are apart (no tie decides a
 set). Index heads are the KV heads: split at SP 2 and 3, replicated at SP 4 (2 KV heads);
@@ -39,10 +40,32 @@ def m3_model(attn, world, **fields):
 
 
 def _sp_worker(rank, world):
+    from ulysses_kernels.layout import place_heads
+
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
     block_sparse.QUERY_TILE = 5   # several query tiles
-    out = {case: sp_step(m3_model("ulysses", world), documents, groups) for case, documents in DOCUMENTS.items()}
+    select, recorded = block_sparse.select_blocks, []
+
+    def record(indexer, index_q, index_k, positions, key_positions):
+        keep = select(indexer, index_q, index_k, positions, key_positions)
+        if int(positions[0]) == 0:   # a document's first tile
+            recorded.append([])
+        recorded[-1].append(keep[0])
+        return keep
+
+    block_sparse.select_blocks = record
+    out = {}
+    try:
+        for case, documents in DOCUMENTS.items():
+            recorded.clear()
+            out[case] = sp_step(m3_model("ulysses", world), documents, groups)
+            # this rank's index heads' kept blocks of each document `[heads, n, blocks]`, and those heads
+            out[(case, "blocks")] = [torch.cat(tiles, dim=1) for tiles in recorded]
+    finally:
+        block_sparse.select_blocks = select
+    place = place_heads(KV_HEADS[world], world)
+    out["index heads"] = list(range(place.source_head(rank), place.source_head(rank) + place.local))
     out["all blocks"] = sp_step(m3_model("ulysses", world, index_topk_blocks=S), DOCUMENTS["one uneven document"],
                                 groups)
     return out
@@ -63,24 +86,30 @@ def _pooled(indexer, q, k, positions):
 
 
 def _reference(world, documents):
-    """One process per document: the step and the smallest gap between a deciding query's
-    2nd and 3rd block scores."""
+    """One process per document: the step, the blocks each index head keeps for each query
+    of each document, and the smallest gap between a deciding query's 2nd and 3rd block
+    scores."""
     from family_cases import register_exact_eager
 
     model = m3_model(register_exact_eager(), world)
     calls = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args)))
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args, out)))
              for m in model.modules() if type(m).__name__ == "MiniMaxM3VLIndexer"]
     step = reference_step(model, documents)
     for hook in hooks:
         hook.remove()
+    blocks = []   # each document's kept blocks `[index heads, n, blocks]` (one sparse layer: a call a document)
+    for *_, indices in calls:
+        count = -(-indices.shape[2] // BLOCK)
+        kept = torch.zeros(*indices.shape[1:3], count + 1, dtype=torch.bool)
+        blocks.append(kept.scatter_(-1, torch.where(indices[0] >= 0, indices[0], count), True)[..., :count])
     gap = float("inf")
-    for indexer, (hidden, position_embeddings, _, position_ids) in calls:
+    for indexer, (hidden, position_embeddings, _, position_ids), _ in calls:
         ranked = _pooled_from(indexer, hidden, position_embeddings, position_ids).sort(dim=-1, descending=True).values
         deciding = torch.isfinite(ranked[..., KEPT - 1]) & torch.isfinite(ranked[..., KEPT])
         if deciding.any():
             gap = min(gap, float((ranked[..., KEPT - 1] - ranked[..., KEPT])[deciding].min()))
-    return step, gap
+    return step, blocks, gap
 
 
 def _pooled_from(indexer, hidden, position_embeddings, position_ids):
@@ -102,11 +131,16 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
     per_rank = spawn(_sp_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
     references = {case: _reference(world, documents) for case, documents in DOCUMENTS.items()}
-    for case, (step, gap) in references.items():
+    for case, (step, blocks, gap) in references.items():
         assert gap > 1e-6, (case, gap)   # no near-tie decides a set
+        assert max(int(b.sum(-1).max()) for b in blocks) == KEPT   # while later queries see up to 6 blocks
         for rank, out in enumerate(per_rank):
             error, where = largest_error(out[case], step)
             assert error < TOLERANCE, (world, rank, case, error, where)
+            heads = out["index heads"]
+            assert len(out[(case, "blocks")]) == len(blocks), (world, rank, case)
+            for got, want in zip(out[(case, "blocks")], blocks):
+                assert torch.equal(got, want[heads]), (world, rank, case)
     moved, where = largest_error(per_rank[0]["all blocks"], references["one uneven document"][0])
     assert moved > 1e-3, (moved, where)   # every block instead of the selected ones
 

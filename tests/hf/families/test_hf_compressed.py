@@ -2,7 +2,8 @@
 step at SP 2, 3 and 4 of an HCA, a CSA and a sliding-window layer, one uneven document and two
 packed documents whose boundaries do not line up with the shards, float64 (the
 hyper-connections' float32 kept float64 in both runs: sweep.FLOAT32_ISLANDS), against one
-process running each document alone: the loss and every gradient. Windows of 7 tokens;
+process running each document alone: the loss, every gradient and the CSA windows every query
+keeps (identical sets). Windows of 7 tokens;
 compressed entries every 3 tokens (CSA, 2 kept a query by the indexer) and every 5 (HCA, all),
 neither dividing the shards, so windows straddle ranks; every deciding query's 2nd and 3rd
 entry scores are apart. The indexer scores 2 entries at a time, the attention runs 5 queries
@@ -44,13 +45,34 @@ def v4_model(attn, **fields):
     return model
 
 
+WINDOWS = S // CSA + 1   # columns for a query's selected CSA windows (its document's, from its start)
+
+
 def _sp_worker(rank, world):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
     compressed.KEY_TILE, compressed.QUERY_TILE = 2, 5   # several tiles of entries (the indexer) and of queries
-    with numerics("deepseek_v4"):
-        out = {case: sp_step(v4_model("ulysses"), documents, groups) for case, documents in DOCUMENTS.items()}
-        out["all entries"] = sp_step(v4_model("ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
+    select, recorded = compressed._select, []
+
+    def record(indexer, hidden_states, q_residual, position_ids, entries, queries, query_starts):
+        chosen = select(indexer, hidden_states, q_residual, position_ids, entries, queries, query_starts)
+        windows = torch.where(chosen[0] >= 0, entries.windows[chosen[0].clamp(min=0)], WINDOWS)
+        recorded.append(torch.zeros(chosen.shape[1], WINDOWS + 1, dtype=torch.bool).scatter_(-1, windows, True))
+        return chosen
+
+    compressed._select = record
+    out = {}
+    try:
+        with numerics("deepseek_v4"):
+            for case, documents in DOCUMENTS.items():
+                recorded.clear()
+                out[case] = sp_step(v4_model("ulysses"), documents, groups)
+                # every rank's queries, in global order
+                out[(case, "chosen")] = uk.gather_sequence(recorded[0][:, :WINDOWS].to(torch.float64), groups,
+                                                           dim=0).bool()
+            out["all entries"] = sp_step(v4_model("ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
+    finally:
+        compressed._select = select
     return out
 
 
@@ -76,20 +98,28 @@ def _entry_scores(indexer, hidden, q_residual, position_ids):
 
 
 def _reference(documents):
-    """One process per document: the step and the smallest gap between a deciding query's
-    2nd and 3rd entry scores."""
+    """One process per document: the step, the CSA windows each query keeps `[S, WINDOWS]`
+    (from its document's start) and the smallest gap between a deciding query's 2nd and 3rd
+    entry scores."""
     from family_cases import register_exact_eager
 
     with numerics("deepseek_v4"):
         model = v4_model(register_exact_eager())
         calls = []
-        hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args)))
+        hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args, out)))
                  for m in model.modules() if type(m).__name__ == "DeepseekV4Indexer"]
         step = reference_step(model, documents)
         for hook in hooks:
             hook.remove()
+        chosen, start = torch.zeros(S, WINDOWS, dtype=torch.bool), 0
+        for *_, indices in calls:   # one CSA layer: one call per document, in order
+            n = indices.shape[1]
+            kept = torch.zeros(n, WINDOWS + 1, dtype=torch.bool)
+            chosen[start:start + n] = kept.scatter_(-1, torch.where(indices[0] >= 0, indices[0], WINDOWS),
+                                                    True)[:, :WINDOWS]
+            start += n
         gap = float("inf")
-        for indexer, (hidden, q_residual, position_ids, *_) in calls:
+        for indexer, (hidden, q_residual, position_ids, *_), _ in calls:
             scores = _entry_scores(indexer, hidden, q_residual, position_ids)
             if scores is None or scores.shape[-1] <= TOPK:
                 continue
@@ -97,7 +127,7 @@ def _reference(documents):
             deciding = torch.isfinite(ranked[:, TOPK])
             if deciding.any():
                 gap = min(gap, float((ranked[:, TOPK - 1] - ranked[:, TOPK])[deciding].min()))
-    return step, gap
+    return step, chosen, gap
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +140,13 @@ def references():
 def test_training_equals_one_process_per_document_with_the_selection_biting(world, references):
     per_rank = spawn(_sp_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
-    for case, (step, gap) in references.items():
+    for case, (step, chosen, gap) in references.items():
         assert 1e-6 < gap < float("inf"), (case, gap)   # the indexer decides, and no near-tie decides a set
+        assert int(chosen.sum(-1).max()) == TOPK   # while later queries see up to 7 windows
         for rank, out in enumerate(per_rank):
             error, where = largest_error(out[case], step)
             assert error < TOLERANCE, (world, rank, case, error, where)
+            assert torch.equal(out[(case, "chosen")], chosen), (world, rank, case)
     moved, where = largest_error(per_rank[0]["all entries"], references["one uneven document"][0])
     assert moved > 1e-3, (moved, where)   # every entry instead of the selected ones
 

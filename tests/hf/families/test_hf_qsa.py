@@ -1,7 +1,8 @@
 """Qwen4-Exp's query-selected attention under sequence parallelism (hf/families/qsa.py): one
 training step at SP 2, 3 and 4 of a Gated DeltaNet layer then a QSA layer, one uneven document
 and two packed documents whose boundaries do not line up with the shards, float64, against
-one process running each document alone: the loss and every gradient. The selection bites:
+one process running each document alone: the loss, every gradient and the tokens every query
+keeps (identical sets). The selection bites:
 blocks of 2 tokens, 4 kept a query (8 tokens) besides its tail, fewer than a query on rank 3
 sees at SP 4; every deciding query's 4th and 5th block scores are apart (16 index heads: with
 2, many blocks score 0 after the ReLU, a tie). The indexer scores 3 blocks at a time, the
@@ -44,7 +45,25 @@ def _sp_worker(rank, world):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
     qsa.KEY_TILE, qsa.QUERY_TILE = 3, 5   # several tiles of blocks (the indexer) and of queries (the attention)
-    out = {case: sp_step(qsa_model("ulysses", world), documents, groups) for case, documents in DOCUMENTS.items()}
+    select, recorded = qsa.select_tokens, []
+
+    def record(*args):
+        kept = select(*args)
+        keep = torch.zeros(kept.shape[1], S + 1, dtype=torch.bool)   # empty slots into a last column
+        keep.scatter_(-1, torch.where(kept[0] >= 0, kept[0], S), True)
+        recorded.append(keep[:, :S])
+        return kept
+
+    qsa.select_tokens = record
+    out = {}
+    try:
+        for case, documents in DOCUMENTS.items():
+            recorded.clear()
+            out[case] = sp_step(qsa_model("ulysses", world), documents, groups)
+            # every rank's queries, in global order
+            out[(case, "kept")] = uk.gather_sequence(recorded[0].to(torch.float64), groups, dim=0).bool()
+    finally:
+        qsa.select_tokens = select
     out["all blocks"] = sp_step(qsa_model("ulysses", world, indexer_budget=RATIO * S), DOCUMENTS["one uneven document"],
                                 groups)
     return out
@@ -68,27 +87,32 @@ def _block_scores(indexer, hidden, position_embeddings):
 
 
 def _reference(world, documents):
-    """One process per document: the step and the smallest gap between a deciding query's
-    4th and 5th block scores."""
+    """One process per document: the step, the tokens each query keeps `[S, S]` (global
+    indices) and the smallest gap between a deciding query's 4th and 5th block scores."""
     from family_cases import register_exact_eager
 
     model = qsa_model(register_exact_eager(), world)
     calls = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args)))
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args, out)))
              for m in model.modules() if type(m).__name__ == "Qwen4ExpTextQSAIndexer"]
     step = reference_step(model, documents)
     for hook in hooks:
         hook.remove()
+    kept, start = torch.zeros(S, S, dtype=torch.bool), 0
+    for *_, mask in calls:   # one QSA layer: one call per document, in order
+        n = mask.shape[-1]
+        kept[start:start + n, start:start + n] = mask[0, 0]
+        start += n
     gap = float("inf")
     with torch.no_grad():
-        for indexer, (hidden, position_embeddings, *_) in calls:
+        for indexer, (hidden, position_embeddings, *_), _ in calls:
             ranked = _block_scores(indexer, hidden, position_embeddings).sort(dim=-1, descending=True).values
             if ranked.shape[-1] <= BLOCKS_KEPT:
                 continue
             deciding = torch.isfinite(ranked[:, BLOCKS_KEPT])
             if deciding.any():
                 gap = min(gap, float((ranked[:, BLOCKS_KEPT - 1] - ranked[:, BLOCKS_KEPT])[deciding].min()))
-    return step, gap
+    return step, kept, gap
 
 
 @pytest.mark.slow
@@ -97,11 +121,14 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
     per_rank = spawn(_sp_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
     references = {case: _reference(world, documents) for case, documents in DOCUMENTS.items()}
-    for case, (step, gap) in references.items():
+    for case, (step, kept, gap) in references.items():
         assert 1e-6 < gap < float("inf"), (case, gap)   # the selection decides, and no near-tie decides a set
+        # the budget and a tail at most: fewer than the last queries see (up to 14 and 23 tokens)
+        assert int(kept.sum(-1).max()) == RATIO * BLOCKS_KEPT + RATIO - 1
         for rank, out in enumerate(per_rank):
             error, where = largest_error(out[case], step)
             assert error < TOLERANCE, (world, rank, case, error, where)
+            assert torch.equal(out[(case, "kept")], kept), (world, rank, case)
     moved, where = largest_error(per_rank[0]["all blocks"], references["one uneven document"][0])
     assert moved > 1e-3, (moved, where)   # every block instead of the selected ones
 
