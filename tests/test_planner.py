@@ -370,9 +370,10 @@ def test_dsa_tiles_are_the_code_s():
     import it)."""
     pytest.importorskip("torch")
     from ulysses_kernels import planner
-    from ulysses_kernels.hf.families import dsa
+    from ulysses_kernels.hf.families import dsa, dsa_indexer
 
-    assert (planner.DSA_QUERY_TILE, planner.DSA_KEY_TILE) == (dsa.QUERY_TILE, dsa.KEY_TILE)
+    assert planner.DSA_QUERY_TILE == dsa.QUERY_TILE == dsa_indexer.QUERY_TILE
+    assert planner.DSA_KEY_TILE == dsa_indexer.KEY_TILE
 
 
 def test_dsa_decoding_cache_is_replicated_and_shared_layers_keep_no_indexer_key():

@@ -206,7 +206,7 @@ class MlaShape:
         return q + kv + heads * self.value_dim * hidden
 
 
-# hf/families/dsa.py's tiles (QUERY_TILE, KEY_TILE; tests/test_planner.py checks they agree):
+# hf/families/dsa.py's and dsa_indexer.py's tiles (QUERY_TILE, KEY_TILE; tests/test_planner.py checks they agree):
 # the queries that attend at once over their selection, the keys the indexer scores at once.
 DSA_QUERY_TILE, DSA_KEY_TILE = 256, 4096
 
@@ -244,7 +244,7 @@ class DsaLayerBytes(NamedTuple):
     KT the query / key tiles)."""
     gathered_keys: int        # [S, R + r]: the all-gathered latent and rotary key, kept for the backward
     gathered_index_keys: int  # [S, index_dim]: the all-gathered indexer key, the forward's (no gradient)
-    visibility: int           # [QT, KT] bool: which keys a tile's queries see (dsa.Visibility), the indexer's
+    visibility: int           # [QT, KT] bool: which keys a tile's queries see (dsa_indexer.Visibility)
     index_queries: int        # [S/P, index heads, index_dim] and their weights [S/P, index heads], float32
     index_tile: int           # [QT, index heads, KT] float32 twice (the scores and their relu), and the merge of
                               # the running top k with the tile: [QT, k + KT] float32 scores and int64 keys

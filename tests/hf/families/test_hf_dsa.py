@@ -25,7 +25,7 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families import dsa  # noqa: E402
+from ulysses_kernels.hf.families import dsa, dsa_indexer  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 TOPK = 4   # below a shard at SP 4 (5-6 of 23 tokens)
@@ -60,7 +60,8 @@ def _sp_worker(rank, world, families):
 
 def _sp_family(family, groups, world):
     select, recorded = dsa.select, []
-    dsa.KEY_TILE, dsa.QUERY_TILE = 7, 5   # several tiles of keys (the indexer) and of queries (the attention)
+    # several tiles of keys and of queries (the indexer) and of queries (the attention)
+    dsa_indexer.KEY_TILE, dsa_indexer.QUERY_TILE, dsa.QUERY_TILE = 7, 5, 5
 
     def record(*args):
         chosen = select(*args)
@@ -124,8 +125,8 @@ def _reference_in_numerics(family, documents):
         for query in range(n):
             keys = [int(i) for i in indices[0, query] if int(i) <= query]
             selected[layer][start + query, [start + k for k in keys]] = True
-        keys = dsa._indexer_keys(indexer, hidden, position_embeddings)
-        scores = dsa.index_scores(indexer, hidden, q_resid, position_embeddings, keys)[0]
+        keys = dsa_indexer.indexer_keys(indexer, hidden, position_embeddings)
+        scores = dsa_indexer.index_scores(indexer, hidden, q_resid, position_embeddings, keys)[0]
         ranked = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True).values
         deciding = visible.sum(-1) > TOPK   # queries whose set the indexer picks (more visible keys than k)
         if deciding.any():

@@ -82,15 +82,10 @@ class HeadShardedCache(DynamicCache):
         self.ring = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
         # A model without attention holds no K/V (its token mixers keep `mixer_states`): no heads to place
         self.num_q_heads, self.num_kv_heads = head_counts(model) or (None, None)
-        self._places = None
-        if self.num_q_heads is not None:
-            # Raised where a layer first exchanges heads (`q_place` / `kv_place`), the same layer
-            # on every rank: a layer that keeps its queries on their shard (hf/families/dsa.py)
-            # places no heads, so a model of such layers generates at any size.
-            self._head_plan_error = head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
-            if not self._head_plan_error:
-                self._places = (place_heads(self.num_q_heads, self.ulysses[1]),
-                                place_heads(self.num_kv_heads, self.ulysses[1]))
+        # raised by the first layer that exchanges heads (`q_place`), the same on every rank: DSA's
+        # layers (hf/families/dsa.py) exchange none, so a model of them generates at any size
+        self._head_plan_error = None if self.num_q_heads is None else \
+            head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
         self.backend = backend
         self.path = None                     # the Path of this cache (the first attention's q/k/v decide)
         self.held = [0] * self.ring[1]       # tokens each ring rank holds (the same list on every rank)
@@ -105,20 +100,10 @@ class HeadShardedCache(DynamicCache):
 
     @property
     def q_place(self):
-        """The placement of the model's query heads over the Ulysses group (None: no attention)."""
-        return self._placed()[0]
-
-    @property
-    def kv_place(self):
-        """The placement of the model's KV heads over the Ulysses group (None: no attention)."""
-        return self._placed()[1]
-
-    def _placed(self):
-        if self.num_q_heads is None:
-            return None, None
-        if self._places is None:
+        """The placement of the model's query heads over the Ulysses group."""
+        if self._head_plan_error:
             raise ValueError(f"HeadShardedCache: {self._head_plan_error}")
-        return self._places
+        return place_heads(self.num_q_heads, self.ulysses[1])
 
     @property
     def _holds_chunk(self) -> bool:
