@@ -98,8 +98,9 @@ def build_outcome(build):
 # Families with float32 islands whatever the weights' dtype that sum over tokens, so that P ranks
 # and one process differ by float32 rounding, beyond 1e-6 (the hyper-connections of HY-V4: 2.3e-6
 # on their scale's gradient, 6.8e-8 with them in float64; of DeepSeek-V4: 1.6e-5, 8.3e-8): both
-# sides run them in float64 (family_cases.hf_keeps_float64).
-FLOAT32_ISLANDS = ("hy_v4", "deepseek_v4")
+# sides run them in float64 (family_cases.hf_keeps_float64). Qwen4-Exp's Gated DeltaNet rule
+# computes in float32: 4.2e-6 at SP 3 with its n-gram embeddings' convolution drawn at random.
+FLOAT32_ISLANDS = ("hy_v4", "deepseek_v4", "qwen4_exp", "qwen4_exp_text")
 
 
 def numerics(model_type):

@@ -1,5 +1,6 @@
-"""Qwen4-Exp's query-selected attention under sequence parallelism (hf/families/qsa.py): one
-training step at SP 2, 3 and 4 of a Gated DeltaNet layer then a QSA layer, one uneven document
+"""Qwen4-Exp's query-selected attention under sequence parallelism (hf/families/qsa.py, and its
+n-gram embeddings: ngram.py): one training step at SP 2, 3 and 4 of a Gated DeltaNet layer then
+a QSA layer, both with n-gram embeddings, one uneven document
 and two packed documents whose boundaries do not line up with the shards, float64, against
 one process running each document alone: the loss, every gradient and the tokens every query
 keeps (identical sets). The selection bites:
@@ -16,7 +17,7 @@ import sys
 import pytest
 import torch
 from helpers import SLOW_SPAWN_TIMEOUT
-from sweep import DOCUMENTS, S, largest_error, reference_step, sp_step
+from sweep import DOCUMENTS, S, largest_error, numerics, reference_step, sp_step
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
@@ -29,6 +30,9 @@ from ulysses_kernels.launch import spawn  # noqa: E402
 RATIO, BLOCKS_KEPT = 2, 4
 LINEAR_HEADS = {2: (2, 4), 3: (3, 6), 4: (4, 8)}   # the Gated DeltaNet's key and value heads: a placement at each SP
 TOLERANCE = 1e-6   # the router computes in float32 (the rest within 1e-14)
+# both layers' n-gram embeddings (trigrams; their convolution of kernel 4 dilated by 3 reads 9
+# tokens back, across several shards at SP 4); token 30, the end of a segment, sits at 11 and 14
+NGRAMS = dict(ple_layer_ids=[1, 2], eos_token_id=30, ple_embed_dim=32, heads_per_ngram=2, ngram_vocab_size_base=101)
 
 
 def qsa_model(attn, world, **fields):
@@ -37,13 +41,24 @@ def qsa_model(attn, world, **fields):
     keys, values = LINEAR_HEADS[world]
     overrides = dict(layer_types=["linear_attention", "indexed_attention"], linear_num_key_heads=keys,
                      linear_num_value_heads=values, indexer_n_heads=16, indexer_budget=RATIO * BLOCKS_KEPT,
-                     indexer_compress_ratio=RATIO)
-    return build_tiny_model("qwen4_exp_text", attn, overrides=dict(overrides, **fields))
+                     indexer_compress_ratio=RATIO, **NGRAMS)
+    model = build_tiny_model("qwen4_exp_text", attn, overrides=dict(overrides, **fields))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():   # transformers starts the n-grams' convolution and norms at 0: the halo would not show
+        for name, p in model.named_parameters():
+            if ".ple." in name and ("conv1d" in name or "norm" in name):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
 
 
 def _sp_worker(rank, world):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
+    with numerics("qwen4_exp_text"):   # its Gated DeltaNet rule's float32 kept float64 (sweep.FLOAT32_ISLANDS)
+        return _sp_steps(world, groups)
+
+
+def _sp_steps(world, groups):
     qsa.KEY_TILE, qsa.QUERY_TILE = 3, 5   # several tiles of blocks (the indexer) and of queries (the attention)
     select, recorded = qsa.select_tokens, []
 
@@ -89,6 +104,11 @@ def _block_scores(indexer, hidden, position_embeddings):
 def _reference(world, documents):
     """One process per document: the step, the tokens each query keeps `[S, S]` (global
     indices) and the smallest gap between a deciding query's 4th and 5th block scores."""
+    with numerics("qwen4_exp_text"):
+        return _reference_steps(world, documents)
+
+
+def _reference_steps(world, documents):
     from family_cases import register_exact_eager
 
     model = qsa_model(register_exact_eager(), world)
@@ -136,31 +156,46 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
 PROMPT, NEW_TOKENS = 13, 6
 
 
+def _greedy(model, ids, new_tokens):
+    """Greedy decoding by whole forwards without a cache: transformers 5.25's own generate of
+    Qwen4-Exp raises with n-gram embeddings (its cache has no n-gram state for them)."""
+    for _ in range(new_tokens):
+        ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
 def _generation_worker(rank, world):
     from helpers import rel_err
 
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
     ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        reference, model = qsa_model("eager", world).eval(), qsa_model("ulysses", world).eval()
-        want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        want_logits = reference(ids, use_cache=False).logits[:, -1]
-        whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
-        chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
-        logits, _ = ukhf.prefill(model, ids, groups, chunk_size=5)
-    return dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want), new=want[:, PROMPT:].tolist(),
-                logits=rel_err(logits, want_logits))
+    out = {}
+    for case, fields in (("plain", dict(ple_layer_ids=[])), ("n-grams", {})):
+        with torch.no_grad(), numerics("qwen4_exp_text"):
+            reference, model = qsa_model("eager", world, **fields).eval(), qsa_model("ulysses", world, **fields).eval()
+            want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False) if case == "plain" else \
+                _greedy(reference, ids, NEW_TOKENS)
+            want_logits = reference(ids, use_cache=False).logits[:, -1]
+            whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
+            chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS,
+                                    do_sample=False)
+            logits, _ = ukhf.prefill(model, ids, groups, chunk_size=5)
+        out[case] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
+                         new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits))
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_generation_equals_one_process(world):
-    """Greedy `ukhf.generate` gives `model.generate`'s tokens on every rank, batch 2, the
+    """Greedy `ukhf.generate` gives `model.generate`'s tokens on every rank (with n-gram
+    embeddings: greedy whole forwards', which transformers' generate cannot run), batch 2, the
     prompt (13 tokens: 6 complete blocks, 4 kept) prefilled whole and in chunks of 4; the
     prefill logits in chunks of 5 against one process."""
     per_rank = spawn(_generation_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
     for rank, out in enumerate(per_rank):
-        assert out["whole"] and out["chunked"], (world, rank, out)
-        assert out["logits"] < TOLERANCE, (world, rank, out)
+        for case, r in out.items():
+            assert r["whole"] and r["chunked"], (world, rank, case, r)
+            assert r["logits"] < TOLERANCE, (world, rank, case, r)

@@ -22,6 +22,7 @@ from . import (
     lightning,
     mamba1,
     mamba2,
+    ngram,
     qsa,
     rg_lru,
     rwkv,
@@ -71,6 +72,7 @@ ADAPTERS: Dict[str, Adapter] = {
     **_for(dsa.DOTS3_CLASSES, "sparse_attention", dsa.dots3_forward, dsa.dots3_placement_problem),
     **_for(block_sparse.M3_CLASSES, "sparse_attention", block_sparse.m3_forward, block_sparse.placement_problem),
     **_for(qsa.QSA_CLASSES, "sparse_attention", qsa.qsa_forward, None),
+    **_for(ngram.PLE_CLASSES, "short_conv", ngram.ple_forward, None),
     **_for(compressed.V4_CLASSES, "sparse_attention", compressed.v4_forward, None),
 }
 
