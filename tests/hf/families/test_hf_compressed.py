@@ -167,8 +167,11 @@ def _generation_worker(rank, world):
         whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
         chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
         logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
+    # the state keeps its own rows, not views of a chunk's whole tensors
+    compact = all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                  for state in cache.mixer_states.values() for t in state.values() if isinstance(t, torch.Tensor))
     return dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want), new=want[:, PROMPT:].tolist(),
-                logits=rel_err(logits, want_logits), state_bytes=cache.mixer_bytes())
+                logits=rel_err(logits, want_logits), state_bytes=cache.mixer_bytes(), compact=compact)
 
 
 @pytest.mark.slow
@@ -183,3 +186,4 @@ def test_generation_equals_one_process(world):
     for rank, out in enumerate(per_rank):
         assert out["whole"] and out["chunked"], (world, rank, out)
         assert out["logits"] < TOLERANCE, (world, rank, out)
+        assert out["compact"], (world, rank, out)

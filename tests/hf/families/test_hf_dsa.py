@@ -247,3 +247,55 @@ def test_trainer_mixin_sp2_dp2_matches_the_dp_only_run():
         assert error(losses, reference[0]) < TOL, (rank, losses, reference[0])
         worst = max((error(u, reference[1][n]), n) for n, u in updates.items())
         assert worst[0] < UPDATE_TOL, (rank, worst)
+
+
+# ------------------------------------------------------------------ what the sparse attentions refuse
+
+def _refusal_worker(rank, world):
+    """{case: the error's type and message} of the sparse attentions' refusals on this rank."""
+    from sweep import batch_ids
+    from tiny_models import build_tiny_model
+
+    groups = uk.init_sequence_parallel(world)
+    ukhf.register(groups)
+    out = {}
+
+    def attempt(case, call):
+        try:
+            call()
+            out[case] = None
+        except (ValueError, ukhf.NotSequenceParallelError) as error:
+            out[case] = f"{type(error).__name__}: {error}"
+
+    sparse = {"deepseek_v32": dict(FIELDS), "qwen4_exp_text": dict(layer_types=["indexed_attention"] * 2),
+              "deepseek_v4": dict(layer_types=["compressed_sparse_attention"] * 3),
+              "minimax_m3_vl_text": dict(layer_types=["minimax_m3_sparse"] * 2, index_n_heads=2)}
+    batch = ukhf.shard_batch(batch_ids(), groups)
+    for family, fields in sparse.items():
+        dropping = build_tiny_model(family, "ulysses", overrides=dict(fields, attention_dropout=0.5)).train()
+        attempt(f"{family} dropout", lambda: ukhf.causal_lm_loss(dropping, batch, groups))
+        model = build_tiny_model(family, "ulysses", overrides=fields).eval()
+        attempt(f"{family} cache", lambda: model(**dict(batch.model_inputs(), use_cache=True)))
+    forcing = build_tiny_model("minimax_m3_vl_text", "ulysses", overrides=dict(
+        sparse["minimax_m3_vl_text"], index_local_blocks=3, index_topk_blocks=2))
+    attempt("forced blocks", lambda: ukhf.causal_lm_loss(forcing, batch, groups))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_sparse_attentions_refuse_what_they_cannot_honour_on_every_rank(world):
+    """Attention dropout in training (a ValueError: the adapted softmax has none), a cache
+    outside generate / prefill (transformers' own forward of these layers needs eager's masks:
+    refused at any size) and MiniMax-M3 forcing more local blocks than it keeps (transformers'
+    choice among them is torch.topk's order of equal scores): the same error on every rank."""
+    per_rank = spawn(_refusal_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
+                     preload=["torch", "transformers", "ulysses_kernels.hf"])
+    for case, message in per_rank[0].items():
+        assert all(out[case] == message for out in per_rank), case
+        if case.endswith("dropout"):
+            assert message.startswith("ValueError") and "attention dropout 0.5" in message, (case, message)
+        elif case.endswith("cache"):
+            assert message.startswith("NotSequenceParallelError") and "got a cache outside" in message, message
+        else:
+            assert "forces 3 local blocks into 2 slots" in message, message

@@ -180,8 +180,11 @@ def _generation_worker(rank, world):
             whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
             chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS,
                                     do_sample=False)
+            # a first chunk of one token: no complete block yet
+            single = ukhf.generate(model, ids, groups, prefill_chunk_size=1, max_new_tokens=2, do_sample=False)
             logits, _ = ukhf.prefill(model, ids, groups, chunk_size=5)
         out[case] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
+                         single=torch.equal(single, want[:, :PROMPT + 2]),
                          new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits))
     return out
 
@@ -191,11 +194,12 @@ def _generation_worker(rank, world):
 def test_generation_equals_one_process(world):
     """Greedy `ukhf.generate` gives `model.generate`'s tokens on every rank (with n-gram
     embeddings: greedy whole forwards', which transformers' generate cannot run), batch 2, the
-    prompt (13 tokens: 6 complete blocks, 4 kept) prefilled whole and in chunks of 4; the
-    prefill logits in chunks of 5 against one process."""
+    prompt (13 tokens: 6 complete blocks, 4 kept) prefilled whole, in chunks of 4 and of 1 (a
+    first chunk without a complete block); the prefill logits in chunks of 5 against one
+    process."""
     per_rank = spawn(_generation_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
     for rank, out in enumerate(per_rank):
         for case, r in out.items():
-            assert r["whole"] and r["chunked"], (world, rank, case, r)
+            assert r["whole"] and r["chunked"] and r["single"], (world, rank, case, r)
             assert r["logits"] < TOLERANCE, (world, rank, case, r)

@@ -35,7 +35,13 @@ from ...exchange.sequence import all_gather_sequence
 from ...layout import head_plan_error
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
-from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
+from .mixers import (
+    chunk_head_parallel,
+    original_forward,
+    over_documents,
+    refuse_attention_dropout,
+    refuse_foreign_cache,
+)
 from .selection import EMPTY, select_keys
 
 M3_CLASSES = ("MiniMaxM3VLAttention",)
@@ -50,6 +56,9 @@ def placement_problem(module, world: int) -> Optional[str]:
     if problem is None and module.indexer is not None and module.indexer.num_heads != config.num_key_value_heads:
         problem = (f"its indexer's heads ({module.indexer.num_heads}) are not its key/value heads "
                    f"({config.num_key_value_heads}): each index head selects for one KV group")
+    if problem is None and module.indexer is not None and module.indexer.local_blocks > module.indexer.topk_blocks:
+        problem = (f"its indexer forces {module.indexer.local_blocks} local blocks into {module.indexer.topk_blocks} "
+                   "slots: which of the forced blocks transformers keeps is torch.topk's order of equal scores")
     return problem
 
 
@@ -99,10 +108,12 @@ def select_blocks(indexer, index_q, index_k, positions, key_positions):
     return keep.scatter_(-1, torch.where(chosen == EMPTY, blocks, chosen), True)[..., :blocks]
 
 
-def _attend(q, k, v, keep_blocks, positions, key_positions, scaling: float, block_size: int):
-    """Query heads `[B, H, n, D]` over their keys and values `[B, H, m, D]` (each head's KV
-    head), a key visible when its block is kept (`keep_blocks` `[B, H, n, blocks]`) and it is
-    not after the query; the softmax in float32 or wider: `[B, H, n, D]`."""
+def _attend(q, k, v, kv_index, keep_blocks, positions, key_positions, scaling: float, block_size: int):
+    """Query heads `[B, H, n, D]` over the keys and values `[B, Hk, m, D]` of their KV heads
+    (`kv_index` `[H]`, taken here: not kept for the backward), a key visible when its block is
+    kept (`keep_blocks` `[B, H, n, blocks]`) and it is not after the query; the softmax in
+    float32 or wider: `[B, H, n, D]`."""
+    k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
     keep = keep_blocks.repeat_interleave(block_size, dim=-1)[..., :k.shape[2]]
     keep = keep & (key_positions[None, :] <= positions[:, None])
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
@@ -121,13 +132,13 @@ def block_sparse_attention(module, q, k, v, index_q, index_k, kv_index, position
     positions = torch.arange(n, device=q.device) if positions is None else positions
     key_positions = positions if key_positions is None else key_positions
     q, k, v, index_q, index_k = (t.transpose(1, 2) for t in (q, k, v, index_q, index_k))
-    k, v = k.index_select(1, kv_index), v.index_select(1, kv_index)
     tiles = []
     for start in range(0, n, QUERY_TILE):
         part = slice(start, start + QUERY_TILE)
         keep = select_blocks(module.indexer, index_q[:, :, part], index_k, positions[part], key_positions)
-        tiles.append(checkpoint(_attend, q[:, :, part], k, v, keep.index_select(1, kv_index), positions[part],
-                                key_positions, module.scaling, module.indexer.block_size, use_reentrant=False))
+        tiles.append(checkpoint(_attend, q[:, :, part], k, v, kv_index, keep.index_select(1, kv_index),
+                                positions[part], key_positions, module.scaling, module.indexer.block_size,
+                                use_reentrant=False))
     return torch.cat(tiles, dim=2).transpose(1, 2)
 
 
@@ -183,12 +194,12 @@ def m3_forward(self, hidden_states: torch.Tensor, position_embeddings, attention
     package's); returns (output, None)."""
     if self.indexer is None:
         return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    refuse_attention_dropout(self)
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
         return _generation_attention(self, hidden_states, position_embeddings, cache), None
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")
-        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        refuse_foreign_cache(self)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     _refuse_placement(self, world)
     B, S, _ = hidden_states.shape

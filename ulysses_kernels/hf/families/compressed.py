@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ..context import DecodingCache, token_mixer_call
-from .mixers import check_cache_outside_generation, document_starts, original_forward
+from .mixers import document_starts, refuse_attention_dropout, refuse_foreign_cache
 from .selection import EMPTY, tiled_select
 
 V4_CLASSES = ("DeepseekV4Attention",)
@@ -145,27 +145,33 @@ def _rows(x, index):
     return x.gather(1, flat).view(B, n, k, x.shape[-1])
 
 
-def _attend_tile(q, kv, window, entry_values, entry_index, entry_mask, sinks, scaling: float):
-    """Queries `[B, H, n, D]` over their window rows (`window` `[B, n, W]` of the gathered
-    key-value heads `kv` `[B, T, D]`) and their entries (`entry_index` `[B, n, k]` of
-    `entry_values` `[B, E, D]`, `entry_mask` `[B, n, k]` the usable ones), with a sink logit a
-    head; the softmax in float32 or wider: `[B, H, n, D]`."""
+def _attend_tile(q, kv, window, entries, chosen, queries, query_starts, sinks, scaling: float):
+    """Queries `[B, H, n, D]` (at global indices `queries`, their documents' starts
+    `query_starts`) over their window rows (`window` `[B, n, W]` of the gathered key-value
+    heads `kv` `[B, T, D]`, EMPTY: none) and their entries: `chosen` `[B, n, k]` of `entries`
+    (CSA), or every one they see (HCA: `chosen` None; their scores `[B, H, n, E]`, the mask
+    made here, not kept for the backward); a sink logit a head, float32 as transformers keeps
+    it. The softmax in float32 or wider: `[B, H, n, D]`."""
     rows = _rows(kv, window)
     scores = torch.einsum("bhqd,bqkd->bhqk", q, rows) * scaling
-    scores = scores.masked_fill((window < 0)[:, None], float("-inf"))
-    parts = [scores]
-    if entry_index is not None:
-        entry_rows = _rows(entry_values, entry_index)
+    parts = [scores.masked_fill((window < 0)[:, None], float("-inf"))]
+    if entries is not None and chosen is not None:
+        entry_rows = _rows(entries.values, chosen)
         entry_scores = torch.einsum("bhqd,bqkd->bhqk", q, entry_rows) * scaling
-        parts.append(entry_scores.masked_fill(~entry_mask[:, None], float("-inf")))
+        parts.append(entry_scores.masked_fill((chosen < 0)[:, None], float("-inf")))
+    elif entries is not None:
+        entry_scores = torch.einsum("bhqd,bed->bhqe", q, entries.values) * scaling
+        parts.append(entry_scores.masked_fill(~entries.visible(queries, query_starts)[None, None], float("-inf")))
     B, H, n, _ = q.shape
-    parts.append(sinks.to(scores.dtype).view(1, H, 1, 1).expand(B, H, n, 1))
-    probs = torch.softmax(torch.cat(parts, dim=-1), dim=-1,
-                          dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+    parts.append(sinks.view(1, H, 1, 1).expand(B, H, n, 1))   # torch.cat promotes as transformers' does
+    logits = torch.cat(parts, dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(q.dtype)
     W = window.shape[-1]
     out = torch.einsum("bhqk,bqkd->bhqd", probs[..., :W], rows)
-    if entry_index is not None:
+    if entries is not None and chosen is not None:
         out = out + torch.einsum("bhqk,bqkd->bhqd", probs[..., W:-1], entry_rows)
+    elif entries is not None:
+        out = out + torch.einsum("bhqe,bed->bhqd", probs[..., W:-1], entries.values)
     return out
 
 
@@ -176,19 +182,16 @@ def _window(queries, query_starts, size: int):
     return rows.masked_fill(rows < query_starts[:, None], EMPTY)
 
 
-def _entry_choice(module, hidden_states, q_residual, position_ids, entries, queries, query_starts):
-    """(entry index `[B, n, k]`, usable `[B, n, k]`) of each local query: the indexer's choice
-    (CSA) or every entry it sees (HCA); (None, None) without a compressor or entries."""
-    if entries is None or entries.values.shape[1] == 0:
-        return None, None
-    B = hidden_states.shape[0]
-    if module.layer_type == "compressed_sparse_attention":
-        chosen = _select(module.compressor.indexer, hidden_states, q_residual, position_ids, entries, queries,
-                         query_starts)
-        return chosen, chosen >= 0
-    E = entries.values.shape[1]
-    index = torch.arange(E, device=queries.device).expand(B, queries.shape[0], E)
-    return index, entries.visible(queries, query_starts).expand(B, -1, -1)
+def _entry_choice(module, hidden_states, q_residual, position_ids, index_entries, queries, query_starts):
+    """The entries each local query keeps `[B, n, k]` (EMPTY-padded): the indexer's choice over
+    `index_entries` (CSA); None for an HCA layer (every entry it sees) or a sliding one."""
+    if module.layer_type != "compressed_sparse_attention":
+        return None
+    if index_entries.values.shape[1] == 0:   # no window closed yet
+        return queries.new_full((hidden_states.shape[0], queries.shape[0], module.compressor.indexer.index_topk),
+                                EMPTY)
+    return _select(module.compressor.indexer, hidden_states, q_residual, position_ids, index_entries, queries,
+                   query_starts)
 
 
 def _gathered_entries(module, hidden_states, group, lens, bounds):
@@ -260,7 +263,7 @@ def _grown(state: dict, name: str, compressor, projected, first: int, overlap: b
         pooled = _rope(compressor)(pooled.unsqueeze(1), cos, sin).squeeze(1)
         values = pooled if values is None else torch.cat([values, pooled], dim=1)
     keep = (max(now - 1, 0) if overlap else now) * ratio
-    state[f"{name} tail"], state[f"{name} tail first"] = projected[:, keep - tail_first:], keep
+    state[f"{name} tail"], state[f"{name} tail first"] = projected[:, keep - tail_first:].clone(), keep
     state[f"{name} windows"], state[f"{name} entries"] = now, values
     if values is None:
         values = projected.new_zeros((projected.shape[0], 0, head_dim))
@@ -284,7 +287,7 @@ def _generation_keys(module, hidden_states, kv, cache) -> Keys:
     held = state.get("window")
     rows = whole(kv) if held is None else torch.cat([held, whole(kv)], dim=1)
     rows_first = first - (0 if held is None else held.shape[1])
-    state["window"] = rows[:, rows.shape[1] - min(module.sliding_window - 1, rows.shape[1]):]
+    state["window"] = rows[:, rows.shape[1] - min(module.sliding_window - 1, rows.shape[1]):].clone()
     entries = index_entries = None
     compressor = module.compressor
     if compressor is not None:
@@ -303,12 +306,9 @@ def _generation_keys(module, hidden_states, kv, cache) -> Keys:
 def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None, attention_mask=None,
                cache=None, **kwargs):
     """DeepseekV4Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
+    refuse_attention_dropout(self)
     if cache is not None and not isinstance(cache, DecodingCache):
-        context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1],
-                                                     dict(kwargs, position_ids=position_ids))
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are gathered there only")
-        return original_forward(self)(hidden_states, position_embeddings, position_ids, attention_mask, cache=cache,
-                                      **kwargs)
+        refuse_foreign_cache(self)
     B, S, _ = hidden_states.shape
     D, rope = self.head_dim, _rope(self)
     cos, sin = position_embeddings[self.rope_layer_type]
@@ -317,19 +317,17 @@ def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_
     kv = rope(self.kv_norm(self.kv_proj(hidden_states)).view(B, S, -1, D).transpose(1, 2), cos, sin)[:, 0]
     keys = _generation_keys(self, hidden_states, kv, cache) if isinstance(cache, DecodingCache) else \
         _training_keys(self, hidden_states, kv, dict(kwargs, position_ids=position_ids))
-    chooser = keys.index_entries if self.layer_type == "compressed_sparse_attention" else keys.entries
-    entry_index, entry_mask = _entry_choice(self, hidden_states, q_residual, position_ids, chooser, keys.queries,
-                                            keys.query_starts)
+    chosen = _entry_choice(self, hidden_states, q_residual, position_ids, keys.index_entries, keys.queries,
+                           keys.query_starts)
     window = _window(keys.queries, keys.query_starts, self.sliding_window)
     window = torch.where(window >= 0, window - keys.first, EMPTY).expand(B, -1, -1)
+    entries = keys.entries if keys.entries is not None and keys.entries.values.shape[1] else None
     tiles = []
     for first in range(0, S, QUERY_TILE):
         part = slice(first, first + QUERY_TILE)
-        tiles.append(checkpoint(_attend_tile, q[:, :, part], keys.kv, window[:, part],
-                                None if keys.entries is None else keys.entries.values,
-                                None if entry_index is None else entry_index[:, part],
-                                None if entry_mask is None else entry_mask[:, part], self.sinks, self.scaling,
-                                use_reentrant=False))
+        tiles.append(checkpoint(_attend_tile, q[:, :, part], keys.kv, window[:, part], entries,
+                                None if chosen is None else chosen[:, part], keys.queries[part],
+                                keys.query_starts[part], self.sinks, self.scaling, use_reentrant=False))
     out = rope(torch.cat(tiles, dim=2), cos, -sin)                                  # the values' rope undone
     grouped = self.o_a_proj(out.transpose(1, 2).reshape(B, S, self.config.o_groups, -1)).flatten(2)
     return self.o_b_proj(grouped), None

@@ -39,7 +39,7 @@ from ...exchange.sequence import all_gather_sequence
 from ...layout import head_plan_error
 from ..context import DecodingCache, token_mixer_call
 from .dsa_indexer import Visibility, indexer_keys, rope_of, select, visibility
-from .mixers import check_cache_outside_generation, original_forward
+from .mixers import original_forward, refuse_attention_dropout, refuse_foreign_cache
 
 DSA_CLASSES = ("DeepseekV32Attention", "AXK2Attention")
 # some layers reuse the previous full layer's selection ("shared"): GLM-5, HY-V4
@@ -61,8 +61,8 @@ def _attend_tile(q_latent, q_rot, latent, rot_keys, chosen, scaling, sinks):
     c, r = picked(latent), picked(rot_keys)
     scores = (torch.einsum("bhqr,bqkr->bhqk", q_latent, c) + torch.einsum("bhqd,bqkd->bhqk", q_rot, r)) * scaling
     scores = scores.masked_fill((chosen < 0)[:, None], float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(B, -1, q, 1)], dim=-1)
+    if sinks is not None:   # float32 as transformers keeps them: torch.cat promotes as transformers' does
+        scores = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(B, -1, q, 1)], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(c.dtype)
     return torch.einsum("bhqk,bqkr->bhqr", probs[..., :k], c)
 
@@ -242,15 +242,13 @@ def _sparse_attention(module, hidden_states, position_embeddings, keys, shared_c
 
 
 def _keys_for(module, hidden_states, cache, kwargs):
-    """The keys' source of this forward (`_training_keys` / `_generation_keys`); None: a cache
-    outside generation that `check_cache_outside_generation` lets transformers' own forward
-    fill (one rank, one document a row)."""
+    """The keys' source of this forward (`_training_keys` / `_generation_keys`); a cache outside
+    generation is refused (`mixers.refuse_foreign_cache`)."""
+    refuse_attention_dropout(module)
     if isinstance(cache, DecodingCache):
         return _generation_keys(module, cache)
     if cache is not None:
-        context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
-        check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its keys are gathered there only")
-        return None
+        refuse_foreign_cache(module)
     return _training_keys(module, hidden_states, kwargs)
 
 
@@ -259,9 +257,6 @@ def dsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attentio
     """DeepseekV32Attention's and AXK2Attention's forward, sequence-parallel (the module doc);
     returns (output, None)."""
     keys = _keys_for(self, hidden_states, cache, dict(kwargs, position_ids=position_ids))
-    if keys is None:
-        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
-                                      position_ids=position_ids, **kwargs)
     return _sparse_attention(self, hidden_states, position_embeddings, keys)[0], None
 
 
@@ -271,9 +266,6 @@ def shared_selection_forward(self, hidden_states: torch.Tensor, position_embeddi
     None, the chosen keys `[B, S_local, k]`, global indices), which the model hands to the next
     layer as `prev_topk_indices` (a "shared" layer's)."""
     keys = _keys_for(self, hidden_states, cache, dict(kwargs, position_ids=position_ids))
-    if keys is None:
-        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache,
-                                      position_ids=position_ids, prev_topk_indices=prev_topk_indices, **kwargs)
     out, chosen = _sparse_attention(self, hidden_states, position_embeddings, keys, shared_chosen=prev_topk_indices)
     return out, None, chosen
 

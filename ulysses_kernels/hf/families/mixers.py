@@ -70,6 +70,24 @@ def check_cache_outside_generation(module: nn.Module, context, cu_seqlens, lengt
                          "per row, not per document; call the model with use_cache=False")
 
 
+def refuse_foreign_cache(module: nn.Module) -> None:
+    """A cache given to an adapted sparse attention outside `generate` / `prefill` (transformers'
+    models make one unless called with use_cache=False) is refused on every rank, whatever the
+    size: transformers' own forward of the layer needs eager attention's masks and folds its
+    selection into them, which the package's attention function does not take."""
+    raise refusal(None, f"{type(module).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
+                        "sparse attention runs the package's own forward only", GENERATION_ADVICE)
+
+
+def refuse_attention_dropout(module: nn.Module) -> None:
+    """Attention dropout in training, refused (a ValueError on every rank), as the package's
+    attention function refuses it: an adapted attention that computes its own softmax has none."""
+    dropout = getattr(module, "attention_dropout", 0.0)
+    if module.training and dropout and dropout > 0.0:
+        raise ValueError(f"ulysses_kernels.hf: {type(module).__name__}: attention dropout {dropout} is not supported "
+                         "(set config.attention_dropout = 0.0)")
+
+
 def refuse_conv_padding(module: nn.Module, conv_mask) -> None:
     """A padding mask given to a convolution along the sequence (the per-token mask
     transformers derives from a padded batch) is refused, the same on every rank: a padded

@@ -25,6 +25,7 @@ values, raw index keys and rope (`_generation_attention`); a chunk's queries sel
 over them as in training.
 """
 
+import math
 import sys
 
 import torch
@@ -33,12 +34,12 @@ from torch.utils.checkpoint import checkpoint
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ..context import DecodingCache, token_mixer_call
-from .mixers import check_cache_outside_generation, document_starts, original_forward
+from .mixers import document_starts, refuse_attention_dropout, refuse_foreign_cache
 from .selection import EMPTY, tiled_select
 
 QSA_CLASSES = ("Qwen4ExpTextAttention",)
-KEY_TILE = 4096     # blocks the indexer scores at once: `[B, QUERY_TILE, index heads, KEY_TILE]` float32
-QUERY_TILE = 256    # queries attending at once over their kept tokens (recomputed in the backward)
+KEY_TILE = 4096     # blocks the indexer scores at once: `[B, QUERY_TILE, KEY_TILE, index heads]` float32
+QUERY_TILE = 256    # queries selecting, then attending over their kept tokens (recomputed in the backward), at once
 
 
 def _rope(module):
@@ -82,47 +83,58 @@ def _blocks(indexer, raw_keys, cos, sin, starts):
     return first, keys
 
 
-@torch.no_grad()
-def select_tokens(indexer, index_q, block_first, block_keys, queries, starts):
-    """`[B, n, budget + r - 1]` long: the tokens the queries at global indices `queries` `[n]`
-    (index queries `[B, n, heads, d]`) keep, EMPTY-padded: the kept complete blocks (selection.py's
-    rule over `KEY_TILE` blocks at a time) and the tail up to the query."""
+def _chosen_blocks(indexer, index_q, block_first, block_keys, queries, query_starts):
+    """`[B, n, block_topk]`: the complete blocks the queries keep (selection.py's rule over
+    `KEY_TILE` blocks at a time), EMPTY-padded; all EMPTY without a complete block."""
     r = indexer.compress_ratio
-    start = starts[queries]
-    complete = (queries - start + 1) // r                             # complete blocks each query sees
-    tail_first = start + complete * r
+    if block_first.numel() == 0:
+        return queries.new_full((index_q.shape[0], queries.shape[0], indexer.block_topk), EMPTY)
 
     def tile(first, stop):
         keys = block_keys[:, first:stop].float()
-        scores = torch.relu(torch.einsum("bqhd,bkd->bqkh", index_q, keys)).sum(-1) / indexer.index_head_dim ** 0.5
+        scores = torch.relu(torch.einsum("bqhd,bkd->bqkh", index_q, keys)).sum(-1) / math.sqrt(indexer.index_head_dim)
         own = block_first[first:stop]
-        visible = (own[None, :] >= start[:, None]) & (own[None, :] + r - 1 <= queries[:, None])
+        visible = (own[None, :] >= query_starts[:, None]) & (own[None, :] + r - 1 <= queries[:, None])
         return scores.masked_fill(~visible, float("-inf"))
-    chosen = tiled_select(tile, block_first.shape[0], indexer.block_topk, KEY_TILE)[1] if block_first.numel() else \
-        index_q.new_full((index_q.shape[0], queries.shape[0], indexer.block_topk), EMPTY, dtype=torch.long)
-    first = torch.where(chosen >= 0, block_first[chosen.clamp(min=0)], EMPTY)
+    return tiled_select(tile, block_first.shape[0], indexer.block_topk, KEY_TILE)[1]
+
+
+@torch.no_grad()
+def select_tokens(indexer, index_q, block_first, block_keys, queries, starts):
+    """`[B, n, budget + r - 1]` long: the tokens the queries at global indices `queries` `[n]`
+    (index queries `[B, n, heads, d]`) keep, EMPTY-padded: the kept complete blocks and the tail
+    up to the query; `QUERY_TILE` queries at a time (`[B, QUERY_TILE, KEY_TILE, heads]` scores)."""
+    r = indexer.compress_ratio
+    query_starts = starts[queries]
+    chosen = torch.cat([_chosen_blocks(indexer, index_q[:, part], block_first, block_keys, queries[part],
+                                       query_starts[part])
+                        for part in (slice(i, i + QUERY_TILE) for i in range(0, queries.shape[0], QUERY_TILE))], dim=1)
+    # a chosen block's first token (EMPTY through a last slot of the lookup)
+    first = torch.cat([block_first, block_first.new_tensor([EMPTY])])[torch.where(chosen >= 0, chosen, -1)]
     picked = (first[..., None] + torch.arange(r, device=first.device)).masked_fill(first[..., None] < 0, EMPTY)
-    tail = tail_first[:, None] + torch.arange(r - 1, device=first.device)
+    tail = query_starts + (queries - query_starts + 1) // r * r   # the first token after its complete blocks
+    tail = tail[:, None] + torch.arange(r - 1, device=first.device)
     tail = tail.masked_fill(tail > queries[:, None], EMPTY).expand(chosen.shape[0], -1, -1)
     return torch.cat([picked.flatten(2), tail], dim=-1)
 
 
 def _attend_tile(q, k, v, kept, scaling, groups: int):
     """Queries `[B, H, n, D]` over their kept tokens `[B, n, K]` (EMPTY: none) of the keys and
-    values `[B, T, Hkv, D]`: `[B, H, n, D]`, the softmax in float32 or wider."""
+    values `[B, T, Hkv, D]`, each query head over its KV head's (`groups` query heads a KV
+    head): `[B, H, n, D]`, the softmax in float32 or wider."""
     B, H, n, D = q.shape
     index = kept.clamp(min=0)
 
-    def picked(x):   # [B, T, Hkv, D] -> each query's kept rows [B, n, K, H, D] (a query head's KV head);
-        # the backward scatters into [B, T, Hkv x D]
+    def picked(x):   # [B, T, Hkv, D] -> each query's kept rows [B, n, K, Hkv, D]; the backward scatters into [B, T, ...]
         K, width = index.shape[-1], x.shape[2] * x.shape[3]
         rows = x.reshape(B, x.shape[1], width).gather(1, index.reshape(B, n * K, 1).expand(B, n * K, width))
-        return rows.view(B, n, K, *x.shape[2:]).repeat_interleave(groups, dim=3)
+        return rows.view(B, n, K, *x.shape[2:])
     keys, values = picked(k), picked(v)
-    scores = torch.einsum("bhqd,bqkhd->bhqk", q, keys) * scaling
-    scores = scores.masked_fill((kept < 0)[:, None], float("-inf"))
+    grouped = q.view(B, H // groups, groups, n, D)
+    scores = torch.einsum("bkgqd,bqjkd->bkgqj", grouped, keys) * scaling
+    scores = scores.masked_fill((kept < 0)[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
-    return torch.einsum("bhqk,bqkhd->bhqd", probs, values)
+    return torch.einsum("bkgqj,bqjkd->bkgqd", probs, values).reshape(B, H, n, D)
 
 
 def _attention(module, q, k, v, kept):
@@ -175,12 +187,12 @@ def _prepare_cache(module, cache) -> None:
 
 def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs):
     """Qwen4ExpTextAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
+    refuse_attention_dropout(self)
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
         return _generation_attention(self, hidden_states, position_embeddings, cache), None
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are gathered there only")
-        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        refuse_foreign_cache(self)
+    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, _, rank = context.ulysses()
     B, S, _ = hidden_states.shape
     q, k, v, gate, index_q, raw_keys = _projections(self, hidden_states, position_embeddings)

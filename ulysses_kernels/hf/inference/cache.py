@@ -82,8 +82,8 @@ class HeadShardedCache(DynamicCache):
         self.ring = resolve_group(ring_group) if ring_group is not None else (None, 1, 0)
         # A model without attention holds no K/V (its token mixers keep `mixer_states`): no heads to place
         self.num_q_heads, self.num_kv_heads = head_counts(model) or (None, None)
-        # raised by the first layer that exchanges heads (`q_place`), the same on every rank: DSA's
-        # layers (hf/families/dsa.py) exchange none, so a model of them generates at any size
+        # raised by the first layer to exchange heads (`q_place`), the same on every rank: sparse
+        # attentions whose queries stay on their shard (dsa.py, compressed.py) exchange none
         self._head_plan_error = None if self.num_q_heads is None else \
             head_plan_error(self.ulysses[1], self.num_q_heads, self.num_kv_heads)
         self.backend = backend
@@ -100,10 +100,10 @@ class HeadShardedCache(DynamicCache):
 
     @property
     def q_place(self):
-        """The placement of the model's query heads over the Ulysses group."""
+        """The query heads' placement over the Ulysses group (None: no attention)."""
         if self._head_plan_error:
             raise ValueError(f"HeadShardedCache: {self._head_plan_error}")
-        return place_heads(self.num_q_heads, self.ulysses[1])
+        return None if self.num_q_heads is None else place_heads(self.num_q_heads, self.ulysses[1])
 
     @property
     def _holds_chunk(self) -> bool:
