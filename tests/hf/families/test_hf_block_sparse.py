@@ -74,15 +74,17 @@ def _sp_worker(rank, world):
 def _pooled(indexer, q, k, positions):
     """Block scores `[B, heads, n, blocks]` as transformers' indexer pools them for a document
     run alone (index queries `q` `[B, heads, n, D]`, key `k` `[B, 1, n, D]`), its own block
-    forced (+inf)."""
+    and the `local_blocks - 1` before it forced (+inf)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2))
     n = scores.shape[-1]
     scores = scores.masked_fill(positions[None, None, None, :] > positions[None, None, :, None], float("-inf"))
     blocks = -(-n // BLOCK)
     scores = torch.nn.functional.pad(scores, (0, blocks * BLOCK - n), value=float("-inf"))
     pooled = scores.view(*scores.shape[:3], blocks, BLOCK).amax(-1)
-    own = (positions // BLOCK).view(1, 1, -1, 1).expand(*pooled.shape[:3], 1)
-    return pooled.scatter(-1, own, float("inf"))
+    for back in range(indexer.local_blocks):   # the query's own block and the ones before it, forced
+        forced = (positions // BLOCK - back).clamp(min=0).view(1, 1, -1, 1).expand(*pooled.shape[:3], 1)
+        pooled = pooled.scatter(-1, forced, float("inf"))
+    return pooled
 
 
 def _reference(world, documents):
