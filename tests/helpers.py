@@ -217,6 +217,16 @@ def check_rank_against_reference(full, out, leaves, *, rank, world, causal, tol)
         torch.testing.assert_close(a.float(), b, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def raised(call, errors) -> "str | None":
+    """What `call()` raised of the exception types `errors`, as "Type: message" (None: it
+    returned): refusal tests compare it across ranks."""
+    try:
+        call()
+    except errors as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (the absolute error when ref is zero)."""
     out, ref = out.detach().double(), ref.detach().double().to(out.device)

@@ -324,3 +324,39 @@ def check_example(per_rank):
         assert example["steps"] == 2 and 0 < example["eval_loss"] < 10, example
         assert example["eval_loss"] == per_rank[0]["eval_loss"], per_rank
         assert example.get("zero_init", True), example
+
+
+def mixin_run(rank, world, sp, build, name):
+    """Trainer + SequenceParallelTrainerMixin on `build(vocab_size)` (a family's tiny model,
+    made float32 here) over packed rows of two documents, at SP `sp` x DP world / sp:
+    (per-step losses, every parameter's update). What the families' Trainer tests share."""
+    from transformers import Trainer
+
+    import ulysses_kernels as uk
+    from ulysses_kernels import hf as ukhf
+
+    launch_env(rank, world)
+    groups = uk.init_sequence_parallel(sp)
+    ukhf.register(groups)
+    model = build(VOCAB).float()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cls = recording(type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {}))
+    trainer = cls(model=model, args=trainer_args(shared_dir(f"{name}_sp{sp}")), sp_groups=groups,
+                  train_dataset=PackedDocuments())
+    trainer.train()
+    losses, params = finish(trainer)
+    return losses, {n: p - initial[n] for n, p in params.items()}
+
+
+def check_mixin_sp2_dp2(worker, timeout):
+    """`worker(rank, world, sp)` (a `mixin_run`) at SP 2 x DP 2 against DP 2: per-step losses
+    and every parameter's update on every rank."""
+    from ulysses_kernels.launch import spawn
+
+    preload = ["torch", "transformers", "ulysses_kernels.hf"]
+    reference = spawn(worker, 2, args=(1,), timeout=timeout, start_method="forkserver", preload=preload)[0]
+    per_rank = spawn(worker, 4, args=(2,), timeout=timeout, start_method="forkserver", preload=preload)
+    for rank, (losses, updates) in enumerate(per_rank):
+        assert rel_err(losses, reference[0]) < TOL, (rank, losses, reference[0])
+        worst = max((rel_err(u, reference[1][n]), n) for n, u in updates.items())
+        assert worst[0] < UPDATE_TOL, (rank, worst)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SPAWN_TIMEOUT
+from helpers import SPAWN_TIMEOUT, raised
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
@@ -237,11 +237,7 @@ def _refusals(rank, world):
     out = {}
 
     def attempt(case, call):
-        try:
-            call()
-            out[case] = None
-        except ukhf.NotSequenceParallelError as error:
-            out[case] = str(error)
+        out[case] = raised(call, ukhf.NotSequenceParallelError)
 
     batch = ukhf.shard_batch(_ids(), groups)
     attempt("kolibri1_1 loss", lambda: ukhf.causal_lm_loss(build_tiny_model("kolibri1_1", "ulysses"), batch,

@@ -13,7 +13,8 @@ tokens equal `model.generate` at SP 2 and 3.
 
 import pytest
 import torch
-from helpers import SLOW_SPAWN_TIMEOUT, rel_err
+from helpers import SLOW_SPAWN_TIMEOUT
+from sparse_cases import as_mask, check_generation, generation_outcome, recorded
 from sweep import DOCUMENTS, S, largest_error, reference_step, sp_step
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
@@ -45,25 +46,18 @@ def _sp_worker(rank, world):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
     block_sparse.QUERY_TILE = 5   # several query tiles
-    select, recorded = block_sparse.select_blocks, []
-
-    def record(indexer, index_q, index_k, positions, key_positions):
-        keep = select(indexer, index_q, index_k, positions, key_positions)
-        if int(positions[0]) == 0:   # a document's first tile
-            recorded.append([])
-        recorded[-1].append(keep[0])
-        return keep
-
-    block_sparse.select_blocks = record
     out = {}
-    try:
-        for case, documents in DOCUMENTS.items():
-            recorded.clear()
+    for case, documents in DOCUMENTS.items():
+        # each call's tile of kept blocks `[heads, n, blocks]` and whether it is a document's first
+        with recorded(block_sparse, "select_blocks", lambda args, keep: (int(args[3][0]) == 0, keep[0])) as tiles:
             out[case] = sp_step(m3_model("ulysses", world), documents, groups)
-            # this rank's index heads' kept blocks of each document `[heads, n, blocks]`, and those heads
-            out[(case, "blocks")] = [torch.cat(tiles, dim=1) for tiles in recorded]
-    finally:
-        block_sparse.select_blocks = select
+        documents_blocks = []
+        for first, keep in tiles:
+            if first:
+                documents_blocks.append([])
+            documents_blocks[-1].append(keep)
+        # this rank's index heads' kept blocks of each document `[heads, n, blocks]`
+        out[(case, "blocks")] = [torch.cat(parts, dim=1) for parts in documents_blocks]
     place = place_heads(KV_HEADS[world], world)
     out["index heads"] = list(range(place.source_head(rank), place.source_head(rank) + place.local))
     out["all blocks"] = sp_step(m3_model("ulysses", world, index_topk_blocks=S), DOCUMENTS["one uneven document"],
@@ -102,9 +96,7 @@ def _reference(world, documents):
         hook.remove()
     blocks = []   # each document's kept blocks `[index heads, n, blocks]` (one sparse layer: a call a document)
     for *_, indices in calls:
-        count = -(-indices.shape[2] // BLOCK)
-        kept = torch.zeros(*indices.shape[1:3], count + 1, dtype=torch.bool)
-        blocks.append(kept.scatter_(-1, torch.where(indices[0] >= 0, indices[0], count), True)[..., :count])
+        blocks.append(as_mask(indices[0], -(-indices.shape[2] // BLOCK)))
     gap = float("inf")
     for indexer, (hidden, position_embeddings, _, position_ids), _ in calls:
         ranked = _pooled_from(indexer, hidden, position_embeddings, position_ids).sort(dim=-1, descending=True).values
@@ -147,22 +139,10 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
     assert moved > 1e-3, (moved, where)   # every block instead of the selected ones
 
 
-PROMPT, NEW_TOKENS = 13, 6
-
-
 def _generation_worker(rank, world):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
-    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        reference, model = m3_model("eager", world).eval(), m3_model("ulysses", world).eval()
-        want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        want_logits = reference(ids, use_cache=False).logits[:, -1]
-        whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
-        chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
-        logits, _ = ukhf.prefill(model, ids, groups, chunk_size=5)
-    return dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want), new=want[:, PROMPT:].tolist(),
-                logits=rel_err(logits, want_logits))
+    return generation_outcome(m3_model("eager", world).eval(), m3_model("ulysses", world).eval(), groups)[0]
 
 
 @pytest.mark.slow
@@ -173,6 +153,4 @@ def test_generation_equals_one_process(world):
     prefill logits in chunks of 5 against one process."""
     per_rank = spawn(_generation_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
-    for rank, out in enumerate(per_rank):
-        assert out["whole"] and out["chunked"], (world, rank, out)
-        assert out["logits"] < TOLERANCE, (world, rank, out)
+    check_generation(per_rank, TOLERANCE)

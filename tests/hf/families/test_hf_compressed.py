@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 from helpers import SLOW_SPAWN_TIMEOUT
+from sparse_cases import as_mask, check_generation, generation_outcome, recorded
 from sweep import DOCUMENTS, S, largest_error, numerics, reference_step, sp_step
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
@@ -52,27 +53,19 @@ def _sp_worker(rank, world):
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
     compressed.KEY_TILE, compressed.QUERY_TILE = 2, 5   # several tiles of entries (the indexer) and of queries
-    select, recorded = compressed._select, []
 
-    def record(indexer, hidden_states, q_residual, position_ids, entries, queries, query_starts):
-        chosen = select(indexer, hidden_states, q_residual, position_ids, entries, queries, query_starts)
-        windows = torch.where(chosen[0] >= 0, entries.windows[chosen[0].clamp(min=0)], WINDOWS)
-        recorded.append(torch.zeros(chosen.shape[1], WINDOWS + 1, dtype=torch.bool).scatter_(-1, windows, True))
-        return chosen
+    def windows(args, chosen):   # each query's chosen CSA windows (counted from its document's start)
+        entries = args[4]
+        return as_mask(torch.where(chosen[0] >= 0, entries.windows[chosen[0].clamp(min=0)], -1), WINDOWS)
 
-    compressed._select = record
     out = {}
-    try:
-        with numerics("deepseek_v4"):
-            for case, documents in DOCUMENTS.items():
-                recorded.clear()
+    with numerics("deepseek_v4"):
+        for case, documents in DOCUMENTS.items():
+            with recorded(compressed, "_select", windows) as chosen:
                 out[case] = sp_step(v4_model("ulysses"), documents, groups)
-                # every rank's queries, in global order
-                out[(case, "chosen")] = uk.gather_sequence(recorded[0][:, :WINDOWS].to(torch.float64), groups,
-                                                           dim=0).bool()
-            out["all entries"] = sp_step(v4_model("ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
-    finally:
-        compressed._select = select
+            # every rank's queries, in global order
+            out[(case, "chosen")] = uk.gather_sequence(chosen[0].to(torch.float64), groups, dim=0).bool()
+        out["all entries"] = sp_step(v4_model("ulysses", index_topk=S), DOCUMENTS["one uneven document"], groups)
     return out
 
 
@@ -114,9 +107,7 @@ def _reference(documents):
         chosen, start = torch.zeros(S, WINDOWS, dtype=torch.bool), 0
         for *_, indices in calls:   # one CSA layer: one call per document, in order
             n = indices.shape[1]
-            kept = torch.zeros(n, WINDOWS + 1, dtype=torch.bool)
-            chosen[start:start + n] = kept.scatter_(-1, torch.where(indices[0] >= 0, indices[0], WINDOWS),
-                                                    True)[:, :WINDOWS]
+            chosen[start:start + n] = as_mask(indices[0], WINDOWS)
             start += n
         gap = float("inf")
         for indexer, (hidden, q_residual, position_ids, *_), _ in calls:
@@ -151,27 +142,17 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
     assert moved > 1e-3, (moved, where)   # every entry instead of the selected ones
 
 
-PROMPT, NEW_TOKENS = 13, 6
-
-
 def _generation_worker(rank, world):
-    from helpers import rel_err
-
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
-    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
-    with numerics("deepseek_v4"), torch.no_grad():
-        reference, model = v4_model("eager").eval(), v4_model("ulysses").eval()
-        want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        want_logits = reference(ids, use_cache=False).logits[:, -1]
-        whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
-        chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS, do_sample=False)
-        logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
+    with numerics("deepseek_v4"):
+        out, cache = generation_outcome(v4_model("eager").eval(), v4_model("ulysses").eval(), groups,
+                                        extra_chunks=(1,))
     # the state keeps its own rows, not views of a chunk's whole tensors
-    compact = all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
-                  for state in cache.mixer_states.values() for t in state.values() if isinstance(t, torch.Tensor))
-    return dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want), new=want[:, PROMPT:].tolist(),
-                logits=rel_err(logits, want_logits), state_bytes=cache.mixer_bytes(), compact=compact)
+    out["compact"] = all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                         for state in cache.mixer_states.values() for t in state.values()
+                         if isinstance(t, torch.Tensor))
+    return out
 
 
 @pytest.mark.slow
@@ -179,11 +160,9 @@ def _generation_worker(rank, world):
 def test_generation_equals_one_process(world):
     """Greedy `ukhf.generate` gives `model.generate`'s tokens on every rank, batch 2, the
     prompt (13 tokens: 4 CSA entries, 2 HCA entries, the indexer choosing) prefilled whole and
-    in chunks of 4 (windows and compressor windows straddling chunks); the prefill logits in
-    chunks of 5 against one process."""
+    in chunks of 4 and of 1 (windows and compressor windows straddling chunks); the prefill
+    logits in chunks of 5 against one process; the decoding state holds its own rows."""
     per_rank = spawn(_generation_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
-    for rank, out in enumerate(per_rank):
-        assert out["whole"] and out["chunked"], (world, rank, out)
-        assert out["logits"] < TOLERANCE, (world, rank, out)
-        assert out["compact"], (world, rank, out)
+    check_generation(per_rank, TOLERANCE)
+    assert all(out["compact"] for out in per_rank), per_rank

@@ -17,7 +17,8 @@ checkpointing (the shared selection passed to a recomputed layer).
 
 import pytest
 import torch
-from helpers import SLOW_SPAWN_TIMEOUT, rel_err
+from helpers import SLOW_SPAWN_TIMEOUT, raised
+from sparse_cases import PROMPT, as_mask, check_generation, generation_outcome, recorded
 from sweep import DOCUMENTS, S, largest_error, numerics, reference_step, sp_step
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
@@ -59,35 +60,22 @@ def _sp_worker(rank, world, families):
 
 
 def _sp_family(family, groups, world):
-    select, recorded = dsa.select, []
     # several tiles of keys and of queries (the indexer) and of queries (the attention)
     dsa_indexer.KEY_TILE, dsa_indexer.QUERY_TILE, dsa.QUERY_TILE = 7, 5, 5
-
-    def record(*args):
-        chosen = select(*args)
-        keep = torch.zeros(chosen.shape[1], S + 1, dtype=torch.bool)   # empty slots into a last column
-        keep.scatter_(-1, torch.where(chosen[0] >= 0, chosen[0], S), True)
-        recorded.append(keep[:, :S])
-        return chosen
-
-    dsa.select = record
     out = {}
-    try:
-        with numerics(family):
-            for case, documents in DOCUMENTS.items():
-                recorded.clear()
+    with numerics(family):
+        for case, documents in DOCUMENTS.items():
+            with recorded(dsa, "select", lambda args, chosen: as_mask(chosen[0], S)) as selections:
                 out[case] = sp_step(dsa_model(family, "ulysses"), documents, groups)
-                # every rank's queries of each layer, in global order
-                out[(case, "selected")] = [uk.gather_sequence(keep.to(torch.float64), groups, dim=0).bool()
-                                           for keep in recorded]
-            out["all keys"] = sp_step(dsa_model(family, "ulysses", index_topk=S), DOCUMENTS["one uneven document"],
-                                      groups)
-            if family in PATCHED and world == 2:   # patch_model (tiled MLP and loss) and checkpointing on top
-                patched = ukhf.patch_model(dsa_model(family, "ulysses"), mlp_tile_tokens=5, loss_tile_tokens=5)
-                patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
-                out["patched"] = sp_step(patched, DOCUMENTS["two packed documents"], groups)
-    finally:
-        dsa.select = select
+            # every rank's queries of each layer, in global order
+            out[(case, "selected")] = [uk.gather_sequence(keep.to(torch.float64), groups, dim=0).bool()
+                                       for keep in selections]
+        out["all keys"] = sp_step(dsa_model(family, "ulysses", index_topk=S), DOCUMENTS["one uneven document"],
+                                  groups)
+        if family in PATCHED and world == 2:   # patch_model (tiled MLP and loss) and checkpointing on top
+            patched = ukhf.patch_model(dsa_model(family, "ulysses"), mlp_tile_tokens=5, loss_tile_tokens=5)
+            patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+            out["patched"] = sp_step(patched, DOCUMENTS["two packed documents"], groups)
     return out
 
 
@@ -122,9 +110,9 @@ def _reference_in_numerics(family, documents):
         hidden, q_resid, position_embeddings = args[:3]
         n = hidden.shape[1]
         visible = torch.ones(n, n, dtype=torch.bool).tril()
-        for query in range(n):
-            keys = [int(i) for i in indices[0, query] if int(i) <= query]
-            selected[layer][start + query, [start + k for k in keys]] = True
+        # transformers' top k also names keys the mask hid (fewer visible than k): not selected
+        causal = torch.where(indices[0] <= torch.arange(n)[:, None], indices[0].long(), -1)
+        selected[layer][start:start + n, start:start + n] = as_mask(causal, n)
         keys = dsa_indexer.indexer_keys(indexer, hidden, position_embeddings)
         scores = dsa_indexer.index_scores(indexer, hidden, q_resid, position_embeddings, keys)[0]
         ranked = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True).values
@@ -172,28 +160,21 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
 
 # ------------------------------------------------------------------ generation
 
-PROMPT, NEW_TOKENS = 13, 6
-
-
 def _generation_worker(rank, world, families):
-    """{family: greedy tokens equal, whole and prefilled in chunks of 4; the prefill logits'
-    error in chunks of 5; the cache's bytes on this rank against the planner's}."""
+    """{family: `sparse_cases.generation_outcome`, and the bytes the cache holds on this rank
+    against the planner's (every token's keys on every rank)}."""
+    from ulysses_kernels import planner
+
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
-    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
     out = {}
     for family in families:
-        with numerics(family), torch.no_grad():
-            reference, model = dsa_model(family, "eager").eval(), dsa_model(family, "ulysses").eval()
-            want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-            want_logits = reference(ids, use_cache=False).logits[:, -1]
-            whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
-            chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS,
-                                    do_sample=False)
-            logits, cache = ukhf.prefill(model, ids, groups, chunk_size=5)
-        out[family] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
-                           new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits),
-                           cache_bytes=cache.bytes_per_rank())
+        with numerics(family):
+            model = dsa_model(family, "ulysses").eval()
+            out[family], cache = generation_outcome(dsa_model(family, "eager").eval(), model, groups)
+        shape = planner.shape_from_dict(model.config.to_dict())
+        per_token = shape.dsa.cache_bytes_per_token(shape.mla, dtype_bytes=8)
+        out[family]["cache bytes"] = (cache.bytes_per_rank(), per_token * PROMPT * 2)
     return out
 
 
@@ -207,10 +188,10 @@ def test_generation_equals_one_process(world):
     per_rank = spawn(_generation_worker, world, args=(list(FAMILIES),), timeout=SLOW_SPAWN_TIMEOUT,
                      start_method="forkserver", preload=["torch", "transformers", "ulysses_kernels.hf"])
     for family in FAMILIES:
-        for rank, out in enumerate(per_rank):
-            r = out[family]
-            assert r["whole"] and r["chunked"], (family, world, rank, r)
-            assert r["logits"] < TOLERANCE, (family, world, rank, r)
+        check_generation([out[family] for out in per_rank], TOLERANCE, family)
+        if family != "dots3_note_text":   # its sliding layers' window is the head-sharded cache's
+            held, planned = per_rank[0][family]["cache bytes"]
+            assert held == planned, (family, held, planned)
 
 
 # ------------------------------------------------------------------ Trainer mixin
@@ -218,38 +199,19 @@ def test_generation_equals_one_process(world):
 def _trainer_worker(rank, world, sp):
     """Trainer + SequenceParallelTrainerMixin on a tiny DeepSeek-V3.2 (float32, packed rows of
     two documents, SGD without clipping: trainer_cases.py), at SP `sp` x DP world / sp."""
-    from trainer_cases import VOCAB as ROW_VOCAB
-    from trainer_cases import PackedDocuments, finish, launch_env, recording, shared_dir, trainer_args
-    from transformers import Trainer
+    from trainer_cases import mixin_run
 
-    launch_env(rank, world)
-    groups = uk.init_sequence_parallel(sp)
-    ukhf.register(groups)
-    model = dsa_model("deepseek_v32", "ulysses", vocab_size=ROW_VOCAB).float()
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cls = recording(type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {}))
-    trainer = cls(model=model, args=trainer_args(shared_dir(f"dsa_sp{sp}")), sp_groups=groups,
-                  train_dataset=PackedDocuments())
-    trainer.train()
-    losses, params = finish(trainer)
-    return losses, {n: p - initial[n] for n, p in params.items()}
+    return mixin_run(rank, world, sp, lambda vocab: dsa_model("deepseek_v32", "ulysses", vocab_size=vocab),
+                     "dsa")
 
 
 @pytest.mark.slow
 def test_trainer_mixin_sp2_dp2_matches_the_dp_only_run():
     """SP 2 x DP 2 against DP 2 (the adapter on one rank each, which equals transformers' per
     document above): per-step losses and every parameter's update."""
-    from helpers import rel_err as error
-    from trainer_cases import TOL, UPDATE_TOL
+    from trainer_cases import check_mixin_sp2_dp2
 
-    reference = spawn(_trainer_worker, 2, args=(1,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
-                      preload=["torch", "transformers", "ulysses_kernels.hf"])[0]
-    per_rank = spawn(_trainer_worker, 4, args=(2,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
-                     preload=["torch", "transformers", "ulysses_kernels.hf"])
-    for rank, (losses, updates) in enumerate(per_rank):
-        assert error(losses, reference[0]) < TOL, (rank, losses, reference[0])
-        worst = max((error(u, reference[1][n]), n) for n, u in updates.items())
-        assert worst[0] < UPDATE_TOL, (rank, worst)
+    check_mixin_sp2_dp2(_trainer_worker, SLOW_SPAWN_TIMEOUT)
 
 
 # ------------------------------------------------------------------ what the sparse attentions refuse
@@ -264,11 +226,7 @@ def _refusal_worker(rank, world):
     out = {}
 
     def attempt(case, call):
-        try:
-            call()
-            out[case] = None
-        except (ValueError, ukhf.NotSequenceParallelError) as error:
-            out[case] = f"{type(error).__name__}: {error}"
+        out[case] = raised(call, (ValueError, ukhf.NotSequenceParallelError))
 
     sparse = {"deepseek_v32": dict(FIELDS), "qwen4_exp_text": dict(layer_types=["indexed_attention"] * 2),
               "deepseek_v4": dict(layer_types=["compressed_sparse_attention"] * 3),
@@ -279,6 +237,13 @@ def _refusal_worker(rank, world):
         attempt(f"{family} dropout", lambda: ukhf.causal_lm_loss(dropping, batch, groups))
         model = build_tiny_model(family, "ulysses", overrides=fields).eval()
         attempt(f"{family} cache", lambda: model(**dict(batch.model_inputs(), use_cache=True)))
+    # the Inklings compute their own softmax too
+    dropping = build_tiny_model("inkling_text", "ulysses", overrides=dict(attention_dropout=0.5)).train()
+    attempt("inkling_text dropout", lambda: ukhf.causal_lm_loss(dropping, batch, groups))
+    if world > 1:   # query heads without a placement, met where the prefill first exchanges them (not at the cache)
+        llama = build_tiny_model("llama", "ulysses", overrides=dict(num_attention_heads=3, num_key_value_heads=1))
+        attempt("heads generate", lambda: ukhf.generate(llama.eval(), batch_ids()[:, :9], groups, max_new_tokens=2,
+                                                        do_sample=False))
     forcing = build_tiny_model("minimax_m3_vl_text", "ulysses", overrides=dict(
         sparse["minimax_m3_vl_text"], index_local_blocks=3, index_topk_blocks=2))
     attempt("forced blocks", lambda: ukhf.causal_lm_loss(forcing, batch, groups))
@@ -290,8 +255,11 @@ def _refusal_worker(rank, world):
 def test_the_sparse_attentions_refuse_what_they_cannot_honour_on_every_rank(world):
     """Attention dropout in training (a ValueError: the adapted softmax has none), a cache
     outside generate / prefill (transformers' own forward of these layers needs eager's masks:
-    refused at any size) and MiniMax-M3 forcing more local blocks than it keeps (transformers'
-    choice among them is torch.topk's order of equal scores): the same error on every rank."""
+    refused at any size), MiniMax-M3 forcing more local blocks than it keeps (transformers'
+    choice among them is torch.topk's order of equal scores), and in generation query heads
+    the Ulysses group cannot split (the cache no longer refuses them when it is made, so that a
+    sparse attention without head exchange generates at any size):
+    the same error on every rank. The Inklings refuse attention dropout too."""
     per_rank = spawn(_refusal_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
     for case, message in per_rank[0].items():
@@ -300,5 +268,8 @@ def test_the_sparse_attentions_refuse_what_they_cannot_honour_on_every_rank(worl
             assert message.startswith("ValueError") and "attention dropout 0.5" in message, (case, message)
         elif case.endswith("cache"):
             assert message.startswith("NotSequenceParallelError") and "got a cache outside" in message, message
+        elif case == "heads generate":
+            assert message.startswith("ValueError: 3 heads can be neither split over nor replicated to 2 ranks"), \
+                message
         else:
             assert "forces 3 local blocks into 2 slots" in message, message

@@ -577,38 +577,19 @@ def test_a_value_head_count_without_placement_is_refused():
 def _trainer_worker(rank, world, sp):
     """Trainer + SequenceParallelTrainerMixin on a tiny Qwen3-Next (float32, packed rows of
     two documents, SGD without clipping: trainer_cases.py), at SP `sp` x DP world / sp."""
-    from trainer_cases import VOCAB as ROW_VOCAB
-    from trainer_cases import PackedDocuments, finish, launch_env, recording, shared_dir, trainer_args
-    from transformers import Trainer
+    from trainer_cases import mixin_run
 
-    launch_env(rank, world)
-    groups = uk.init_sequence_parallel(sp)
-    ukhf.register(groups)
-    model = hybrid_model("qwen3_next", "ulysses", 2, vocab_size=ROW_VOCAB).float()
-    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cls = recording(type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {}))
-    trainer = cls(model=model, args=trainer_args(shared_dir(f"hybrid_sp{sp}")), sp_groups=groups,
-                  train_dataset=PackedDocuments())
-    trainer.train()
-    losses, params = finish(trainer)
-    return losses, {n: p - initial[n] for n, p in params.items()}
+    return mixin_run(rank, world, sp, lambda vocab: hybrid_model("qwen3_next", "ulysses", 2, vocab_size=vocab),
+                     "hybrid")
 
 
 @pytest.mark.slow
 def test_trainer_mixin_sp2_dp2_matches_the_dp_only_run():
     """SP 2 x DP 2 against DP 2 (the package's layers on one rank each, which equal
     transformers' per document above): per-step losses and every parameter's update."""
-    from helpers import rel_err as error
-    from trainer_cases import TOL, UPDATE_TOL
+    from trainer_cases import check_mixin_sp2_dp2
 
-    reference = spawn(_trainer_worker, 2, args=(1,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
-                      preload=["torch", "transformers", "ulysses_kernels.hf"])[0]
-    per_rank = spawn(_trainer_worker, 4, args=(2,), timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
-                     preload=["torch", "transformers", "ulysses_kernels.hf"])
-    for rank, (losses, updates) in enumerate(per_rank):
-        assert error(losses, reference[0]) < TOL, (rank, losses, reference[0])
-        worst = max((error(u, reference[1][n]), n) for n, u in updates.items())
-        assert worst[0] < UPDATE_TOL, (rank, worst)
+    check_mixin_sp2_dp2(_trainer_worker, SLOW_SPAWN_TIMEOUT)
 
 
 # ------------------------------------------------------- the ring's chunks, one process

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 from helpers import SLOW_SPAWN_TIMEOUT
+from sparse_cases import NEW_TOKENS, as_mask, check_generation, generation_outcome, prompt_ids, recorded
 from sweep import DOCUMENTS, S, largest_error, numerics, reference_step, sp_step
 
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
@@ -60,25 +61,12 @@ def _sp_worker(rank, world):
 
 def _sp_steps(world, groups):
     qsa.KEY_TILE, qsa.QUERY_TILE = 3, 5   # several tiles of blocks (the indexer) and of queries (the attention)
-    select, recorded = qsa.select_tokens, []
-
-    def record(*args):
-        kept = select(*args)
-        keep = torch.zeros(kept.shape[1], S + 1, dtype=torch.bool)   # empty slots into a last column
-        keep.scatter_(-1, torch.where(kept[0] >= 0, kept[0], S), True)
-        recorded.append(keep[:, :S])
-        return kept
-
-    qsa.select_tokens = record
     out = {}
-    try:
-        for case, documents in DOCUMENTS.items():
-            recorded.clear()
+    for case, documents in DOCUMENTS.items():
+        with recorded(qsa, "select_tokens", lambda args, kept: as_mask(kept[0], S)) as kept:
             out[case] = sp_step(qsa_model("ulysses", world), documents, groups)
-            # every rank's queries, in global order
-            out[(case, "kept")] = uk.gather_sequence(recorded[0].to(torch.float64), groups, dim=0).bool()
-    finally:
-        qsa.select_tokens = select
+        # every rank's queries, in global order
+        out[(case, "kept")] = uk.gather_sequence(kept[0].to(torch.float64), groups, dim=0).bool()
     out["all blocks"] = sp_step(qsa_model("ulysses", world, indexer_budget=RATIO * S), DOCUMENTS["one uneven document"],
                                 groups)
     return out
@@ -153,9 +141,6 @@ def test_training_equals_one_process_per_document_with_the_selection_biting(worl
     assert moved > 1e-3, (moved, where)   # every block instead of the selected ones
 
 
-PROMPT, NEW_TOKENS = 13, 6
-
-
 def _greedy(model, ids, new_tokens):
     """Greedy decoding by whole forwards without a cache: transformers 5.25's own generate of
     Qwen4-Exp raises with n-gram embeddings (its cache has no n-gram state for them)."""
@@ -165,27 +150,15 @@ def _greedy(model, ids, new_tokens):
 
 
 def _generation_worker(rank, world):
-    from helpers import rel_err
-
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
-    ids = torch.randint(3, 96, (2, PROMPT), generator=torch.Generator().manual_seed(3))
     out = {}
     for case, fields in (("plain", dict(ple_layer_ids=[])), ("n-grams", {})):
-        with torch.no_grad(), numerics("qwen4_exp_text"):
+        with numerics("qwen4_exp_text"):
             reference, model = qsa_model("eager", world, **fields).eval(), qsa_model("ulysses", world, **fields).eval()
-            want = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False) if case == "plain" else \
-                _greedy(reference, ids, NEW_TOKENS)
-            want_logits = reference(ids, use_cache=False).logits[:, -1]
-            whole = ukhf.generate(model, ids, groups, max_new_tokens=NEW_TOKENS, do_sample=False)
-            chunked = ukhf.generate(model, ids, groups, prefill_chunk_size=4, max_new_tokens=NEW_TOKENS,
-                                    do_sample=False)
-            # a first chunk of one token: no complete block yet
-            single = ukhf.generate(model, ids, groups, prefill_chunk_size=1, max_new_tokens=2, do_sample=False)
-            logits, _ = ukhf.prefill(model, ids, groups, chunk_size=5)
-        out[case] = dict(whole=torch.equal(whole, want), chunked=torch.equal(chunked, want),
-                         single=torch.equal(single, want[:, :PROMPT + 2]),
-                         new=want[:, PROMPT:].tolist(), logits=rel_err(logits, want_logits))
+            want = None if case == "plain" else _greedy(reference, prompt_ids(), NEW_TOKENS)
+            # chunks of 1: a first chunk without a complete block
+            out[case] = generation_outcome(reference, model, groups, want=want, extra_chunks=(1,))[0]
     return out
 
 
@@ -199,7 +172,5 @@ def test_generation_equals_one_process(world):
     process."""
     per_rank = spawn(_generation_worker, world, timeout=SLOW_SPAWN_TIMEOUT, start_method="forkserver",
                      preload=["torch", "transformers", "ulysses_kernels.hf"])
-    for rank, out in enumerate(per_rank):
-        for case, r in out.items():
-            assert r["whole"] and r["chunked"] and r["single"], (world, rank, case, r)
-            assert r["logits"] < TOLERANCE, (world, rank, case, r)
+    for case in per_rank[0]:
+        check_generation([out[case] for out in per_rank], TOLERANCE, case)

@@ -33,14 +33,13 @@ from torch.utils.checkpoint import checkpoint
 from ...api import ulysses_head_parallel
 from ...exchange.sequence import all_gather_sequence
 from ...layout import head_plan_error
-from ..context import DecodingCache, token_mixer_call
+from ..context import token_mixer_call
 from ..model import refusal
 from .mixers import (
     chunk_head_parallel,
     original_forward,
     over_documents,
-    refuse_attention_dropout,
-    refuse_foreign_cache,
+    sparse_attention_cache,
 )
 from .selection import EMPTY, select_keys
 
@@ -194,11 +193,9 @@ def m3_forward(self, hidden_states: torch.Tensor, position_embeddings, attention
     package's); returns (output, None)."""
     if self.indexer is None:
         return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-    refuse_attention_dropout(self)
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_attention(self, hidden_states, position_embeddings, cache), None
-    if cache is not None:
-        refuse_foreign_cache(self)
+    decoding = sparse_attention_cache(self, cache)
+    if decoding is not None:   # ulysses_kernels.hf.generate / prefill
+        return _generation_attention(self, hidden_states, position_embeddings, decoding), None
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, world, _ = context.ulysses()
     _refuse_placement(self, world)

@@ -37,8 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
-from ..context import DecodingCache, token_mixer_call
-from .mixers import document_starts, refuse_attention_dropout, refuse_foreign_cache
+from ..context import token_mixer_call
+from .mixers import document_starts, sparse_attention_cache
 from .selection import EMPTY, tiled_select
 
 V4_CLASSES = ("DeepseekV4Attention",)
@@ -306,16 +306,14 @@ def _generation_keys(module, hidden_states, kv, cache) -> Keys:
 def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None, attention_mask=None,
                cache=None, **kwargs):
     """DeepseekV4Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    refuse_attention_dropout(self)
-    if cache is not None and not isinstance(cache, DecodingCache):
-        refuse_foreign_cache(self)
+    decoding = sparse_attention_cache(self, cache)
     B, S, _ = hidden_states.shape
     D, rope = self.head_dim, _rope(self)
     cos, sin = position_embeddings[self.rope_layer_type]
     q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
     q = rope(self.q_b_norm(self.q_b_proj(q_residual).view(B, S, -1, D).transpose(1, 2)), cos, sin)
     kv = rope(self.kv_norm(self.kv_proj(hidden_states)).view(B, S, -1, D).transpose(1, 2), cos, sin)[:, 0]
-    keys = _generation_keys(self, hidden_states, kv, cache) if isinstance(cache, DecodingCache) else \
+    keys = _generation_keys(self, hidden_states, kv, decoding) if decoding is not None else \
         _training_keys(self, hidden_states, kv, dict(kwargs, position_ids=position_ids))
     chosen = _entry_choice(self, hidden_states, q_residual, position_ids, keys.index_entries, keys.queries,
                            keys.query_starts)

@@ -37,9 +37,9 @@ from torch.utils.checkpoint import checkpoint
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ...layout import head_plan_error
-from ..context import DecodingCache, token_mixer_call
+from ..context import token_mixer_call
 from .dsa_indexer import Visibility, indexer_keys, rope_of, select, visibility
-from .mixers import original_forward, refuse_attention_dropout, refuse_foreign_cache
+from .mixers import original_forward, sparse_attention_cache
 
 DSA_CLASSES = ("DeepseekV32Attention", "AXK2Attention")
 # some layers reuse the previous full layer's selection ("shared"): GLM-5, HY-V4
@@ -242,13 +242,11 @@ def _sparse_attention(module, hidden_states, position_embeddings, keys, shared_c
 
 
 def _keys_for(module, hidden_states, cache, kwargs):
-    """The keys' source of this forward (`_training_keys` / `_generation_keys`); a cache outside
-    generation is refused (`mixers.refuse_foreign_cache`)."""
-    refuse_attention_dropout(module)
-    if isinstance(cache, DecodingCache):
-        return _generation_keys(module, cache)
-    if cache is not None:
-        refuse_foreign_cache(module)
+    """The keys' source of this forward (`_training_keys` / `_generation_keys`), after
+    `mixers.sparse_attention_cache`'s refusals."""
+    decoding = sparse_attention_cache(module, cache)
+    if decoding is not None:
+        return _generation_keys(module, decoding)
     return _training_keys(module, hidden_states, kwargs)
 
 

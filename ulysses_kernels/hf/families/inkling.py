@@ -44,6 +44,7 @@ from .mixers import (
     chunk_head_parallel,
     original_forward,
     over_documents,
+    refuse_attention_dropout,
     refuse_conv_padding,
 )
 
@@ -229,6 +230,7 @@ def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, co
                       **kwargs):
     """InklingAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
     refuse_conv_padding(self, conv_mask)
+    refuse_attention_dropout(self)
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
         return _generation_attention(self, hidden_states, cache), None
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)

@@ -39,7 +39,13 @@ from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
 from .inkling import convolve, decoding_heads, depthwise, heads_forward, placement_problem
-from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, refuse_conv_padding
+from .mixers import (
+    check_cache_outside_generation,
+    chunk_head_parallel,
+    original_forward,
+    refuse_attention_dropout,
+    refuse_conv_padding,
+)
 
 # Inkling 2 Loop's classes are Inkling 2's, renamed; its message residual is one more attention over depth
 STATIC_CONV_CLASSES = ("Inkling2ShortConvolution", "Inkling2LoopShortConvolution")
@@ -103,6 +109,7 @@ def attention_forward(self, hidden_states: torch.Tensor, key_hidden_states=None,
     """Inkling2SlidingAttention's and Inkling2FullAttention's forward, sequence-parallel (the
     module doc); returns (output, None)."""
     refuse_conv_padding(self, conv_mask)
+    refuse_attention_dropout(self)
     keys_from = hidden_states if key_hidden_states is None else key_hidden_states
     values_from = hidden_states if value_hidden_states is None else value_hidden_states
     if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill

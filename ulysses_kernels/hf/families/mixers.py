@@ -40,6 +40,7 @@ from torch import nn
 from ...api import ulysses_head_parallel
 from ...distributed.collectives import all_gather_tensor
 from ...layout import LocalHeads, place_heads
+from ..context import DecodingCache
 from ..model import record_of, refusal
 
 
@@ -70,22 +71,28 @@ def check_cache_outside_generation(module: nn.Module, context, cu_seqlens, lengt
                          "per row, not per document; call the model with use_cache=False")
 
 
-def refuse_foreign_cache(module: nn.Module) -> None:
-    """A cache given to an adapted sparse attention outside `generate` / `prefill` (transformers'
-    models make one unless called with use_cache=False) is refused on every rank, whatever the
-    size: transformers' own forward of the layer needs eager attention's masks and folds its
-    selection into them, which the package's attention function does not take."""
-    raise refusal(None, f"{type(module).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
-                        "sparse attention runs the package's own forward only", GENERATION_ADVICE)
-
-
 def refuse_attention_dropout(module: nn.Module) -> None:
-    """Attention dropout in training, refused (a ValueError on every rank), as the package's
-    attention function refuses it: an adapted attention that computes its own softmax has none."""
+    """Attention dropout in training, refused with a ValueError on every rank, as the package's
+    attention function refuses it: an adapted attention that computes its own softmax (the
+    sparse attentions, the Inklings') has none."""
     dropout = getattr(module, "attention_dropout", 0.0)
     if module.training and dropout and dropout > 0.0:
         raise ValueError(f"ulysses_kernels.hf: {type(module).__name__}: attention dropout {dropout} is not supported "
                          "(set config.attention_dropout = 0.0)")
+
+
+def sparse_attention_cache(module: nn.Module, cache) -> Optional[DecodingCache]:
+    """What every adapted sparse attention (dsa.py, qsa.py, compressed.py, block_sparse.py) asks
+    first: the decoding cache inside `generate` / `prefill` (None: training). Refused on every
+    rank, whatever the size: attention dropout in training (`refuse_attention_dropout`), and a
+    cache outside `generate` / `prefill` (transformers' models make one unless called with
+    use_cache=False; transformers' own forward of these layers needs eager attention's masks and
+    folds its selection into them, which the package's attention function does not take)."""
+    refuse_attention_dropout(module)
+    if cache is None or isinstance(cache, DecodingCache):
+        return cache
+    raise refusal(None, f"{type(module).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: its "
+                        "sparse attention runs the package's own forward only", GENERATION_ADVICE)
 
 
 def refuse_conv_padding(module: nn.Module, conv_mask) -> None:

@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
-from ..context import DecodingCache, token_mixer_call
-from .mixers import document_starts, refuse_attention_dropout, refuse_foreign_cache
+from ..context import token_mixer_call
+from .mixers import document_starts, sparse_attention_cache
 from .selection import EMPTY, tiled_select
 
 QSA_CLASSES = ("Qwen4ExpTextAttention",)
@@ -187,11 +187,9 @@ def _prepare_cache(module, cache) -> None:
 
 def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs):
     """Qwen4ExpTextAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    refuse_attention_dropout(self)
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_attention(self, hidden_states, position_embeddings, cache), None
-    if cache is not None:
-        refuse_foreign_cache(self)
+    decoding = sparse_attention_cache(self, cache)
+    if decoding is not None:   # ulysses_kernels.hf.generate / prefill
+        return _generation_attention(self, hidden_states, position_embeddings, decoding), None
     context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
     group, _, rank = context.ulysses()
     B, S, _ = hidden_states.shape
