@@ -23,7 +23,7 @@ import torch.distributed as dist
 from helpers import check_rank_against_reference, needs_extension, randn, seq_lens
 
 import ulysses_kernels as uk
-from ulysses_kernels import cli, env, fused
+from ulysses_kernels import cli, env, fused, streams
 from ulysses_kernels.fused import engine as fused_engine
 from ulysses_kernels.fused import symm_transport as st
 from ulysses_kernels.fused.symm_transport import SymmTransport
@@ -74,7 +74,7 @@ def test_read_order_starts_after_this_rank():
 def test_growth_during_capture_raises(monkeypatch):
     transport = SymmTransport.__new__(SymmTransport)  # no window yet, no device needed
     transport.window, transport.handle, transport.retired, transport._views = None, None, [], {}
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(streams, "is_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="during CUDA graph capture"):
         transport._ensure_window(100)
 

@@ -6,7 +6,7 @@ attention (docs/architecture.md, "Fused path").
 - `ops.py`: the CUDA ops as the path calls them (placements from layout.py), their fakes.
 - `transport.py`: NCCL communicator; `symm_transport.py`: symmetric-memory windows (not yet
   run on a GPU, `ULYSSES_KERNELS_TRANSPORT=symm`); `engine.py`: transport + comm stream + buffers per group.
-- `streams.py`: stream/event helpers; `exchange.py`: the seq <-> heads exchange on the engine.
+- `exchange.py`: the seq <-> heads exchange on the engine (streams and events: `ulysses_kernels/streams.py`).
 - `pipeline.py`: the chunked forward/backward pipelines; `attention.py`: `ulysses_attention`
   on this path; `layer.py`: the self-attention block whose projection GEMMs run inside the
   pipeline; `ring.py`: the Ulysses x Ring transfers on the ring group's engine.

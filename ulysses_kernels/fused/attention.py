@@ -12,13 +12,13 @@ import torch
 from ..exchange.heads import local_sinks
 from ..extensions import load_extension
 from ..layout import HeadPlan, split_lengths
+from ..streams import device_ctx
 from ..triton_path import kernels_problem
 from ..variants import PLAIN, Variant
 from . import ops, pipeline
 from .engine import Engine, get_engine
 from .pipeline import AttentionOptions, Geometry, Saved
 from .plan import Chunk, plan_chunks, resolve_num_chunks
-from .streams import device_ctx
 
 
 def problem(device: torch.device, tensors=()) -> Optional[str]:

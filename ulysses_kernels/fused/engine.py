@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import env
+from .. import env, streams
 from . import symm_transport
 from .symm_transport import SymmTransport
 from .transport import NcclTransport
@@ -93,9 +93,10 @@ class Engine:
     def __init__(self, group, world: int, rank: int, device: torch.device, transport=NcclTransport):
         self.group, self.world, self.rank, self.device = group, world, rank, device
         self.transport = transport(group, world, rank, device)
-        # CPU engines (the pipeline on the torch stand-ins of ulysses_kernels.testing) have no streams.
+        # CPU engines (the pipeline on the torch stand-ins of ulysses_kernels.testing) have no streams,
+        # unless the stream-order checker simulates them (ulysses_kernels/streams.py).
         # High priority so NCCL's kernels get SMs while attention kernels fill the GPU.
-        self.stream = torch.cuda.Stream(device=device, priority=-1) if device.type == "cuda" else None
+        self.stream = streams.new_stream(device, priority=-1)
         self._buffers: Dict[str, torch.Tensor] = {}
         self._buffer_streams: Dict[str, set] = {}  # streams each buffer was recorded on
 
@@ -114,14 +115,13 @@ class Engine:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._buffers[name] = buf
             self._buffer_streams[name] = set()
-            if self.stream is not None:
-                buf.record_stream(self.stream)
-        if self.stream is not None and not torch.cuda.is_current_stream_capturing():
-            cur = torch.cuda.current_stream(self.device)
+            streams.record_stream(buf, self.stream)
+        if self.stream is not None and not streams.is_capturing():
+            cur = streams.current_stream(self.device)
             seen = self._buffer_streams.setdefault(name, set())
             key = (cur.stream_id, cur.device_index)
             if key not in seen:
-                buf.record_stream(cur)
+                streams.record_stream(buf, cur)
                 seen.add(key)
         return buf[:int(numel) * esize].view(dtype)
 

@@ -18,9 +18,9 @@ import torch
 
 from ..exchange.buffers import bshd_to_blocks, recv_blocks_to_bshd
 from ..layout import place_heads
+from ..streams import current_stream, device_ctx, event, on, record_stream, wait
 from . import ops
 from .engine import Engine, get_engine
-from .streams import current_stream, device_ctx, event, on, wait
 
 
 def send_to_heads(engine: Engine, srcs: Sequence[torch.Tensor], send: torch.Tensor, recv: torch.Tensor,
@@ -48,9 +48,8 @@ def return_to_seq(engine: Engine, send: torch.Tensor, recv: torch.Tensor, outs: 
 def keep_for_comm(engine: Engine, *tensors) -> None:
     """Tensors made on the compute stream and used on the comm stream stay allocated until
     the comm stream is done with them."""
-    if engine.stream is not None:
-        for t in tensors:
-            t.record_stream(engine.stream)
+    for t in tensors:
+        record_stream(t, engine.stream)
 
 
 def on_comm(engine: Engine, device: torch.device, work):

@@ -32,11 +32,11 @@ import torch.nn.functional as F
 
 from ..layout import place_heads
 from ..rotary import apply_rotary_adjoint
+from ..streams import current_stream, device_ctx, wait
 from ..variants import PLAIN, Variant
 from . import pipeline
 from .attention import Setup, prepare
 from .pipeline import Saved
-from .streams import current_stream, device_ctx, wait
 
 # ----------------------------------------------------------------------- head orders
 

@@ -35,11 +35,11 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from ..extensions import require_triton_kernels
+from ..streams import current_stream, event, on, wait
 from ..variants import PLAIN, Variant
 from .engine import Engine
 from .exchange import return_to_seq, send_to_heads
 from .plan import Chunk
-from .streams import current_stream, event, on, wait
 
 _ALIGN_BYTES = 256
 
@@ -175,13 +175,18 @@ def chunk_views(plan: Sequence[Chunk], i: int, saved: Saved, geo: Geometry):
 
 # ------------------------------------------------------------------------- pipelines
 
-def _pack_and_send(engine: Engine, io: ChunkIo, plan, geo: Geometry, *, buffer: str, recv, recv_off,
-                   channels, dtype) -> list:
-    """Comm stream, per chunk: pack its inputs, exchange them (seq -> heads). Returns one
-    'ready' event per chunk (None on CPU)."""
-    compute, comm = current_stream(recv.device), engine.stream
+def _send_buffer(engine: Engine, plan, geo: Geometry, *, buffer: str, channels, dtype):
+    """The seq -> heads send buffer of every chunk and each chunk's offset in it."""
     send_off, send_total = regions([geo.send_numel(channels(c)) for c in plan], dtype)
-    send = engine.buffer(buffer, send_total, dtype)
+    return engine.buffer(buffer, send_total, dtype), send_off
+
+
+def _pack_and_send(engine: Engine, io: ChunkIo, plan, geo: Geometry, *, send, send_off, recv, recv_off,
+                   channels) -> list:
+    """Comm stream, per chunk: pack its inputs, exchange them (seq -> heads). Returns one
+    'ready' event per chunk (None on CPU). `send` was allocated before the comm stream's
+    wait on the compute stream (see forward)."""
+    compute, comm = current_stream(recv.device), engine.stream
     ready = []
     for i, c in enumerate(plan):
         srcs, offsets, counts = io.inputs(i, c)
@@ -237,12 +242,16 @@ def forward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, 
         recv = engine.buffer("fwd_recv", recv_total, dtype)
         osend = engine.buffer("fwd_osend", osend_total, dtype)
     orecv = engine.buffer("fwd_orecv", orecv_total, dtype)
+    send, send_off = _send_buffer(engine, plan, geo, buffer="fwd_send", channels=lambda c: c.channels, dtype=dtype)
     saved = Saved(recv, recv_off, osend, osend_off, [])
 
+    # Every buffer is allocated (on the compute stream) before the comm stream waits for it:
+    # memory the caching allocator hands out may still be in use by compute work queued before
+    # its last free, and the comm stream is ordered after that work only by this wait.
     compute, comm = current_stream(device), engine.stream
     wait(comm, event(compute))
-    ready = _pack_and_send(engine, io, plan, geo, buffer="fwd_send", recv=recv, recv_off=recv_off,
-                           channels=lambda c: c.channels, dtype=dtype)
+    ready = _pack_and_send(engine, io, plan, geo, send=send, send_off=send_off, recv=recv, recv_off=recv_off,
+                           channels=lambda c: c.channels)
     io.after_inputs()
     unpacked: list = []
     for i, c in enumerate(plan):
@@ -269,13 +278,14 @@ def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions,
     drecv = engine.buffer("bwd_drecv", drecv_total, dtype)
     gsend = engine.buffer("bwd_gsend", gsend_total, dtype)
     grecv = engine.buffer("bwd_grecv", grecv_total, dtype)
+    send, send_off = _send_buffer(engine, plan, geo, buffer="bwd_dsend", channels=lambda c: c.q_cnt, dtype=dtype)
     # A KV head shared by several chunks: its dK/dV accumulated in fp32 over them.
     shared: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
     compute, comm = current_stream(device), engine.stream
-    wait(comm, event(compute))
-    ready = _pack_and_send(engine, io, plan, geo, buffer="bwd_dsend", recv=drecv, recv_off=drecv_off,
-                           channels=lambda c: c.q_cnt, dtype=dtype)
+    wait(comm, event(compute))  # after every allocation (see forward)
+    ready = _pack_and_send(engine, io, plan, geo, send=send, send_off=send_off, recv=drecv, recv_off=drecv_off,
+                           channels=lambda c: c.q_cnt)
     io.after_inputs()
     unpacked: list = []
     for i, c in enumerate(plan):

@@ -12,9 +12,9 @@ schedule needs its data, so the transfer of block i+1 runs while block i is comp
 
 import torch
 
+from ..streams import current_stream, wait
 from .engine import Engine, get_engine
 from .exchange import keep_for_comm, on_comm
-from .streams import current_stream, wait
 
 
 class EngineShift:

@@ -64,6 +64,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .. import streams
 from .transport import timeout as exchange_timeout
 
 READY_CHANNEL = 0         # barrier: every window holds this call's data
@@ -247,7 +248,7 @@ class SymmTransport:
         size = grown_window_bytes(self.window_bytes(), needed)
         if size == self.window_bytes():
             return
-        if torch.cuda.is_current_stream_capturing():
+        if streams.is_capturing():
             raise RuntimeError(
                 f"ulysses_kernels: SymmTransport needs a larger window ({needed} bytes, it has "
                 f"{self.window_bytes()}) during CUDA graph capture, where its rendezvous (a host-blocking "
@@ -276,7 +277,7 @@ class SymmTransport:
         if self.closed:
             return
         self.closed = True
-        if self.window is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize(self.device)
+        if self.window is not None and not streams.is_capturing():
+            streams.synchronize(self.device)
         self._views.clear()
         self.window, self.handle, self.retired = None, None, []

@@ -7,8 +7,8 @@ import torch
 
 from .. import fused
 from ..fused.exchange import send_to_heads
-from ..fused.streams import current_stream, event, on, wait
 from ..layout import HeadPlan
+from ..streams import current_stream, event, on, wait
 
 
 def qkv_exchange(q, k, v, engine: fused.Engine, lens: Sequence[int]) -> torch.Tensor:

@@ -32,6 +32,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ... import streams
+
 
 class HostBufferPool:
     """Grow-only pool of flat host byte buffers, reused by size: after the first step the
@@ -48,7 +50,7 @@ class HostBufferPool:
     def take(self, nbytes: int) -> torch.Tensor:
         free = self._free[nbytes]
         for i, (buf, ready) in enumerate(free):
-            if ready is None or ready.query():
+            if streams.query(ready):
                 return free.pop(i)[0]
         self.allocations += 1
         self.allocated_bytes += nbytes
@@ -85,8 +87,7 @@ class CheckpointOffload:
 
     def __init__(self, device_type: str = "cuda", min_bytes: int = 1 << 16, pool: Optional[HostBufferPool] = None):
         self.device_type, self.min_bytes = device_type, min_bytes
-        cuda = device_type == "cuda" and torch.cuda.is_available()
-        self.pool = pool or HostBufferPool(pin=cuda)
+        self.pool = pool or HostBufferPool(pin=streams.pin_host_memory(torch.device(device_type)))
         self.stream = None
         self._last: Optional[_Offloaded] = None  # the most recent pack: the next unpack's predecessor
         self.packed = 0                          # tensors offloaded (tests, monitoring)
@@ -95,14 +96,15 @@ class CheckpointOffload:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _side_stream(self, device):
-        if device.type != "cuda":
-            return None
+        """The side stream of the copies (None without streams: CPU, where copies are in order)."""
         if self.stream is None:
-            self.stream = torch.cuda.Stream(device=device)
+            self.stream = streams.new_stream(device)
         return self.stream
 
     def _pack(self, t: torch.Tensor):
-        if t.device.type != self.device_type or isinstance(t, nn.Parameter) or \
+        # Empty tensors stay: nothing to move (torch 2.11's checkpoint saves an empty placeholder
+        # beside the inputs, later releases do not).
+        if t.device.type != self.device_type or isinstance(t, nn.Parameter) or t.numel() == 0 or \
                 t.numel() * t.element_size() < self.min_bytes:
             return t
         src = t if t.is_contiguous() else t.contiguous()
@@ -113,12 +115,11 @@ class CheckpointOffload:
         if side is None:
             host.copy_(src.reshape(-1).view(torch.uint8))
         else:
-            side.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(side):
+            streams.wait_stream(side, streams.current_stream(t.device))
+            with streams.on(side):
                 host.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(side)
-            src.record_stream(side)  # its memory is not reused before the copy is done
+                copied = streams.event(side)
+            streams.record_stream(src, side)  # its memory is not reused before the copy is done
         self.packed += 1
         handle = _Offloaded(host, src.dtype, tuple(src.shape), t.device, copied, self._last)
         self._last = handle
@@ -129,17 +130,15 @@ class CheckpointOffload:
             flat = torch.empty(h.host.numel(), dtype=torch.uint8, device=h.device)
             flat.copy_(h.host)
             return flat.view(h.dtype).view(h.shape), None
-        with torch.cuda.stream(stream):
+        with streams.on(stream):
             # Allocated on the side stream that writes it: memory from the compute stream's
             # pool can still be in use by compute kernels queued before its free, and a side
             # stream write into it would race them. The compute stream's use is recorded in
             # _unpack (record_stream), so the block is not reused before that use is done.
             flat = torch.empty(h.host.numel(), dtype=torch.uint8, device=h.device)
-            if h.copied is not None:
-                stream.wait_event(h.copied)
+            streams.wait(stream, h.copied)
             flat.copy_(h.host, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
+            done = streams.event(stream)
         return flat.view(h.dtype).view(h.shape), done
 
     def _unpack(self, h):
@@ -154,8 +153,9 @@ class CheckpointOffload:
         else:
             t, done = self._to_device(h, side)
         if side is not None:
-            torch.cuda.current_stream(h.device).wait_event(done)
-            t.record_stream(torch.cuda.current_stream(h.device))
+            compute = streams.current_stream(h.device)
+            streams.wait(compute, done)
+            streams.record_stream(t, compute)
         prev = h.previous  # the block before is needed next (backward runs in reverse)
         if prev is not None and prev.prefetched is None and side is not None:
             prev.prefetched = self._to_device(prev, side)
