@@ -5,10 +5,15 @@ all-to-all trades it for a head shard of the whole sequence, attention runs exac
 a second all-to-all trades it back. Beyond the head count, the Ulysses x Ring hybrid
 runs ring attention over a second group (`init_sequence_parallel(sp, ring_size=R)`).
 docs/architecture.md walks one call through the package; this module only re-exports
-the public API.
+the public API, after one process-wide setting: NCCL_LAUNCH_ORDER_IMPLICIT=1 unless the
+environment names a value (nccl_order.py: the fused engine's NCCL communicator beside torch's).
 """
 
-from .api import (
+from .nccl_order import order_nccl_launches
+
+order_nccl_launches()
+
+from .api import (  # noqa: E402 - after the NCCL setting, which must precede any NCCL launch
     flash_attention,
     gather_sequence,
     heads_to_seq,

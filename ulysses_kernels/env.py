@@ -86,6 +86,12 @@ NCCL_TIMEOUT = Variable("ULYSSES_KERNELS_NCCL_TIMEOUT", "number", "600", "ulysse
 NCCL_CHECK = Variable("ULYSSES_KERNELS_NCCL_CHECK", "flag", "0", "ulysses_kernels/fused/transport.py",
                       "Wait on the host after every fused call for its exchanges (debugging: a hang inside NCCL "
                       "becomes an exception). Read when a communicator is created.")
+NCCL_LAUNCH_ORDER = Variable("NCCL_LAUNCH_ORDER_IMPLICIT", "flag", "1 (set when ulysses_kernels is imported, unless set)",
+                             "ulysses_kernels/nccl_order.py (and NCCL itself)",
+                             "NCCL orders the operations of every communicator of a device by host launch order "
+                             "(NCCL >= 2.26; read at the process's first NCCL launch). The fused path's NCCL "
+                             "transport, a communicator beside torch's, refuses to start unless it is 1 "
+                             "(docs/architecture.md, \"The engine beside torch's NCCL groups\").")
 NCCL_BLOCKING = Variable("ULYSSES_KERNELS_NCCL_BLOCKING", "flag", "0", "ulysses_kernels/fused/transport.py",
                          "NCCL's blocking mode instead of the polled non-blocking one (launches stay in the "
                          "calling thread; init can then hang). Read when a communicator is created.")
@@ -107,16 +113,22 @@ FAILURE_LOG = Variable("ULYSSES_KERNELS_FAILURE_LOG", "path", "(unset: none)", "
                        "sets one per step, so a step cut off at its time limit still tells why its tests failed).")
 GPU_CHECK_DRY_RUN = Variable("GPU_CHECK_DRY_RUN", "flag", "0", "bench/_steps.sh, bench/*.py",
                              "Walk `bench/gpu_check.sh` on a CPU with the GPU parts stubbed (CI runs it).")
-GPU_CHECK_STEPS = Variable("GPU_CHECK_STEPS", "text", "every default step", "bench/gpu_check.sh",
-                           "The steps of `bench/gpu_check.sh` to run, e.g. \"install fp32_tests\".")
+GPU_CHECK_STEPS = Variable("GPU_CHECK_STEPS", "text", "every step", "bench/gpu_check.sh",
+                           "The steps of `bench/gpu_check.sh` to run, in the script's order, e.g. \"install fp32_tests\".")
+GPU_CHECK_DEADLINE_S = Variable("GPU_CHECK_DEADLINE_S", "integer", "540", "bench/_steps.sh",
+                                "Seconds the whole `bench/gpu_check.sh` call may take; each step's limit is cut to "
+                                "what remains, and a step that would get under 10 s is reported as not run.")
+GPU_CHECK_COMMIT = Variable("GPU_CHECK_COMMIT", "text", "(unset: unknown)", "bench/gpu_check.sh",
+                            "The commit the GPU check's report names where the tree it runs in has no .git.")
 GPU_CHECK_SIMULATE_BUILD_FAILURE = Variable("GPU_CHECK_SIMULATE_BUILD_FAILURE", "flag", "0", "bench/_steps.sh",
                                             "With the dry run: walk the fallback after a failed CUDA build.")
 
 VARIABLES = (BACKEND, ATTENTION, CACHE_DIR, DETERMINISTIC, BWD_HEAD_SPLITS, TRITON_AUTOTUNE, TRITON_INTERPRET,
              HOPPER_FEATURES,
-             NUM_CHUNKS, TRANSPORT, NCCL_TIMEOUT, NCCL_CHECK, NCCL_BLOCKING,
+             NUM_CHUNKS, TRANSPORT, NCCL_TIMEOUT, NCCL_CHECK, NCCL_BLOCKING, NCCL_LAUNCH_ORDER,
              SKIP_CUDA_BUILD, FORCE_CUDA_BUILD, HOST_COMPILER,
-             TEST_TIMEOUT, GPU_ISOLATE, FAILURE_LOG, GPU_CHECK_DRY_RUN, GPU_CHECK_STEPS, GPU_CHECK_SIMULATE_BUILD_FAILURE)
+             TEST_TIMEOUT, GPU_ISOLATE, FAILURE_LOG, GPU_CHECK_DRY_RUN, GPU_CHECK_STEPS, GPU_CHECK_DEADLINE_S,
+             GPU_CHECK_COMMIT, GPU_CHECK_SIMULATE_BUILD_FAILURE)
 
 Name = Union[Variable, str]
 

@@ -24,7 +24,7 @@ created.
 import torch
 import torch.distributed as dist
 
-from .. import env
+from .. import env, nccl_order, streams
 
 
 def timeout() -> float:
@@ -35,6 +35,26 @@ def _extension():
     """The communicator of the CUDA extension (never stand-ins: a transport that needs no
     extension is another transport): its class and its ops."""
     return torch.classes.ulysses_kernels.NcclCommunicator, torch.ops.ulysses_kernels
+
+
+def nccl_version():
+    """The NCCL torch loaded (the extension links the same library), or None when unknown."""
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - a CPU-only torch, or no NCCL
+        return None
+
+
+def refuse_on_every_rank(group, problem) -> None:
+    """Raise the same RuntimeError on every rank of `group` when any rank has a problem
+    (one small collective: every rank's answer, gathered)."""
+    answers = [None] * dist.get_world_size(group)
+    dist.all_gather_object(answers, problem, group=group)
+    found = sorted({a for a in answers if a is not None})
+    if found:
+        ranks = [r for r, a in enumerate(answers) if a is not None]
+        raise RuntimeError(f"ulysses_kernels: the NCCL transport is refused on rank(s) {ranks} of {len(answers)}: "
+                           + " | ".join(found))
 
 
 class NcclTransport:
@@ -49,6 +69,8 @@ class NcclTransport:
         # Read before any collective: a bad value raises here on every rank alike, not in
         # the middle of a call with work queued on the comm stream.
         self.check_each_call, blocking, self.timeout_s = env.flag(env.NCCL_CHECK), env.flag(env.NCCL_BLOCKING), timeout()
+        if world > 1:
+            refuse_on_every_rank(group, nccl_order.problem(nccl_version()))
         communicator, ops = _extension()
         uid = ops.nccl_unique_id() if rank == 0 else None
         if world > 1:
@@ -65,7 +87,7 @@ class NcclTransport:
         torch.ops.ulysses_kernels.nccl_all_to_all(self.handle, send, recv, send_counts, recv_counts)
 
     def check(self):
-        if self.check_each_call and not torch.cuda.is_current_stream_capturing():
+        if self.check_each_call and not streams.is_capturing():
             self._open().wait(self.timeout_s)
 
     def _open(self):
