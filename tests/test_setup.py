@@ -136,10 +136,10 @@ def _requirements():
     return {Requirement(line).name: Requirement(line) for line in lines}
 
 
-def _pins():
-    """{name: version} of .ci/constraints.txt."""
+def _pins(name="constraints.txt"):
+    """{name: version} of .ci/constraints.txt (or another constraints file of .ci/)."""
     pins = {}
-    for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
+    for line in (ROOT / ".ci" / name).read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, version = line.split("==")
             pins[name.strip().lower().replace("_", "-")] = version.strip()
@@ -151,8 +151,9 @@ def _minor(version: str) -> str:
 
 
 # Requirements tested on a newer minor than the one pinned, and how: {name: (minor, how)}.
-CHECKED_BEYOND_THE_PIN = {"triton": ("3.9", "torch 2.14.1 pins Triton 3.8; every kernel is also built on 3.6 and 3.9 "
-                                            "(bench/sass_report.py) and the GPU image has 3.6")}
+CHECKED_BEYOND_THE_PIN = {"triton": ("3.9", "torch 2.14.1 pins Triton 3.8; CI's torch legs run 3.6 (torch 2.11) and "
+                                            "3.9 (torch 2.15)"),
+                          "torch": ("2.15", "CI's torch 2.15 leg (.ci/torch_leg.sh 2.15)")}
 
 
 def test_requirements_are_ranges_capped_at_the_tested_minor_and_the_pins_meet_them():
@@ -178,6 +179,35 @@ def test_requirements_are_ranges_capped_at_the_tested_minor_and_the_pins_meet_th
         lowers = [s.version for s in requirements[name].specifier if s.operator == ">="]
         assert [_minor(v) for v in lowers] == [minors[0]], (name, lowers, minors)
         assert _minor(pins[name]) == minors[-1], (name, pins[name], minors)
+
+
+def test_the_torch_range_is_the_one_ci_runs_at_both_ends():
+    """pyproject.toml admits exactly the torch and Triton minors of ulysses_kernels/support.py,
+    in the build requirement too, and CI runs a leg at each end: its constraints pin the
+    oldest and the newest torch with its own Triton, and .ci/run calls both legs."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from ulysses_kernels import support
+
+    requirements = _requirements()
+    build = next(Requirement(r) for r in __import__("tomllib").loads((ROOT / "pyproject.toml").read_text())
+                 ["build-system"]["requires"] if r.startswith("torch"))
+    for name, (lo, hi) in (("torch", support.TESTED_TORCH), ("triton", support.TESTED_TRITON)):
+        spec = requirements[name].specifier
+        major, minor = (int(x) for x in hi.split("."))
+        assert {(s.operator, s.version) for s in spec} == {(">=", lo), ("<", f"{major}.{minor + 1}")}, (name, spec)
+    assert build.specifier == requirements["torch"].specifier
+    ends = {"2.11": ("3.6", "numpy"), "2.15": ("3.9", None)}
+    assert sorted(ends) == sorted(support.TESTED_TORCH)
+    ci = (ROOT / ".ci" / "run").read_text()
+    for minor, (triton_minor, _) in ends.items():
+        pins = _pins(f"constraints-torch{minor}.txt")
+        assert _minor(pins["torch"]) == minor and _minor(pins["triton"]) == triton_minor, (minor, pins["torch"])
+        assert requirements["torch"].specifier.contains(pins["torch"])
+        assert f"bash .ci/torch_leg.sh {minor}" in ci
+    # Triton 3.6's interpreter needs numpy < 2.3 (the kernels fail on CPU with numpy 2.4)
+    assert Version(_pins("constraints-torch2.11.txt")["numpy"]) < Version("2.3")
 
 
 def test_the_test_command_installs_the_pins():

@@ -41,6 +41,27 @@ def test_no_written_argument_has_a_default():
             assert not (written and arg.has_default_value()), f"{name}: written argument {arg.name} has a default"
 
 
+def test_backward_through_the_written_ops_on_every_supported_torch():
+    """The regression of the second GPU run, as a user meets it: a backward through the ops
+    that write their results (`triton_flash_bwd_out`, which the fused path and the Triton
+    path's Ulysses backward call). On torch 2.11 at 04418eb, the commit before the fix, it
+    raises IndexError in torch/_library/custom_ops.py (CI's torch 2.11 leg runs this file;
+    docs/build.md, "Supported torch releases"). Written ops, not the autograd op
+    `triton_flash_bwd`, so the caller's buffers are the ones written."""
+    from helpers import brute_force_attention
+
+    from ulysses_kernels.triton.ops import flash_attention_backward, flash_attention_forward
+
+    q, k, v, do = make_qkv(1, 9, 2, 1, 16, dtype=torch.float32, seed=3)
+    out = torch.empty_like(q)
+    _, lse = flash_attention_forward(q, k, v, causal=True, softmax_scale=0.25, out=out)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    flash_attention_backward(do, q, k, v, out, lse, causal=True, softmax_scale=0.25, dq=dq, dk=dk, dv=dv)
+    ref = brute_force_attention(q, k, v, do, causal=True, softmax_scale=0.25)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), ref):
+        assert rel_err(got, want) < 1e-5, name
+
+
 # test_aot_dispatch_dynamic traces with symbolic shapes and runs the real kernels; it works
 # in the interpreter, it is only slow, so keep the inputs tiny.
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
