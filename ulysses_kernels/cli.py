@@ -45,19 +45,10 @@ def doctor(args) -> int:
 
     _line("ulysses-kernels", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
     _line("python", platform.python_version())
-    _line("torch", f"{torch.__version__} (CUDA build: {torch.version.cuda or 'no, CPU-only'})")
-    try:
-        import triton
-        _line("triton", triton.__version__)
-    except Exception as exc:  # noqa: BLE001 - report, never crash the doctor
-        _line("triton", f"not importable ({exc})")
-    nccl = "n/a (CPU-only torch)"
-    if torch.version.cuda:
-        try:
-            nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
-        except Exception as exc:  # noqa: BLE001
-            nccl = f"unknown ({exc})"
-    _line("NCCL (torch)", nccl)
+    for name, value in stack_lines():
+        _line(name, value)
+    for problem in version_warnings():  # outside the tested range: said, not refused (exit code 0)
+        print(f"WARNING: {problem}")
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -118,6 +109,109 @@ def doctor(args) -> int:
     if requested:
         _line(env.BACKEND.name, requested)
     return 0
+
+
+def _guarded(read) -> str:
+    """read() as text, or why it could not be read: a doctor line never crashes the doctor."""
+    try:
+        return read()
+    except Exception as exc:  # noqa: BLE001 - report, never crash the doctor
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - not installed, or broken: the "triton" line says which
+        return None
+    return getattr(triton, "__version__", None)
+
+
+def _cudnn() -> str:
+    import torch
+
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if not version:
+        return "n/a"
+    # cuDNN 9 encodes major * 10000 + minor * 100 + patch, cuDNN 8 major * 1000 + minor * 100 + patch
+    major, rest = divmod(version, 10000 if version >= 90000 else 1000)
+    return f"{major}.{rest // 100}.{rest % 100} ({version})"
+
+
+_SDPA_NAMES = {"FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "mem_efficient", "MATH": "math",
+               "CUDNN_ATTENTION": "cudnn", "OVERRIDEABLE": "overrideable"}
+
+
+def _sdpa() -> str:
+    """The order in which torch tries SDPA's backends (torch._C._get_sdp_priority_order, torch
+    2.11+; "unknown" where absent) and which are enabled (torch.backends.cuda.*_sdp_enabled)."""
+    import torch
+
+    try:
+        from torch.nn.attention import SDPBackend
+
+        order = ", ".join(_SDPA_NAMES.get(SDPBackend(i).name, SDPBackend(i).name.lower())
+                          for i in torch._C._get_sdp_priority_order())
+    except Exception:  # noqa: BLE001 - a torch without the query
+        order = "unknown"
+    enabled, disabled = [], []
+    for name in ("flash", "mem_efficient", "math", "cudnn"):
+        query = getattr(torch.backends.cuda, f"{name}_sdp_enabled", None)
+        try:
+            (enabled if query() else disabled).append(name)
+        except Exception:  # noqa: BLE001 - absent (None) or refusing on this build
+            disabled.append(f"{name} (unknown)")
+    return (f"order {order}; enabled: {', '.join(enabled) or 'none'}"
+            + (f"; disabled: {', '.join(disabled)}" if disabled else ""))
+
+
+def stack_lines():
+    """(name, value) lines for the stack the package runs on: torch, Triton, torch's CUDA
+    build, cuDNN, SDPA's backends and NCCL, each read on its own and never raising (the
+    doctor prints them; bench/gpu_check.sh's env step writes them into its report)."""
+    import torch
+
+    def triton_line():
+        try:
+            import triton
+        except Exception as exc:  # noqa: BLE001 - not installed, or broken
+            return f"not importable ({exc})"
+        return triton.__version__
+
+    def nccl_line():
+        if not torch.version.cuda:
+            return "n/a (CPU-only torch)"
+        return ".".join(str(x) for x in torch.cuda.nccl.version())
+
+    return [("torch", _guarded(lambda: torch.__version__)),
+            ("triton", _guarded(triton_line)),
+            ("CUDA (torch build)", _guarded(lambda: torch.version.cuda or "none (CPU-only torch)")),
+            ("cuDNN", _guarded(_cudnn)),
+            ("SDPA backends", _guarded(_sdpa)),
+            ("NCCL (torch)", _guarded(nccl_line)),
+            ("NCCL launch order", _guarded(_launch_order))]
+
+
+def _launch_order() -> str:
+    """NCCL_LAUNCH_ORDER_IMPLICIT and whether the fused path's NCCL engine may run beside
+    torch's communicators (nccl_order.py)."""
+    from . import nccl_order
+    from .fused.transport import nccl_version
+
+    why = nccl_order.problem(nccl_version())
+    return nccl_order.describe() + ("" if why is None else f"; the NCCL engine refuses: {why}")
+
+
+def version_warnings():
+    """torch or Triton outside the tested range (ulysses_kernels/support.py); never raises."""
+    try:
+        import torch
+
+        from . import support
+
+        return support.problems(torch.__version__, _triton_version())
+    except Exception as exc:  # noqa: BLE001 - a version string support.py cannot read
+        return [f"could not compare the torch/Triton versions with the tested range ({exc})"]
 
 
 def hopper_features_line(kernels) -> str:
