@@ -3,11 +3,12 @@ sequence parallelism, in the same run (docs/architecture.md, "No host read in th
 
 Two levels, each contender measured the same way:
 - the Hugging Face path: a tiny Llama (float32, `--hidden`, `--layers`, `--seq-len` global
-  tokens, batch 1). "ulysses-kernels" is the documented trusted step (`ukhf.shard_batch`,
-  `ukhf.causal_lm_loss`, backward); "ALST" is DeepSpeed's `UlyssesSPAttentionHF` around
-  transformers' SDPA attention with its documented loss (the ranks' mean losses all-gathered
-  and weighted by their token counts); "no SP" is one process running the whole sequence
-  with transformers' SDPA attention and its own loss.
+  tokens, batch 1). "ulysses-kernels" is the documented trusted step (`ukhf.shard_batch` of
+  the batch on the host, as a data collator returns it, `ukhf.causal_lm_loss`, backward);
+  "ALST" is DeepSpeed's `UlyssesSPAttentionHF` around transformers' SDPA attention with its
+  documented loss (the ranks' mean losses all-gathered and weighted by their token counts);
+  "no SP" is one process running the whole sequence with transformers' SDPA attention and
+  its own loss.
 - the direct API: causal attention over `[1, S/2, H, D]` shards, forward + backward:
   `uk.ulysses_attention` with trusted `seq_lens` and without them, DeepSpeed's
   `DistributedAttention` around torch SDPA, and torch SDPA over the whole sequence.

@@ -122,16 +122,15 @@ def test_bench_hybrid_model(tmp_path):
 def test_bench_step_smoke(tmp_path):
     """bench_step.py at SP 2: every contender of both levels measured, the counts recorded;
     the trusted HF step and the direct API with seq_lens compile into one graph and read
-    nothing back in the forward (their one read per step is shard_batch's)."""
+    nothing back in the step (the HF step's shard_batch included: the position ids are the
+    host's, context.batch_cu_seqlens)."""
     pytest.importorskip("deepspeed", reason="bench_step.py compares with DeepSpeed ALST")
     _run("bench_step.py", tmp_path)
     data = json.loads((tmp_path / "step.json").read_text())
     hf, api = data["ranks"][0]["hf"], data["ranks"][0]["api"]
     assert set(hf) == {"ulysses-kernels", "ALST", "no SP"} and all(r["step_s"] > 0 for r in hf.values())
     assert (hf["ulysses-kernels"]["graphs"], hf["ulysses-kernels"]["graph_breaks"]) == (1, 0)
-    sites = hf["ulysses-kernels"]["host_read_sites"]
-    assert all(site.split(" under ")[1].startswith(("batch.py:shard_batch", "loss.py:"))
-               for site in sites), sites
+    assert hf["ulysses-kernels"]["host_reads"] == 0, hf["ulysses-kernels"]["host_read_sites"]
     assert hf["ulysses-kernels"]["collectives"]["all_to_all_single"]["calls"] == 8
     assert api["ulysses-kernels (seq_lens)"]["host_reads"] == 0
     assert api["ulysses-kernels (seq_lens)"]["graph_breaks"] == 0

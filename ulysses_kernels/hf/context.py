@@ -297,12 +297,37 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.T
         if bool((pos == pos[:1]).all()):
             pos, starts = pos[:1], starts[:1]
         else:
-            raise ValueError("ulysses attention: packed documents (position_ids restarting) need batch size 1; "
-                             f"got position_ids of shape {tuple(position_ids.shape)}. Concatenate the batch "
-                             "into one row instead.")
+            raise ValueError(_packed_rows_refusal(position_ids))
     idx = torch.nonzero(starts[0]).flatten() + 1
     bounds = torch.cat([idx.new_zeros(1), idx, idx.new_full((1,), S)])
     return bounds.to(dtype=torch.int32, device=position_ids.device)
+
+
+def _packed_rows_refusal(position_ids) -> str:
+    return ("ulysses attention: packed documents (position_ids restarting) need batch size 1; got position_ids "
+            f"of shape {tuple(position_ids.shape)}. Concatenate the batch into one row instead.")
+
+
+def batch_cu_seqlens(position_ids: torch.Tensor, device) -> Optional[torch.Tensor]:
+    """`cu_seqlens_from_position_ids(position_ids)` on `device`, for `shard_batch`: the
+    caller's position ids in host memory (a CPU tensor of integers, as a data collator
+    returns them) are read as the host array they are (numpy, a view of the tensor's
+    memory): no device value comes back to the host and nothing waits for the device.
+    Position ids on an accelerator are read back once (a device sync)."""
+    if position_ids.device.type != "cpu" or position_ids.dtype.is_floating_point or position_ids.is_complex():
+        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
+        return None if cu_seqlens is None else cu_seqlens.to(device)
+    pos = position_ids.detach().numpy()
+    pos = pos[None] if pos.ndim == 1 else pos
+    if pos.ndim != 2:
+        raise ValueError(f"position_ids must be [batch, seq], got {tuple(position_ids.shape)}")
+    starts = (pos[:, 1:] - pos[:, :-1]) != 1
+    if not starts.any():   # S <= 1 too
+        return None
+    if pos.shape[0] != 1 and not (pos == pos[:1]).all():
+        raise ValueError(_packed_rows_refusal(position_ids))
+    bounds = [0, *(int(i) + 1 for i in starts[0].nonzero()[0]), pos.shape[1]]
+    return torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
 def set_context(model: nn.Module, context: "SequenceParallelContext") -> None:

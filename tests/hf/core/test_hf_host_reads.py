@@ -1,8 +1,10 @@
-"""The documented training step reads nothing back to the host and runs no collective in
-the package's mask function (ulysses_kernels/hf/core/attention.py, `_agreed_inputs`): after
-`shard_batch` every rank holds the same whole batch, so a forward without a mask and with a
-plain causal request has nothing to agree on. Counted on CPU at SP 2 (a tiny Llama, one
-document and two packed documents): host reads (`Tensor.item`, `tolist`, `__bool__`,
+"""The documented training step, `shard_batch` included, reads nothing back to the host and
+runs no collective in the package's mask function (ulysses_kernels/hf/core/attention.py,
+`_agreed_inputs`): after `shard_batch` every rank holds the same whole batch, so a forward
+without a mask and with a plain causal request has nothing to agree on; `shard_batch` finds
+the packed documents in the host array of the batch's position ids (a CPU tensor, as a data
+collator returns them: `context.batch_cu_seqlens`). Counted on CPU at SP 2 (a tiny Llama,
+one document and two packed documents): host reads (`Tensor.item`, `tolist`, `__bool__`,
 `__int__`) whose nearest caller is package code, and the collectives the package issues.
 
 Also: the structural recognition of transformers' causal mask functions
@@ -70,11 +72,11 @@ def _step_worker(rank, world, documents):
     ids, pos = make_batch(1, 64, documents)
     ukhf.causal_lm_loss(model, ukhf.shard_batch(ids, groups, position_ids=pos), groups).backward()   # the checks
     model.zero_grad(set_to_none=True)
-    batch = ukhf.shard_batch(ids, groups, position_ids=pos)   # where the batch is seen: not counted
     reads, collectives = collections.Counter(), collections.Counter()
     tensor_methods = _counting(torch.Tensor, HOST_READS, reads)
     dist_functions = _counting(dist, COLLECTIVES, collectives)
     try:
+        batch = ukhf.shard_batch(ids, groups, position_ids=pos)   # counted too: the step's first call
         loss = ukhf.causal_lm_loss(model, batch, groups)
         loss.backward()
     finally:
@@ -93,7 +95,7 @@ def test_a_trusted_training_step_reads_nothing_back_in_package_code(documents):
     for rank, (reads, collectives) in enumerate(per_rank):
         # transformers' own reads inside the model forward are attributed to the caller, causal_lm_loss
         own = {k: v for k, v in reads.items() if "causal_lm_loss" not in k}
-        assert own == {}, (rank, reads)
+        assert own == {}, (rank, reads)   # shard_batch's packed-document detection included
         # 2 layers x (q|k|v forward, output forward, and their two backward exchanges), the loss's sum
         assert collectives == {"all_to_all_single distributed/collectives.py all_to_all": 8,
                                "all_reduce hf/groups.py sum_over_group": 1}, (rank, collectives)

@@ -11,7 +11,7 @@ from ...api import gather_sequence
 from ...distributed.groups import resolve_group
 from ...ring.layout import local_ranges, sp_lengths
 from ...ring.shard import cut_ranges
-from ..context import cu_seqlens_from_position_ids
+from ..context import batch_cu_seqlens
 from ..families.gemma3 import image_blocks
 from ..families.vision_shard import SHARD_KEY, TokenShard, check_vision_mode, has_images, vision_inputs
 from ..groups import sp_group_of, split_groups
@@ -281,7 +281,8 @@ def shard_batch(input_ids: torch.Tensor, group=None, *, ring_group=None,
     local tokens only instead of the global count.
 
     position_ids: global positions (default `arange(S)` per row); restarting positions mark
-    packed documents (B must then be 1), turned once into global `cu_seqlens` here.
+    packed documents (B must then be 1), turned once into global `cu_seqlens` here: from
+    the host array when they are a CPU tensor (a collator's; no device read), else read once.
     `mask_document_ends=True` sets the target of each document's last token to
     `ignore_index` (so no token learns to predict the next document). `labels_shifted=True`
     takes labels as already aligned (labels[t] = target of token t).
@@ -354,9 +355,10 @@ def _shard_text(input_ids, group, *, ring_group, position_ids, labels, attention
     else:
         ids, positions, targets, cu_seqlens = packed_row(input_ids, position_ids, labels, padding, labels_shifted,
                                                          ignore_index)
-    if mask_document_ends and cu_seqlens is not None:
-        ends = cu_seqlens[1:].long() - 1
-        targets[:, ends[ends >= 0]] = ignore_index
+    positions = positions.to(ids.device)   # position ids may come on the host (batch_cu_seqlens)
+    cu_seqlens = cu_seqlens.to(ids.device) if cu_seqlens is not None else None
+    if mask_document_ends and cu_seqlens is not None:   # boundaries rise from 0: every end is a token
+        targets[:, cu_seqlens[1:].long() - 1] = ignore_index
     total = ids.shape[1]
     ranges = local_ranges(total, ring_world, world, ring_rank, rank)
     return SequenceParallelBatch(input_ids=cut_ranges(ids, ranges), position_ids=cut_ranges(positions, ranges),
@@ -377,12 +379,13 @@ def given_positions(position_ids: Optional[torch.Tensor], B: int, S: int) -> Opt
 
 
 def kept_rows(input_ids, position_ids, labels, labels_shifted, ignore_index):
-    """An unpadded batch: its rows as they are (ids, positions, targets, cu_seqlens)."""
+    """An unpadded batch: its rows as they are (ids, positions, targets, cu_seqlens). No
+    position ids: one document per row, nothing to read; host ones: see batch_cu_seqlens."""
     B, S = input_ids.shape
-    if position_ids is None:
-        position_ids = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
     targets = shift_targets(labels, labels_shifted=labels_shifted, ignore_index=ignore_index)
-    return input_ids, position_ids, targets, cu_seqlens_from_position_ids(position_ids)
+    if position_ids is None:
+        return input_ids, torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S), targets, None
+    return input_ids, position_ids, targets, batch_cu_seqlens(position_ids, input_ids.device)
 
 
 def packed_row(input_ids, position_ids, labels, padding: PaddingInfo, labels_shifted, ignore_index):
