@@ -33,6 +33,8 @@ prepare() {
     rm -rf "$leg" && mkdir -p "$leg/src"
     # The files the main run sees: tracked, and untracked but not ignored (no venvs, no builds).
     git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$leg/src"
+    # A repository of its own, its files in the index: tests list the project's files with git.
+    (cd "$leg/src" && git init -q && git add -A)
     python3 -m venv "$leg/venv"
     "$leg/venv/bin/pip" install -q -U pip setuptools wheel ninja
     "$leg/venv/bin/pip" install -q "$torch_pin"
