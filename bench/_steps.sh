@@ -8,7 +8,8 @@
 #   step_limit NAME       the limit step would give NAME now: LIMIT[NAME], cut to what is
 #                         left of the deadline; 0 when that is under MIN_STEP_S;
 #   skip NAME WHY         records a step that is not started, and why;
-#   first_error NAME      the first error line of a failed step's log, into $SUMMARY;
+#   first_error_line NAME the first compiler/pip error line of a step's log;
+#   first_error NAME      that line of a failed step, into $SUMMARY;
 #   failing_test NAME [TEST_RE [BODY_RE]]  the first failing test of a step whose id
 #                         matches TEST_RE and whose report matches BODY_RE, with that line;
 #   first_failure NAME    the first failing test of a step (and its first E line), else the
@@ -143,9 +144,13 @@ step() {  # step NAME CMD...: CMD under step_limit NAME
   return $rc
 }
 
+first_error_line() {  # first_error_line NAME: the first compiler/pip error line of a step's log
+  grep -m1 -E "error:|Error:|ERROR|error [A-Z]+[0-9]+" "$RESULTS/gpu_check_${STEP_PREFIX}$1.log" 2>/dev/null
+}
+
 first_error() {  # first_error NAME: the first compiler/pip error of a failed step, for the report
-  local log="$RESULTS/gpu_check_${STEP_PREFIX}$1.log" line
-  line=$(grep -m1 -E "error:|Error:|ERROR|error [A-Z]+[0-9]+" "$log" 2>/dev/null)
+  local line
+  line=$(first_error_line "$1")
   echo "[$1] first error: ${line:-none found, see the log}" | tee -a "$SUMMARY"
 }
 

@@ -156,8 +156,7 @@ q1a() {  # C++ errors raise: install, probe, and the rebuild with /usr/bin/g++ i
     case "${STATUS[install]:-}" in
       ok) ;;
       failed|timeout|cut)
-        echo "FAIL: the CUDA build failed: $(grep -m1 -E "error:|Error:|ERROR|error [A-Z]+[0-9]+" \
-              "$RESULTS/gpu_check_install.log" 2>/dev/null | cut -c1-180)"; return ;;
+        echo "FAIL: the CUDA build failed: $(first_error_line install | cut -c1-180)"; return ;;
       *) status_text install; return ;;
     esac
   fi

@@ -13,10 +13,11 @@ import contextlib
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import SLOW_SPAWN_TIMEOUT, make_qkv, needs_interpreter, seq_lens, shard
+from helpers import SLOW_SPAWN_TIMEOUT, brute_force_attention, make_qkv, needs_interpreter, rel_err, seq_lens, shard
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -29,6 +30,7 @@ from ulysses_kernels.testing.stream_order import (
     StreamOrderChecker,
     StreamOrderedTransport,
     byte_spans,
+    covers,
     fake_symmetric_memory,
     transports,
 )
@@ -47,58 +49,74 @@ def test_byte_spans_of_strided_views():
     assert byte_spans(base[1:3].expand(2, 2, 6)).tolist() == [[24, 72]]  # repeated elements merge
 
 
+def _read_on(side, *, wait=True):
+    """A tensor written on the compute stream and read on `side` (after a stream wait unless
+    wait=False): (the tensor, the read's result)."""
+    x = torch.ones(8) * 2
+    if wait:
+        streams.wait_stream(side, streams.current_stream(CPU))
+    with streams.on(side):
+        return x, x + 1
+
+
 def test_a_read_on_another_stream_needs_a_wait_and_memory_needs_record_stream():
     """The three rules on hand-written stream code: a read after a write on another stream,
     a write after a read on another stream, and a free while another stream still uses it."""
     with StreamOrderChecker() as c:
-        side = streams.new_stream(CPU)
-        x = torch.ones(8) * 2                    # written on the compute stream
-        with streams.on(side):
-            y = x + 1                            # read on the side stream: no wait
+        _read_on(streams.new_stream(CPU), wait=False)
         assert c.violations and "reads memory that aten.mul" in c.violations[0]
     with StreamOrderChecker() as c:
-        side = streams.new_stream(CPU)
-        x = torch.ones(8) * 2
-        streams.wait_stream(side, streams.current_stream(CPU))
-        with streams.on(side):
-            y = x + 1
+        x, y = _read_on(streams.new_stream(CPU))
         x.add_(1)                                # overwritten while the side stream may read it
         assert len(c.violations) == 1 and "writes memory that aten.add" in c.violations[0]
     with StreamOrderChecker() as c:
         side = streams.new_stream(CPU)
-        x = torch.ones(8) * 2
-        streams.wait_stream(side, streams.current_stream(CPU))
-        with streams.on(side):
-            y = x + 1
+        x, y = _read_on(side)
         streams.wait(streams.current_stream(CPU), streams.event(side))
         del x
         assert not c.violations, c.violations            # the free is ordered after the read
-        x = torch.ones(8) * 2
-        streams.wait_stream(side, streams.current_stream(CPU))
-        with streams.on(side):
-            y = x + 1
+        x, y = _read_on(side)
         del x
         assert len(c.violations) == 1 and "was freed while" in c.violations[0]
-        x = torch.ones(8) * 2
-        streams.wait_stream(side, streams.current_stream(CPU))
-        with streams.on(side):
-            y = x + 1
+        x, y = _read_on(side)
         streams.record_stream(x, side)
         del x, y
         assert len(c.violations) == 1, c.violations      # record_stream keeps it
     assert streams.current_stream(CPU) is None  # the real layer is back
 
 
+def test_history_pruning_keeps_what_a_later_access_could_conflict_with():
+    """The checker drops an access that a later one on the same stream covers: a read on
+    the side stream of half a buffer, then of all of it, keeps the conflict with an
+    unordered write of the first half; a later read of the other half alone covers
+    nothing, so the first half's read is still there to conflict with."""
+    with StreamOrderChecker() as c:
+        side = streams.new_stream(CPU)
+        x = torch.ones(8) * 2
+        streams.wait_stream(side, streams.current_stream(CPU))
+        with streams.on(side):
+            x[:4].sum()
+            x.sum()                              # covers the first read: it is pruned
+            x[4:].sum()                          # covers only the second half
+        x[:4].zero_()                            # unordered after both reads of the first half
+        assert len(c.violations) == 1 and "aten.zero_" in c.violations[0] and "aten.sum" in c.violations[0]
+    assert covers(np.array([[0, 16]]), np.array([[0, 8], [12, 16]]))
+    assert not covers(np.array([[0, 8], [12, 16]]), np.array([[4, 14]]))
+    assert not covers(np.zeros((0, 2), dtype=np.int64), np.array([[0, 1]]))
+
+
 # ------------------------------------------------------------- the fused path, one rank
 
-def _use(transport):
-    """The stand-in pack/unpack ops and `transport` for the default group."""
+def _use(transport, groups=(None,)):
+    """The stand-in pack/unpack ops and `transport` for `groups` (default: the default
+    group); returns the function that restores what was there."""
     previous_ops = fused.use_ops(testing.ReferenceOps)
-    previous_transport = fused.use_transport(None, transport)
+    previous = [(g, fused.use_transport(g, transport)) for g in groups]
 
     def restore():
         fused.use_ops(previous_ops)
-        fused.use_transport(None, previous_transport)
+        for g, p in previous:
+            fused.use_transport(g, p)
         fused.close()
     return restore
 
@@ -109,12 +127,15 @@ def attention_steps(*, group, rank, world, chunks, Hq=4, Hkv=1, B=1, S=6, calls=
     without a gradient (the engine's receive and output buffers, reused)."""
     q0, k0, v0, do = make_qkv(B, S, Hq, Hkv, 16, dtype=torch.float32, seed=7)
     os.environ[env.NUM_CHUNKS.name] = str(chunks)
+    want = brute_force_attention(q0, k0, v0, do, causal=True)  # float64 out, dq, dk, dv
     for _ in range(calls):
         leaves = [shard(t, world, rank).requires_grad_(True) for t in (q0, k0, v0)]
         q, k, v = (t * 1.0 for t in leaves)
         out = uk.ulysses_attention(q, k, v, group=group, causal=True, backend="fused")
         (out * shard(do, world, rank)).sum().backward()
-        assert all(t.grad is not None for t in leaves)
+        # the simulated transports move the right bytes: this rank's slice of exact attention
+        for got, ref in zip((out, *(t.grad for t in leaves)), want):
+            assert rel_err(got, shard(ref, world, rank)) < 1e-5
     with torch.no_grad():
         q, k, v = (shard(t, world, rank) * 1.0 for t in (q0, k0, v0))
         out = uk.ulysses_attention(q, k, v, group=group, causal=False, backend="fused")
@@ -299,7 +320,7 @@ def ranks_worker(rank, world, transport, ring_size):
     results = {}
     for label, drop in [("clean", []), ("mutated", [Mutation("ring.py", "wait",
                                                              "wait(current_stream(self.device), self.done)")])]:
-        restore = _ring_transports(groups, transports()[transport])
+        restore = _use(transports()[transport], (groups.ulysses_group, groups.ring_group))
         try:
             with StreamOrderChecker(drop) as checker:
                 _ring_steps(groups, world, rank)
@@ -310,18 +331,6 @@ def ranks_worker(rank, world, transport, ring_size):
         gc.collect()
         results[label] = (checker.violations, [m.dropped for m in checker.drop])
     return results
-
-
-def _ring_transports(groups, transport):
-    previous_ops = fused.use_ops(testing.ReferenceOps)
-    previous = [(g, fused.use_transport(g, transport)) for g in (groups.ulysses_group, groups.ring_group)]
-
-    def restore():
-        fused.use_ops(previous_ops)
-        for g, p in previous:
-            fused.use_transport(g, p)
-        fused.close()
-    return restore
 
 
 def _ring_steps(groups, world, rank):

@@ -172,11 +172,7 @@ def stack_lines():
     import torch
 
     def triton_line():
-        try:
-            import triton
-        except Exception as exc:  # noqa: BLE001 - not installed, or broken
-            return f"not importable ({exc})"
-        return triton.__version__
+        return _triton_version() or "not importable (pip install triton)"
 
     def nccl_line():
         if not torch.version.cuda:

@@ -77,10 +77,15 @@ class CudaStreams:
 _layer = CudaStreams()
 
 
-def use_layer(layer):
+def layer():
+    """The stream layer in use (the tests' checker, or CUDA's)."""
+    return _layer
+
+
+def use_layer(new_layer):
     """Replace the stream layer (tests: the stream-order checker); returns the previous one."""
     global _layer
-    previous, _layer = _layer, layer
+    previous, _layer = _layer, new_layer
     return previous
 
 

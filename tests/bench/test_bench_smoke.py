@@ -123,7 +123,7 @@ def test_bench_step_smoke(tmp_path):
     """bench_step.py at SP 2: every contender of both levels measured, the counts recorded;
     the trusted HF step and the direct API with seq_lens compile into one graph and read
     nothing back in the step (the HF step's shard_batch included: the position ids are the
-    host's, context.batch_cu_seqlens)."""
+    host's, context.cu_seqlens_from_position_ids)."""
     pytest.importorskip("deepspeed", reason="bench_step.py compares with DeepSpeed ALST")
     _run("bench_step.py", tmp_path)
     data = json.loads((tmp_path / "step.json").read_text())

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import env, nccl_order, streams
+from ..distributed.collectives import gather_objects
 
 
 def timeout() -> float:
@@ -48,8 +49,7 @@ def nccl_version():
 def refuse_on_every_rank(group, problem) -> None:
     """Raise the same RuntimeError on every rank of `group` when any rank has a problem
     (one small collective: every rank's answer, gathered)."""
-    answers = [None] * dist.get_world_size(group)
-    dist.all_gather_object(answers, problem, group=group)
+    answers = gather_objects(problem, group)
     found = sorted({a for a in answers if a is not None})
     if found:
         ranks = [r for r, a in enumerate(answers) if a is not None]

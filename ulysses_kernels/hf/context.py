@@ -16,6 +16,7 @@ Below the families and the core: both read it, neither is imported here.
 import warnings
 from typing import List, Optional, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -276,58 +277,44 @@ def _not_recomputed_from_kept(given, used) -> None:
                       "Turn activation checkpointing off for this model, or pass the keyword arguments down.")
 
 
-def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """Global document boundaries (int32 `cu_seqlens`) from global position ids.
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor, device=None) -> Optional[torch.Tensor]:
+    """Global document boundaries (int32 `cu_seqlens`, on `device`, default the positions')
+    from global position ids.
 
     A document starts wherever `p[t] != p[t-1] + 1` (transformers' own rule). Returns None
     when every row is one contiguous run (no packing). Packed rows need batch size 1.
+    Integer positions in host memory (a CPU tensor, as a data collator returns them) are
+    read as the host array they are, so `shard_batch` reads no device value back; positions
+    on an accelerator are read where they are (the decision waits for the device once).
     """
-    pos = position_ids
+    pos = position_ids.detach()
     if pos.dim() == 1:
         pos = pos.unsqueeze(0)
     if pos.dim() != 2:
         raise ValueError(f"position_ids must be [batch, seq], got {tuple(position_ids.shape)}")
-    S = pos.shape[1]
-    if S <= 1:
+    device = position_ids.device if device is None else device
+    on_host = pos.device.type == "cpu" and not pos.dtype.is_floating_point and not pos.is_complex()
+    starts = _document_starts(pos.numpy() if on_host else pos, position_ids.shape)
+    if starts is None:
+        return None
+    idx = (torch.from_numpy(np.flatnonzero(starts)) if on_host else torch.nonzero(starts).flatten()) + 1
+    bounds = torch.cat([idx.new_zeros(1), idx, idx.new_full((1,), pos.shape[1])])
+    return bounds.to(dtype=torch.int32, device=device)
+
+
+def _document_starts(pos, shape):
+    """The rule itself, on a `[B, S]` tensor or numpy array alike: the first row's document
+    starts after its first token (a bool row), or None without packing; rows of packed
+    documents must all be the same (batch size 1 in effect)."""
+    if pos.shape[1] <= 1:
         return None
     starts = (pos[:, 1:] - pos[:, :-1]) != 1
     if not bool(starts.any()):
         return None
-    if pos.shape[0] != 1:
-        if bool((pos == pos[:1]).all()):
-            pos, starts = pos[:1], starts[:1]
-        else:
-            raise ValueError(_packed_rows_refusal(position_ids))
-    idx = torch.nonzero(starts[0]).flatten() + 1
-    bounds = torch.cat([idx.new_zeros(1), idx, idx.new_full((1,), S)])
-    return bounds.to(dtype=torch.int32, device=position_ids.device)
-
-
-def _packed_rows_refusal(position_ids) -> str:
-    return ("ulysses attention: packed documents (position_ids restarting) need batch size 1; got position_ids "
-            f"of shape {tuple(position_ids.shape)}. Concatenate the batch into one row instead.")
-
-
-def batch_cu_seqlens(position_ids: torch.Tensor, device) -> Optional[torch.Tensor]:
-    """`cu_seqlens_from_position_ids(position_ids)` on `device`, for `shard_batch`: the
-    caller's position ids in host memory (a CPU tensor of integers, as a data collator
-    returns them) are read as the host array they are (numpy, a view of the tensor's
-    memory): no device value comes back to the host and nothing waits for the device.
-    Position ids on an accelerator are read back once (a device sync)."""
-    if position_ids.device.type != "cpu" or position_ids.dtype.is_floating_point or position_ids.is_complex():
-        cu_seqlens = cu_seqlens_from_position_ids(position_ids)
-        return None if cu_seqlens is None else cu_seqlens.to(device)
-    pos = position_ids.detach().numpy()
-    pos = pos[None] if pos.ndim == 1 else pos
-    if pos.ndim != 2:
-        raise ValueError(f"position_ids must be [batch, seq], got {tuple(position_ids.shape)}")
-    starts = (pos[:, 1:] - pos[:, :-1]) != 1
-    if not starts.any():   # S <= 1 too
-        return None
-    if pos.shape[0] != 1 and not (pos == pos[:1]).all():
-        raise ValueError(_packed_rows_refusal(position_ids))
-    bounds = [0, *(int(i) + 1 for i in starts[0].nonzero()[0]), pos.shape[1]]
-    return torch.tensor(bounds, dtype=torch.int32, device=device)
+    if pos.shape[0] != 1 and not bool((pos == pos[:1]).all()):
+        raise ValueError("ulysses attention: packed documents (position_ids restarting) need batch size 1; got "
+                         f"position_ids of shape {tuple(shape)}. Concatenate the batch into one row instead.")
+    return starts[0]
 
 
 def set_context(model: nn.Module, context: "SequenceParallelContext") -> None:

@@ -40,7 +40,7 @@ import os
 import sys
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(_HERE))
 
 
 class StreamOrderError(AssertionError):
-    """A missing stream dependency the checker found (the first one's message, and how many)."""
+    """The checker cannot run this (a CUDA tensor: it simulates streams for CPU tensors only)."""
 
 
 def _join(into: Dict[int, int], other: Dict[int, int]) -> None:
@@ -171,7 +171,7 @@ def byte_spans(t: torch.Tensor) -> np.ndarray:
     return np.stack([starts[keep], merged_end], axis=1)
 
 
-def _covers(outer: np.ndarray, inner: np.ndarray) -> bool:
+def covers(outer: np.ndarray, inner: np.ndarray) -> bool:
     """True when every byte range of `inner` lies inside one of `outer`'s."""
     if len(inner) == 0:
         return True
@@ -186,7 +186,7 @@ def _prune(rec: "_Storage", stream: int, write: bool, spans: np.ndarray) -> None
     is ordered after the new one is ordered after them (program order), and whatever conflicts
     with them conflicts with it (a write covers reads and writes, a read covers reads)."""
     rec.accesses = [a for a in rec.accesses
-                    if not (a.stream == stream and (write or not a.write) and _covers(spans, a.spans))]
+                    if not (a.stream == stream and (write or not a.write) and covers(spans, a.spans))]
 
 
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
@@ -199,7 +199,8 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
 
 class StreamOrderChecker:
     """The simulated stream layer and the recorder (module docstring). Use as a context
-    manager; `violations` lists what it found, `check()` raises the first."""
+    manager; `violations` lists what it found (a freed tensor's, when the free comes after
+    the block: collect garbage before reading it)."""
 
     def __init__(self, drop: Sequence[Mutation] = ()):
         self.drop = list(drop)
@@ -208,7 +209,6 @@ class StreamOrderChecker:
         self.default = self._new("compute (default)")
         self._stack: List[SimStream] = []
         self._storages: Dict[int, _Storage] = {}
-        self._finalizers: List[weakref.finalize] = []
         self.violations: List[str] = []
         self.operations = 0
         self.waits = 0
@@ -306,9 +306,7 @@ class StreamOrderChecker:
             rec = _Storage(home=home if home is not None else self.default.stream_id,
                            label=f"{tuple(t.shape)} {t.dtype}")
             self._storages[key] = rec
-            finalizer = weakref.finalize(st, self._freed, key)
-            finalizer.atexit = False
-            self._finalizers.append(finalizer)
+            weakref.finalize(st, self._freed, key).atexit = False
         return rec
 
     def record(self, what: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
@@ -341,11 +339,9 @@ class StreamOrderChecker:
                 if stream.clock.get(a.stream, 0) >= a.tick:
                     continue
                 if _overlap(a.spans, spans):
-                    kind = {(True, False): "writes memory that", (False, True): "reads memory that",
-                            (True, True): "writes memory that"}[(write, a.write)]
-                    earlier = "wrote" if a.write else "read"
-                    self._violation(f"{site} {kind} {a.what} {earlier} (tensor {rec.label}), with no wait "
-                                    f"ordering it after that")
+                    self._violation(f"{site} {'writes' if write else 'reads'} memory that {a.what} "
+                                    f"{'wrote' if a.write else 'read'} (tensor {rec.label}), with no wait "
+                                    "ordering it after that")
             _prune(rec, stream.stream_id, write, spans)
             rec.accesses.append(_Access(stream.stream_id, tick, write, spans, site or what))
 
@@ -368,12 +364,6 @@ class StreamOrderChecker:
         if message not in self.violations:
             self.violations.append(message)
 
-    def check(self) -> None:
-        """Raise StreamOrderError naming the first violation (and how many there were)."""
-        if self.violations:
-            more = f" (and {len(self.violations) - 1} more)" if len(self.violations) > 1 else ""
-            raise StreamOrderError(self.violations[0] + more)
-
     # ------------------------------------------------------------ installation
 
     def __enter__(self):
@@ -386,12 +376,6 @@ class StreamOrderChecker:
         self._mode.__exit__(*exc)
         streams.use_layer(self._previous)
         return False
-
-    def close(self) -> None:
-        """Check the tensors still alive as if freed now (call after dropping references)."""
-        import gc
-
-        gc.collect()
 
 
 def _tensors(values) -> List[torch.Tensor]:
@@ -459,7 +443,7 @@ class StreamOrderedTransport:
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
         flat_send, flat_recv = send.reshape(-1)[:sum(send_counts)], recv.reshape(-1)[:sum(recv_counts)]
-        checker = streams._layer
+        checker = streams.layer()
         if isinstance(checker, StreamOrderChecker):
             checker.record("nccl all_to_all", [flat_send], [flat_recv])
             with checker.paused(), _no_dispatch():
@@ -516,7 +500,7 @@ class _FakeHandle:
     def barrier(self, channel: int, timeout_ms: Optional[int] = None):
         from ..fused.symm_transport import READY_CHANNEL
 
-        checker = streams._layer
+        checker = streams.layer()
         pause = checker.paused() if isinstance(checker, StreamOrderChecker) else contextlib.nullcontext()
         if channel == READY_CHANNEL:
             with pause, _no_dispatch():
@@ -552,8 +536,3 @@ def transports() -> Dict[str, object]:
     from .host_transport import HostTransport
 
     return {"nccl": StreamOrderedTransport, "host": HostTransport, "symm": SymmTransport}
-
-
-def summary(checker: StreamOrderChecker) -> Tuple[int, int, int]:
-    """(operations recorded, waits kept, streams) of a run: evidence that it checked something."""
-    return checker.operations, checker.waits, len(checker._streams) - 1

@@ -24,6 +24,39 @@ def test_cu_seqlens_from_position_ids():
         ukhf.cu_seqlens_from_position_ids(torch.tensor([[0, 1, 0], [0, 1, 2]]))
 
 
+def _bounds_by_hand(rows):
+    """transformers' rule written out token by token: a document starts wherever a position
+    is not its predecessor + 1; None without packing; packed rows must all be equal."""
+    starts = [[t for t in range(1, len(r)) if r[t] != r[t - 1] + 1] for r in rows]
+    if not any(starts):
+        return None
+    if any(r != rows[0] for r in rows):
+        return "refused"
+    return [0, *(t for t in starts[0]), len(rows[0])]
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float64])
+def test_cu_seqlens_from_position_ids_against_the_rule_by_hand(dtype):
+    """Random rows of restarting positions: integer CPU positions take the host-array branch
+    (numpy, what shard_batch meets from a collator), float ones the tensor branch (what runs
+    on an accelerator); both equal the rule written out, on the device asked for."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        B, S = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(0, 10, (1,), generator=g))
+        row = torch.randint(0, 4, (S,), generator=g).cumsum(0) * torch.randint(0, 2, (S,), generator=g)
+        rows = [row.tolist()] * B if torch.rand(1, generator=g) < 0.7 else \
+            [torch.randint(0, 3, (S,), generator=g).tolist() for _ in range(B)]
+        want = _bounds_by_hand(rows)
+        pos = torch.tensor(rows, dtype=dtype).view(B, S)
+        if want == "refused":
+            with pytest.raises(ValueError, match="batch size 1"):
+                ukhf.cu_seqlens_from_position_ids(pos)
+            continue
+        got = ukhf.cu_seqlens_from_position_ids(pos, device="cpu")
+        assert (got if got is None else got.tolist()) == want, rows
+        assert got is None or got.dtype == torch.int32
+
+
 def test_loss_for_world_average_scales_by_the_sp_size_and_checks_the_engine():
     """x sp_size (the engine's mean over the world is then the SP sum and the DP mean);
     anything but init_sequence_parallel's groups is refused, and so is an engine that

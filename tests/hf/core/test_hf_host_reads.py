@@ -3,7 +3,7 @@ runs no collective in the package's mask function (ulysses_kernels/hf/core/atten
 `_agreed_inputs`): after `shard_batch` every rank holds the same whole batch, so a forward
 without a mask and with a plain causal request has nothing to agree on; `shard_batch` finds
 the packed documents in the host array of the batch's position ids (a CPU tensor, as a data
-collator returns them: `context.batch_cu_seqlens`). Counted on CPU at SP 2 (a tiny Llama,
+collator returns them: `context.cu_seqlens_from_position_ids`). Counted on CPU at SP 2 (a tiny Llama,
 one document and two packed documents): host reads (`Tensor.item`, `tolist`, `__bool__`,
 `__int__`) whose nearest caller is package code, and the collectives the package issues.
 

@@ -11,7 +11,7 @@ from ...api import gather_sequence
 from ...distributed.groups import resolve_group
 from ...ring.layout import local_ranges, sp_lengths
 from ...ring.shard import cut_ranges
-from ..context import batch_cu_seqlens
+from ..context import cu_seqlens_from_position_ids
 from ..families.gemma3 import image_blocks
 from ..families.vision_shard import SHARD_KEY, TokenShard, check_vision_mode, has_images, vision_inputs
 from ..groups import sp_group_of, split_groups
@@ -355,7 +355,7 @@ def _shard_text(input_ids, group, *, ring_group, position_ids, labels, attention
     else:
         ids, positions, targets, cu_seqlens = packed_row(input_ids, position_ids, labels, padding, labels_shifted,
                                                          ignore_index)
-    positions = positions.to(ids.device)   # position ids may come on the host (batch_cu_seqlens)
+    positions = positions.to(ids.device)   # position ids may come on the host (cu_seqlens_from_position_ids)
     cu_seqlens = cu_seqlens.to(ids.device) if cu_seqlens is not None else None
     if mask_document_ends and cu_seqlens is not None:   # boundaries rise from 0: every end is a token
         targets[:, cu_seqlens[1:].long() - 1] = ignore_index
@@ -380,12 +380,12 @@ def given_positions(position_ids: Optional[torch.Tensor], B: int, S: int) -> Opt
 
 def kept_rows(input_ids, position_ids, labels, labels_shifted, ignore_index):
     """An unpadded batch: its rows as they are (ids, positions, targets, cu_seqlens). No
-    position ids: one document per row, nothing to read; host ones: see batch_cu_seqlens."""
+    position ids: one document per row, nothing to read; host ones: see cu_seqlens_from_position_ids."""
     B, S = input_ids.shape
     targets = shift_targets(labels, labels_shifted=labels_shifted, ignore_index=ignore_index)
     if position_ids is None:
         return input_ids, torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S), targets, None
-    return input_ids, position_ids, targets, batch_cu_seqlens(position_ids, input_ids.device)
+    return input_ids, position_ids, targets, cu_seqlens_from_position_ids(position_ids, input_ids.device)
 
 
 def packed_row(input_ids, position_ids, labels, padding: PaddingInfo, labels_shifted, ignore_index):
