@@ -75,6 +75,13 @@ def test_env_table_is_generated_from_the_package():
     assert out.returncode == 0 and out.stdout == want, out.stderr[-2000:]
 
 
+def test_kernel_table_is_generated_from_the_capability_tables():
+    from ulysses_kernels.kernel_choice import explain
+
+    assert (ROOT / "docs" / "kernels.md").read_text() == explain.markdown() + "\n", \
+        "docs/kernels.md is stale: ulysses-kernels kernels > docs/kernels.md"
+
+
 def test_every_variable_the_code_reads_is_declared():
     """Every ULYSSES_KERNELS_* / GPU_CHECK_* name in the code is one of env.VARIABLES, and
     every declared variable is read somewhere (by its name, or through its definition,

@@ -38,7 +38,7 @@ def test_the_contracts_hold():
     # the shared ring code reaching up into a path
     ("ring/merge.py", "\nfrom ..reference import attention  # noqa: F401,E402\n", "Layers"),
     # the fused path reaching into the Triton path's modules instead of its interface
-    ("fused/plan.py", "\nfrom ..triton_path import select  # noqa: F401,E402\n", "package interface"),
+    ("fused/plan.py", "\nfrom ..triton_path import block_ops  # noqa: F401,E402\n", "package interface"),
     # a model family reaching up into the core of the Hugging Face layer, inside a function
     ("hf/families/llama4.py", "\n\ndef _up():\n    from ..core import attention  # noqa: F401\n", "rooms one way down"),
     # training and generation are independent rooms

@@ -41,7 +41,7 @@ def doctor(args) -> int:
 
     from . import __version__, env, extensions, fused
     from .api import resolve_path
-    from .triton_path import select
+    from .kernel_choice import explain as kernel_choice_explain
 
     _line("ulysses-kernels", f"{__version__} ({os.path.dirname(os.path.abspath(__file__))})")
     _line("python", platform.python_version())
@@ -77,7 +77,7 @@ def doctor(args) -> int:
     _line("Triton attention", ("available" + interp) if kernels is not None else f"unavailable: {why}")
     if kernels is not None:
         _line("  Hopper features", hopper_features_line(kernels))
-    for name, value in select.describe():  # the kernel chooser: override, backends, cached choices
+    for name, value in kernel_choice_explain.describe():  # the kernel choice: override, candidates, cache
         _line(name, value)
 
     if torch.cuda.is_available():
@@ -346,8 +346,17 @@ def main(argv=None) -> int:
     _plan_arguments(sub.add_parser("plan", help="per-GPU memory of a training step and the longest sequence that "
                                                 "fits (a model, not a measurement)"))
     sub.add_parser("env", help="every environment variable the package reads, as a Markdown table (docs/env.md)")
+    sub.add_parser("kernels", help="which attention kernel computes which call class, from the capability tables "
+                                   "(docs/kernels.md)")
     args = parser.parse_args(argv)
-    return {"doctor": doctor, "demo": demo, "plan": plan, "env": print_env}[args.command](args)
+    return {"doctor": doctor, "demo": demo, "plan": plan, "env": print_env, "kernels": print_kernels}[args.command](args)
+
+
+def print_kernels(_args) -> int:
+    from .kernel_choice import explain
+
+    print(explain.markdown())
+    return 0
 
 
 def print_env(_args) -> int:

@@ -37,13 +37,15 @@ BACKEND = Variable("ULYSSES_KERNELS_BACKEND", "choice", "auto", "ulysses_kernels
                    "The default execution path of every call: auto (fused on CUDA in a process group, else "
                    "Triton on CUDA, else reference), or one path forced.",
                    ("auto", "reference", "triton", "fused"))
-ATTENTION = Variable("ULYSSES_KERNELS_ATTENTION", "choice", "auto", "ulysses_kernels/triton_path/select.py",
-                     "The attention kernel on strided [B, S, H, D] layouts: auto (the fastest exact candidate, "
-                     "timed once per call class on the GPU; Triton on CPU), or triton, sdpa, flash forced (a call "
-                     "the forced kernel cannot run uses Triton, with one warning).",
-                     ("auto", "triton", "sdpa", "flash"))
+ATTENTION = Variable("ULYSSES_KERNELS_ATTENTION", "choice", "auto", "ulysses_kernels/kernel_choice/choice.py",
+                     "The attention kernel of every path: auto (the fastest candidate whose capability table "
+                     "covers the call, timed once per call class on the GPU and agreed by every rank of the "
+                     "group; ours on CPU), a family (sdpa, flash: the fastest of its members) or one candidate "
+                     "forced. A forced kernel that cannot compute a call is the same ValueError on every rank.",
+                     ("auto", "triton", "sdpa", "flash", "sdpa_cudnn", "sdpa_flash", "flash2", "fa3", "fa4",
+                      "torch_varlen", "flex"))
 CACHE_DIR = Variable("ULYSSES_KERNELS_CACHE_DIR", "path", "~/.cache/ulysses_kernels",
-                     "ulysses_kernels/triton_path/select.py",
+                     "ulysses_kernels/kernel_choice/choice.py",
                      "Where the kernel choice keeps its timed choices (attention_choice.json).")
 DETERMINISTIC = Variable("ULYSSES_KERNELS_DETERMINISTIC", "flag", "0", "ulysses_kernels/triton/flash_bwd.py",
                          "The default of `deterministic`: the bitwise-reproducible attention backward (two "

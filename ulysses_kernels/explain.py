@@ -6,7 +6,8 @@ size) it states, from the rules the package runs (never a copy of them):
 * the heads and tokens of one rank (layout.HeadPlan);
 * the path the automatic choice takes on this machine, and why each faster path cannot
   run here (api.PATHS' own ``problem``);
-* the attention-kernel setting of the Triton path (triton_path/select.py);
+* the kernel choice for one rank's attention (kernel_choice/): every candidate considered
+  or excluded with the reason, and the choice with its timings;
 * the fused path's exchange: transport and chunks (fused/engine.py, fused/plan.py);
 * the Triton kernels of one rank's attention on a GPU target (ulysses_kernels.triton.plan:
   the launchers' own decisions on meta tensors): kernel, tile and why, layout, Hopper
@@ -93,18 +94,27 @@ def _path_lines(call: CallClass, device):
     return lines
 
 
-def _select_lines():
-    from .triton_path import select
+def choice_class(call: CallClass, heads, device):
+    """The kernel choice's class of one rank's attention in `call` (the Triton and fused
+    paths build the same one from their buffers)."""
+    from . import kernel_choice
+    from .variants import make_variant
 
-    try:
-        wanted = select.requested()
-    except ValueError as exc:
-        return [("attention kernel", f"INVALID: {exc}")]
-    what = {"auto": "on a GPU the fastest eligible of our Triton kernel, SDPA and flash_attn, timed once per call "
-                    "class; the all-to-all buffer with batch > 1, packed documents, sinks or an LSE for the ring "
-                    "stay on the Triton kernels below",
-            "triton": "the Triton kernels below"}.get(wanted, f"{wanted} where eligible, else the Triton kernels")
-    return [("attention kernel", f"{select.ENV_VAR}={wanted}: {what}")]
+    variant = make_variant(call.window, call.softcap, causal=call.causal)
+    name, capability = kernel_choice.device_facts(device)
+    dv = call.head_dim_v or call.head_dim
+    return kernel_choice.Call(
+        device=name, capability=capability, dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[call.dtype],
+        head_dim=call.head_dim, value_dim=dv, q_heads=heads.local_q_heads, kv_heads=heads.local_kv_heads,
+        causal=call.causal, alignment="square", bucket=kernel_choice.bucket(call.seq_len), batch=call.batch,
+        window=variant.window, softcap=variant.softcap, sinks=call.sinks, packed=call.documents > 0,
+        rows_layout=call.batch > 1 and call.world > 1, deterministic=call.deterministic, grad=True)
+
+
+def _choice_lines(call: CallClass, heads, device):
+    from .kernel_choice import explain as choice_explain
+
+    return choice_explain.explain(choice_class(call, heads, device))
 
 
 def _exchange_lines(call: CallClass, heads):
@@ -164,7 +174,7 @@ def explain(call: CallClass, *, device=None, sm_count: int = 132) -> List[Tuple[
     heads, lines = _rank_lines(call)
     lines = [("call", call.text())] + lines
     lines += _path_lines(call, device)
-    lines += _select_lines()
+    lines += _choice_lines(call, heads, device)
     lines += _exchange_lines(call, heads)
     lines += _kernel_lines(call, heads, sm_count)
     return lines

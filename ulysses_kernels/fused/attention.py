@@ -9,6 +9,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from .. import env, kernel_choice
 from ..exchange.heads import local_sinks
 from ..extensions import load_extension
 from ..layout import HeadPlan, split_lengths
@@ -54,11 +55,12 @@ class Setup:
 def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *, group, rank: int,
             seq_lens: Sequence[int], causal: bool, softmax_scale: float, cu_seqlens=None,
             num_chunks: Optional[int] = None, variant: Variant = PLAIN, sinks=None,
-            engine: Optional[Engine] = None) -> Setup:
+            engine: Optional[Engine] = None, grad: bool = True) -> Setup:
     """Engine, geometry, options and chunk plan for a validated call whose q is
     `q_shape = [B, S_p, Hq, D]` (shared by the attention op and layer.py); `sinks`: this
     rank's local query heads' (detached: the autograd function returns their gradient);
-    `engine`: the caller's (Engine.create), else the group's default one (get_engine)."""
+    `engine`: the caller's (Engine.create), else the group's default one (get_engine);
+    `grad`: the call will be differentiated (the kernel choice times forward + backward)."""
     lens = tuple(int(n) for n in seq_lens)
     world = len(lens)
     B, _, Hq, D = q_shape
@@ -72,8 +74,10 @@ def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *,
     plan = tuple(plan_chunks(heads.local_q_heads, heads.local_kv_heads, chunks))
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=device, dtype=torch.int32)
+    kernel = _kernel(geo, plan, dtype, device, group=group, causal=causal, packed=cu_seqlens is not None,
+                     variant=variant, sinks=sinks is not None, grad=grad)
     attn = AttentionOptions(causal=bool(causal), softmax_scale=float(softmax_scale), cu_seqlens=cu_seqlens,
-                            variant=variant, sinks=sinks.detach() if sinks is not None else None)
+                            variant=variant, sinks=sinks.detach() if sinks is not None else None, kernel=kernel)
     if engine is None:
         engine = get_engine(group, world, rank, device)
     else:
@@ -81,6 +85,21 @@ def prepare(q_shape, kv_heads: int, dtype: torch.dtype, device: torch.device, *,
         if why:
             raise ValueError(f"fused ulysses_attention: {why}")
     return Setup(engine, geo, attn, plan)
+
+
+def _kernel(geo: Geometry, plan, dtype, device, *, group, causal, packed, variant, sinks, grad) -> str:
+    """The kernel choice for this call's chunks (docs/architecture.md, "The kernel choice"),
+    agreed over the SP group: one class for the call, the largest chunk's heads (every rank
+    has the same plan, so the same class). The receive buffer is a `[B, S, h, D]` view at
+    batch 1 or on one rank, else block rows that only our kernel reads."""
+    largest = max(plan, key=lambda c: c.q_cnt)
+    call = kernel_choice.Call(
+        *kernel_choice.device_facts(device), dtype=str(dtype).replace("torch.", ""), head_dim=geo.head_dim,
+        value_dim=geo.head_dim, q_heads=largest.q_cnt, kv_heads=largest.kv_use, causal=bool(causal),
+        alignment="square", bucket=kernel_choice.bucket(geo.total), batch=geo.batch, window=variant.window,
+        softcap=float(variant.softcap), sinks=sinks, packed=packed, rows_layout=geo.batch > 1 and geo.world > 1,
+        deterministic=env.flag(env.DETERMINISTIC), grad=grad, empty=geo.total < 1)
+    return kernel_choice.choose(call, groups=(group,) if geo.world > 1 else (), device=device).choice
 
 
 class _AttentionIo:
@@ -126,14 +145,14 @@ class _FusedUlyssesAttention(torch.autograd.Function):
             # The buffers are saved through autograd (not as ctx attributes) so that backward
             # frees them unless retain_graph=True, and a second backward without it raises
             # torch's usual error instead of reading freed state.
-            ctx.recv_off, ctx.osend_off = saved.recv_off, saved.osend_off
+            ctx.recv_off, ctx.osend_off, ctx.graphs = saved.recv_off, saved.osend_off, saved.graphs
             ctx.save_for_backward(saved.recv, saved.osend, *saved.lses)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         recv, osend, *lses = ctx.saved_tensors
-        saved = Saved(recv, ctx.recv_off, osend, ctx.osend_off, lses)
+        saved = Saved(recv, ctx.recv_off, osend, ctx.osend_off, lses, ctx.graphs)
         setup = ctx.setup
         dq = dout.new_empty(dout.shape)
         dk, dv = (dout.new_empty(ctx.kv_shape) for _ in range(2))
@@ -163,5 +182,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     sinks = local_sinks(sinks, rank, len(seq_lens))
     setup = prepare(q.shape, k.shape[2], q.dtype, q.device, group=group, rank=rank, seq_lens=seq_lens,
                     causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, num_chunks=num_chunks,
-                    variant=variant, sinks=sinks, engine=engine)
+                    variant=variant, sinks=sinks, engine=engine,
+                    grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, sinks) if t is not None))
     return _FusedUlyssesAttention.apply(q, k, v, sinks, setup, torch.is_grad_enabled())

@@ -297,7 +297,7 @@ class _FusedSelfAttention(torch.autograd.Function):
                                      dtype=x.dtype, device=x.device)
         if save:
             ctx.setup, ctx.heads, ctx.has_rotary = setup, heads, rotary is not None
-            ctx.recv_off, ctx.osend_off = saved.recv_off, saved.osend_off
+            ctx.recv_off, ctx.osend_off, ctx.graphs = saved.recv_off, saved.osend_off, saved.graphs
             rot = [cos, sin] if rotary is not None else []
             ctx.save_for_backward(x, w_qkv, w_o, io.o_chunks, saved.recv, saved.osend, *rot, *saved.lses)
         return io.y.view(B, Sp, hidden)
@@ -318,7 +318,7 @@ class _FusedSelfAttention(torch.autograd.Function):
                               need=need[:5])
         with device_ctx(x.device):
             if any(need[:3]):  # x, W_qkv or b_qkv: the gradients travel back through the exchanges
-                saved = Saved(recv, ctx.recv_off, osend, ctx.osend_off, lses)
+                saved = Saved(recv, ctx.recv_off, osend, ctx.osend_off, lses, ctx.graphs)
                 pipeline.backward(setup.engine, io, setup.geometry, setup.attention, setup.plan, saved,
                                   dtype=x.dtype, device=x.device)
             else:  # only the output projection trains: no exchange needed
@@ -350,7 +350,9 @@ def self_attention(x, w_qkv, b_qkv, w_o, b_o, *, num_heads: int, num_kv_heads: i
     B, Sp, _ = x.shape
     setup = prepare((B, Sp, num_heads, head_dim), num_kv_heads, x.dtype, x.device, group=group, rank=rank,
                     seq_lens=seq_lens, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
-                    num_chunks=num_chunks, variant=variant, engine=engine)
+                    num_chunks=num_chunks, variant=variant, engine=engine,
+                    grad=torch.is_grad_enabled() and any(t.requires_grad for t in (x, w_qkv, b_qkv, w_o, b_o)
+                                                         if t is not None))
     cos, sin = position_embeddings if position_embeddings is not None else (None, None)
     if cos is not None:
         # [B, S_p, D] views with a contiguous last dim, as the rotary pack reads them.

@@ -3,8 +3,8 @@
 Data flow of one call, per chunk c of every destination's heads (chunks: plan.py):
 
   comm stream:    pack q,k,v -> send_c ; all-to-all send_c -> recv_c ; (event ready_c)
-  compute stream: wait ready_c ; Triton attention reads q/k/v straight from recv_c and
-                  writes its output straight into osend_c ; (event done_c)
+  compute stream: wait ready_c ; the chosen kernel reads q/k/v straight from recv_c and
+                  writes its output into osend_c ; (event done_c)
   comm stream:    wait done_c ; all-to-all osend_c -> orecv_c ; unpack into out
 
 so chunk c+1's pack and exchange run while chunk c's attention runs, and chunk c's
@@ -23,17 +23,25 @@ and ends with the compute stream waiting on the comm stream, so the caller sees 
 stream semantics. With `seq_lens` given there is no host synchronisation, so the call can
 be captured in a CUDA graph (create the engine with one eager call first).
 
+The kernel is the one the kernel choice made for the call (`AttentionOptions.kernel`,
+docs/architecture.md, "The kernel choice"). Ours writes into osend_c and returns the LSE
+the backward reads. Another one (cuDNN, FlashAttention, ...) reads the same receive-buffer
+views (`[B, S, h, D]` strided: the choice offers it only where the buffer is one) under
+autograd: its graph, recorded per chunk, is replayed in the backward, and its output is
+copied into osend_c (one copy of the output, not of q/k/v).
+
 Where a chunk's inputs come from and where its results go is the business of a
 `ChunkIo`, so that the attention op (q/k/v in, `out` back; attention.py) and the
 self-attention layer (per-chunk projection GEMMs in and out; layer.py) share the
 pipelines.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
+from .. import kernel_choice
 from ..extensions import require_triton_kernels
 from ..streams import current_stream, event, on, wait
 from ..variants import PLAIN, Variant
@@ -131,6 +139,7 @@ class AttentionOptions:
     cu_seqlens: Optional[torch.Tensor]  # int32 on the device, or None
     variant: Variant = PLAIN            # the window band and the softcap (variants.py)
     sinks: Optional[torch.Tensor] = None  # this rank's local query heads' sink logits, or None
+    kernel: str = "triton"              # the kernel choice's candidate for this call
 
     def kernel_kwargs(self, chunk: Chunk) -> Dict:
         """The kernels' attention arguments for `chunk` (its query heads' sinks)."""
@@ -142,13 +151,15 @@ class AttentionOptions:
 @dataclass
 class Saved:
     """What the forward leaves for the backward: the q/k/v receive buffer, the attention
-    output (the reverse send buffer), their chunk regions, and each chunk's LSE."""
+    output (the reverse send buffer), their chunk regions, and each chunk's LSE (our
+    kernel) or recorded autograd graph (another kernel: its detached q/k/v views and output)."""
 
     recv: torch.Tensor
     recv_off: List[int]
     osend: torch.Tensor
     osend_off: List[int]
     lses: List[torch.Tensor]
+    graphs: List[Optional[tuple]] = field(default_factory=list)
 
 
 def regions(sizes: Sequence[int], dtype: torch.dtype) -> Tuple[List[int], int]:
@@ -257,12 +268,37 @@ def forward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, 
     for i, c in enumerate(plan):
         wait(compute, ready[i])
         q, k, v, out = chunk_views(plan, i, saved, geo)
-        _, lse = flash_attention_forward(q, k, v, out=out, **attn.kernel_kwargs(c), **geo.attn_kwargs())
-        saved.lses.append(lse)
+        if attn.kernel == "triton":
+            _, lse = flash_attention_forward(q, k, v, out=out, **attn.kernel_kwargs(c), **geo.attn_kwargs())
+            saved.lses.append(lse)
+            saved.graphs.append(None)
+        else:
+            saved.lses.append(out.new_empty(0))
+            saved.graphs.append(_external_forward(attn, q, k, v, out, record=save))
         _chunk_done(engine, io, plan, i, geo, send=osend[osend_off[i]:], recv=orecv[orecv_off[i]:],
                     channels=c.q_cnt, unpacked=unpacked)
     _pipeline_done(engine, io, plan, unpacked, compute)
     return saved if save else None
+
+
+def _external_forward(attn: AttentionOptions, q, k, v, out, *, record: bool) -> Optional[tuple]:
+    """A chunk on a kernel other than ours: its output copied into `out`; with `record`, its
+    autograd graph over detached views of the receive buffer (no copies), for `_external_backward`."""
+    views = [t.detach().requires_grad_(record) for t in (q, k, v)]
+    with torch.enable_grad() if record else torch.no_grad():
+        result = kernel_choice.run(attn.kernel, *views, causal=attn.causal, softmax_scale=attn.softmax_scale,
+                                   cu_seqlens=attn.cu_seqlens, variant=attn.variant)
+    out.copy_(result)
+    return (views, result) if record else None
+
+
+def _external_backward(graph: Optional[tuple], do) -> Tuple[torch.Tensor, ...]:
+    """dq, dk, dv of a chunk recorded by `_external_forward`."""
+    if graph is None:
+        raise RuntimeError("the attention graph of this chunk was not recorded (forward without grad) or was "
+                           "already freed by an earlier backward")
+    views, result = graph
+    return torch.autograd.grad(result, views, do)
 
 
 def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, plan: Sequence[Chunk],
@@ -297,7 +333,16 @@ def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions,
         do = geo.attn_view(drecv[drecv_off[i]:], c.q_cnt, 0, c.q_cnt)
         gc, grads = c.grad_channels, gsend[gsend_off[i]:]
         dq = geo.attn_view(grads, gc, 0, c.q_cnt)
-        if not c.shared:
+        if attn.kernel != "triton":
+            ext_dq, dk, dv = _external_backward(saved.graphs[i], do)
+            saved.graphs[i] = None  # free the recorded graph as soon as it is used
+            dq.copy_(ext_dq)
+            if not c.shared:
+                geo.attn_view(grads, gc, c.q_cnt, c.g_cnt).copy_(dk)
+                geo.attn_view(grads, gc, c.q_cnt + c.g_cnt, c.g_cnt).copy_(dv)
+            else:
+                _accumulate_shared(shared, c, dk, dv, geo, grads, gc)
+        elif not c.shared:
             # This chunk alone uses its KV heads: dK/dV go straight into the send buffer.
             assert c.g_cnt == c.kv_use
             flash_attention_backward(do, q, k, v, out, saved.lses[i], dq=dq,
@@ -307,16 +352,22 @@ def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions,
             # One KV head shared by several chunks: accumulate its dK/dV in fp32 and write
             # them into the send buffer of the last chunk that uses it.
             _, dk, dv = flash_attention_backward(do, q, k, v, out, saved.lses[i], dq=dq, **options)
-            key = (c.kv_src, c.kv_lo)  # the shared KV head: its chunk and index there
-            if key in shared:
-                shared[key][0].add_(dk)
-                shared[key][1].add_(dv)
-            else:
-                shared[key] = (dk.float(), dv.float())
-            if c.g_cnt:
-                acc_k, acc_v = shared.pop(key)
-                geo.attn_view(grads, gc, c.q_cnt, 1).copy_(acc_k)
-                geo.attn_view(grads, gc, c.q_cnt + 1, 1).copy_(acc_v)
+            _accumulate_shared(shared, c, dk, dv, geo, grads, gc)
         _chunk_done(engine, io, plan, i, geo, send=grads, recv=grecv[grecv_off[i]:], channels=gc,
                     unpacked=unpacked)
     _pipeline_done(engine, io, plan, unpacked, compute)
+
+
+def _accumulate_shared(shared: dict, c: Chunk, dk, dv, geo: Geometry, grads, gc: int) -> None:
+    """dK/dV of a KV head shared by several chunks: accumulated in fp32 over them and written
+    into the send buffer of the last chunk that uses it (the one with `g_cnt`)."""
+    key = (c.kv_src, c.kv_lo)  # the shared KV head: its chunk and index there
+    if key in shared:
+        shared[key][0].add_(dk)
+        shared[key][1].add_(dv)
+    else:
+        shared[key] = (dk.float(), dv.float())
+    if c.g_cnt:
+        acc_k, acc_v = shared.pop(key)
+        geo.attn_view(grads, gc, c.q_cnt, 1).copy_(acc_k)
+        geo.attn_view(grads, gc, c.q_cnt + 1, 1).copy_(acc_v)

@@ -249,7 +249,11 @@ def ulysses_ring_attention(path, q, k, v, *, group, rank: int, seq_lens, spec: R
             qh, kh, vh = (t.contiguous() for t in (q, k, v))
         else:
             qh, kh, vh = exchange_qkv(path.seq_to_heads, q, k, v, group=group, rank=rank, seq_lens=lens)
-        spec = dataclasses.replace(spec, block_ops=path.block_ops,
+        block_ops = path.block_ops
+        if hasattr(block_ops, "for_call"):  # a path whose blocks run on the kernel choice's pick
+            groups = tuple(g for g, n in ((group, len(lens)), (spec.group, spec.world)) if n > 1)
+            block_ops = block_ops.for_call(qh, kh, vh, spec=spec, groups=groups)
+        spec = dataclasses.replace(spec, block_ops=block_ops,
                                    shift=path.ring_shift(spec.group, spec.world, spec.rank, q.device))
         out = ring_attention(qh, kh, vh, spec, local_sinks(sinks, rank, len(lens)))
         return out if alone else path.heads_to_seq(out, group=group, rank=rank, seq_lens=lens)

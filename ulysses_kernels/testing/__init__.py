@@ -8,6 +8,8 @@ itself (an import-linter contract in pyproject.toml enforces it).
 - `fused_stand_ins()`: both installed, so the whole fused pipeline (chunking, buffer views,
   GQA replication, the Triton attention in the interpreter) runs on CPU tensors with
   `backend="fused"`.
+- `kernel_stand_in()` (kernel_stand_in.py): a candidate kernel computed by the reference in
+  torch, registered and forced, so the paths' plumbing for external kernels runs on CPU.
 - `bench.py`: entry points the benchmarks time.
 """
 
@@ -15,9 +17,10 @@ import contextlib
 
 from .. import fused
 from .host_transport import HostTransport
+from .kernel_stand_in import kernel_stand_in
 from .reference_ops import ReferenceOps
 
-__all__ = ["ReferenceOps", "HostTransport", "fused_stand_ins", "enable_fused_stand_ins"]
+__all__ = ["ReferenceOps", "HostTransport", "fused_stand_ins", "enable_fused_stand_ins", "kernel_stand_in"]
 
 
 def enable_fused_stand_ins(group=None):

@@ -2,13 +2,11 @@
 (`ulysses_kernels.triton`, built from ulysses_kernels/triton/).
 
 - `ulysses.py`: its Ulysses attention (the kernels read the all-to-all buffers in place);
-- `select.py`: which kernel runs attention on a strided layout (ours, torch SDPA,
-  flash_attn);
-- `block_ops.py`: the ring's block computations on the kernels;
+- `block_ops.py`: the ring's block computations on the kernel the kernel choice picks;
 - `path.py`: the path itself (`PATH`, distributed/dispatch.py's `Path`).
 
 Declared interface: everything imported below. The fused path borrows the attention
-(`PATH.attention`, the kernel choice), the ring's block ops and the kernels' input rule
+(`PATH.attention`), the ring's block ops and the kernels' input rule
 from here (docs/architecture.md, "Import layers").
 """
 

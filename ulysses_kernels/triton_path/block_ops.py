@@ -1,42 +1,62 @@
-"""The ring's block computations on the Triton kernels (docs/architecture.md, "Ulysses x
-Ring"): the Triton and fused paths' `BlockOps` (ring/schedule.py)."""
+"""The ring's block computations (docs/architecture.md, "Ulysses x Ring"): the Triton and
+fused paths' `BlockOps` (ring/schedule.py) on the kernel the kernel choice picks for the
+ring call among the candidates that return the LSE and run a backward from a merged output
+and LSE (ulysses_kernels/kernel_choice/); the merge is our fp32 merge kernel."""
 
 import torch
 
+from .. import env, kernel_choice
 from ..extensions import require_triton_kernels
 
+_documents = {}  # (local boundaries, device) -> int32 tensor: one host->device copy per block shape
 
-class TritonBlockOps:
-    """The ring's block computations (ring/schedule.py, `BlockOps`) on the Triton kernels: flash
-    forward/backward of one block (diagonal blocks causal and/or with their documents),
-    and the fp32 merge kernel."""
 
-    _documents = {}  # (local boundaries, device) -> int32 tensor: one host->device copy per block shape
+def _documents_on(block, device):
+    if block.documents is None:
+        return None
+    key = (block.documents, str(device))
+    docs = _documents.get(key)
+    if docs is None:
+        if len(_documents) > 1024:
+            _documents.clear()
+        docs = torch.tensor(block.documents, dtype=torch.int32, device=device)
+        _documents[key] = docs
+    return docs
 
-    @staticmethod
-    def _options(block, device):
-        docs = None
-        if block.documents is not None:
-            key = (block.documents, str(device))
-            docs = TritonBlockOps._documents.get(key)
-            if docs is None:
-                if len(TritonBlockOps._documents) > 1024:
-                    TritonBlockOps._documents.clear()
-                docs = torch.tensor(block.documents, dtype=torch.int32, device=device)
-                TritonBlockOps._documents[key] = docs
-        return dict(causal=block.diagonal and block.causal, cu_seqlens=docs, _band=block.band)
 
-    @staticmethod
-    def forward(q, k, v, block, scale, softcap=0.0):
-        return require_triton_kernels().flash_attention_forward(q, k, v, softmax_scale=scale, softcap=softcap,
-                                                                **TritonBlockOps._options(block, q.device))
+class BlockOpsOn:
+    """`BlockOps` on one candidate: forward / backward of one block (diagonal blocks causal
+    and/or with their documents, bands shifted by the block plan) and the merge."""
 
-    @staticmethod
-    def backward(do, q, k, v, out, lse, block, scale, softcap=0.0):
-        return require_triton_kernels().flash_attention_backward(do, q, k, v, out, lse, softmax_scale=scale,
-                                                                 softcap=softcap,
-                                                                 **TritonBlockOps._options(block, q.device))
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+
+    def _options(self, block, device):
+        return dict(causal=block.diagonal and block.causal, cu_seqlens=_documents_on(block, device), band=block.band)
+
+    def forward(self, q, k, v, block, scale, softcap=0.0):
+        return kernel_choice.CANDIDATES[self.kernel].forward_lse(q, k, v, scale=scale, softcap=softcap,
+                                                                 **self._options(block, q.device))
+
+    def backward(self, do, q, k, v, out, lse, block, scale, softcap=0.0):
+        return kernel_choice.CANDIDATES[self.kernel].backward_lse(do, q, k, v, out, lse, scale=scale, softcap=softcap,
+                                                                  **self._options(block, q.device))
 
     @staticmethod
     def merge(acc, acc_lse, out, lse):
         require_triton_kernels().merge_attention(acc, acc_lse, out, lse)
+
+    def for_call(self, q, k, v, *, spec, groups) -> "BlockOpsOn":
+        """The block ops of one ring call on head-sharded portions q `[B, L, Hq, D]`, k, v: the
+        kernel the choice makes for the ring's class (the whole ring's length, so every rank
+        has the same class), agreed over `groups` (the SP group and the ring group)."""
+        call = kernel_choice.call_of(q, k, v, causal=spec.causal, packed=spec.documents is not None,
+                                     variant=spec.variant, lse=True, deterministic=env.flag(env.DETERMINISTIC),
+                                     grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+        call = kernel_choice.Call(**{**call.__dict__, "alignment": "square",
+                                     "bucket": kernel_choice.bucket(spec.total)})
+        choice = kernel_choice.choose(call, groups=groups, device=q.device).choice
+        return self if choice == self.kernel else BlockOpsOn(choice)
+
+
+TritonBlockOps = BlockOpsOn("triton")

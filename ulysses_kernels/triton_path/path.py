@@ -1,17 +1,17 @@
 """The Triton path (docs/architecture.md, "Triton path"): the shared torch exchange
-(`ulysses_kernels/exchange/`) around the Triton attention kernels, which read the
-all-to-all buffers in place (`ulysses.py`), with the attention kernel chosen per layout
-(`select.py`) and the ring's blocks on the same kernels (`block_ops.py`)."""
+(`ulysses_kernels/exchange/`) around the attention kernels, which read the all-to-all
+buffers in place (`ulysses.py`), the kernel chosen by the kernel choice
+(`ulysses_kernels/kernel_choice/`), and the ring's blocks (`block_ops.py`)."""
 
 from typing import Optional
 
 import torch
 
-from .. import env
+from .. import env, kernel_choice
 from ..exchange import heads
 from ..extensions import require_triton_kernels, triton_kernels
 from ..variants import PLAIN
-from . import select, ulysses
+from . import ulysses
 from .block_ops import TritonBlockOps
 
 
@@ -45,13 +45,13 @@ class TritonPath:
     @staticmethod
     def attention(q, k, v, *, causal, softmax_scale, cu_seqlens=None, deterministic=None, with_lse=False,
                   variant=PLAIN, sinks=None):
-        """The chosen kernel (select.py), differentiable; with the LSE: our kernel's forward
+        """The chosen kernel (kernel_choice), differentiable; with the LSE: our kernel's forward
         (no autograd)."""
         if with_lse:
             return require_triton_kernels().flash_attention_forward(
                 q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, _band=variant.window,
                 softcap=variant.softcap, sinks=sinks)
-        out = select.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+        out = kernel_choice.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
                                deterministic=deterministic, variant=variant, sinks=sinks)
         return out, None
 

@@ -10,8 +10,9 @@ Forward:
   which has the block layout the reverse all-to-all sends from, then unpacked to
   `[B, S_r, Hq, D]`.
 With one batch row (or one rank) the buffer rows are a strided `[B, S, H, D]` tensor, and
-the kernel may instead be torch SDPA or flash_attn, timed faster and exact for the call
-(select.py); its backward replays the autograd graph recorded in the forward.
+the kernel may instead be any candidate of the kernel choice (ulysses_kernels/kernel_choice/:
+cuDNN, FlashAttention, torch's varlen_attn, ...), agreed by the group; its backward replays
+the autograd graph recorded in the forward.
 Backward: dO takes the same route as q; the kernels write dq|dk|dv into one buffer in
 the send layout; one all-to-all returns them; unpack sums replicated KV heads. When v has
 a head dim of its own (MLA) q|k and v move in two buffers (a row holds one head dim).
@@ -21,17 +22,18 @@ The buffers and exchanges are the shared torch ones (`ulysses_kernels/exchange/`
 fused path replaces them with CUDA pack kernels and the NCCL engine.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
+from .. import env, kernel_choice
 from ..distributed.collectives import all_to_all
 from ..exchange.buffers import exchange_seq_to_heads, pack_for_heads, placements_for, unpack_from_heads
 from ..exchange.heads import local_sinks
 from ..extensions import require_triton_kernels
 from ..variants import PLAIN, Variant
-from . import select
 
 
 def _reverse_exchange(rows: torch.Tensor, batch: int, seq_lens, rank: int, group):
@@ -45,24 +47,27 @@ def _reverse_exchange(rows: torch.Tensor, batch: int, seq_lens, rank: int, group
     return recv.view(P, batch, seq_lens[rank], Hc, D)
 
 
-def _kernel_choice(q_rows, k_rows, batch, world, causal, cu_seqlens, grad, variant, sinks, value_dim) -> str:
-    """The attention kernel for the receive buffer (select.py). With one batch
-    row or one rank the buffer rows are a strided `[B, S, H, D]` tensor that torch SDPA or
-    flash_attn read in place; batch > 1 across ranks (two-level addressing), packed
-    documents, sinks and a value head dim of its own stay on the Triton kernels."""
-    split = batch > 1 and world > 1
-    view = (lambda t: t.view(batch, t.shape[0] // batch, *t.shape[1:])) if not split else (lambda t: t.unsqueeze(0))
-    return select.choose(view(q_rows), view(k_rows), causal=causal, varlen=cu_seqlens is not None,
-                         split_layout=split, grad=grad, variant=variant, sinks=sinks, value_dim=value_dim)
+def _kernel_choice(rows, batch, world, group, causal, cu_seqlens, grad, variant, sinks) -> str:
+    """The attention kernel for the receive buffer (ulysses_kernels/kernel_choice/), agreed
+    over the SP group. With one batch row or one rank the buffer rows are a strided
+    `[B, S, H, D]` tensor that every candidate reads in place; batch > 1 across ranks
+    (two-level addressing) is block rows, which only our kernels read."""
+    call = kernel_choice.call_of(*rows, causal=causal, packed=cu_seqlens is not None, variant=variant, sinks=sinks,
+                                 rows_layout=True, batch=batch, deterministic=env.flag(env.DETERMINISTIC),
+                                 grad=grad)
+    if not (batch > 1 and world > 1):
+        call = dataclasses.replace(call, rows_layout=False)
+    return kernel_choice.choose(call, groups=(group,) if world > 1 else (), device=rows[0].device).choice
 
 
-def _external_forward(name, row_views, out_rows, batch, causal, softmax_scale, grad, variant):
-    """Run a non-Triton kernel on `[B, S, H, D]` views of the buffer rows and write the
+def _external_forward(name, row_views, out_rows, batch, causal, softmax_scale, cu_seqlens, grad, variant):
+    """Run a kernel other than ours on `[B, S, H, D]` views of the buffer rows and write the
     output into `out_rows`. For the backward, the kernel's own autograd graph is recorded on
     detached views (no copies) and returned; backward replays it with torch.autograd.grad."""
     views = [t.detach().view(batch, t.shape[0] // batch, *t.shape[1:]).requires_grad_(grad) for t in row_views]
     with torch.enable_grad() if grad else torch.no_grad():
-        out = select.run(name, *views, causal=causal, softmax_scale=softmax_scale, variant=variant)
+        out = kernel_choice.run(name, *views, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
+                                variant=variant)
     out_rows.view(out.shape).copy_(out)
     return (views, out) if grad else None
 
@@ -126,8 +131,8 @@ class TritonUlyssesAttention(torch.autograd.Function):
         out_rows = torch.empty(rows_total, placements[0].local, v.shape[3], dtype=q.dtype, device=q.device)
         grad = any(ctx.needs_input_grad[:4])
         ctx.external = None
-        ctx.kernel = name = _kernel_choice(q_rows, k_rows, B, world, causal, cu_seqlens, grad, variant,
-                                           sinks is not None, v.shape[3])
+        ctx.kernel = name = _kernel_choice((q_rows, k_rows, v_rows), B, world, group, causal, cu_seqlens, grad,
+                                           variant, sinks is not None)
         if name == "triton":
             _, lse = kernels.flash_attention_forward(q_rows, k_rows, v_rows, causal=causal,
                                                      softmax_scale=softmax_scale, cu_seqlens=cu_seqlens,
@@ -136,7 +141,7 @@ class TritonUlyssesAttention(torch.autograd.Function):
         else:
             lse = torch.empty(0)
             ctx.external = _external_forward(name, (q_rows, k_rows, v_rows), out_rows, B, causal, softmax_scale,
-                                             grad, variant)
+                                             cu_seqlens, grad, variant)
         back = _reverse_exchange(out_rows, B, seq_lens, rank, group)  # [P, B, S_r, hl_q, Dv]
         ctx.save_for_backward(out_rows, lse, cu_seqlens if cu_seqlens is not None else torch.empty(0),
                               sinks if sinks is not None else torch.empty(0), *buffers)
