@@ -84,6 +84,33 @@ def test_bench_attention_smoke(tmp_path):
     assert (tmp_path / "attention_results.md").exists() and (tmp_path / "attention_tflops.png").exists()
 
 
+def test_bench_user_step_smoke(tmp_path):
+    """Every row of the user-shaped benchmark (one tiny length): each candidate that covers
+    the class and runs here is timed, auto's pick is recorded with best/auto."""
+    _needs_triton()
+    _run("bench_user_step.py", tmp_path)
+    data = json.loads((tmp_path / "user_step_results.json").read_text())
+    rows = data["results"]
+    assert len(rows) == 16 and data["meta"]["complete"]  # 4 models x 1 or 8 documents x fwd, fwd+bwd
+    for row in rows:
+        assert "ms" in row["candidates"]["triton"], row
+        assert row["auto"] == "triton" and row["best_over_auto"] <= 1.0  # no timing on CPU: ours
+        if row["mode"] == "fwd" and "sinks" not in row["call"]:
+            assert "ms" in row["candidates"]["flex"], row  # FlexAttention's CPU forward
+        assert "sdpa_cudnn" in row["excluded"]
+    table = (tmp_path / "user_step_results.md").read_text()
+    assert "| Llama-3-8B | 64 | 8 | fwd_bwd |" in table
+
+
+def test_bench_user_step_counts_visible_pairs():
+    bench = load_bench("bench_user_step")
+    assert bench.visible_pairs(10, 1, None) == 55
+    assert bench.visible_pairs(10, 2, None) == 2 * 15
+    brute = sum(min(i, 3) + 1 for i in range(10))
+    assert bench.visible_pairs(10, 1, 3) == brute
+    assert bench.visible_pairs(131072, 8, 128) == 8 * sum(min(i, 128) + 1 for i in range(16384))
+
+
 def test_bench_hopper_smoke(tmp_path):
     """The features benchmark: the measured kernels and three feature lists, both modes,
     causal or not; the table shows each list's speed-up over the measured kernels; the

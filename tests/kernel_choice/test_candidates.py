@@ -145,6 +145,54 @@ def test_flash_window_convention():
     assert cands._flash_window((None, None), causal=False) == (-1, -1)
 
 
+class FakeFlash:
+    """A FlashAttention module that records its calls and answers with q (or (q, lse))."""
+
+    def __init__(self, pair):
+        self.calls, self.pair = [], pair
+
+    def _answer(self, q):
+        return (q, None) if self.pair else q
+
+    def flash_attn_func(self, *args, **kwargs):
+        self.calls.append(("dense", args, kwargs))
+        return self._answer(args[0])
+
+    def flash_attn_varlen_func(self, *args, **kwargs):
+        self.calls.append(("varlen", args, kwargs))
+        return self._answer(args[0])
+
+
+@pytest.mark.parametrize("name,module,pair", [("flash2", "flash_attn", False), ("fa3", "flash_attn_interface", True),
+                                              ("fa4", "flash_attn.cute", True)])
+def test_flash_runners_pass_the_libraries_conventions(name, module, pair, monkeypatch):
+    """The arguments each FlashAttention runner hands its library: FA2/FA3 windows with -1
+    unbounded and varlen's lengths positional, FA4 by keyword only with None unbounded (its
+    varlen's fourth positional parameter is qv, and a -1 side is a literal offset); an (out,
+    lse) pair is unpacked; packed documents as `[S, H, D]` rows and back."""
+    fake = FakeFlash(pair)
+    monkeypatch.setattr(cands, "_import", lambda mod, attr=None: (fake, "test") if mod == module else (None, "no"))
+    q, k, v, _ = make_qkv(1, 24, 4, 2, 16, dtype=torch.float32, seed=1)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    window = make_variant((7, -1), 2.0, causal=True)
+    out = kernel_choice.run(name, q, k, v, causal=True, softmax_scale=0.3, variant=window)
+    assert torch.equal(out, q)
+    packed = kernel_choice.run(name, q, k, v, causal=True, cu_seqlens=cu)
+    assert torch.equal(packed, q)
+    (kind, args, kwargs), (vkind, vargs, vkwargs) = fake.calls
+    assert kind == "dense" and vkind == "varlen" and kwargs["softmax_scale"] == 0.3 and kwargs["causal"] is True
+    assert kwargs["softcap"] == 2.0
+    if name == "fa4":
+        assert kwargs["window_size"] == (7, 0) and len(args) == 3 and len(vargs) == 3
+        assert vkwargs["cu_seqlens_q"] is cu and vkwargs["max_seqlen_q"] == 24 and vargs[0].shape == (24, 4, 16)
+    else:
+        assert kwargs["window_size"] == (7, 0)
+        assert vargs[3] is cu and vargs[4] is cu and vargs[5:7] == (24, 24) and vargs[0].shape == (24, 4, 16)
+    unbounded = make_variant((-1, 5), 0.0, causal=False)
+    kernel_choice.run(name, q, k, v, causal=False, variant=unbounded)
+    assert fake.calls[-1][2]["window_size"] == ((None, 5) if name == "fa4" else (-1, 5))
+
+
 def test_a_table_that_claims_too_much_fails_the_check(monkeypatch):
     """SDPA's is_causal is top-left: a table claiming bottom-right alignment for it would be
     wrong, and the float64 comparison says so (the check above can fail)."""

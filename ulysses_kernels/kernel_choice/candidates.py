@@ -154,9 +154,12 @@ def _flash2_table() -> Capabilities:
 
 
 def _flash_family_run(func_module: str, first_only: bool):
-    """The runner of a FlashAttention interface module (`flash_attn` 2, `flash_attn_interface` 3,
-    `flash_attn.cute` 4): `flash_attn_func` dense, `flash_attn_varlen_func` for packed
-    documents (max_seqlen: the row count, an upper bound, so no host read)."""
+    """The runner of FlashAttention 2 (`flash_attn`) or 3 (`flash_attn_interface`):
+    `flash_attn_func` dense, `flash_attn_varlen_func` for packed documents (q, k, v,
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k positional in both; max_seqlen:
+    the row count, an upper bound, so no host read); windows as (left, right) with -1
+    unbounded. FA3 returns the output alone or (out, lse) depending on its version
+    (`first_only`)."""
     def run(q, k, v, *, causal, scale, cu_seqlens, variant, sinks, deterministic):
         mod, _ = _import(func_module)
         extra = {}
@@ -175,6 +178,25 @@ def _flash_family_run(func_module: str, first_only: bool):
     return run
 
 
+def _fa4_run(q, k, v, *, causal, scale, cu_seqlens, variant, sinks, deterministic):
+    """FlashAttention 4 (`flash_attn.cute`): every argument by keyword (its varlen function's
+    fourth positional parameter is `qv`), a window side unbounded as None (a -1 is a literal
+    offset there), and always an (out, lse) pair back."""
+    mod, _ = _import("flash_attn.cute")
+    extra = dict(softmax_scale=_scale(q, scale), causal=causal)
+    if variant.windowed:
+        left, right = variant.window
+        extra["window_size"] = (left, 0 if causal else right)
+    if variant.softcap:
+        extra["softcap"] = variant.softcap
+    if cu_seqlens is None:
+        return mod.flash_attn_func(q, k, v, **extra)[0]
+    out = mod.flash_attn_varlen_func(_packed_rows(q), _packed_rows(k), _packed_rows(v), cu_seqlens_q=cu_seqlens,
+                                     cu_seqlens_k=cu_seqlens, max_seqlen_q=q.shape[1], max_seqlen_k=k.shape[1],
+                                     **extra)[0]
+    return out.unsqueeze(0)
+
+
 def _fa3_importable() -> Availability:
     mod, version = _import("flash_attn_interface")
     return (mod is not None), version
@@ -185,10 +207,10 @@ def _fa4_importable() -> Availability:
     return (mod is not None), version
 
 
-# FA3: Hopper only. FA4 (CuTe DSL): Hopper and Blackwell, head dims compiled per value.
+# FA3: Hopper (its fp16/bf16 kernels also build for Ampere; only Hopper is claimed). FA4 (CuTe
+# DSL): Hopper (head dims 8-256) and Blackwell (8-128, and a few pairs above): 8-128 claimed.
 FA3_TABLE = Capabilities(head_dims=(8, 256, 8), windows=True, softcap=True, packed=True, capabilities=(9,))
-FA4_TABLE = Capabilities(exact_head_dims=(64, 96, 128), windows=True, softcap=True, packed=True,
-                         capabilities=(9, 10))
+FA4_TABLE = Capabilities(head_dims=(8, 128, 8), windows=True, softcap=True, packed=True, capabilities=(9, 10))
 
 # ------------------------------------------------------------- torch varlen_attn
 
@@ -319,8 +341,7 @@ for _candidate in (
               _flash_family_run("flash_attn", first_only=False)),
     Candidate("fa3", "flash_attn_interface (FlashAttention 3)", lambda: FA3_TABLE, _fa3_importable,
               _flash_family_run("flash_attn_interface", first_only=True)),
-    Candidate("fa4", "flash_attn.cute (FlashAttention 4)", lambda: FA4_TABLE, _fa4_importable,
-              _flash_family_run("flash_attn.cute", first_only=True)),
+    Candidate("fa4", "flash_attn.cute (FlashAttention 4)", lambda: FA4_TABLE, _fa4_importable, _fa4_run),
     Candidate("torch_varlen", "torch.nn.attention.varlen.varlen_attn", _varlen_table, _varlen_importable,
               _varlen_run),
     Candidate("flex", "torch FlexAttention", lambda: FLEX_TABLE, _flex_importable, _flex_run),

@@ -21,7 +21,6 @@ class Capabilities:
     devices: Tuple[str, ...] = ("cuda",)
     dtypes: Tuple[str, ...] = HALF
     head_dims: Tuple[int, int, int] = (8, 256, 8)  # (smallest, largest, multiple of)
-    exact_head_dims: Optional[Tuple[int, ...]] = None  # only these (kernels compiled per head dim)
     own_value_dim: bool = False       # v's head dim may differ from q's (MLA)
     gqa: bool = True                  # fewer KV heads than query heads
     causal_alignments: Tuple[str, ...] = ("square", "short_queries")
@@ -58,8 +57,6 @@ def excluded(table: Capabilities, call: Call) -> Optional[str]:
         return f"takes {'/'.join(table.dtypes)}, not {call.dtype}"
     low, high, multiple = table.head_dims
     for name, dim in (("head dim", call.head_dim), ("value head dim", call.value_dim)):
-        if table.exact_head_dims is not None and dim not in table.exact_head_dims:
-            return f"{name} {dim} is not one of {table.exact_head_dims}"
         if not low <= dim <= high or dim % multiple:
             return f"{name} {dim} is not a multiple of {multiple} in [{low}, {high}]"
     reasons = (
