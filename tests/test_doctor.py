@@ -96,3 +96,27 @@ def test_cudnn_versions_are_decoded(monkeypatch, raw, text):
     assert cli._cudnn() == text
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
     assert cli._cudnn() == "n/a"
+
+
+def test_the_explain_lines_in_the_docs_are_the_commands(monkeypatch, capsys, tmp_path):
+    """docs/api.md shows `doctor --explain`'s kernel-choice lines for one call on a CPU machine
+    without FlashAttention: they are what the command prints in that environment."""
+    import re
+    from pathlib import Path
+
+    from ulysses_kernels import env, kernel_choice
+
+    if torch.cuda.is_available() or any(kernel_choice.CANDIDATES[n].importable()[0] for n in ("flash2", "fa3", "fa4")):
+        pytest.skip("the documented lines are those of a CPU machine without FlashAttention")
+    monkeypatch.setenv(env.CACHE_DIR.name, str(tmp_path))
+    monkeypatch.delenv(env.ATTENTION.name, raising=False)
+    kernel_choice.clear_memory_cache()
+    docs = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    command = "doctor --explain --world 8 --heads 32 --kv-heads 8 --documents 8"
+    assert f"`ulysses-kernels {command}`" in docs
+    block = re.search(r"```\n(kernel choice .*?)\n```", docs, re.S).group(1)
+    assert cli.main(command.split()) == 0
+    out = capsys.readouterr().out
+    printed = out[out.index("kernel choice"):]
+    printed = printed[:printed.index("\n", printed.index("  choice "))]
+    assert printed == block
