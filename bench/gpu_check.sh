@@ -88,7 +88,7 @@ ALL_STEPS="env install cpp_probe preflight fused_tests symm_tests hopper_tests b
            triton_tests variant_tests bench_a2a bench_layer fp32_tests bench_window bench_hopper microbench"
 ALL_STEPS=$(echo $ALL_STEPS)
 declare -A LIMIT=([env]=20 [install]=80 [cpp_probe]=30 [fallback]=40 [rebuild]=80 [cpp_probe_rebuilt]=30
-                  [preflight]=20 [fused_tests]=110 [symm_tests]=60 [hopper_tests]=110 [bench_attention]=110
+                  [preflight]=20 [fused_tests]=100 [symm_tests]=60 [hopper_tests]=100 [bench_attention]=110
                   [offload_bitwise]=30 [triton_tests]=100 [variant_tests]=120 [bench_a2a]=20 [bench_layer]=35
                   [fp32_tests]=90 [bench_window]=45 [bench_hopper]=110 [microbench]=60)
 
@@ -264,7 +264,7 @@ Q1c offload bitwise, race fixed (offload_bitwise)|status_text offload_bitwise
 Q2  fused pipeline/layer/ring pass (fused_tests)|q2
 Q3  multi-rank fused on symm (symm_tests)|status_text symm_tests
 Q4  Hopper features correct (hopper_tests)|status_text hopper_tests
-Q5  attention vs cuDNN ($(basename "$ATTENTION_BENCH" .py))|q5
+Q5  the kernel choice ($(basename "$ATTENTION_BENCH" .py))|q5
     env|status_text env
     preflight|status_text preflight
     triton_tests|status_text triton_tests
