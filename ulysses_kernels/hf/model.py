@@ -95,8 +95,35 @@ def wrapped_blocks(model: nn.Module) -> List[nn.Module]:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP / DeepSpeed wrapper."""
-    return getattr(model, "module", model)
+    """The transformers model inside a DDP / DeepSpeed wrapper and a PEFT model. PEFT's
+    layer adapters (LoRA, DoRA, LoRA on embeddings, IA3, ...) live inside that model's own
+    modules and run in its forward, so what the package installs there sees them; PEFT's
+    own wrappers only pass the call down (`peft_problem` refuses the adapters that do more)."""
+    model = getattr(model, "module", model)
+    if is_peft_model(model):
+        model = model.get_base_model()
+    return model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """A PEFT `PeftModel` (told by what it has, so peft need not be imported)."""
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def peft_problem(model: nn.Module) -> Optional[str]:
+    """Why a PEFT model's adapters cannot run sequence-parallel exactly (None: they can, or
+    it is no PEFT model). Prompt learning (prompt / prefix / P-tuning, multitask prompts)
+    prepends virtual tokens or past keys to the whole sequence in PEFT's own forward: on a
+    rank's slice they would be prepended to every slice."""
+    model = getattr(model, "module", model)
+    if not is_peft_model(model):
+        return None
+    prompt = sorted(name for name, config in model.peft_config.items() if getattr(config, "is_prompt_learning", False))
+    if prompt:
+        kinds = sorted({str(getattr(model.peft_config[n], "peft_type", "?")).split(".")[-1] for n in prompt})
+        return (f"its PEFT adapters {prompt} are prompt learning ({', '.join(kinds)}), which prepends virtual "
+                "tokens to the whole sequence; layer adapters (LoRA, DoRA, IA3, ...) are exact")
+    return None
 
 
 # ------------------------------------------------------------------ what the package installed

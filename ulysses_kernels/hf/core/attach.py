@@ -27,7 +27,16 @@ from ..families.adapters import (
 )
 from ..families.vision import install_vision
 from ..groups import sp_size_of
-from ..model import READS_LABELS, ForwardMarks, decoder_layers, ensure_record, record_of, refusal, unwrap
+from ..model import (
+    READS_LABELS,
+    ForwardMarks,
+    decoder_layers,
+    ensure_record,
+    peft_problem,
+    record_of,
+    refusal,
+    unwrap,
+)
 from .guard import check_model, install_call_checks, positions_holder, reads_positions
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
@@ -140,6 +149,9 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
     sequence-parallel raises the same ValueError on every rank). `engine`: a
     `fused.Engine` the caller holds for this model (see `ulysses_attention`). Returns the
     context."""
+    problem = peft_problem(model)
+    if problem:
+        raise refusal(unwrap(model), problem)
     model = unwrap(model)
     context = context if context is not None else SequenceParallelContext(groups, ring_group=ring_group,
                                                                           backend=backend, engine=engine)

@@ -27,12 +27,14 @@ same fields from the sequence-parallel forward:
 
 The data is sharded over the DP dimension only and TRL's metrics gather over it
 (`DataParallelView`). Refused with a ValueError: precomputed reference log-probs,
-WPO weighting (`use_weighting`), MoE auxiliary losses, image inputs, PEFT models,
-`compute_metrics` (TRL would run the model unsharded for its logits).
+WPO weighting (`use_weighting`), MoE auxiliary losses, image inputs, `compute_metrics` (TRL
+would run the model unsharded for its logits), Liger's loss kernels (`check_liger`). PEFT
+models (TRL's `peft_config=`) train their adapters: the scoring forward is the transformers
+model's under PEFT's wrappers, so with ``ref_model=None`` TRL's reference pass, with the
+adapters disabled, is scored sequence-parallel too (prompt learning is refused, `peft_problem`).
 """
 
 import contextlib
-import types
 from typing import Optional
 
 import torch
@@ -42,7 +44,8 @@ from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
 from ..model import forward_replaced, unwrap
-from ..training.trainer import DataParallelData, check_groups, refuse_peft
+from ..training.liger import check_liger
+from ..training.trainer import DataParallelData, check_groups
 from .logprobs import token_fields
 
 MIXIN = "SequenceParallelDPOMixin"
@@ -87,7 +90,7 @@ class SequenceParallelDPOMixin(DataParallelData):
             raise ValueError(f"{MIXIN}: the MoE auxiliary loss (router_aux_loss_coef) is not supported")
         if self.compute_metrics is not None:   # TRL would call the model unsharded for its logits
             raise ValueError(f"{MIXIN}: compute_metrics is not supported")
-        refuse_peft(MIXIN, self.model)
+        check_liger(MIXIN, self.args)
         columns = getattr(self.train_dataset, "column_names", None) or []   # the same on every rank
         if {"image", "images"} & set(columns):
             raise ValueError(f"{MIXIN}: image inputs are not supported (the dataset has {sorted(columns)})")
@@ -130,6 +133,11 @@ def _scored(inner, groups, labels, args, kwargs):
     fields = token_fields(inner, batch, groups, fields=DPO_FIELDS)
     full = {name: gather_tokens(value.float() if value.dtype == torch.bool else value, batch, groups)[:, :S - 1]
             for name, value in fields.items()}
-    return types.SimpleNamespace(loss=None, log_probs=full["log_probs"], entropy=full["entropy"],
-                                 mean_logits=full["mean_logits"], is_top1=full["is_top1"].bool(),
-                                 log_sum_sq_probs=None, label_mask=labels[:, 1:] != IGNORE_INDEX, aux_loss=None)
+    # TRL's own output class: DDP finds the tensors a forward returns in it (with
+    # find_unused_parameters=True, tensors it cannot see would leave every parameter "unused"
+    # and the backward would mark them ready a second time).
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    return FusedCausalLMOutput(loss=None, log_probs=full["log_probs"], entropy=full["entropy"],
+                               mean_logits=full["mean_logits"], is_top1=full["is_top1"].bool(),
+                               log_sum_sq_probs=None, label_mask=labels[:, 1:] != IGNORE_INDEX, aux_loss=None)

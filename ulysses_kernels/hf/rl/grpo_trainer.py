@@ -34,7 +34,9 @@ methods (tested with TESTED_VERSIONS):
 Set `steps_per_generation`, not `generation_batch_size`: TRL derives one from the other over
 the whole world before the mixin sees them. Refused with a ValueError on every rank: vLLM,
 continuous batching, `rollout_func`, tools and environments (each SP rank would run them on
-its own), image inputs, MoE auxiliary losses, PEFT models, `cast_lm_head_to_fp32`. The old
+its own), image inputs, MoE auxiliary losses, `cast_lm_head_to_fp32`, Liger's loss kernels
+(`check_liger`). PEFT models train their adapters (the reference pass with the adapters
+disabled is scored sequence-parallel too; prompt learning is refused). The old
 and reference log-probs of a generation batch run as one packed forward (TRL chunks them by
 `per_device_train_batch_size`).
 """
@@ -51,7 +53,8 @@ from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
 from ..inference.generation import generate as sp_generate
-from ..training.trainer import DataParallelData, check_groups, refuse_peft
+from ..training.liger import check_liger
+from ..training.trainer import DataParallelData, check_groups
 from .logprobs import token_logprobs
 
 MIXIN = "SequenceParallelGRPOMixin"
@@ -142,7 +145,7 @@ class SequenceParallelGRPOMixin(DataParallelData):
             if getattr(self, name, None):
                 raise ValueError(f"{MIXIN}: {what} is not supported (an SP group's ranks must hold the same "
                                  "completions)")
-        refuse_peft(MIXIN, self.model)
+        check_liger(MIXIN, self.args)
 
     # ------------------------------------------------------------------ DP-only gathers
 

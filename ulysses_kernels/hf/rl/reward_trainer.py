@@ -32,8 +32,10 @@ sequence-parallel forward:
 
 The data is sharded over the DP dimension only; TRL's metrics, and evaluation's losses and
 scores (`compute_metrics` included), gather over it (`DataParallelView`). Refused with a
-ValueError on every rank: PEFT models, and model inputs other than the collator's
-`input_ids`, `attention_mask`, `position_ids` and `margin` (images, token types).
+ValueError on every rank: model inputs other than the collator's `input_ids`,
+`attention_mask`, `position_ids` and `margin` (images, token types), Liger's loss kernels
+(`check_liger`), PEFT prompt learning. PEFT layer adapters (LoRA with the score head in
+`modules_to_save`) train as without SP.
 """
 
 import contextlib
@@ -47,8 +49,9 @@ from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import shard_batch
 from ..model import forward_replaced, unwrap
+from ..training.liger import check_liger
 from ..training.loss import gradient_for_world_average
-from ..training.trainer import DataParallelData, DataParallelView, check_groups, refuse_peft
+from ..training.trainer import DataParallelData, DataParallelView, check_groups
 
 MIXIN = "SequenceParallelRewardMixin"
 # What TRL's reward collator hands the model besides the tokens: the margin is read by the
@@ -65,7 +68,7 @@ class SequenceParallelRewardMixin(DataParallelData):
         self.sp_groups = sp_groups
         register(sp_groups)   # the attention's groups and the exact head (idempotent)
         super().__init__(*args, **kwargs)
-        refuse_peft(MIXIN, self.model)
+        check_liger(MIXIN, self.args)
         sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
         self.check_world(MIXIN)
 
@@ -95,6 +98,11 @@ def _sequence_parallel_scores(inner, groups: ParallelGroups):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
         for name in _NOT_MODEL_INPUTS:
             kwargs.pop(name, None)
+        # The output options a wrapper passes on (PEFT's passes its config's): the default ones
+        # are what the forward below returns.
+        for name, default in (("return_dict", True), ("output_attentions", False), ("output_hidden_states", False)):
+            if kwargs.get(name) in (None, default):
+                kwargs.pop(name, None)
         unsupported = sorted(k for k, v in kwargs.items() if v is not None)
         if unsupported or input_ids is None:
             raise ValueError(f"{MIXIN}: the reward model takes input_ids, attention_mask and position_ids here "

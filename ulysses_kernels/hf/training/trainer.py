@@ -64,12 +64,13 @@ from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, count_targets, shard_batch
 from ..families.vision_shard import check_vision_mode, vision_inputs
+from .liger import check_liger
 from .loss import at_least_float32
 from .patch import is_loss_patched
 
 # The minor versions of each integration the test suite ran on (pyproject.toml's `hf` extra
 # spans them; tests/test_setup.py holds the two together).
-TESTED_VERSIONS = {"transformers": ("5.24", "5.25"), "accelerate": ("1.15", "1.16"), "trl": ("1.16",)}
+TESTED_VERSIONS = {"transformers": ("5.24", "5.25"), "accelerate": ("1.15", "1.16"), "trl": ("1.16",), "peft": ("0.21",)}
 
 
 def check_groups(mixin: str, sp_groups) -> None:
@@ -77,13 +78,6 @@ def check_groups(mixin: str, sp_groups) -> None:
     if not isinstance(sp_groups, ParallelGroups):
         raise ValueError(f"{mixin} needs sp_groups=ulysses_kernels.init_sequence_parallel(sp) "
                          f"(got {type(sp_groups).__name__})")
-
-
-def refuse_peft(mixin: str, model) -> None:
-    """PEFT models are not supported by the RL mixins yet (their scoring forward patches the
-    causal LM itself); a ValueError naming the mixin."""
-    if hasattr(model, "peft_config") or type(model).__name__.startswith("Peft"):
-        raise ValueError(f"{mixin}: PEFT models are not supported yet (pass the merged or full model)")
 
 
 class DataParallelData:
@@ -272,6 +266,7 @@ class SequenceParallelTrainerMixin(DataParallelData):
         register(sp_groups)   # the attention's groups (idempotent)
         super().__init__(*args, **kwargs)
         sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
+        check_liger("SequenceParallelTrainerMixin", self.args)
         # Hooks this relies on beyond Trainer's documented overrides: a clear error on a
         # transformers / accelerate without them (tested: TESTED_VERSIONS).
         missing = [what for what, ok in (
