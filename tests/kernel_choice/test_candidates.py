@@ -136,6 +136,19 @@ def test_lse_functions_of_our_kernel_match_float64(case):
         assert rel_err(got, ref) < 2e-5, name
 
 
+def test_windows_with_more_queries_than_keys_are_ours_and_flexs():
+    """A window over Sq > Sk (non-causal): FlashAttention 2 bounds the unbounded side at Sk,
+    which hides keys the reference shows; only candidates whose tables claim that alignment
+    compute it."""
+    call = kernel_choice.Call(**GPU, head_dim=64, value_dim=64, q_heads=4, kv_heads=4, causal=False,
+                              alignment="long_queries", bucket=16, window=(1, None))
+    claimed = [n for n, c in kernel_choice.CANDIDATES.items() if kernel_choice.excluded(c.table(), call) is None]
+    assert claimed == ["triton", "flex"]
+    packed_batch = dataclasses.replace(call, alignment="square", window=(None, None), packed=True, batch=2)
+    claimed = [n for n, c in kernel_choice.CANDIDATES.items() if kernel_choice.excluded(c.table(), packed_batch) is None]
+    assert claimed == ["triton"]
+
+
 def test_flash_window_convention():
     """FlashAttention's and torch varlen's window_size from a band: -1 unbounded, causal
     bounds the right side at 0."""

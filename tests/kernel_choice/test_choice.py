@@ -113,6 +113,49 @@ def test_ties_and_failures(monkeypatch):
     assert decision.choice == "triton" and "sdpa_cudnn" not in decision.ms
 
 
+def test_any_failure_while_timed_is_dropped_on_that_rank_and_not_kept(monkeypatch, tmp_path):
+    """A library's assert or a compiler error while timed must not leave this rank before the
+    group's gather (the others would wait there): the candidate is dropped, and the class is
+    not written to the disk cache (the failure may be passing: out of memory mid-training)."""
+    class Asserting(FakeTimer):
+        def __call__(self, name, fn):
+            if name == "sdpa_flash":
+                raise AssertionError("head dim not supported")
+            return super().__call__(name, fn)
+    monkeypatch.setattr(choice_mod, "timer", Asserting({"triton": 2.0, "sdpa_cudnn": 1.0}))
+    with pytest.warns(RuntimeWarning, match="'sdpa_flash' failed while timed"):
+        assert choose(gpu_call()).choice == "sdpa_cudnn"
+    assert not (tmp_path / "attention_choice.json").exists()
+
+
+def test_a_graph_capture_reads_no_disk_cache(monkeypatch, tmp_path):
+    """Inside a CUDA graph capture no gather evens out what each rank's disk holds, so the
+    disk cache is not read: every rank takes the first eligible candidate."""
+    monkeypatch.setattr(choice_mod, "timer", FakeTimer({"triton": 2.0, "sdpa_cudnn": 1.0}))
+    assert choose(gpu_call()).choice == "sdpa_cudnn"   # timed and written to disk
+    kernel_choice.clear_memory_cache()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    decision = kernel_choice.choose(gpu_call(), device=torch.device("cuda"))
+    assert decision.choice == "triton" and decision.how == "untimed"
+
+
+def test_the_ring_class_holds_no_rank_fact(monkeypatch):
+    """A ring rank whose portion is empty derives the class of the others (a class that
+    differed would make that rank gather alone on a later call)."""
+    from ulysses_kernels.ring.schedule import RingSpec
+    from ulysses_kernels.triton_path.block_ops import TritonBlockOps
+
+    seen = []
+    monkeypatch.setattr(kernel_choice, "choose", lambda call, **kw: seen.append(call) or
+                        kernel_choice.Decision(call, "auto", ("triton",), {}, "triton", "untimed"))
+    spec = RingSpec(None, 4, 3, 3, True, 0.25)
+    for length in (0, 1):
+        q = torch.randn(1, length, 4, 16)
+        k = torch.randn(1, length, 2, 16)
+        TritonBlockOps.for_call(q, k, k, spec=spec, groups=())
+    assert seen[0] == seen[1] and not seen[0].empty
+
+
 def test_cpu_and_capture_are_untimed(monkeypatch):
     timer = FakeTimer({})
     monkeypatch.setattr(choice_mod, "timer", timer)
@@ -133,7 +176,8 @@ def test_memory_then_disk_cache_and_their_keys(monkeypatch, tmp_path):
     assert choose(gpu_call()).choice == "sdpa_cudnn" and len(timer.timed) == n  # memory: not timed again
     entries = json.load(open(tmp_path / "attention_choice.json"))["choices"]
     (key, entry), = entries.items()
-    assert key.startswith(gpu_call().text() + f" | {','.join(first.eligible)} | torch ")
+    assert key.startswith(gpu_call().text() + f" | {','.join(first.eligible)} | ulysses_kernels ")
+    assert " torch " in key and " cudnn " not in key or torch.cuda.is_available()
     assert entry["choice"] == "sdpa_cudnn" and entry["ms"]["triton"] == 2.0 and entry["ms"]["sdpa_cudnn"] == 1.0
     kernel_choice.clear_memory_cache()
     decision = choose(gpu_call())  # a new process: the disk entry, no timing
@@ -176,7 +220,7 @@ def test_forced_candidates_and_families(monkeypatch):
 def test_a_forced_kernel_that_cannot_compute_the_call_raises(monkeypatch):
     monkeypatch.setenv(env.ATTENTION.name, "sdpa_cudnn")
     with pytest.raises(ValueError, match=r"ULYSSES_KERNELS_ATTENTION=sdpa_cudnn cannot compute this attention "
-                                         r"call .*causal-short_queries.*causal masks only where square"):
+                                         r"call .*causal-short_queries.*causal masks and windows only where square"):
         choose(gpu_call(alignment="short_queries"))
     monkeypatch.setenv(env.ATTENTION.name, "fa3")
     with pytest.raises(ValueError, match="fa3: not installed here"):

@@ -293,12 +293,13 @@ def _external_forward(attn: AttentionOptions, q, k, v, out, *, record: bool) -> 
 
 
 def _external_backward(graph: Optional[tuple], do) -> Tuple[torch.Tensor, ...]:
-    """dq, dk, dv of a chunk recorded by `_external_forward`."""
+    """dq, dk, dv of a chunk recorded by `_external_forward`. The recorded graph is kept
+    (`retain_graph`): it lives as long as the call's autograd node, so a backward with
+    retain_graph=True can run again, and torch frees both after the last one."""
     if graph is None:
-        raise RuntimeError("the attention graph of this chunk was not recorded (forward without grad) or was "
-                           "already freed by an earlier backward")
+        raise RuntimeError("the attention graph of this chunk was not recorded (the forward ran without grad)")
     views, result = graph
-    return torch.autograd.grad(result, views, do)
+    return torch.autograd.grad(result, views, do, retain_graph=True)
 
 
 def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions, plan: Sequence[Chunk],
@@ -335,7 +336,6 @@ def backward(engine: Engine, io: ChunkIo, geo: Geometry, attn: AttentionOptions,
         dq = geo.attn_view(grads, gc, 0, c.q_cnt)
         if attn.kernel != "triton":
             ext_dq, dk, dv = _external_backward(saved.graphs[i], do)
-            saved.graphs[i] = None  # free the recorded graph as soon as it is used
             dq.copy_(ext_dq)
             if not c.shared:
                 geo.attn_view(grads, gc, c.q_cnt, c.g_cnt).copy_(dk)

@@ -69,9 +69,9 @@ class Call:
         parts = [self.device, f"sm{self.capability[0]}{self.capability[1]}", self.dtype,
                  f"d{self.head_dim}" + (f"v{self.value_dim}" if self.value_dim != self.head_dim else ""),
                  f"h{self.q_heads}/{self.kv_heads}", f"B{self.batch}", f"S{self.bucket}",
-                 ("causal-" + self.alignment) if self.causal else "full"]
+                 ("causal-" if self.causal else "full-") + self.alignment]
         if self.windowed:
-            parts.append("window{}:{}".format(*(-1 if s is None else s for s in self.window)))
+            parts.append("window{}:{}".format(*("none" if s is None else s for s in self.window)))
         for flag, name in ((self.softcap, f"softcap{self.softcap:g}"), (self.sinks, "sinks"),
                            (self.packed, "packed"), (self.lse, "lse"), (self.rows_layout, "rows"),
                            (self.deterministic, "deterministic"), (self.empty, "empty")):

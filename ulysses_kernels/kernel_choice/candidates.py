@@ -99,7 +99,8 @@ def _triton_importable() -> Availability:
 TRITON_TABLE = Capabilities(
     devices=("cuda", "cpu"), dtypes=HALF + ("float32",), head_dims=(16, 256, 16), own_value_dim=True,
     causal_alignments=("square", "short_queries", "long_queries"), windows=True, shifted_bands=True, softcap=True,
-    sinks=True, packed=True, lse=True, rows_layout=True, deterministic=True, empty=True, min_capability=(0, 0))
+    sinks=True, packed=True, packed_batches=True, lse=True, rows_layout=True, deterministic=True, empty=True,
+    min_capability=(0, 0))
 
 # ---------------------------------------------------------------------- torch SDPA
 

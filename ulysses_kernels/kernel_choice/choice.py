@@ -147,7 +147,9 @@ def _time(names: Sequence[str], call: Call, device) -> Dict[str, float]:
     for name in names:
         try:
             times[name] = float(timer(name, workload(name, call, device)))
-        except (RuntimeError, ValueError, TypeError, NotImplementedError) as exc:  # "No available kernel", OOM
+        except Exception as exc:  # noqa: BLE001 - any failure (OOM, a compile error, a library's assert) drops
+            # the candidate on this rank and never leaves before the group's gather (a rank that raised here
+            # would leave the others waiting in it)
             _warn_once(f"time:{name}:{call.text()}", f"attention kernel {name!r} failed while timed for "
                        f"{call.text()}, not considered: {str(exc)[:200]}")
             times[name] = math.inf
@@ -166,7 +168,9 @@ def cache_path() -> str:
 def versions(names: Sequence[str]) -> str:
     """What a timing depends on besides the class: torch, CUDA, cuDNN, the driver and each
     candidate's library version."""
-    parts = [f"torch {torch.__version__}", f"cuda {torch.version.cuda}"]
+    from .. import __version__
+
+    parts = [f"ulysses_kernels {__version__}", f"torch {torch.__version__}", f"cuda {torch.version.cuda}"]
     if torch.cuda.is_available():
         parts.append(f"cudnn {torch.backends.cudnn.version()}")
         driver = getattr(torch._C, "_cuda_getDriverVersion", None)
@@ -225,22 +229,33 @@ def _warn_once(tag: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _local_report(call: Call, wanted: str, device, can_time: bool) -> dict:
+def _local_report(call: Call, wanted: str, device, can_time: bool, use_disk: bool = True) -> dict:
     """What this rank brings to the agreement: its eligible candidates among those wanted,
-    its reasons, and its timings (None: none)."""
+    its reasons, and its timings (None: none). `use_disk`: read the disk cache (not inside a
+    graph capture, where no gather evens out what each rank's disk holds)."""
     eligible, reasons = consider(call)
     names = tuple(n for n in eligible if n in allowed_by(wanted))
     ms, how = None, "untimed"
     if len(names) > 1 and call.device != "cpu":
         key = disk_key(call, names)
-        entry = read_cache().get(key)
-        if entry is not None:
-            ms, how = {n: float(entry["ms"].get(n, math.inf)) for n in names}, "cached"
+        ms = _cached_timings(key, names) if use_disk else None
+        if ms is not None:
+            how = "cached"
         elif can_time:
             ms, how = _time(names, call, device), "timed"
             finite = {n: t for n, t in ms.items() if math.isfinite(t)}
-            _write_cache(key, {"choice": min(finite, key=finite.get) if finite else names[0], "ms": finite})
+            if len(finite) == len(names):   # a failure may be passing (out of memory mid-training): not kept
+                _write_cache(key, {"choice": min(finite, key=finite.get), "ms": finite})
     return dict(names=names, reasons=reasons, ms=ms, how=how)
+
+
+def _cached_timings(key: str, names) -> Optional[Dict[str, float]]:
+    """The disk entry's timings of `names`, or None (missing, or not all numbers)."""
+    entry = read_cache().get(key)
+    try:
+        return {n: float(entry["ms"][n]) for n in names} if entry is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _combine(reports: Sequence[dict]) -> dict:
@@ -278,7 +293,7 @@ def choose(call: Call, *, groups: Sequence = (), device=None, can_time: Optional
             not torch.cuda.is_current_stream_capturing()
     capturing = device is not None and torch.device(device).type == "cuda" and \
         torch.cuda.is_current_stream_capturing()
-    report = _local_report(call, wanted, device, can_time)
+    report = _local_report(call, wanted, device, can_time and not capturing, use_disk=not capturing)
     if not capturing:  # no collective inside a graph capture: every rank decides from the same class alone
         for group in groups:
             report = _combine(gather_objects(report, group))

@@ -23,12 +23,13 @@ class Capabilities:
     head_dims: Tuple[int, int, int] = (8, 256, 8)  # (smallest, largest, multiple of)
     own_value_dim: bool = False       # v's head dim may differ from q's (MLA)
     gqa: bool = True                  # fewer KV heads than query heads
-    causal_alignments: Tuple[str, ...] = ("square", "short_queries")
+    causal_alignments: Tuple[str, ...] = ("square", "short_queries")   # also where a window applies
     windows: bool = False             # bottom-right bands with non-negative sides
     shifted_bands: bool = False       # a ring block's shifted bands (negative sides)
     softcap: bool = False
     sinks: bool = False
     packed: bool = False              # cu_seqlens documents, at batch 1
+    packed_batches: bool = False      # cu_seqlens documents with batch > 1 (ours: the documents of each row)
     lse: bool = False                 # returns the LSE and runs a backward from a merged out and LSE
     rows_layout: bool = False         # reads the all-to-all buffer's block rows in place
     deterministic: bool = False       # a bitwise-reproducible backward
@@ -62,8 +63,8 @@ def excluded(table: Capabilities, call: Call) -> Optional[str]:
     reasons = (
         (call.value_dim != call.head_dim and not table.own_value_dim, "v's head dim must equal q's"),
         (call.kv_heads != call.q_heads and not table.gqa, "no grouped-query heads"),
-        (call.causal and call.alignment not in table.causal_alignments,
-         f"causal masks only where {' / '.join(a for a in ALIGNMENTS if a in table.causal_alignments)} "
+        ((call.causal or call.windowed) and call.alignment not in table.causal_alignments,
+         f"causal masks and windows only where {' / '.join(a for a in ALIGNMENTS if a in table.causal_alignments)} "
          f"(this call: {call.alignment})"),
         (call.windowed and not table.windows, "no window bands"),
         (call.windowed and (call.lse or any(s is not None and s < 0 for s in call.window))
@@ -71,7 +72,7 @@ def excluded(table: Capabilities, call: Call) -> Optional[str]:
         (bool(call.softcap) and not table.softcap, "no softcap"),
         (call.sinks and not table.sinks, "no attention sinks"),
         (call.packed and not table.packed, "no packed documents"),
-        (call.packed and call.batch > 1 and not table.batch, "packed documents at batch 1 only"),
+        (call.packed and call.batch > 1 and not table.packed_batches, "packed documents at batch 1 only"),
         (call.lse and not table.lse, "no LSE for the ring merge"),
         (call.rows_layout and not table.rows_layout, "cannot read the all-to-all buffer's block rows (batch > 1)"),
         (call.deterministic and call.grad and not table.deterministic, "no bitwise-reproducible backward"),

@@ -53,7 +53,9 @@ class BlockOpsOn:
         call = kernel_choice.call_of(q, k, v, causal=spec.causal, packed=spec.documents is not None,
                                      variant=spec.variant, lse=True, deterministic=env.flag(env.DETERMINISTIC),
                                      grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-        call = kernel_choice.Call(**{**call.__dict__, "alignment": "square",
+        # The ring's class holds only the ring's facts (a rank's portion may be empty, or straddle
+        # another bucket): every rank derives the same one.
+        call = kernel_choice.Call(**{**call.__dict__, "alignment": "square", "empty": spec.total < 1,
                                      "bucket": kernel_choice.bucket(spec.total)})
         choice = kernel_choice.choose(call, groups=groups, device=q.device).choice
         return self if choice == self.kernel else BlockOpsOn(choice)

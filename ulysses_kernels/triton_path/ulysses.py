@@ -75,7 +75,9 @@ def _external_forward(name, row_views, out_rows, batch, causal, softmax_scale, c
 def _external_backward(recorded, do_rows, grads) -> None:
     """dq, dk, dv of a recorded non-Triton forward, written into the `grads` row views."""
     views, out = recorded
-    d_views = torch.autograd.grad(out, views, do_rows.view(out.shape))
+    # retain_graph: the recorded graph lives as long as the call's autograd node (ctx), so a
+    # backward with retain_graph=True can run again; torch frees both after the last one.
+    d_views = torch.autograd.grad(out, views, do_rows.view(out.shape), retain_graph=True)
     for dst, src in zip(grads, d_views):
         dst.view(src.shape).copy_(src)
 
@@ -165,9 +167,8 @@ class TritonUlyssesAttention(torch.autograd.Function):
         dsinks = None
         if ctx.kernel != "triton":
             if ctx.external is None:  # never run the Triton backward on a forward it did not compute
-                raise RuntimeError(f"the {ctx.kernel} attention graph was already freed by an earlier backward")
+                raise RuntimeError(f"the {ctx.kernel} attention graph was not recorded (the forward ran without grad)")
             _external_backward(ctx.external, do_rows, grads)
-            ctx.external = None  # free the recorded graph (and its copy of the output)
         else:
             q_rows, k_rows, v_rows = _row_views(buffers, groups, placements)
             if ctx.has_sinks:
