@@ -168,15 +168,24 @@ def cache_path() -> str:
 def versions(names: Sequence[str]) -> str:
     """What a timing depends on besides the class: torch, CUDA, cuDNN, the driver and each
     candidate's library version."""
-    from .. import __version__
-
-    parts = [f"ulysses_kernels {__version__}", f"torch {torch.__version__}", f"cuda {torch.version.cuda}"]
+    parts = [f"ulysses_kernels {_package_version()}", f"torch {torch.__version__}", f"cuda {torch.version.cuda}"]
     if torch.cuda.is_available():
         parts.append(f"cudnn {torch.backends.cudnn.version()}")
         driver = getattr(torch._C, "_cuda_getDriverVersion", None)
         parts.append(f"driver {driver() if driver else '?'}")
     parts += [f"{n} {CANDIDATES[n].importable()[1]}" for n in names]
     return ", ".join(parts)
+
+
+def _package_version() -> str:
+    """The installed package's version (read from its metadata: importing the package root
+    from here would import every path)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("ulysses-kernels")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def disk_key(call: Call, names: Sequence[str]) -> str:
