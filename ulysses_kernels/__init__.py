@@ -24,6 +24,7 @@ from .api import (  # noqa: E402 - after the NCCL setting, which must precede an
     ulysses_head_parallel,
 )
 from .distributed.groups import ParallelGroups, groups_from_mesh, init_sequence_parallel
+from .global_batch import CostModel, GlobalBatchPlan, naive_plan, plan_global_batch
 from .layout import HeadPlan, choose_ring_size, split_lengths
 from .modules import UlyssesAttention, UlyssesSelfAttention
 from .monitor import StepMonitor, StepRecord
@@ -36,5 +37,5 @@ __all__ = [
     "ulysses_attention", "UlyssesAttention", "UlyssesSelfAttention", "flash_attention", "reference_attention",
     "seq_to_heads", "heads_to_seq", "qkv_seq_to_heads", "ulysses_head_parallel", "shard_sequence", "gather_sequence",
     "init_sequence_parallel", "groups_from_mesh", "ParallelGroups", "split_lengths", "HeadPlan", "choose_ring_size", "sp_lengths",
-    "StepMonitor", "StepRecord",
+    "StepMonitor", "StepRecord", "plan_global_batch", "naive_plan", "GlobalBatchPlan", "CostModel",
 ]

@@ -132,6 +132,7 @@ from .training.loss import (
     loss_for_world_average,
     sequence_parallel_loss,
 )
+from .training.global_batch import DynamicSequenceParallel, train_global_batch
 from .training.offload import CheckpointOffload, HostBufferPool
 from .training.parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .training.patch import patch_model, unpatch_model
@@ -147,5 +148,5 @@ __all__ = [
     "SequenceParallelRewardMixin", "generate", "prefill", "make_cache", "decoding", "sequence_parallel_loss", "global_mean_from_sum",
     "causal_lm_loss", "loss_for_world_average", "gradient_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
-    "token_logprobs", "row_sums", "grpo_loss", "dpo_loss",
+    "token_logprobs", "row_sums", "grpo_loss", "dpo_loss", "DynamicSequenceParallel", "train_global_batch",
 ]

@@ -1,0 +1,116 @@
+"""A global batch trained with the planner's placement and an SP size per micro-batch
+(ulysses_kernels/hf/training/global_batch.py) equals one process on the whole batch: world 4
+on CPU (gloo), a tiny float64 Llama, uneven documents of which some exceed a rank's token
+budget (they take SP 2 or 4) and most do not (SP 1, no exchange): the mean token loss within
+1e-9 of the single process's and every parameter's gradient within GRAD_TOL; the same for a fixed SP 4
+placement and for two accumulated global batches before one step (gradients within 1e-6:
+transformers' float32 norm and rotary; see GRAD_TOL)."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from helpers import SLOW_SPAWN_TIMEOUT, SpawnedRuns, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = [37, 5, 60, 11, 23, 9, 14, 31, 7, 18, 3, 26]
+BUDGET = 16   # tokens a rank holds in a micro-batch: 60 and 37 need SP 4, 31 and 26 and 23 and 18 SP 2
+# transformers computes the tiny Llama's RMSNorm and rotary in float32 whatever the model's dtype, so
+# two correct runs that add the same float32 terms in another order differ by about 1e-7 (the
+# loss, a sum of float64 terms, by 1e-10). A gradient from a wrong count or a token counted on two
+# ranks is off by tens of percent.
+GRAD_TOL = 1e-6
+
+
+def documents():
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 250, (n,), generator=g) for n in LENGTHS]
+
+
+def model(attention):
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from _tiny import tiny_model
+
+    return tiny_model(attention).double()
+
+
+def single_process(docs, parameters_from):
+    """The mean token loss over every document's targets and its gradients, one process."""
+    import torch.nn.functional as F
+
+    m = model("eager")
+    m.load_state_dict(parameters_from)
+    count = sum(d.numel() - 1 for d in docs)
+    total = 0.0
+    for d in docs:
+        logits = m(input_ids=d.unsqueeze(0)).logits[0, :-1]
+        loss = F.cross_entropy(logits, d[1:], reduction="sum") / count
+        loss.backward()
+        total += float(loss)
+    return total, {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def jobs(rank, world):
+    from ulysses_kernels import global_batch as gb
+    from ulysses_kernels import hf as ukhf
+    from ulysses_kernels.hf.training import global_batch as dyn
+
+    docs = documents()
+    out = {}
+    sizes = [1, 2, 4]
+    ukhf.register(__import__("ulysses_kernels").init_sequence_parallel(4))   # the "ulysses" attention exists
+    m = model("ulysses")
+    dynamic = dyn.DynamicSequenceParallel(m, sizes)
+    initial = {n: p.detach().clone() for n, p in m.named_parameters()}
+    # An exchange that costs more than these tiny documents' attention: the short ones stay at SP 1.
+    cost = gb.CostModel(attention_per_pair=1.0, linear_per_token=8.0, exchange_per_token=200.0)
+    runs = {"planned": [gb.plan_global_batch(LENGTHS, world=world, token_budget=BUDGET, cost=cost)],
+            "fixed_sp4": [gb.plan_global_batch(LENGTHS, world=world, token_budget=BUDGET, sp_sizes=[4])]}
+    half = len(LENGTHS) // 2
+    runs["accumulated"] = [gb.plan_global_batch(LENGTHS[:half], world=world, token_budget=BUDGET),
+                           gb.plan_global_batch(LENGTHS[half:], world=world, token_budget=BUDGET)]
+    for name, plans in runs.items():
+        m.zero_grad(set_to_none=True)
+        if name == "accumulated":
+            count = dyn.label_count(docs)
+            # each call sums its own gradients over the world, so the first batch's must be set aside
+            loss = float(dyn.train_global_batch(m, docs[:half], plans[0], dynamic, count=count))
+            first = {n: p.grad.clone() for n, p in m.named_parameters()}
+            m.zero_grad(set_to_none=True)
+            loss += float(dyn.train_global_batch(m, docs[half:], plans[1], dynamic, count=count))
+            for n, p in m.named_parameters():
+                p.grad += first[n]
+        else:
+            loss = float(dyn.train_global_batch(m, docs, plans[0], dynamic))
+        out[name] = dict(loss=loss, grads={n: p.grad.clone() for n, p in m.named_parameters()},
+                         sizes=sorted({mb.sp for p in plans for mb in p.micro_batches}))
+    out["reference"] = single_process(docs, initial)
+    return out
+
+
+_run = SpawnedRuns(lambda world: (jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
+
+
+@pytest.mark.parametrize("name", ["planned", "fixed_sp4", "accumulated"])
+def test_global_batch_equals_one_process(name):
+    errors = []
+    for rank, result in enumerate(_run(4)):
+        want_loss, want_grads = result["reference"]
+        got = result[name]
+        if not abs(got["loss"] - want_loss) <= 1e-9 * abs(want_loss):
+            errors.append(f"rank {rank} {name}: loss {got['loss']} vs {want_loss}")
+        worst = max((rel_err(got["grads"][n], g), n) for n, g in want_grads.items())
+        print(f"{name} rank {rank}: loss rel err {abs(got['loss'] - want_loss) / abs(want_loss):.1e}, "
+              f"worst gradient rel err {worst[0]:.1e} ({worst[1]}), SP sizes {got['sizes']}")
+        if not worst[0] < GRAD_TOL:
+            errors.append(f"rank {rank} {name}: gradient {worst[1]} rel err {worst[0]:.2e}")
+    assert not errors, "\n".join(errors)
+    if name == "planned":
+        assert _run(4)[0][name]["sizes"] == [1, 2, 4]

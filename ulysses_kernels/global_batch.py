@@ -1,0 +1,210 @@
+"""Balanced global batches (docs/global_batch.md): where each document of a global batch
+goes across the DP x SP world, and with which SP size, so that every rank's cost is about
+the same.
+
+A step is a sequence of micro-batches; in each, every rank of the world works with one SP
+size `s` (the world splits into `world / s` SP groups), and each group holds a few whole
+documents packed along its sequence (at most `s * token_budget` tokens: `token_budget` per
+rank). A document longer than one rank's budget needs an SP size of at least
+`ceil(length / token_budget)`; short documents need none, and pay an exchange only if put in
+a larger group. The cost of a group is its slowest rank's: the documents' attention (the
+causal square) and linear work divided by `s`, plus the exchange when `s > 1` (`CostModel`);
+a micro-batch lasts as long as its costliest group, and the step as long as its
+micro-batches together (its makespan).
+
+`plan_global_batch` gives each document the smallest SP size that fits it and keeps its cost
+on one rank within the step's ideal (`balanced_sp`), then places the documents costliest
+first, each where it adds the least to the step's makespan: a group with room in a
+micro-batch of that size or larger (below the micro-batch's makespan it adds nothing; ties go
+to the smaller SP size, then the lighter group), or a new micro-batch of any size it may take. `naive_plan` is what a fixed layout does: one SP size
+that fits the longest document, the documents dealt to the DP groups in order and packed
+there. Both are rules on lengths alone: no torch, no process group.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """The cost of a document of `length` tokens on one rank of an SP group of `sp` ranks,
+    in FLOP-equivalents: attention `attention_per_pair` per causal (query, key) pair,
+    linear `linear_per_token` per token, both divided over the group; the exchange
+    `exchange_per_token` per token a rank sends to the others (`length / sp * (sp - 1) / sp`),
+    none at `sp = 1`, `across_nodes` times that for a group larger than a `node`. Replace it
+    with any callable `(length, sp) -> cost`."""
+
+    attention_per_pair: float
+    linear_per_token: float
+    exchange_per_token: float
+    node: int = 8                  # ranks that share a node's all-to-all bandwidth
+    across_nodes: float = 8.0      # an exchange across nodes costs this much more a byte (NVLink / network)
+
+    @classmethod
+    def for_model(cls, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                  flops_per_byte: float = 2500.0, dtype_bytes: int = 2) -> "CostModel":
+        """Forward + backward of a dense decoder: attention 3.5x its forward's 4 * heads *
+        head_dim FLOPs per pair, linear 6 FLOPs per parameter per token (q, k, v, o and a
+        gated MLP), the exchange of q, k, v and the output forward and their gradients
+        backward, each byte weighted by `flops_per_byte` (an H100's dense bf16 FLOP/s over
+        its NVLink all-to-all bytes/s, about 2500)."""
+        attention = 3.5 * 4 * heads * head_dim * layers
+        params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+        linear = 6 * params * layers
+        exchanged = 2 * (heads + 2 * kv_heads + heads) * head_dim * dtype_bytes * layers   # fwd + bwd
+        return cls(attention_per_pair=attention, linear_per_token=linear, exchange_per_token=exchanged * flops_per_byte)
+
+    def __call__(self, length: int, sp: int) -> float:
+        pairs = length * (length + 1) / 2
+        work = (self.attention_per_pair * pairs + self.linear_per_token * length) / sp
+        sent = length / sp * (sp - 1) / sp
+        return work + self.exchange_per_token * sent * (self.across_nodes if sp > self.node else 1.0)
+
+
+# Llama-3-8B (hidden 4096, 32 layers, 32 / 8 heads of 128, MLP 14336): the default costs.
+LLAMA3_8B = CostModel.for_model(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
+
+Cost = Callable[[int, int], float]
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: every rank at SP size `sp`; `groups[g]` the documents (indices into
+    the global batch) SP group `g` packs, `tokens[g]` and `costs[g]` their totals."""
+
+    sp: int
+    groups: List[List[int]]
+    tokens: List[int]
+    costs: List[float]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.costs)
+
+
+@dataclass
+class GlobalBatchPlan:
+    world: int
+    token_budget: int
+    micro_batches: List[MicroBatch] = field(default_factory=list)
+    ideal: float = 0.0   # every document's rank-work at its smallest SP size, over the ranks
+
+    @property
+    def makespan(self) -> float:
+        return sum(mb.makespan for mb in self.micro_batches)
+
+    @property
+    def imbalance(self) -> float:
+        """The makespan over the ideal (1.0: every rank busy for the whole step)."""
+        return self.makespan / self.ideal if self.ideal else 1.0
+
+    def sp_sizes(self) -> List[int]:
+        """The SP sizes its micro-batches use."""
+        return sorted({mb.sp for mb in self.micro_batches})
+
+    def documents(self) -> List[int]:
+        return sorted(d for mb in self.micro_batches for g in mb.groups for d in g)
+
+
+def sp_sizes_for(world: int) -> Tuple[int, ...]:
+    """The SP sizes a world of `world` ranks can switch between: its divisors."""
+    return tuple(s for s in range(1, world + 1) if world % s == 0)
+
+
+def smallest_sp(length: int, token_budget: int, sizes: Sequence[int]) -> int:
+    """The smallest SP size whose ranks each hold at most `token_budget` of the document."""
+    for s in sorted(sizes):
+        if math.ceil(length / s) <= token_budget:
+            return s
+    raise ValueError(f"a document of {length} tokens does not fit: {max(sizes)} ranks of {token_budget} tokens "
+                     f"hold {max(sizes) * token_budget}")
+
+
+def balanced_sp(length: int, token_budget: int, sizes: Sequence[int], cost: Cost, ideal: float) -> int:
+    """The SP size a document gets: the smallest that fits it (`smallest_sp`) and keeps its
+    cost on one rank within the step's ideal (a document that alone costs a rank more than
+    every rank's share of the step makes that rank the slowest, whatever else is placed);
+    the largest size when none does."""
+    fits = [s for s in sorted(sizes) if s >= smallest_sp(length, token_budget, sizes)]
+    return next((s for s in fits if cost(length, s) <= ideal), fits[-1])
+
+
+def _ideal(lengths, token_budget, sizes, cost, world) -> float:
+    work = 0.0
+    for length in lengths:
+        s = smallest_sp(length, token_budget, sizes)
+        work += cost(length, s) * s
+    return work / world
+
+
+# How much of the step's ideal one document may cost a rank before it gets a larger SP size
+# (`balanced_sp`): the planner tries each and keeps the plan with the smallest makespan.
+SHARES = (0.125, 0.25, 0.5, 1.0)
+
+
+def plan_global_batch(lengths: Sequence[int], *, world: int, token_budget: int,
+                      sp_sizes: Optional[Sequence[int]] = None, cost: Cost = LLAMA3_8B) -> GlobalBatchPlan:
+    """The balanced placement of the documents of `lengths` (module doc). `sp_sizes`: the SP
+    sizes allowed (default: every divisor of `world`); one size means a fixed SP layout,
+    balanced."""
+    sizes = tuple(sorted(sp_sizes or sp_sizes_for(world)))
+    if any(world % s for s in sizes):
+        raise ValueError(f"every SP size must divide the world of {world}, got {sizes}")
+    ideal = _ideal(lengths, token_budget, sizes, cost, world)
+    plans = [_placed(lengths, world, token_budget, sizes, cost, ideal, share) for share in SHARES]
+    return min(plans, key=lambda p: (p.makespan, len(p.micro_batches)))
+
+
+def _placed(lengths, world, token_budget, sizes, cost, ideal, share) -> GlobalBatchPlan:
+    """The greedy placement (module doc) with SP sizes from `balanced_sp` at `share` of the ideal."""
+    plan = GlobalBatchPlan(world, token_budget, ideal=ideal)
+    need = [balanced_sp(n, token_budget, sizes, cost, share * ideal) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda d: (-cost(lengths[d], need[d]) * need[d], d))
+    for d in order:
+        length = lengths[d]
+        best = None   # (added makespan, sp, group load, micro-batch, group)
+        for m, mb in enumerate(plan.micro_batches):
+            if mb.sp < need[d]:
+                continue
+            c = cost(length, mb.sp)
+            for g, (tokens, load) in enumerate(zip(mb.tokens, mb.costs)):
+                if tokens + length > mb.sp * token_budget:
+                    continue
+                key = (max(0.0, load + c - mb.makespan), mb.sp, load, m, g)
+                if best is None or key < best:
+                    best = key
+        opened, size = cost(length, need[d]), need[d]
+        if best is None or opened < best[0]:
+            groups = world // size
+            plan.micro_batches.append(MicroBatch(size, [[] for _ in range(groups)], [0] * groups, [0.0] * groups))
+            m, g = len(plan.micro_batches) - 1, 0
+        else:
+            m, g = best[3], best[4]
+        mb = plan.micro_batches[m]
+        mb.groups[g].append(d)
+        mb.tokens[g] += length
+        mb.costs[g] += cost(length, mb.sp)
+    return plan
+
+
+def naive_plan(lengths: Sequence[int], *, world: int, token_budget: int, cost: Cost = LLAMA3_8B,
+               sp_sizes: Optional[Sequence[int]] = None) -> GlobalBatchPlan:
+    """A fixed layout: the SP size the longest document needs, the documents dealt to the DP
+    groups in order (a distributed sampler), each group packing them into micro-batches as
+    they come; micro-batch k of the step is every group's k-th (a group without one waits)."""
+    sizes = tuple(sorted(sp_sizes or sp_sizes_for(world)))
+    sp = max(smallest_sp(n, token_budget, sizes) for n in lengths)
+    groups = world // sp
+    packed: List[List[List[int]]] = [[] for _ in range(groups)]
+    for i, d in enumerate(range(len(lengths))):
+        mine = packed[i % groups]
+        if not mine or sum(lengths[x] for x in mine[-1]) + lengths[d] > sp * token_budget:
+            mine.append([])
+        mine[-1].append(d)
+    plan = GlobalBatchPlan(world, token_budget, ideal=_ideal(lengths, token_budget, sizes, cost, world))
+    for k in range(max(len(p) for p in packed)):
+        docs = [p[k] if k < len(p) else [] for p in packed]
+        plan.micro_batches.append(MicroBatch(sp, docs, [sum(lengths[d] for d in g) for g in docs],
+                                             [sum(cost(lengths[d], sp) for d in g) for g in docs]))
+    return plan
