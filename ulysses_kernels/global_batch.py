@@ -189,12 +189,17 @@ def _placed(lengths, world, token_budget, sizes, cost, ideal, share) -> GlobalBa
 
 
 def naive_plan(lengths: Sequence[int], *, world: int, token_budget: int, cost: Cost = LLAMA3_8B,
-               sp_sizes: Optional[Sequence[int]] = None) -> GlobalBatchPlan:
-    """A fixed layout: the SP size the longest document needs, the documents dealt to the DP
-    groups in order (a distributed sampler), each group packing them into micro-batches as
-    they come; micro-batch k of the step is every group's k-th (a group without one waits)."""
-    sizes = tuple(sorted(sp_sizes or sp_sizes_for(world)))
-    sp = max(smallest_sp(n, token_budget, sizes) for n in lengths)
+               sp: Optional[int] = None) -> GlobalBatchPlan:
+    """A fixed layout: SP size `sp` (default: the size the longest document needs), the
+    documents dealt to the DP groups in order (a distributed sampler), each group packing them
+    into micro-batches as they come; micro-batch k of the step is every group's k-th (a group
+    without one waits). Its ideal is the planner's (every divisor of the world allowed)."""
+    sizes = sp_sizes_for(world)
+    needed = max(smallest_sp(n, token_budget, sizes) for n in lengths)
+    sp = needed if sp is None else int(sp)
+    if world % sp or sp < needed:
+        raise ValueError(f"naive_plan: SP size {sp} must divide the world of {world} and hold the longest "
+                         f"document (at least {needed})")
     groups = world // sp
     packed: List[List[List[int]]] = [[] for _ in range(groups)]
     for i, d in enumerate(range(len(lengths))):

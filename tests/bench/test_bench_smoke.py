@@ -102,6 +102,16 @@ def test_bench_user_step_smoke(tmp_path):
     assert "| Llama-3-8B | 64 | 8 | fwd_bwd |" in table
 
 
+def test_bench_global_batch_smoke(tmp_path):
+    """One tiny global batch through both layouts at world 4 (the numbers mean nothing)."""
+    pytest.importorskip("transformers")
+    _run("bench_global_batch.py", tmp_path)
+    data = json.loads((tmp_path / "global_batch_cpu_smoke.json").read_text())
+    for name in ("fixed SP 4, in order", "planner"):
+        assert data["result"][name]["seconds"] > 0 and data["result"][name]["micro_batches"] >= 1
+    assert data["result"]["fixed SP 4, in order"]["sp_sizes"] == [4]
+
+
 def test_bench_user_step_counts_visible_pairs():
     bench = load_bench("bench_user_step")
     assert bench.visible_pairs(10, 1, None) == 55

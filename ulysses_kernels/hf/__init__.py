@@ -125,6 +125,7 @@ from .rl.grpo_trainer import SequenceParallelGRPOMixin
 from .rl.logprobs import token_logprobs
 from .rl.losses import dpo_loss, grpo_loss, row_sums
 from .rl.reward_trainer import SequenceParallelRewardMixin
+from .training.global_batch import DynamicSequenceParallel, train_global_batch
 from .training.loss import (
     causal_lm_loss,
     global_mean_from_sum,
@@ -132,7 +133,6 @@ from .training.loss import (
     loss_for_world_average,
     sequence_parallel_loss,
 )
-from .training.global_batch import DynamicSequenceParallel, train_global_batch
 from .training.offload import CheckpointOffload, HostBufferPool
 from .training.parallel import allreduce_gradients, apply_ddp, apply_fsdp
 from .training.patch import patch_model, unpatch_model
