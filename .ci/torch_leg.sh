@@ -65,7 +65,7 @@ PY
     # that the fast tier leaves out.
     status=0
     pytest -n 2 -q -p no:cacheprovider -m "not slow" || status=1
-    pytest -n 2 -q -p no:cacheprovider -m "slow" tests/triton tests/fused tests/ring tests/triton_path tests/csrc \
+    pytest -n 2 -q -p no:cacheprovider -m "slow" tests/triton tests/fused tests/ring tests/kernel_choice tests/csrc \
         tests/exchange tests/reference tests/distributed tests/test_stream_order.py tests/test_nccl_order.py || status=1
     echo "torch leg ${minor}: $([ $status = 0 ] && echo green || echo RED); build and tests" \
          "$(( $(date +%s) - start )) s (tests $(( $(date +%s) - tests_start )) s)"
