@@ -71,17 +71,6 @@ def explain(call: Call) -> Lines:
     return lines + [("  choice", verdict)]
 
 
-def on_gpu(call: Call, *, device: str, capability: Tuple[int, int]) -> Lines:
-    """The capability tables' verdicts for `call` on another GPU, every library installed:
-    which candidates a machine with that GPU would time (the README's table comes from these)."""
-    target = dataclasses.replace(call, device=device, capability=capability)
-    lines = []
-    for name, candidate in CANDIDATES.items():
-        why = excluded(candidate.table(), target)
-        lines.append((f"  {name}", "eligible" if why is None else f"excluded: {why}"))
-    return lines
-
-
 # The per-rank call classes users run (SP 8, B 1 unless said; bfloat16; fwd + bwd): the rows of
 # docs/kernels.md. (label, changes to `_BASE`.)
 _BASE = dict(dtype="bfloat16", head_dim=128, value_dim=128, q_heads=4, kv_heads=1, causal=True,
@@ -104,6 +93,17 @@ USER_CLASSES = (
 )
 GPUS = (("NVIDIA H100 / H200", (9, 0)), ("NVIDIA B200", (10, 0)), ("NVIDIA A100", (8, 0)))
 
+# The tables docs/kernels.md shows are those of the newest library releases the package
+# supports, whatever is installed where it is generated; what older releases lack, in words.
+NEWEST = {"flash2": dict(softcap=True), "torch_varlen": dict(gqa=True)}
+OLDER = ("`flash2`: softcap from flash_attn 2.6. `torch_varlen`: grouped-query heads from torch 2.12 "
+         "(torch 2.11's `varlen_attn` has no `enable_gqa`).")
+
+
+def documented_table(name: str):
+    """Candidate `name`'s table with the newest supported release of its library."""
+    return dataclasses.replace(CANDIDATES[name].table(), **NEWEST.get(name, {}))
+
 
 def markdown() -> str:
     """docs/kernels.md: for each GPU generation, which candidate's table covers which of the
@@ -117,7 +117,8 @@ def markdown() -> str:
            "Only installed libraries are timed (`ulysses-kernels doctor` lists them here). Per-rank shapes at",
            "SP 8, batch 1, bfloat16, forward and backward unless the row says otherwise. Our Triton kernel covers",
            "every row: it is the fallback, never the default where a ✓ kernel is faster. Which one `auto` picked",
-           "on a machine: `ulysses-kernels doctor --explain` (docs/architecture.md, \"The kernel choice\").", ""]
+           "on a machine: `ulysses-kernels doctor --explain` (docs/architecture.md, \"The kernel choice\").", "",
+           "The tables are those of the newest supported releases; older ones lack: " + OLDER, ""]
     for gpu, capability in GPUS:
         out += [f"## {gpu} (compute capability {capability[0]}.{capability[1]})", "",
                 "| call class | " + " | ".join(f"`{n}`" for n in names) + " |",
@@ -126,7 +127,7 @@ def markdown() -> str:
             call = Call(device=gpu, capability=capability, **{**_BASE, **changes})
             cells = []
             for name in names:
-                why = excluded(CANDIDATES[name].table(), call)
+                why = excluded(documented_table(name), call)
                 cells.append("✓" if why is None else why)
             out.append(f"| {label} | " + " | ".join(cells) + " |")
         out.append("")
