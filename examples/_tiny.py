@@ -31,6 +31,17 @@ def tiny_reward_model(attn_implementation, hidden=64, layers=2, heads=4, kv_head
     return AutoModelForSequenceClassification.from_config(config, attn_implementation=attn_implementation).float()
 
 
+def causal_lm_and_tokenizer(path, attn_implementation="ulysses"):
+    """The examples' model and tokenizer: a local checkpoint at `path`, else the tiny
+    random Llama and the offline tokenizer."""
+    if not path:
+        return tiny_model(attn_implementation), tiny_tokenizer()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation),
+            AutoTokenizer.from_pretrained(path))
+
+
 def tiny_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

@@ -48,7 +48,7 @@ def main(argv=None):
 
     import tempfile
 
-    from _tiny import tiny_model, tiny_tokenizer
+    from _tiny import causal_lm_and_tokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     import ulysses_kernels as uk  # SP
@@ -60,13 +60,7 @@ def main(argv=None):
                         save_strategy="no", report_to=[], bf16=False, use_cpu=not _cuda(), disable_tqdm=True)
     groups = uk.init_sequence_parallel(args.sp)                             # SP
     ukhf.register(groups)                                                   # SP: attn_implementation="ulysses"
-    if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="ulysses")
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    else:
-        model, tokenizer = tiny_model("ulysses"), tiny_tokenizer()
+    model, tokenizer = causal_lm_and_tokenizer(args.model)                 # SP: attn_implementation="ulysses"
 
     class SPGRPOTrainer(ukhf.SequenceParallelGRPOMixin, GRPOTrainer):      # SP
         pass

@@ -35,7 +35,7 @@ def main(argv=None):
 
     import tempfile
 
-    from _tiny import synthetic_documents, tiny_model, tiny_tokenizer
+    from _tiny import causal_lm_and_tokenizer, synthetic_documents
     from grpo_trl import even_token_share, synthetic_prompts
     from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
@@ -49,13 +49,7 @@ def main(argv=None):
                            max_length=None, **common)                      # creates the process group
     groups = uk.init_sequence_parallel(args.sp)                             # SP
     ukhf.register(groups)                                                   # SP: attn_implementation="ulysses"
-    if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="ulysses")
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    else:
-        model, tokenizer = tiny_model("ulysses"), tiny_tokenizer()
+    model, tokenizer = causal_lm_and_tokenizer(args.model)                 # SP: attn_implementation="ulysses"
 
     class SPSFTTrainer(ukhf.SequenceParallelTrainerMixin, SFTTrainer):      # SP
         pass

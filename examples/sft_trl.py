@@ -30,7 +30,7 @@ def main(argv=None):
     import tempfile
 
     from _deepspeed import built_under_zero_init, describe
-    from _tiny import synthetic_documents, tiny_model, tiny_tokenizer
+    from _tiny import causal_lm_and_tokenizer, synthetic_documents
     from trl import SFTConfig, SFTTrainer
 
     import ulysses_kernels as uk  # SP
@@ -42,13 +42,7 @@ def main(argv=None):
                        use_cpu=not _cuda(), disable_tqdm=True)          # creates the process group
     groups = uk.init_sequence_parallel(args.sp)                             # SP
     ukhf.register(groups)                                                   # SP: attn_implementation="ulysses"
-    if args.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="ulysses")
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-    else:
-        model, tokenizer = tiny_model("ulysses"), tiny_tokenizer()
+    model, tokenizer = causal_lm_and_tokenizer(args.model)                 # SP: attn_implementation="ulysses"
     zero_init = built_under_zero_init(model)   # a ZeRO-3 config: built partitioned
 
     class SPSFTTrainer(ukhf.SequenceParallelTrainerMixin, SFTTrainer):      # SP

@@ -204,6 +204,23 @@ def test_fused_attention_one_rank_is_clean(transport, chunks, Hq, Hkv, B):
     assert ops > 100 and waits >= 4 * chunks, (ops, waits)
 
 
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_fused_attention_on_another_kernel_is_clean_and_its_wait_is_needed(chunks):
+    """The pipeline's branch for a kernel other than ours (the kernel choice's pick; here
+    `testing.kernel_stand_in`, the reference declared like an external kernel): its reads of
+    the receive buffer and its copy into the send buffer are ordered after the chunk's exchange,
+    forward and backward (four chunks share one KV head); without the wait they are not."""
+    with testing.kernel_stand_in() as calls:
+        violations, (ops, waits), _ = run_checked(attention_steps, StreamOrderedTransport, group=None, rank=0,
+                                                  world=1, chunks=chunks, Hq=4, Hkv=1, B=1)
+        ran = calls["run"]
+    assert ran >= 2 * chunks and not violations, "\n".join(violations)
+    with testing.kernel_stand_in():
+        violations, _, dropped = run_checked(attention_steps, StreamOrderedTransport, drop=[MUTATIONS[0][2]],
+                                             group=None, rank=0, world=1, chunks=chunks, Hq=4, Hkv=1, B=1)
+    assert dropped[0] > 0 and violations, "removing the attention's wait for the exchange was not caught"
+
+
 @pytest.mark.parametrize("chunks", _slow_but((2,), [(1,), (2,), (4,)]))
 def test_fused_layer_and_exchanges_one_rank_are_clean(chunks):
     needs_interpreter()

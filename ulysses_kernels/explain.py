@@ -101,14 +101,12 @@ def choice_class(call: CallClass, heads, device):
     from .variants import make_variant
 
     variant = make_variant(call.window, call.softcap, causal=call.causal)
-    name, capability = kernel_choice.device_facts(device)
-    dv = call.head_dim_v or call.head_dim
-    return kernel_choice.Call(
-        device=name, capability=capability, dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[call.dtype],
-        head_dim=call.head_dim, value_dim=dv, q_heads=heads.local_q_heads, kv_heads=heads.local_kv_heads,
-        causal=call.causal, alignment="square", bucket=kernel_choice.bucket(call.seq_len), batch=call.batch,
-        window=variant.window, softcap=variant.softcap, sinks=call.sinks, packed=call.documents > 0,
-        rows_layout=call.batch > 1 and call.world > 1, deterministic=call.deterministic, grad=True)
+    return kernel_choice.call_for(device, _torch_dtype(call.dtype), batch=call.batch, q_len=call.seq_len,
+                                  k_len=call.seq_len, q_heads=heads.local_q_heads, kv_heads=heads.local_kv_heads,
+                                  head_dim=call.head_dim, value_dim=call.head_dim_v or call.head_dim,
+                                  causal=call.causal, variant=variant, sinks=call.sinks, packed=call.documents > 0,
+                                  rows_layout=call.batch > 1 and call.world > 1, deterministic=call.deterministic,
+                                  grad=True)
 
 
 def _choice_lines(call: CallClass, heads, device):

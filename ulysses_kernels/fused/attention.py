@@ -93,12 +93,11 @@ def _kernel(geo: Geometry, plan, dtype, device, *, group, causal, packed, varian
     has the same plan, so the same class). The receive buffer is a `[B, S, h, D]` view at
     batch 1 or on one rank, else block rows that only our kernel reads."""
     largest = max(plan, key=lambda c: c.q_cnt)
-    call = kernel_choice.Call(
-        *kernel_choice.device_facts(device), dtype=str(dtype).replace("torch.", ""), head_dim=geo.head_dim,
-        value_dim=geo.head_dim, q_heads=largest.q_cnt, kv_heads=largest.kv_use, causal=bool(causal),
-        alignment="square", bucket=kernel_choice.bucket(geo.total), batch=geo.batch, window=variant.window,
-        softcap=float(variant.softcap), sinks=sinks, packed=packed, rows_layout=geo.batch > 1 and geo.world > 1,
-        deterministic=env.flag(env.DETERMINISTIC), grad=grad, empty=geo.total < 1)
+    call = kernel_choice.call_for(device, dtype, batch=geo.batch, q_len=geo.total, k_len=geo.total,
+                                  q_heads=largest.q_cnt, kv_heads=largest.kv_use, head_dim=geo.head_dim,
+                                  value_dim=geo.head_dim, causal=causal, variant=variant, sinks=sinks, packed=packed,
+                                  rows_layout=geo.batch > 1 and geo.world > 1,
+                                  deterministic=env.flag(env.DETERMINISTIC), grad=grad)
     return kernel_choice.choose(call, groups=(group,) if geo.world > 1 else (), device=device).choice
 
 

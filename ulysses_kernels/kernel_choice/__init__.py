@@ -15,13 +15,13 @@ from typing import Optional, Sequence
 import torch
 
 from ..variants import PLAIN, Variant
-from .call import ALIGNMENTS, Call, alignment_of, bucket, call_of, device_facts
+from .call import ALIGNMENTS, Call, alignment_of, bucket, call_for, call_of, device_facts
 from .candidates import CANDIDATES, FAMILIES, Candidate, register, unregister
 from .choice import Decision, choose, clear_memory_cache, requested
 from .table import Capabilities, excluded
 
 __all__ = ["ALIGNMENTS", "CANDIDATES", "FAMILIES", "Call", "Candidate", "Capabilities", "Decision", "alignment_of",
-           "attention", "bucket", "call_of", "choose", "clear_memory_cache", "device_facts", "excluded", "register", "requested",
+           "attention", "bucket", "call_for", "call_of", "choose", "clear_memory_cache", "device_facts", "excluded", "register", "requested",
            "run", "unregister"]
 
 

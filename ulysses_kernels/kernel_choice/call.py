@@ -89,12 +89,24 @@ def device_facts(device: torch.device) -> Tuple[str, Tuple[int, int]]:
     return torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device))
 
 
+def call_for(device: torch.device, dtype, *, batch: int, q_len: int, k_len: int, q_heads: int, kv_heads: int,
+             head_dim: int, value_dim: int, causal: bool, variant: Variant = PLAIN, **flags) -> Call:
+    """THE construction of a class from a call's shape (what `call_of` reads from tensors, the
+    fused path from its chunk plan, the ring from its spec, doctor from a described call);
+    `flags`: sinks, packed, lse, rows_layout, deterministic, grad."""
+    name, capability = device_facts(torch.device(device))
+    return Call(device=name, capability=capability, dtype=str(dtype).replace("torch.", ""), head_dim=int(head_dim),
+                value_dim=int(value_dim), q_heads=int(q_heads), kv_heads=int(kv_heads), causal=bool(causal),
+                alignment=alignment_of(q_len, k_len), bucket=bucket(max(q_len, k_len)), batch=int(batch),
+                window=variant.window, softcap=float(variant.softcap), empty=min(q_len, k_len) < 1,
+                **{key: bool(value) for key, value in flags.items()})
+
+
 def call_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, packed: bool = False,
             variant: Variant = PLAIN, sinks: bool = False, lse: bool = False, rows_layout: bool = False,
             deterministic: bool = False, grad: bool = False, batch: int = None) -> Call:
     """The class of attention of q `[B, Sq, Hq, D]` over k `[B, Sk, Hkv, D]`, v `[B, Sk, Hkv, Dv]`
     (`rows_layout`: the buffer's 3-D rows `[B*S, H, D]`, with `batch` rows of the batch)."""
-    name, capability = device_facts(q.device)
     if rows_layout:
         batch = int(batch)
         q_len, k_len = q.shape[0] // batch, k.shape[0] // batch
@@ -102,9 +114,6 @@ def call_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, 
     else:
         batch, q_len, k_len = q.shape[0], q.shape[1], k.shape[1]
         heads = (q.shape[2], k.shape[2])
-    return Call(device=name, capability=capability, dtype=str(q.dtype).replace("torch.", ""),
-                head_dim=int(q.shape[-1]), value_dim=int(v.shape[-1]), q_heads=int(heads[0]), kv_heads=int(heads[1]),
-                causal=bool(causal), alignment=alignment_of(q_len, k_len), bucket=bucket(max(q_len, k_len)),
-                batch=int(batch), window=variant.window, softcap=float(variant.softcap), sinks=bool(sinks),
-                packed=bool(packed), lse=bool(lse), rows_layout=bool(rows_layout),
-                deterministic=bool(deterministic), grad=bool(grad), empty=min(q_len, k_len) < 1)
+    return call_for(q.device, q.dtype, batch=batch, q_len=q_len, k_len=k_len, q_heads=heads[0], kv_heads=heads[1],
+                    head_dim=q.shape[-1], value_dim=v.shape[-1], causal=causal, variant=variant, sinks=sinks,
+                    packed=packed, lse=lse, rows_layout=rows_layout, deterministic=deterministic, grad=grad)

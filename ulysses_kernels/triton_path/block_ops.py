@@ -50,13 +50,14 @@ class BlockOpsOn:
         """The block ops of one ring call on head-sharded portions q `[B, L, Hq, D]`, k, v: the
         kernel the choice makes for the ring's class (the whole ring's length, so every rank
         has the same class), agreed over `groups` (the SP group and the ring group)."""
-        call = kernel_choice.call_of(q, k, v, causal=spec.causal, packed=spec.documents is not None,
-                                     variant=spec.variant, lse=True, deterministic=env.flag(env.DETERMINISTIC),
-                                     grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         # The ring's class holds only the ring's facts (a rank's portion may be empty, or straddle
-        # another bucket): every rank derives the same one.
-        call = kernel_choice.Call(**{**call.__dict__, "alignment": "square", "empty": spec.total < 1,
-                                     "bucket": kernel_choice.bucket(spec.total)})
+        # another bucket): its length is the whole ring's, so every rank derives the same one.
+        call = kernel_choice.call_for(q.device, q.dtype, batch=q.shape[0], q_len=spec.total, k_len=spec.total,
+                                      q_heads=q.shape[2], kv_heads=k.shape[2], head_dim=q.shape[-1],
+                                      value_dim=v.shape[-1], causal=spec.causal, variant=spec.variant,
+                                      packed=spec.documents is not None, lse=True,
+                                      deterministic=env.flag(env.DETERMINISTIC),
+                                      grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         choice = kernel_choice.choose(call, groups=groups, device=q.device).choice
         return self if choice == self.kernel else BlockOpsOn(choice)
 
