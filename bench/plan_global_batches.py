@@ -58,9 +58,9 @@ def main():
             sel = [r for r in rows if r["mix"] == name and r["world"] == world]
             sizes = sorted({s for r in sel for s in r["planner_sp"]})
             lines.append(f"| {name} | {world} | {min(r['documents'] for r in sel)}-{max(r['documents'] for r in sel)} "
-                         f"| {min(r['naive'] for r in sel):.2f}-{max(r['naive'] for r in sel):.2f} "
+                         f"| {min(r['naive'] for r in sel):.3f}-{max(r['naive'] for r in sel):.3f} "
                          f"(SP {sorted({r['naive_sp'] for r in sel})}) "
-                         f"| {min(r['planner'] for r in sel):.2f}-{max(r['planner'] for r in sel):.2f} (SP {sizes}) "
+                         f"| {min(r['planner'] for r in sel):.3f}-{max(r['planner'] for r in sel):.3f} (SP {sizes}) "
                          f"| {max(r['plan_s'] for r in sel) * 1e3:.0f} ms |")
     write_results(args.out, "global_batch_balance", "\n".join(lines) + "\n", dict(rows=rows, budget=args.budget))
     return 0

@@ -3,22 +3,27 @@ goes across the DP x SP world, and with which SP size, so that every rank's cost
 the same.
 
 A step is a sequence of micro-batches; in each, every rank of the world works with one SP
-size `s` (the world splits into `world / s` SP groups), and each group holds a few whole
-documents packed along its sequence (at most `s * token_budget` tokens: `token_budget` per
-rank). A document longer than one rank's budget needs an SP size of at least
-`ceil(length / token_budget)`; short documents need none, and pay an exchange only if put in
-a larger group. The cost of a group is its slowest rank's: the documents' attention (the
-causal square) and linear work divided by `s`, plus the exchange when `s > 1` (`CostModel`);
-a micro-batch lasts as long as its costliest group, and the step as long as its
-micro-batches together (its makespan).
+size `s` (the world splits into `world / s` SP groups of consecutive ranks), and each group
+packs a few whole documents along its sequence (at most `s * token_budget` tokens:
+`token_budget` per rank) or has none. A document longer than one rank's budget needs an SP
+size of at least `ceil(length / token_budget)`; short documents need none, and pay an
+exchange only if put in a larger group. The cost of a group is its ranks' cost: the
+documents' attention (the causal square) and linear work divided by `s`, plus the exchange
+when `s > 1` (`CostModel`). The ranks run the micro-batches in order, skipping those where
+their group has nothing; the ranks of a group start it together, and groups never wait for
+each other (only the gradients' reduction after the step joins every rank), so the step
+lasts until its last rank is done (`GlobalBatchPlan.makespan`).
 
 `plan_global_batch` gives each document the smallest SP size that fits it and keeps its cost
-on one rank within the step's ideal (`balanced_sp`), then places the documents costliest
-first, each where it adds the least to the step's makespan: a group with room in a
-micro-batch of that size or larger (below the micro-batch's makespan it adds nothing; ties go
-to the smaller SP size, then the lighter group), or a new micro-batch of any size it may take. `naive_plan` is what a fixed layout does: one SP size
-that fits the longest document, the documents dealt to the DP groups in order and packed
-there. Both are rules on lengths alone: no torch, no process group.
+on one rank within a share of the step's ideal (`balanced_sp`), then places the documents
+costliest first, each on the group of its size whose busiest rank is least busy (list
+scheduling over the ranks' costs so far). Each group's documents are packed into rows (first
+fit, longest first), and the micro-batches run the largest SP size first: with SP sizes that
+divide one another, the ranks of a group then have done the same work before it, so no rank
+waits and the step lasts as long as its busiest rank's cost. `naive_plan` is what a fixed
+layout does: one SP size that fits the longest document, the documents dealt to the DP
+groups in order and packed there. Both are rules on lengths alone: no torch, no process
+group.
 """
 
 import math
@@ -92,7 +97,28 @@ class GlobalBatchPlan:
 
     @property
     def makespan(self) -> float:
-        return sum(mb.makespan for mb in self.micro_batches)
+        """When the step's last rank finishes: the ranks run the micro-batches in order,
+        skipping those where their group has no document, and the ranks of a group start it
+        together (their exchange), when the last of them is ready; groups never wait for
+        each other (only the gradients' reduction after the step joins them)."""
+        ready = [0.0] * self.world
+        for mb in self.micro_batches:
+            for g, (docs, cost) in enumerate(zip(mb.groups, mb.costs)):
+                if docs:
+                    ranks = range(g * mb.sp, (g + 1) * mb.sp)
+                    end = max(ready[r] for r in ranks) + cost
+                    for r in ranks:
+                        ready[r] = end
+        return max(ready, default=0.0)
+
+    def rank_costs(self) -> List[float]:
+        """Each rank's cost over the step (its groups' documents), in rank order."""
+        costs = [0.0] * self.world
+        for mb in self.micro_batches:
+            for g, cost in enumerate(mb.costs):
+                for r in range(g * mb.sp, (g + 1) * mb.sp):
+                    costs[r] += cost
+        return costs
 
     @property
     def imbalance(self) -> float:
@@ -158,34 +184,40 @@ def plan_global_batch(lengths: Sequence[int], *, world: int, token_budget: int,
 
 def _placed(lengths, world, token_budget, sizes, cost, ideal, share) -> GlobalBatchPlan:
     """The greedy placement (module doc) with SP sizes from `balanced_sp` at `share` of the ideal."""
-    plan = GlobalBatchPlan(world, token_budget, ideal=ideal)
     need = [balanced_sp(n, token_budget, sizes, cost, share * ideal) for n in lengths]
     order = sorted(range(len(lengths)), key=lambda d: (-cost(lengths[d], need[d]) * need[d], d))
+    busy = [0.0] * world                       # each rank's cost so far
+    blocks: dict = {}                          # (sp, group) -> its documents
     for d in order:
-        length = lengths[d]
-        best = None   # (added makespan, sp, group load, micro-batch, group)
-        for m, mb in enumerate(plan.micro_batches):
-            if mb.sp < need[d]:
-                continue
-            c = cost(length, mb.sp)
-            for g, (tokens, load) in enumerate(zip(mb.tokens, mb.costs)):
-                if tokens + length > mb.sp * token_budget:
-                    continue
-                key = (max(0.0, load + c - mb.makespan), mb.sp, load, m, g)
-                if best is None or key < best:
-                    best = key
-        opened, size = cost(length, need[d]), need[d]
-        if best is None or opened < best[0]:
-            groups = world // size
-            plan.micro_batches.append(MicroBatch(size, [[] for _ in range(groups)], [0] * groups, [0.0] * groups))
-            m, g = len(plan.micro_batches) - 1, 0
-        else:
-            m, g = best[3], best[4]
-        mb = plan.micro_batches[m]
-        mb.groups[g].append(d)
-        mb.tokens[g] += length
-        mb.costs[g] += cost(length, mb.sp)
+        s, c = need[d], cost(lengths[d], need[d])
+        g = min(range(world // s), key=lambda g: (max(busy[g * s:(g + 1) * s]), g))
+        for r in range(g * s, (g + 1) * s):
+            busy[r] += c
+        blocks.setdefault((s, g), []).append(d)
+    plan = GlobalBatchPlan(world, token_budget, ideal=ideal)
+    for s in sorted({s for s, _ in blocks}, reverse=True):   # the largest SP size first (module doc)
+        rows = {g: _rows(docs, lengths, s * token_budget) for (size, g), docs in blocks.items() if size == s}
+        for k in range(max(len(r) for r in rows.values())):
+            groups = [rows[g][k] if g in rows and k < len(rows[g]) else [] for g in range(world // s)]
+            plan.micro_batches.append(MicroBatch(s, groups, [sum(lengths[d] for d in g) for g in groups],
+                                                 [sum(cost(lengths[d], s) for d in g) for g in groups]))
     return plan
+
+
+def _rows(docs, lengths, capacity) -> List[List[int]]:
+    """The documents of one SP group packed into rows of at most `capacity` tokens: first
+    fit, longest first."""
+    rows: List[List[int]] = []
+    room: List[int] = []
+    for d in sorted(docs, key=lambda d: (-lengths[d], d)):
+        i = next((i for i, left in enumerate(room) if left >= lengths[d]), None)
+        if i is None:
+            rows.append([])
+            room.append(capacity)
+            i = len(rows) - 1
+        rows[i].append(d)
+        room[i] -= lengths[d]
+    return rows
 
 
 def naive_plan(lengths: Sequence[int], *, world: int, token_budget: int, cost: Cost = LLAMA3_8B,
