@@ -176,7 +176,9 @@ first_failure() {  # first_failure NAME: the first failing test (and why), else 
   found=$(failing_test "$1")
   if [ -z "$found" ] && [ -f "$log" ]; then  # pytest -v ("t FAILED"; xdist "[gw0] [ 5%] FAILED t"), else an error
     found=$(grep -m1 -oE "[^ ]+::[^ ]+ (FAILED|ERROR)|(FAILED|ERROR) [^ ]+::[^ ]+" "$log")
-    [ -n "$found" ] || found=$(grep -m1 -E "Error|error:|ERROR|Traceback|Segmentation fault|core dumped" "$log")
+    # an exception's own line starts with its name ("RuntimeError: ..."); a word such as
+    # "RuntimeError" inside a line (the doctor's "raised as RuntimeError") is no failure
+    [ -n "$found" ] || found=$(grep -m1 -E "^[A-Za-z_.]*(Error|Exception)\b|error:|ERROR|Traceback|Segmentation fault|core dumped" "$log")
   fi
   echo "$found" | cut -c1-220
 }

@@ -208,7 +208,8 @@ def test_the_torch_range_is_the_one_ci_runs_at_both_ends():
     # .ci/run prepares and runs a leg for each end, and nothing else
     loops = re.findall(r"for minor in ([0-9. ]+);", ci)
     assert loops and all(sorted(loop.split()) == sorted(ends) for loop in loops), loops
-    assert 'bash .ci/torch_leg.sh "$minor" prepare' in ci and 'bash .ci/torch_leg.sh "$minor" run' in ci
+    assert 'bash .ci/torch_leg.sh "$1" prepare' in ci and 'bash .ci/torch_leg.sh "$minor" run' in ci
+    assert all(f"prepare_leg {minor}" in ci for minor in ends)
     # Triton 3.6's interpreter needs numpy < 2.3 (the kernels fail on CPU with numpy 2.4)
     assert Version(_pins("constraints-torch2.11.txt")["numpy"]) < Version("2.3")
 

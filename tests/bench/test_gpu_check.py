@@ -241,3 +241,23 @@ def test_failing_tests_are_logged_as_they_fail(tmp_path, monkeypatch):
     monkeypatch.delenv("ULYSSES_KERNELS_FAILURE_LOG")
     conftest.pytest_runtest_logreport(SimpleNamespace(failed=True, nodeid="t::x", when="call", longreprtext="x"))
     assert "t::x" not in log.read_text()
+
+
+def test_a_cut_step_whose_log_names_an_exception_in_passing_is_not_a_failure(tmp_path):
+    """The preflight's doctor lines ("C++ errors  raised as RuntimeError", "not importable
+    (ModuleNotFoundError: ...)") name exceptions without one being raised: a preflight cut by
+    the deadline after them is NOT FINISHED; an exception's own line makes it a FAIL."""
+    log = tmp_path / "gpu_check_preflight.log"
+    log.write_text("fused path: unavailable\n  C++ errors           raised as RuntimeError\n"
+                   "  flash2   unavailable (not importable (ModuleNotFoundError: No module named 'flash_attn'))\n")
+    script = ('declare -A LIMIT=([preflight]=20); STEP_PREFIX=""; source "$1" > /dev/null 2>&1; '
+              'STATUS[preflight]=cut; USED[preflight]=11; status_text preflight')
+    env = dict(os.environ, UK_RESULTS=str(tmp_path), GPU_CHECK_DRY_RUN="1", PYTHON=sys.executable)
+
+    def verdict():
+        return subprocess.run(["bash", "-c", script, "bash", str(ROOT / "bench" / "_steps.sh")], env=env,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    assert verdict() == "NOT FINISHED (deadline: stopped after 11s of its 20s, no failure before)"
+    log.write_text(log.read_text() + "RuntimeError: the Triton kernels do not import\n")
+    assert verdict() == "FAIL: RuntimeError: the Triton kernels do not import (then cut by the deadline after 11s)"
