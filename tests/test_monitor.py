@@ -195,3 +195,28 @@ def test_no_expectation_for_a_model_the_planner_cannot_count():
     assert monitor.shape is None and "mixture-of-experts models (8 routed experts" in monitor.expectation_problem
     assert monitor.expected_activation_bytes(4096) is None
     assert StepMonitor(shape=planner.shape_from_dict(LLAMA_LIKE)).expectation_problem is None
+
+
+def test_a_planned_step_records_each_ranks_cost_the_imbalance_and_the_sp_sizes():
+    """Balanced global batches (global_batch.py): the record of planned steps holds every
+    rank's cost over the ideal, the makespan over the ideal and the SP sizes, summed over
+    the steps it covers; a record without planned steps holds none."""
+    from ulysses_kernels import global_batch as gb
+
+    plans = [gb.plan_global_batch([300, 40, 50, 60, 700], world=4, token_budget=200),
+             gb.plan_global_batch([30, 20, 10, 90], world=4, token_budget=200)]
+    monitor = StepMonitor(device="cpu")
+    for plan in plans:
+        monitor.begin()
+        monitor.step_done(100, plan=plan)
+    record = monitor.record()
+    ideal = sum(p.ideal for p in plans)
+    want = [sum(p.rank_costs()[r] for p in plans) / ideal for r in range(4)]
+    assert record.plan_rank_costs == pytest.approx(want, rel=1e-12)
+    assert record.plan_imbalance == pytest.approx(sum(p.makespan for p in plans) / ideal, rel=1e-12)
+    assert record.plan_sp_sizes == sorted(set(plans[0].sp_sizes()) | set(plans[1].sp_sizes()))
+    logs = record.as_logs()
+    assert logs["plan_sp_max"] == 4 and logs["plan_rank_cost_max"] == round(max(want), 4)
+    assert "planned: makespan" in record.line() and " / ".join(f"{c:.3f}" for c in want) in record.line()
+    monitor.begin()
+    assert monitor.end(10).plan_rank_costs is None and "plan_imbalance" not in monitor.last_record.as_logs()

@@ -39,6 +39,11 @@ class StepRecord:
     peak_bytes: List[int]          # per rank of the monitor's group, in rank order: the highest of the steps
     memory: str                    # what peak_bytes measures
     expected_activation_bytes: Optional[float]   # the planner's activations at the longest step (None: unknown)
+    # Balanced global batches (global_batch.py; None when no step was planned): every rank's
+    # planned cost over the ideal, the makespan over the ideal, the SP sizes the steps used
+    plan_rank_costs: Optional[List[float]] = None
+    plan_imbalance: Optional[float] = None
+    plan_sp_sizes: Optional[List[int]] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,6 +57,10 @@ class StepRecord:
                 "peak_mem_rank": int(max(range(len(self.peak_bytes)), key=lambda r: self.peak_bytes[r]))}
         if self.expected_activation_bytes is not None:
             logs["planner_activation_gib"] = gib(self.expected_activation_bytes)
+        if self.plan_rank_costs is not None:
+            logs.update(plan_imbalance=round(self.plan_imbalance, 4), plan_rank_cost_max=round(max(self.plan_rank_costs), 4),
+                        plan_rank_cost_min=round(min(self.plan_rank_costs), 4),
+                        plan_sp_min=min(self.plan_sp_sizes), plan_sp_max=max(self.plan_sp_sizes))
         return logs
 
     def line(self) -> str:
@@ -60,8 +69,13 @@ class StepRecord:
         steps = f"step {self.step}" if self.steps == 1 else f"steps {self.step - self.steps + 1}-{self.step}"
         expected = ("" if self.expected_activation_bytes is None else
                     f"; the planner's activations {self.expected_activation_bytes / GIB:.4g} GiB")
+        plan = ""
+        if self.plan_rank_costs is not None:
+            costs = " / ".join(f"{c:.3f}" for c in self.plan_rank_costs)
+            plan = (f"; planned: makespan {self.plan_imbalance:.3f}x the ideal, SP sizes "
+                    f"{', '.join(map(str, self.plan_sp_sizes))}, each rank's cost over the ideal {costs}")
         return (f"{steps}: {self.tokens:,} tokens in {self.seconds:.3f} s = {self.tokens_per_s:,.0f} tok/s; "
-                f"peak memory per rank ({self.memory}) {peaks} GiB{expected}")
+                f"peak memory per rank ({self.memory}) {peaks} GiB{expected}{plan}")
 
 
 def _proc_status_kib(field: str) -> Optional[int]:
@@ -146,6 +160,7 @@ class StepMonitor:
     def _window(self) -> None:
         self._steps = self._tokens = self._peak_seen = 0
         self._seconds, self._seq_len = 0.0, None
+        self._plan_costs, self._plan_makespan, self._plan_ideal, self._plan_sizes = None, 0.0, 0.0, set()
 
     def expected_activation_bytes(self, seq_len: int) -> Optional[float]:
         """The planner's activations at the step's peak (planner.activation_bytes) at
@@ -175,10 +190,11 @@ class StepMonitor:
             self._resident_resets = False
         return kib * 1024
 
-    def step_done(self, tokens: int, seq_len: Optional[int] = None) -> None:
+    def step_done(self, tokens: int, seq_len: Optional[int] = None, plan=None) -> None:
         """Count the step since `begin()` (local, no collective). tokens: the step's tokens,
         each counted once; seq_len: the tokens of one SP group's micro-batch (for the
-        planner's expectation)."""
+        planner's expectation); plan: the step's `GlobalBatchPlan` when it was planned
+        (every rank has the same: its costs need no collective)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._seconds += time.perf_counter() - self._start if self._start is not None else 0.0
@@ -189,6 +205,12 @@ class StepMonitor:
             self._seq_len = max(self._seq_len or 0, int(seq_len))
         self._steps += 1
         self.steps += 1
+        if plan is not None:
+            costs = plan.rank_costs()
+            self._plan_costs = costs if self._plan_costs is None else [a + b for a, b in zip(self._plan_costs, costs)]
+            self._plan_makespan += plan.makespan
+            self._plan_ideal += plan.ideal
+            self._plan_sizes |= set(plan.sp_sizes())
 
     def pending(self) -> int:
         """How many steps were counted since the previous record."""
@@ -205,11 +227,15 @@ class StepMonitor:
         record = StepRecord(step=self.steps, steps=self._steps, seconds=max(row[1] for row in rows) / 1e6,
                             tokens=self._tokens, peak_bytes=[row[0] for row in rows], memory=memory,
                             expected_activation_bytes=self.expected_activation_bytes(self._seq_len))
+        if self._plan_costs is not None and self._plan_ideal > 0:
+            record.plan_rank_costs = [c / self._plan_ideal for c in self._plan_costs]
+            record.plan_imbalance = self._plan_makespan / self._plan_ideal
+            record.plan_sp_sizes = sorted(self._plan_sizes)
         self._window()
         self.last_record = record
         return record
 
-    def end(self, tokens: int, seq_len: Optional[int] = None) -> StepRecord:
+    def end(self, tokens: int, seq_len: Optional[int] = None, plan=None) -> StepRecord:
         """`step_done` then `record`: the record of this one step (collective)."""
-        self.step_done(tokens, seq_len)
+        self.step_done(tokens, seq_len, plan=plan)
         return self.record()

@@ -201,9 +201,9 @@ def eval_dataset(kind):
     return PaddedRows() if kind == "padded" else PackedDocuments()
 
 
-def run_sp(kind, sp, out, monitor=False, **extra):
+def run_sp(kind, sp, out, monitor=False, global_batches=None, **extra):
     """A sequence-parallel run (SP `sp` x DP world / sp), not yet trained; arguments before
-    the model as in run_plain."""
+    the model as in run_plain. global_batches: the mixin's option (BalancedGlobalBatches)."""
     import ulysses_kernels as uk
     from ulysses_kernels import hf as ukhf
 
@@ -220,12 +220,13 @@ def run_sp(kind, sp, out, monitor=False, **extra):
 
         cls = recording(type("SPSFTTrainer", (ukhf.SequenceParallelTrainerMixin, SFTTrainer), {}))
         trainer = cls(model=model, args=args, train_dataset=sft_dataset(), processing_class=tiny_tokenizer(),
-                      sp_groups=groups, monitor=monitor)
+                      sp_groups=groups, monitor=monitor, global_batches=global_batches)
     else:
         from transformers import Trainer
 
         cls = recording(type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {}))
-        trainer = cls(model=model, args=args, sp_groups=groups, monitor=monitor, **trainer_data(kind))
+        trainer = cls(model=model, args=args, sp_groups=groups, monitor=monitor, global_batches=global_batches,
+                      **trainer_data(kind))
     trainer.built_under_zero_init = built_under_zero_init(model)
     return trainer
 

@@ -44,8 +44,8 @@ from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
 from ..model import forward_replaced, unwrap
+from ..training.data_parallel import DataParallelData, check_groups
 from ..training.liger import check_liger
-from ..training.trainer import DataParallelData, check_groups
 from .logprobs import token_fields
 
 MIXIN = "SequenceParallelDPOMixin"

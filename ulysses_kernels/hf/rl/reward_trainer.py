@@ -49,9 +49,9 @@ from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import shard_batch
 from ..model import forward_replaced, unwrap
+from ..training.data_parallel import DataParallelData, DataParallelView, check_groups
 from ..training.liger import check_liger
 from ..training.loss import gradient_for_world_average
-from ..training.trainer import DataParallelData, DataParallelView, check_groups
 
 MIXIN = "SequenceParallelRewardMixin"
 # What TRL's reward collator hands the model besides the tokens: the margin is read by the

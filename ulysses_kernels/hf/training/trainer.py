@@ -35,6 +35,10 @@ first). What the mixin changes, through Trainer's public hooks where they exist:
 * **DeepSpeed** (`TrainingArguments(deepspeed=...)`, ZeRO-2/3, also under `zero.Init`):
   the engine averages gradients over the whole world like DDP, so the same loss gives
   the SP sum and the DP mean (docs/deepspeed.md).
+* **Balanced global batches** (``global_batches=BalancedGlobalBatches(token_budget=...)``):
+  every rank reads the whole global batch, the planner places its documents across the
+  world with an SP size per micro-batch, and the gradients are summed once per step
+  (global_batch.py, `GlobalBatchSteps`; docs/global_batch.md).
 * **Monitor** (`monitor=True`, or a `StepMonitor`): every logged training step also
   carries, for the optimizer steps since the last log, `tokens_per_s` (each token once),
   the peak memory of every rank (`peak_mem_gib`, its minimum and the rank of the maximum)
@@ -48,15 +52,13 @@ mean with right padding. With left padding, Trainer's own loss also gives the la
 of a row a target (the row's first token); the unpadded batch has no such target.
 """
 
-import contextlib
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...distributed.collectives import all_gather_tensor, gather_objects, max_over_ranks
-from ...distributed.groups import ParallelGroups, collective_device, tensor_collective_device
+from ...distributed.groups import ParallelGroups
 from ...extensions import HF_INSTALL_HINT
 from ...monitor import StepMonitor
 from ..context import context_of
@@ -64,6 +66,8 @@ from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, count_targets, shard_batch
 from ..families.vision_shard import check_vision_mode, vision_inputs
+from .data_parallel import DataParallelData, check_groups
+from .global_batch import BalancedGlobalBatches, GlobalBatchSteps, PlannedMicroStep
 from .liger import check_liger
 from .loss import at_least_float32
 from .patch import is_loss_patched
@@ -73,192 +77,12 @@ from .patch import is_loss_patched
 TESTED_VERSIONS = {"transformers": ("5.24", "5.25"), "accelerate": ("1.15", "1.16"), "trl": ("1.16",), "peft": ("0.21",)}
 
 
-def check_groups(mixin: str, sp_groups) -> None:
-    """The groups a mixin needs, or a ValueError naming it."""
-    if not isinstance(sp_groups, ParallelGroups):
-        raise ValueError(f"{mixin} needs sp_groups=ulysses_kernels.init_sequence_parallel(sp) "
-                         f"(got {type(sp_groups).__name__})")
-
-
-class DataParallelData:
-    """What every sequence-parallel trainer mixin shares: the data sharded over the DP
-    dimension only, so the SP ranks of a group see the same batches (`sp_groups` set by the
-    mixin), and counts summed over the DP groups."""
-
-    sp_groups: ParallelGroups
-
-    def check_world(self, mixin: str) -> None:
-        if self.accelerator.num_processes != dist.get_world_size():
-            raise ValueError(f"{mixin}: accelerate sees {self.accelerator.num_processes} "
-                             f"processes, torch.distributed {dist.get_world_size()}")
-        # accelerate's own sequence (DeepSpeed's ALST) or context parallelism on top of the
-        # mixin's would shard the sequence twice and rescale the steps (Trainer.get_sp_size)
-        config = getattr(self.accelerator, "parallelism_config", None)
-        both = [f"{name}={getattr(config, name)}" for name in ("sp_size", "cp_size")
-                if config is not None and (getattr(config, name, None) or 1) > 1]
-        if both:
-            raise ValueError(f"{mixin}: accelerate's own sequence parallelism is set too (ParallelismConfig "
-                             f"{', '.join(both)}); the mixin shards the sequence itself: leave sp_size and cp_size "
-                             "at 1 in the parallelism_config (or drop the mixin for accelerate's own)")
-
-    @contextlib.contextmanager
-    def _shard_over_dp(self):
-        """Within: `accelerator.prepare(dataloader)` shards over the DP dimension only."""
-        from accelerate.data_loader import prepare_data_loader
-
-        acc = self.accelerator
-        original = acc.prepare
-
-        def prepare(*objects, **kwargs):
-            if len(objects) != 1 or not isinstance(objects[0], torch.utils.data.DataLoader):
-                return original(*objects, **kwargs)
-            loader = prepare_data_loader(
-                objects[0], acc.device, num_processes=self.sp_groups.dp_size, process_index=self.sp_groups.dp_rank,
-                split_batches=acc.split_batches, put_on_device=acc.device_placement, rng_types=acc.rng_types.copy(),
-                dispatch_batches=acc.dispatch_batches, even_batches=acc.even_batches,
-                use_seedable_sampler=acc.use_seedable_sampler, data_seed=acc.dataloader_config.data_seed,
-                non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader)
-            acc._dataloaders.append(loader)   # as accelerate's own prepare does (state, skipping)
-            return loader
-
-        acc.prepare = prepare
-        try:
-            yield
-        finally:
-            acc.prepare = original
-
-    def get_train_dataloader(self):
-        with self._shard_over_dp():
-            return super().get_train_dataloader()
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        with self._shard_over_dp():
-            return super().get_eval_dataloader(eval_dataset)
-
-    @contextlib.contextmanager
-    def _as_data_parallel(self, module=None):
-        """Within: `self.accelerator` is the `DataParallelView` (a DP-only run's gathers), and
-        so are `module`'s own `gather` / `gather_object` (a trainer module that imported
-        accelerate's functions, as TRL's do)."""
-        accelerator = self.accelerator
-        view = DataParallelView(accelerator, self.sp_groups)
-        names = [n for n in ("gather", "gather_object") if module is not None and hasattr(module, n)]
-        saved = {n: getattr(module, n) for n in names}
-        self.accelerator = view
-        for n in names:
-            setattr(module, n, getattr(view, n))
-        try:
-            yield
-        finally:
-            self.accelerator = accelerator
-            for n, f in saved.items():
-                setattr(module, n, f)
-
-    def _over_dp(self, *counts: int) -> torch.Tensor:
-        """The sums of per-DP-group counts over the DP groups (every SP rank has them whole):
-        one all-reduce."""
-        t = torch.tensor(counts, dtype=torch.float64)
-        group = self.sp_groups.dp_group
-        if group is not None and dist.get_world_size(group) > 1:
-            dev = collective_device(group)
-            t = t.to(dev)
-            dist.all_reduce(t, group=group)
-        return t.cpu()
-
-
-class DataParallelView:
-    """An `Accelerator` as a DP-only run sees it: `gather`, `reduce` and the process index
-    and count over the DP dimension (the SP ranks of a group hold the same rows, which a
-    gather over the whole world would repeat); everything else is the accelerator's own.
-    TRL's GRPO and DPO trainers compute advantages, token counts and metrics through these."""
-
-    def __init__(self, accelerator, groups: ParallelGroups):
-        self._accelerator, self._groups = accelerator, groups
-
-    def __getattr__(self, name):
-        return getattr(self._accelerator, name)
-
-    @property
-    def process_index(self) -> int:
-        return self._groups.dp_rank
-
-    @property
-    def num_processes(self) -> int:
-        return self._groups.dp_size
-
-    def _group(self):
-        group = self._groups.dp_group
-        return group if group is not None and dist.get_world_size(group) > 1 else None
-
-    def gather(self, tensor):
-        """Every DP group's `tensor` concatenated on dim 0 (a scalar counts as `[1]`), as
-        `Accelerator.gather` over a DP-only world; tensors in lists / dicts likewise."""
-        def one(t):
-            t = t.reshape(1) if t.dim() == 0 else t
-            group = self._group()
-            return t if group is None else torch.cat(all_gather_tensor(t, group), dim=0)
-        return torch.utils._pytree.tree_map_only(torch.Tensor, one, tensor)
-
-    def gather_for_metrics(self, tensor, use_gather_object: bool = False):
-        """`Accelerator.gather_for_metrics` over the DP groups: the gather, then, on the last
-        batch of a dataloader whose dataset does not divide into whole global batches, the
-        samples the dataloader repeated to even the ranks dropped (the dataloaders are sharded
-        over DP, so the remainder is a DP-only run's). Anything but tensors is gathered as
-        objects, as accelerate does."""
-        leaves = torch.utils._pytree.tree_leaves(tensor)
-        use_gather_object = use_gather_object or not all(isinstance(t, torch.Tensor) for t in leaves)
-        data = self.gather_object(tensor) if use_gather_object else self.gather(tensor)
-        state = self._accelerator.gradient_state
-        if not state.end_of_dataloader or state.remainder <= 0:
-            return data
-        if use_gather_object:
-            return data[:state.remainder]
-        return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t[:state.remainder], data)
-
-    def gather_object(self, obj):
-        """Every DP group's picklable `obj`, lists flattened (as `accelerate.utils.gather_object`)."""
-        group = self._group()
-        values = [obj] if group is None else gather_objects(obj, group)
-        return [x for v in values for x in v] if isinstance(obj, list) else values
-
-    def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
-        """`Accelerator.reduce` over the DP groups: "sum" or "mean" (what TRL asks for)."""
-        if reduction not in ("sum", "mean") or scale != 1.0:
-            raise NotImplementedError(f"DataParallelView.reduce: reduction={reduction!r}, scale={scale} "
-                                      "(only sum and mean, unscaled)")
-
-        def one(t):
-            group = self._group()
-            out = t.clone()
-            if group is not None:
-                dev = tensor_collective_device(group, t)
-                buf = out.to(dev)
-                dist.all_reduce(buf, group=group)
-                out = buf.to(t.device)
-            return out / self.num_processes if reduction == "mean" else out
-        return torch.utils._pytree.tree_map_only(torch.Tensor, one, tensor)
-
-    def pad_across_processes(self, tensor, dim: int = 0, pad_index=0, pad_first: bool = False):
-        """`tensor` padded along `dim` to the longest of the DP groups'."""
-        group = self._group()
-        if group is None:
-            return tensor
-        longest = max_over_ranks(tensor.shape[dim], group)
-        missing = longest - tensor.shape[dim]
-        if missing == 0:
-            return tensor
-        shape = list(tensor.shape)
-        shape[dim] = missing
-        pad = tensor.new_full(shape, pad_index)
-        return torch.cat([pad, tensor] if pad_first else [tensor, pad], dim=dim)
-
-
 class SequenceParallelTrainerMixin(DataParallelData):
     """Put before `Trainer` / `SFTTrainer` in the bases; pass ``sp_groups=`` (the groups of
     `ulysses_kernels.init_sequence_parallel`). See the module doc."""
 
     def __init__(self, *args, sp_groups: Optional[ParallelGroups] = None, monitor: Union[bool, StepMonitor] = False,
-                 sp_vision: str = "replicate", **kwargs):
+                 sp_vision: str = "replicate", global_batches: Optional[BalancedGlobalBatches] = None, **kwargs):
         check_groups("SequenceParallelTrainerMixin", sp_groups)
         check_vision_mode(sp_vision)
         self.sp_groups = sp_groups
@@ -282,10 +106,25 @@ class SequenceParallelTrainerMixin(DataParallelData):
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = True
         self.check_world("SequenceParallelTrainerMixin")
-        self.step_tokens = self.step_seq_len = None
+        self.step_tokens = self.step_seq_len = self.step_plan = None
+        self.global_batch_steps = self._global_batch_steps(global_batches) if global_batches is not None else None
         self.monitor = monitor if isinstance(monitor, StepMonitor) else (self._make_monitor() if monitor else None)
         if self.monitor is not None:
             self.add_callback(monitor_callback(self, refresh_options=not isinstance(monitor, StepMonitor)))
+
+    def _global_batch_steps(self, options) -> GlobalBatchSteps:
+        """Balanced global batches (docs/global_batch.md, "Inside Trainer and TRL's
+        SFTTrainer"): the same clear error on every rank where the run's setup cannot take them."""
+        from accelerate.utils import DistributedType
+
+        engine = self.accelerator.distributed_type
+        if engine in (DistributedType.DEEPSPEED, DistributedType.FSDP) or getattr(self, "is_fsdp_enabled", False):
+            raise ValueError(f"SequenceParallelTrainerMixin(global_batches=...): not under {engine.value} (it "
+                             "reduces gradients and steps itself, while a planned step runs its micro-batches "
+                             "at several SP sizes and sums the gradients once); use DDP or one process")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return GlobalBatchSteps(self.model, options, world=world, rank=rank)
 
     def _make_monitor(self) -> StepMonitor:
         return StepMonitor(model=self.accelerator.unwrap_model(self.model), sp_size=self.sp_groups.sp_size,
@@ -338,6 +177,11 @@ class SequenceParallelTrainerMixin(DataParallelData):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batch_samples:
             return batch_samples, None
+        steps = self.global_batch_steps
+        if steps is not None:   # the whole global batch, planned: one item per accumulation step
+            items = steps.plan(batch_samples)
+            self.step_tokens, self.step_seq_len, self.step_plan = steps.last_tokens, None, steps.last_plan
+            return items, items[0].count
         count = sum(self._count(b) for b in batch_samples)
         if self.monitor is None:
             return batch_samples, self._over_dp(count)[0]
@@ -345,6 +189,15 @@ class SequenceParallelTrainerMixin(DataParallelData):
         count, tokens = self._over_dp(count, sum(self._tokens(b) for b in batch_samples))
         self.step_tokens, self.step_seq_len = int(tokens), max(self._tokens(b) for b in batch_samples)
         return batch_samples, count
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not isinstance(inputs, PlannedMicroStep):
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if callable(getattr(self.optimizer, "train", None)):
+            self.optimizer.train()
+        with self.compute_loss_context_manager():
+            return self.global_batch_steps.run(inputs, device=self.args.device, backward=self.accelerator.backward)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         labels, shifted = self._targets(inputs)
@@ -384,6 +237,6 @@ def monitor_callback(trainer, refresh_options: bool = True):
             trainer.monitor.begin()
 
         def on_step_end(self, args, state, control, **kwargs):
-            trainer.monitor.step_done(trainer.step_tokens or 0, trainer.step_seq_len)
+            trainer.monitor.step_done(trainer.step_tokens or 0, trainer.step_seq_len, plan=trainer.step_plan)
 
     return _StepMonitorCallback()
