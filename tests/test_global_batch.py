@@ -3,6 +3,7 @@ document placed exactly once, no rank over its token budget, every document at a
 that fits it, micro-batches of one SP size that divides the world; the balance it reaches
 against a fixed layout on the two mixes of docs/global_batch.md; the cost model's shape."""
 
+import dataclasses
 import math
 import random
 
@@ -98,9 +99,23 @@ def test_cost_model():
     assert cost(4096, 1) > 2 * cost(2048, 1)                  # attention is quadratic
     assert cost(4096, 2) < cost(4096, 1)                      # a group divides the work
     assert cost(100, 2) - (cost(100, 1) / 2) > 0              # and pays an exchange
-    inside, across = cost(1 << 16, 8), cost(1 << 16, 16)
-    work = (cost.attention_per_pair * (1 << 16) * ((1 << 16) + 1) / 2 + cost.linear_per_token * (1 << 16))
-    assert across - work / 16 > (inside - work / 8) * 2       # the exchange across nodes costs more a byte
+    n = 1 << 16
+    attention = cost.attention_per_pair * n * (n + 1) / 2
+    work = attention + cost.linear_per_token * n
+    # Ulysses across the nodes (no ring in the model): its exchange costs more a byte there
+    ulysses_only = dataclasses.replace(cost, kv_per_token=None)
+    inside, across = ulysses_only(n, 8), ulysses_only(n, 16)
+    assert across - work / 16 > (inside - work / 8) * 2
+    # with the ring: Ulysses inside each node of 8 and a ring of 2 across, whose transfers
+    # hide behind the block attention of a long document, not behind a short one's
+    ulysses_part = cost.exchange_per_token * n / 16 * 7 / 8
+    assert cost(n, 16) == pytest.approx(work / 16 + ulysses_part, rel=1e-12)
+    short = 2048
+    short_work = (cost.attention_per_pair * short * (short + 1) / 2 + cost.linear_per_token * short) / 16
+    passed = cost.kv_per_token * cost.across_nodes * short / 16
+    assert cost(short, 16) > short_work + cost.exchange_per_token * short / 16 * 7 / 8
+    assert cost(short, 16) == pytest.approx(short_work + cost.exchange_per_token * short / 16 * 7 / 8 + passed
+                                            - cost.attention_per_pair * short * (short + 1) / 2 / 16, rel=1e-12)
 
 
 @pytest.mark.parametrize("mix,total,world,goal", [

@@ -37,34 +37,51 @@ class CostModel:
     in FLOP-equivalents: attention `attention_per_pair` per causal (query, key) pair,
     linear `linear_per_token` per token, both divided over the group; the exchange
     `exchange_per_token` per token a rank sends to the others (`length / sp * (sp - 1) / sp`),
-    none at `sp = 1`, `across_nodes` times that for a group larger than a `node`. Replace it
-    with any callable `(length, sp) -> cost`."""
+    none at `sp = 1`. A group larger than a `node`: with `kv_per_token` (the keys and values
+    a rank passes on a ring per token of its shard, forward and backward), Ulysses inside
+    each node and a ring across the nodes (`init_sequence_parallel(ring_size="auto")` with
+    the node's ranks), whose transfers cost `across_nodes` times more a byte and hide behind
+    the block attention (only what exceeds it counts); without it, Ulysses across the nodes,
+    its whole exchange at `across_nodes` times the cost. Replace it with any callable
+    `(length, sp) -> cost`."""
 
     attention_per_pair: float
     linear_per_token: float
     exchange_per_token: float
     node: int = 8                  # ranks that share a node's all-to-all bandwidth
     across_nodes: float = 8.0      # an exchange across nodes costs this much more a byte (NVLink / network)
+    kv_per_token: Optional[float] = None
 
     @classmethod
     def for_model(cls, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, intermediate: int,
-                  flops_per_byte: float = 2500.0, dtype_bytes: int = 2) -> "CostModel":
+                  flops_per_byte: float = 2500.0, dtype_bytes: int = 2, node: int = 8) -> "CostModel":
         """Forward + backward of a dense decoder: attention 3.5x its forward's 4 * heads *
         head_dim FLOPs per pair, linear 6 FLOPs per parameter per token (q, k, v, o and a
         gated MLP), the exchange of q, k, v and the output forward and their gradients
+        backward, the ring's keys and values forward and keys, values and their gradients
         backward, each byte weighted by `flops_per_byte` (an H100's dense bf16 FLOP/s over
         its NVLink all-to-all bytes/s, about 2500)."""
         attention = 3.5 * 4 * heads * head_dim * layers
         params = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
         linear = 6 * params * layers
         exchanged = 2 * (heads + 2 * kv_heads + heads) * head_dim * dtype_bytes * layers   # fwd + bwd
-        return cls(attention_per_pair=attention, linear_per_token=linear, exchange_per_token=exchanged * flops_per_byte)
+        ring = 3 * 2 * kv_heads * head_dim * dtype_bytes * layers                          # K, V; then K, V, dK, dV
+        return cls(attention_per_pair=attention, linear_per_token=linear, exchange_per_token=exchanged * flops_per_byte,
+                   node=node, kv_per_token=ring * flops_per_byte)
 
     def __call__(self, length: int, sp: int) -> float:
         pairs = length * (length + 1) / 2
-        work = (self.attention_per_pair * pairs + self.linear_per_token * length) / sp
-        sent = length / sp * (sp - 1) / sp
-        return work + self.exchange_per_token * sent * (self.across_nodes if sp > self.node else 1.0)
+        attention = self.attention_per_pair * pairs / sp
+        work = attention + self.linear_per_token * length / sp
+        if sp <= self.node:
+            return work + self.exchange_per_token * length / sp * (sp - 1) / sp
+        if self.kv_per_token is None:
+            return work + self.exchange_per_token * length / sp * (sp - 1) / sp * self.across_nodes
+        ulysses = math.gcd(sp, self.node)
+        ring = sp // ulysses
+        inside = self.exchange_per_token * length / sp * (ulysses - 1) / ulysses
+        passed = self.kv_per_token * self.across_nodes * (ring - 1) * length / sp
+        return work + inside + max(0.0, passed - attention)
 
 
 # Llama-3-8B (hidden 4096, 32 layers, 32 / 8 heads of 128, MLP 14336): the default costs.

@@ -66,7 +66,7 @@ def jobs(rank, world):
     sizes = [1, 2, 4]
     ukhf.register(__import__("ulysses_kernels").init_sequence_parallel(4))   # the "ulysses" attention exists
     m = model("ulysses")
-    dynamic = dyn.DynamicSequenceParallel(m, sizes)
+    plain = dyn.DynamicSequenceParallel(m, sizes)
     initial = {n: p.detach().clone() for n, p in m.named_parameters()}
     # An exchange that costs more than these tiny documents' attention: the short ones stay at SP 1.
     cost = gb.CostModel(attention_per_pair=1.0, linear_per_token=8.0, exchange_per_token=200.0)
@@ -75,7 +75,13 @@ def jobs(rank, world):
     half = len(LENGTHS) // 2
     runs["accumulated"] = [gb.plan_global_batch(LENGTHS[:half], world=world, token_budget=BUDGET),
                            gb.plan_global_batch(LENGTHS[half:], world=world, token_budget=BUDGET)]
+    # Nodes of 2 ranks: SP 4 is Ulysses 2 inside each node x a ring of 2 across them.
+    ring = dyn.DynamicSequenceParallel(m, sizes, gpus_per_node=2)
+    out["ring_layout"] = [(g.ulysses_size, g.ring_size) for g in ring.groups.values()]
+    runs["ring"] = runs["planned"]
+    runs["ring_fixed_sp4"] = runs["fixed_sp4"]
     for name, plans in runs.items():
+        dynamic = ring if name.startswith("ring") else plain
         m.zero_grad(set_to_none=True)
         if name == "accumulated":
             count = dyn.label_count(docs)
@@ -97,7 +103,7 @@ def jobs(rank, world):
 _run = SpawnedRuns(lambda world: (jobs, ()), timeout=SLOW_SPAWN_TIMEOUT)
 
 
-@pytest.mark.parametrize("name", ["planned", "fixed_sp4", "accumulated"])
+@pytest.mark.parametrize("name", ["planned", "fixed_sp4", "accumulated", "ring", "ring_fixed_sp4"])
 def test_global_batch_equals_one_process(name):
     errors = []
     for rank, result in enumerate(_run(4)):
@@ -111,5 +117,7 @@ def test_global_batch_equals_one_process(name):
         if not worst[0] < GRAD_TOL:
             errors.append(f"rank {rank} {name}: gradient {worst[1]} rel err {worst[0]:.2e}")
     assert not errors, "\n".join(errors)
-    if name == "planned":
+    if name in ("planned", "ring"):
         assert _run(4)[0][name]["sizes"] == [1, 2, 4]
+    if name.startswith("ring"):   # (Ulysses, ring) of SP 1, 2 and 4
+        assert _run(4)[0]["ring_layout"] == [(1, 1), (2, 1), (2, 2)]

@@ -23,6 +23,8 @@ plans it, and runs its micro-batches over Trainer's accumulation steps.
 """
 
 import contextlib
+import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Union
 
@@ -44,11 +46,19 @@ class DynamicSequenceParallel:
     """The SP groups and the model's context of each SP size a plan may use. Built on every
     rank in the same order (creating process groups is collective); the model is checked at
     every size here (`attach_context`: the same ValueError on every rank for a size its
-    heads or layers cannot take), not in the middle of a step."""
+    heads or layers cannot take), not in the middle of a step.
 
-    def __init__(self, model: nn.Module, sizes: Sequence[int]):
+    Each size is a ring x Ulysses grid by `init_sequence_parallel(ring_size="auto")`'s rule:
+    the largest Ulysses degree the model's heads take that keeps each Ulysses group inside a
+    node of `gpus_per_node` ranks (default the launcher's LOCAL_WORLD_SIZE), the rest a ring;
+    a group inside one node whose heads split runs Ulysses alone."""
+
+    def __init__(self, model: nn.Module, sizes: Sequence[int], *, gpus_per_node: Optional[int] = None):
         self.model = model
-        self.groups: Dict[int, ParallelGroups] = {s: init_sequence_parallel(s) for s in sorted(set(sizes))}
+        heads = _head_counts(model)
+        ring = dict(ring_size="auto", num_heads=heads[0], num_kv_heads=heads[1],
+                    gpus_per_node=gpus_per_node) if heads else {}
+        self.groups: Dict[int, ParallelGroups] = {s: init_sequence_parallel(s, **ring) for s in sorted(set(sizes))}
         self.contexts = {s: SequenceParallelContext(g) for s, g in self.groups.items()}
         previous = context_of(model)
         for context in self.contexts.values():
@@ -68,6 +78,16 @@ class DynamicSequenceParallel:
         finally:
             if previous is not None and previous is not self.contexts[sp]:
                 attach_context(self.model, context=previous)
+
+
+def _head_counts(model: nn.Module):
+    """(query heads, key/value heads) of a transformers model's (text) config, or None."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return None
+    return heads, getattr(text, "num_key_value_heads", None) or heads
 
 
 # ------------------------------------------------------------------ documents
@@ -219,26 +239,30 @@ class BalancedGlobalBatches:
     `token_budget` the tokens a rank holds in one micro-batch; `cost` the planner's cost
     model (default: `CostModel.for_model` from the model's config, Llama-3-8B's for a
     config without a dense decoder's sizes); `sp_sizes` the SP sizes allowed (default:
-    every divisor of the world)."""
+    every divisor of the world); `gpus_per_node` the ranks of a node (default the
+    launcher's LOCAL_WORLD_SIZE): a larger group runs Ulysses inside each node and a ring
+    across them (`DynamicSequenceParallel`), and the cost model knows it."""
 
     token_budget: int
     cost: Optional[Cost] = None
     sp_sizes: Optional[Sequence[int]] = None
+    gpus_per_node: Optional[int] = None
 
 
-def cost_model_of(config) -> Cost:
+def cost_model_of(config, node: int = 8) -> Cost:
     """`CostModel.for_model` from a transformers config (its text config for a VLM), or
-    Llama-3-8B's when it lacks a dense decoder's sizes."""
+    Llama-3-8B's when it lacks a dense decoder's sizes; `node` the ranks of a node."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     sizes = {name: getattr(text, name, None) for name in
              ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")}
     if any(not isinstance(v, int) for v in sizes.values()):
-        return LLAMA3_8B
+        return dataclasses.replace(LLAMA3_8B, node=node)
     heads = sizes["num_attention_heads"]
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or sizes["hidden_size"] // heads
     return CostModel.for_model(hidden=sizes["hidden_size"], layers=sizes["num_hidden_layers"], heads=heads,
-                               kv_heads=kv_heads, head_dim=head_dim, intermediate=sizes["intermediate_size"])
+                               kv_heads=kv_heads, head_dim=head_dim, intermediate=sizes["intermediate_size"],
+                               node=node)
 
 
 class PlannedMicroStep(dict):
@@ -264,8 +288,9 @@ class GlobalBatchSteps:
                              f"{type(options).__name__}")
         self.options, self.world, self.rank, self.model = options, world, rank, model
         self.sizes = tuple(sorted(options.sp_sizes or sp_sizes_for(world)))
-        self.cost = options.cost or cost_model_of(model.config)
-        self.dynamic = DynamicSequenceParallel(model, sizes=self.sizes)
+        node = options.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
+        self.cost = options.cost or cost_model_of(model.config, node=node)
+        self.dynamic = DynamicSequenceParallel(model, sizes=self.sizes, gpus_per_node=node)
         self.last_plan: Optional[GlobalBatchPlan] = None
         self.last_tokens = 0
 
