@@ -125,6 +125,7 @@ from .rl.grpo_trainer import SequenceParallelGRPOMixin
 from .rl.logprobs import token_logprobs
 from .rl.losses import dpo_loss, grpo_loss, row_sums
 from .rl.reward_trainer import SequenceParallelRewardMixin
+from .training.distributed_config import sequence_parallel_groups
 from .training.global_batch import (
     BalancedGlobalBatches,
     DynamicSequenceParallel,
@@ -154,5 +155,5 @@ __all__ = [
     "causal_lm_loss", "loss_for_world_average", "gradient_for_world_average", "allreduce_gradients", "apply_ddp", "apply_fsdp",
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
     "token_logprobs", "row_sums", "grpo_loss", "dpo_loss", "DynamicSequenceParallel", "train_global_batch",
-    "BalancedGlobalBatches", "global_batch_documents",
+    "BalancedGlobalBatches", "global_batch_documents", "sequence_parallel_groups",
 ]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ...distributed.collectives import all_gather_tensor, gather_objects, max_over_ranks
 from ...distributed.groups import ParallelGroups, collective_device, tensor_collective_device
+from ..model import unwrap
 
 
 def check_groups(mixin: str, sp_groups) -> None:
@@ -28,6 +29,12 @@ class DataParallelData:
     sp_groups: ParallelGroups
 
     def check_world(self, mixin: str) -> None:
+        if getattr(unwrap(self.model), "_mesh_manager", None) is not None:
+            raise ValueError(f"{mixin}: the model was distributed by transformers (from_pretrained(..., "
+                             "distributed_config=...)); the trainer mixins do not train such a model yet (their loss "
+                             "is scaled for DDP's and DeepSpeed's mean over the world, not for its FSDP modules): "
+                             "train it with ukhf.sequence_parallel_groups and causal_lm_loss in a loop of your own "
+                             "(docs/hf_training.md, \"MoE and transformers' DistributedConfig\")")
         if self.accelerator.num_processes != dist.get_world_size():
             raise ValueError(f"{mixin}: accelerate sees {self.accelerator.num_processes} "
                              f"processes, torch.distributed {dist.get_world_size()}")
