@@ -443,3 +443,70 @@ def test_plan_cli_prints_deepseek_v32_s_dsa_terms(capsys):
     assert "154.0 MiB (the keys' all-gather); a Ulysses head exchange of the same layer: 2,240.0 MiB" in out
     indexers = 61 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64)
     assert f"parameters: {671_026_404_352 + indexers:,}" in out
+
+
+# Qwen3-30B-A3B's config.json (planner.MOE_PRESET_CONFIGS), counted by hand: 48 MoE layers of
+# 128 experts, each expert gate, up and down projections of 2048 x 768.
+QWEN3_30B_EXPERTS = 48 * 128 * 3 * 2048 * 768
+QWEN3_30B_EXPERT_LAYER = 128 * 3 * 2048 * 768
+
+
+def test_expert_parallelism_divides_the_experts_and_adds_its_dispatch():
+    from ulysses_kernels.planner import expert_dispatch_bytes
+
+    shape = PRESETS["qwen3-30b-a3b"]
+    assert shape.expert_params == QWEN3_30B_EXPERTS == 28_991_029_248
+    dense = shape.params - QWEN3_30B_EXPERTS
+    base = PlanOptions(seq_len=65536, gpus_per_node=8, fsdp=False)
+    for ep in (1, 2, 8):   # replicated: each GPU holds its experts whole
+        terms = memory_terms(shape, dataclasses.replace(base, ep_size=ep))
+        assert terms["weights (fp32, sharded)"] == 4 * (dense + QWEN3_30B_EXPERTS / ep)
+        assert terms["optimizer (AdamW fp32 m, v)"] == 8 * (dense + QWEN3_30B_EXPERTS / ep)
+    sharded = dataclasses.replace(base, fsdp=True)
+    one, eight = memory_terms(shape, sharded), memory_terms(shape, dataclasses.replace(sharded, ep_size=8))
+    # FSDP over the 8 GPUs; with EP 8 each GPU's 16 experts are its own (efsdp 1): the same bytes
+    assert one["weights (fp32, sharded)"] == pytest.approx(eight["weights (fp32, sharded)"], rel=1e-12)
+    assert one["weights (fp32, sharded)"] == pytest.approx(4 * (dense + QWEN3_30B_EXPERTS) / 8, rel=1e-12)
+    # FSDP gathers a layer and the next: with EP only this GPU's 16 of the 128 experts
+    assert one["gathered compute weights"] - eight["gathered compute weights"] == pytest.approx(
+        2 * 2 * QWEN3_30B_EXPERT_LAYER * (1 - 1 / 8), rel=1e-12)
+    tokens = 65536 // 8
+    assert expert_dispatch_bytes(shape, tokens, 2) == 2 * tokens * 8 * 2048 * 2
+
+
+def test_an_ep_size_the_model_or_the_gpus_cannot_take_is_refused():
+    with pytest.raises(ValueError, match="the model has no routed experts to split"):
+        plan(PRESETS["llama-3-8b"], PlanOptions(seq_len=4096, ep_size=2))
+    with pytest.raises(ValueError, match="--ep 3 must divide the 6 GPUs and the 128 routed experts"):
+        plan(PRESETS["qwen3-30b-a3b"], PlanOptions(seq_len=4096, gpus_per_node=6, ep_size=3))
+
+
+def test_choose_layout_takes_the_smallest_sp_then_the_smallest_ep_that_fit_and_says_why():
+    from ulysses_kernels.planner import choose_layout
+
+    shape = PRESETS["qwen3-30b-a3b"]
+    # replicated states (no FSDP) on 141 GiB GPUs: only EP 8 brings the experts' states down
+    layout = choose_layout(shape, PlanOptions(seq_len=32768, gpus_per_node=8, fsdp=False, gpu_memory_gib=141.0))
+    assert (layout.options.sp_size, layout.options.ep_size) == (1, 8) and layout.plan.fits
+    assert [r.split(":")[0] for r in layout.reasons] == ["EP 1 at SP 1", "EP 2 at SP 1", "EP 4 at SP 1", "SP 1, EP 8"]
+    assert "the smallest SP size that fits, with the smallest EP size that fits there" in layout.reasons[-1]
+    assert "experts' weights, gradients and AdamW states 216.0 GiB" in layout.reasons[1]   # 16 B x experts / 2
+    # FSDP, tiled, 256K tokens on 8 GPUs: SP 8 is the first that fits, and EP 1 fits there
+    tiled = PlanOptions(seq_len=262144, gpus_per_node=8, tiled_mlp=True, tiled_loss=True)
+    layout = choose_layout(shape, tiled)
+    assert (layout.options.sp_size, layout.options.ep_size) == (8, 1) and layout.plan.fits
+    assert [r.split(":")[0] for r in layout.reasons[:3]] == ["SP 1", "SP 2", "SP 4"]
+    assert all("does not fit" in r for r in layout.reasons[:3])
+    # nothing fits: the lowest peak, and the plan says it does not fit
+    layout = choose_layout(shape, dataclasses.replace(tiled, seq_len=1 << 22))
+    assert not layout.plan.fits and layout.reasons[-1] == "nothing fits: the layout with the lowest peak"
+
+
+@pytest.mark.slow   # the CLI in subprocesses, as the other CLI tests
+def test_plan_cli_ep():
+    out = _cli("--model", "qwen3-30b-a3b", "--seq-len", "262144", "--gpus", "8", "--nodes", "8", "--ep", "auto",
+               "--tiled")
+    assert out.returncode == 0, out.stderr
+    assert "layout (--ep auto):" in out.stdout and "SP 2, EP 1: fits" in out.stdout, out.stdout
+    out = _cli("--model", "qwen3-30b-a3b", "--seq-len", "65536", "--ep", "3")
+    assert out.returncode == 2 and "--ep 3 must divide the 8 GPUs and the 128 routed experts" in out.stderr

@@ -377,6 +377,10 @@ def _plan_arguments(p):
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel size (default: all GPUs)")
+    p.add_argument("--ep", type=_ep_size, default=1,
+                   help="expert-parallel size of a mixture of experts (each GPU holds experts / EP of every MoE "
+                        "layer), or 'auto': the smallest SP size that fits, then the smallest EP size that fits "
+                        "there, each with why (default 1)")
     p.add_argument("--ring", type=_ring_degree, default=1,
                    help="ring degree of Ulysses x Ring, or 'auto': the smallest the model's heads allow (default 1)")
     p.add_argument("--offload", action="store_true", help="checkpoint offload + FSDP2 CPU offload of parameters, "
@@ -395,6 +399,19 @@ def _plan_arguments(p):
                         "a training step; --tiled-mlp with patch_model's tile")
     p.add_argument("--chunk", type=int, default=None, help="with --inference: tokens per prefill chunk")
     p.add_argument("--json", action="store_true")
+
+
+def _ep_size(value: str):
+    """--ep: "auto" or an integer >= 1."""
+    if value == "auto":
+        return value
+    try:
+        ep = int(value)
+    except ValueError:
+        ep = 0
+    if ep < 1:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}")
+    return ep
 
 
 def _ring_degree(value: str):
@@ -452,7 +469,7 @@ def plan(args) -> int:
     import json
     from dataclasses import asdict
 
-    from .planner import PRESETS, PlanOptions, format_plan
+    from .planner import PRESETS, PlanOptions, choose_layout, format_plan
     from .planner import plan as make_plan
 
     try:
@@ -468,7 +485,8 @@ def plan(args) -> int:
     if problem:
         print(f"ulysses-kernels plan: --model {args.model!r}: {problem}", file=sys.stderr)
         return 2
-    ring, problem = _plan_ring(args, shape)
+    # --ep auto without --sp chooses the SP size, and the ring with it (planner.choose_layout)
+    ring, problem = (1, None) if args.ep == "auto" and not args.sp else _plan_ring(args, shape)
     if problem:
         print(f"ulysses-kernels plan: --model {args.model!r}: {problem}", file=sys.stderr)
         return 2
@@ -477,22 +495,30 @@ def plan(args) -> int:
         return _plan_inference(args, shape)
     options = PlanOptions(seq_len=args.seq_len, gpus_per_node=args.gpus, nodes=args.nodes,
                           gpu_memory_gib=args.gpu_memory_gib, sp_size=args.sp, ring_size=ring,
+                          ep_size=1 if args.ep == "auto" else args.ep,
                           fsdp=not args.no_fsdp, fsdp_cpu_offload=args.offload or args.fsdp_cpu_offload,
                           checkpointing=not args.no_checkpointing,
                           checkpoint_offload=args.offload or args.checkpoint_offload,
                           tiled_mlp=args.tiled or args.tiled_mlp, tiled_loss=args.tiled or args.tiled_loss,
                           dtype_bytes=4 if args.dtype == "fp32" else 2, reserve_gib=args.reserve_gib)
+    reasons = []
     try:
-        result = make_plan(shape, options)
+        if args.ep == "auto":
+            layout = choose_layout(shape, options, sp_sizes=[args.sp] if args.sp else None)
+            options, result, reasons = layout.options, layout.plan, layout.reasons
+        else:
+            result = make_plan(shape, options)
     except ValueError as exc:
         print(f"ulysses-kernels {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": args.model, "fits": result.fits, "max_seq_len": result.max_seq_len,
+        print(json.dumps({"model": args.model, "fits": result.fits, "max_seq_len": result.max_seq_len, "why": reasons,
                           "per_gpu_gib": round(result.per_gpu_gib, 3), "terms_gib": result.terms_gib,
                           "host_gib": result.host_gib, "params": shape.params, "expert_params": shape.expert_params,
                           "options": asdict(options)}, indent=1))
     else:
+        if reasons:
+            print("layout (--ep auto):\n" + "\n".join(f"  {line}" for line in reasons) + "\n")
         print(format_plan(args.model, options, result))
         print(_parameters_line(shape))
     return 0

@@ -14,7 +14,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 GIB = float(1 << 30)
 # Activation multiples of one decoder layer (see memory_terms), fitted on CPU measurements
@@ -409,6 +409,13 @@ PRESETS: Dict[str, ModelShape] = {
     "qwen3-8b": ModelShape(4096, 36, 32, 8, 128, 12288, 151936),
     "mistral-7b": ModelShape(4096, 32, 32, 8, 128, 14336, 32000),
 }
+# Mixtures of experts, from their config.json on the hub (the keys experts_from_dict reads).
+MOE_PRESET_CONFIGS: Dict[str, dict] = {
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                          num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
+                          vocab_size=151936, tie_word_embeddings=False),
+}
 
 
 def shape_from_model_type(model_type: str) -> ModelShape:
@@ -644,6 +651,7 @@ class PlanOptions:
     gpu_memory_gib: float = 80.0
     sp_size: Optional[int] = None     # default: every GPU (DP 1)
     ring_size: int = 1
+    ep_size: int = 1                  # expert parallelism: each GPU holds experts / ep_size of every MoE layer
     fsdp: bool = True                 # parameters, gradients, optimizer states sharded over all GPUs
     fsdp_cpu_offload: bool = False    # ... and kept in host memory
     checkpointing: bool = True
@@ -685,6 +693,27 @@ def _require_dense(shape: ModelShape) -> None:
         raise ValueError(f"planner: {problem}")
 
 
+def expert_layer_params(shape: ModelShape) -> int:
+    """One MoE layer's routed experts (0: a dense model)."""
+    return shape.moe.experts * shape.moe.expert_params(shape.hidden) if shape.moe else 0
+
+
+def held_params(shape: ModelShape, o: PlanOptions) -> float:
+    """The parameters one GPU holds: the dense ones sharded by FSDP over every GPU (else
+    whole); the routed experts split over `ep_size` GPUs, each GPU's share sharded by FSDP
+    over the `world / ep_size` GPUs that hold the same experts (transformers' efsdp)."""
+    world = o.gpus_per_node * o.nodes
+    dense = shape.params - shape.expert_params
+    return dense / (world if o.fsdp else 1) + shape.expert_params / o.ep_size / (world // o.ep_size if o.fsdp else 1)
+
+
+def expert_dispatch_bytes(shape: ModelShape, tokens: int, dtype_bytes: int) -> int:
+    """Expert parallelism's buffers in an MoE layer: each of this GPU's `tokens` sent to its
+    top-k experts and as many routed tokens received (hidden-sized rows; the backward moves
+    their gradients through buffers of the same size)."""
+    return 2 * tokens * shape.moe.top_k * shape.hidden * dtype_bytes if shape.moe else 0
+
+
 def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     """Bytes per GPU, by term, for one training step at o.seq_len tokens. A model the
     planner cannot count (ModelShape.dense_mlp_problem) raises ValueError."""
@@ -696,14 +725,14 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     sp = o.sp_size or world
     S, p = o.seq_len, o.dtype_bytes
     s = math.ceil(S / sp)                   # tokens per rank
-    n = shape.params
-    shard = world if o.fsdp else 1
+    n = held_params(shape, o)
     on_gpu = 0.0 if o.fsdp_cpu_offload else 1.0
     t: Dict[str, float] = {}
-    t["weights (fp32, sharded)"] = on_gpu * 4 * n / shard
-    t["gradients (fp32, sharded)"] = on_gpu * 4 * n / shard
-    t["optimizer (AdamW fp32 m, v)"] = on_gpu * 8 * n / shard
-    gathered = 2 * shape.layer_params + shape.vocab * shape.hidden  # a layer + the prefetched one, the head
+    t["weights (fp32, sharded)"] = on_gpu * 4 * n
+    t["gradients (fp32, sharded)"] = on_gpu * 4 * n
+    t["optimizer (AdamW fp32 m, v)"] = on_gpu * 8 * n
+    # a layer + the prefetched one (with EP, only this GPU's experts of it), the head
+    gathered = 2 * (shape.layer_params - expert_layer_params(shape) * (1 - 1 / o.ep_size)) + shape.vocab * shape.hidden
     t["gathered compute weights"] = p * gathered if o.fsdp else 0.0
     kept = shape.layers if o.checkpointing else 0
     if o.checkpoint_offload:
@@ -722,6 +751,8 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
         saved += s * (4 * shape.moe.experts + 8 * shape.moe.top_k)
     mlp_rows = min(s, mlp_tile_tokens(shape.hidden)) if tiled else s
     transient = mlp_rows * p * TRANSIENT_MLP * shape.mlp_token_width  # the MLP backward of a tile
+    if o.ep_size > 1:   # EP's all-to-all: the top-k copies of this GPU's tokens sent, as many received
+        transient += expert_dispatch_bytes(shape, s, p)
     local, mlp_transient = saved, transient   # a DSA layer's too (its local projections, its MLP)
     ulysses = sp // o.ring_size
     heads_here = math.ceil(shape.heads / ulysses)
@@ -797,6 +828,7 @@ def plan(shape: ModelShape, o: PlanOptions) -> Plan:
     sp = o.sp_size or world
     if world % sp or sp % o.ring_size:
         raise ValueError(f"plan: sp_size {sp} must divide the {world} GPUs and ring_size {o.ring_size} divide sp_size")
+    check_ep(shape, o.ep_size, world)
     terms = memory_terms(shape, o)
     total = peak_bytes(terms)
     result = Plan(gpus=world, sp_size=sp, local_tokens=math.ceil(o.seq_len / sp),
@@ -861,9 +893,94 @@ def max_seq_len(shape: ModelShape, o: PlanOptions, granularity: int = 1024) -> i
     return lo
 
 
+def check_ep(shape: ModelShape, ep: int, world: int) -> None:
+    """An EP size the model and the GPUs allow, or ValueError: it divides the GPUs and the
+    routed experts of a mixture of experts (a dense model has none to split)."""
+    if ep == 1:
+        return
+    if shape.moe is None:
+        raise ValueError(f"plan: --ep {ep}: the model has no routed experts to split (a dense model: use --ep 1)")
+    if world % ep or shape.moe.experts % ep:
+        raise ValueError(f"plan: --ep {ep} must divide the {world} GPUs and the {shape.moe.experts} routed experts")
+
+
+@dataclass
+class Layout:
+    """The SP, ring and EP sizes `choose_layout` picked, their plan, and why (one line each
+    for what it tried)."""
+    options: PlanOptions
+    plan: Plan
+    reasons: List[str]
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def choose_layout(shape: ModelShape, o: PlanOptions, *, sp_sizes: Optional[Sequence[int]] = None,
+                  ep_sizes: Optional[Sequence[int]] = None) -> Layout:
+    """The layout of a training step at `o.seq_len`: the smallest SP size whose step fits
+    with some EP size (fewer tokens exchanged, more DP groups), each SP size as Ulysses x
+    ring by `layout.choose_ring_size` (the heads, the node); at it, the smallest EP size
+    that fits (each token's top-k copies cross the fewest GPUs; an EP group within a node
+    keeps its all-to-all on the node's links). Every SP size dividing the GPUs and every EP
+    size dividing the GPUs and the experts are tried unless given. None fits: the layout with
+    the lowest peak, its plan saying so."""
+    from .layout import choose_ring_size
+
+    world = o.gpus_per_node * o.nodes
+    budget = o.gpu_memory_gib * GIB
+    sps = sorted(sp_sizes or _divisors(world))
+    eps = sorted(ep_sizes or ([e for e in _divisors(world) if shape.moe.experts % e == 0] if shape.moe else [1]))
+    node = o.gpus_per_node if o.nodes > 1 else None
+    reasons: List[str] = []
+    lowest = None
+    for sp in sps:
+        ring = choose_ring_size(sp, shape.heads, shape.kv_heads, gpus_per_node=node)
+        tried = []
+        for ep in eps:
+            trial = PlanOptions(**{**asdict(o), "sp_size": sp, "ring_size": ring, "ep_size": ep})
+            terms = memory_terms(shape, trial)
+            tried.append((peak_bytes(terms), ep, trial, terms))
+        layout = f"SP {sp}" + (f" (Ulysses {sp // ring} x ring {ring})" if ring > 1 else "")
+        fitting = [t for t in tried if t[0] <= budget]
+        if not fitting:
+            peak, ep, trial, _ = min(tried, key=lambda t: t[0])
+            reasons.append(f"{layout}: does not fit, {peak / GIB:.1f} GiB at best (EP {ep}) > {o.gpu_memory_gib:g} GiB")
+            lowest = min(lowest or (peak, trial), (peak, trial), key=lambda x: x[0])
+            continue
+        peak, ep, trial, terms = fitting[0]
+        for other_peak, other_ep, other, other_terms in tried:
+            if other_ep < ep:
+                reasons.append(f"EP {other_ep} at {layout}: {other_peak / GIB:.1f} GiB > {o.gpu_memory_gib:g} GiB "
+                               f"({_expert_bytes_text(shape, other, other_terms)})")
+        reasons.append(f"{layout}, EP {ep}: fits, {peak / GIB:.1f} GiB of {o.gpu_memory_gib:g} "
+                       f"({_expert_bytes_text(shape, trial, terms)}): the smallest SP size that "
+                       f"fits{', with the smallest EP size that fits there' if len(eps) > 1 else ''}")
+        return Layout(trial, plan(shape, trial), reasons)
+    _, trial = lowest
+    reasons.append("nothing fits: the layout with the lowest peak")
+    return Layout(trial, plan(shape, trial), reasons)
+
+
+def _expert_bytes_text(shape: ModelShape, o: PlanOptions, terms: Dict[str, float]) -> str:
+    """What EP changes on one GPU: its experts' fp32 weights, gradients and AdamW states (on
+    the GPU), the gathered compute weights, the dispatch buffers."""
+    world = o.gpus_per_node * o.nodes
+    held = shape.expert_params / o.ep_size / (world // o.ep_size if o.fsdp else 1)
+    states = 0.0 if o.fsdp_cpu_offload else 16 * held
+    text = (f"experts' weights, gradients and AdamW states {states / GIB:.1f} GiB, gathered compute weights "
+            f"{terms['gathered compute weights'] / GIB:.1f} GiB")
+    if o.ep_size > 1:
+        tokens = math.ceil(o.seq_len / (o.sp_size or world))
+        text += f", dispatch buffers {expert_dispatch_bytes(shape, tokens, o.dtype_bytes) / GIB:.1f} GiB"
+    return text
+
+
 def format_plan(name: str, o: PlanOptions, result: Plan) -> str:
     lines = [f"{name}: {o.seq_len:,} tokens on {result.gpus} GPU(s) x {o.gpu_memory_gib:g} GiB, SP {result.sp_size}"
-             f"{f' (ring {o.ring_size})' if o.ring_size > 1 else ''}, {result.local_tokens:,} tokens per GPU", ""]
+             f"{f' (ring {o.ring_size})' if o.ring_size > 1 else ''}{f', EP {o.ep_size}' if o.ep_size > 1 else ''}, "
+             f"{result.local_tokens:,} tokens per GPU", ""]
     total_label = "peak per GPU (the largest phase counted)"
     width = max(len(k) for k in list(result.terms_gib) + [total_label])
     for k, v in result.terms_gib.items():
@@ -943,3 +1060,6 @@ def max_prefill_len(shape: ModelShape, sp: int, gpu_memory_gib: float, granulari
         mid = (lo + hi) // 2 // granularity * granularity
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+PRESETS.update({name: shape_from_dict(cfg) for name, cfg in MOE_PRESET_CONFIGS.items()})
