@@ -14,7 +14,7 @@ package's usual recipe (`sequence_parallel_groups`, `register`, `shard_batch`,
 - two mutations fail: FSDP's plain average (gradients half the right ones) and the router
   loss computed on each rank's shard alone;
 - an SP size that does not divide the fsdp dimension, and the Trainer mixin on such a model
-  (not yet supported): the same ValueError on every rank;
+  with groups other than `sequence_parallel_groups`': the same ValueError on every rank;
 - examples/moe_distributed_config.py trains and its checkpoint loads in one process.
 Mesh layouts and error paths without a process group: test_hf_distributed_config_errors.py.
 """
@@ -99,7 +99,7 @@ def run_case(folder, family, case, mutants=False):
     out = dict(dp=groups.dp_rank, sp_rank=groups.sp_rank)
     if mutants:
         out["refused"] = _refusal(model, 3)
-        out["trainer_refused"] = _trainer_refusal(model, groups, folder)
+        out["trainer_refused"] = _trainer_refusal(model, folder)
         original = loss_module.router_aux_loss   # the router loss of this rank's shard alone
         loss_module.router_aux_loss = lambda logits, e, k, group=None: original(logits, e, k, None)
         try:
@@ -124,11 +124,15 @@ def run_case(folder, family, case, mutants=False):
     return out
 
 
-def _trainer_refusal(model, groups, folder):
-    """The Trainer mixin on the model: the error each rank raised."""
+def _trainer_refusal(model, folder):
+    """The Trainer mixin on the model with groups of its own (init_sequence_parallel's, which
+    leave the model's FSDP reduction a mean): the error each rank raised."""
     from transformers import Trainer, TrainingArguments
 
+    import ulysses_kernels as uk
     from ulysses_kernels import hf as ukhf
+
+    groups = uk.init_sequence_parallel(2)
 
     cls = type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, Trainer), {})
     args = TrainingArguments(output_dir=os.path.join(folder, "trainer"), use_cpu=True, report_to=[],
@@ -253,11 +257,12 @@ def test_an_sp_size_that_does_not_divide_fsdp_is_refused_on_every_rank():
     assert len(messages) == 1 and "sp_size 3 must divide the model's fsdp dimension (4" in messages.pop()
 
 
-def test_the_trainer_mixin_refuses_such_a_model_on_every_rank():
-    """Not yet supported, never silently wrong: the mixin's loss is scaled for a mean over the world."""
+def test_the_trainer_mixin_refuses_groups_other_than_sequence_parallel_groups_on_every_rank():
+    """init_sequence_parallel's groups would leave the model's FSDP reduction a mean over the
+    fsdp ranks: half the gradient at SP 2 (the Trainer route itself: test_hf_moe_trainer.py)."""
     per_rank = _run(4)
     messages = {r["qwen3_moe"]["trainer_refused"] for r in per_rank}
-    assert len(messages) == 1 and "the model was distributed by transformers" in messages.pop()
+    assert len(messages) == 1 and "pass sp_groups=ukhf.sequence_parallel_groups(model, sp_size)" in messages.pop()
 
 
 def test_the_example_trains_and_its_checkpoint_loads_in_one_process():

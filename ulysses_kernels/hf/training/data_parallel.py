@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ...distributed.collectives import all_gather_tensor, gather_objects, max_over_ranks
 from ...distributed.groups import ParallelGroups, collective_device, tensor_collective_device
-from ..model import unwrap
+from .distributed_config import check_transformers_distributed, is_transformers_distributed
 
 
 def check_groups(mixin: str, sp_groups) -> None:
@@ -28,13 +28,19 @@ class DataParallelData:
 
     sp_groups: ParallelGroups
 
-    def check_world(self, mixin: str) -> None:
-        if getattr(unwrap(self.model), "_mesh_manager", None) is not None:
-            raise ValueError(f"{mixin}: the model was distributed by transformers (from_pretrained(..., "
-                             "distributed_config=...)); the trainer mixins do not train such a model yet (their loss "
-                             "is scaled for DDP's and DeepSpeed's mean over the world, not for its FSDP modules): "
-                             "train it with ukhf.sequence_parallel_groups and causal_lm_loss in a loop of your own "
-                             "(docs/hf_training.md, \"MoE and transformers' DistributedConfig\")")
+    def check_world(self, mixin: str, *, transformers_distributed: bool = False) -> None:
+        """The world the mixin can train in, or the same ValueError on every rank.
+        transformers_distributed: the mixin trains a model transformers distributed
+        (`distributed_config=`) on `ukhf.sequence_parallel_groups`' groups."""
+        if is_transformers_distributed(self.model):
+            if not transformers_distributed:
+                raise ValueError(f"{mixin}: the model was distributed by transformers (from_pretrained(..., "
+                                 "distributed_config=...)); this mixin does not train such a model yet (its loss is "
+                                 "scaled for DDP's and DeepSpeed's mean over the world, not for the model's FSDP "
+                                 "modules): use SequenceParallelTrainerMixin, or ukhf.sequence_parallel_groups and "
+                                 "causal_lm_loss in a loop of your own (docs/hf_training.md, \"MoE and "
+                                 "transformers' DistributedConfig\")")
+            check_transformers_distributed(mixin, self.model, self.sp_groups)
         if self.accelerator.num_processes != dist.get_world_size():
             raise ValueError(f"{mixin}: accelerate sees {self.accelerator.num_processes} "
                              f"processes, torch.distributed {dist.get_world_size()}")

@@ -34,6 +34,26 @@ from ...layout import head_plan_error
 from ..model import unwrap
 
 DENSE_DIMS = ("pp", "dp_replicate", "fsdp", "tp")
+GROUPS_ATTR = "_ulysses_sequence_parallel_groups"   # the groups sequence_parallel_groups gave the model
+
+
+def is_transformers_distributed(model: nn.Module) -> bool:
+    """The model was distributed by transformers (`from_pretrained(..., distributed_config=...)`)."""
+    return getattr(unwrap(model), "_mesh_manager", None) is not None
+
+
+def check_transformers_distributed(where: str, model: nn.Module, groups) -> None:
+    """A trainer on a model transformers distributed: its groups must be the ones
+    `sequence_parallel_groups` gave it (they made its FSDP reduction right for SP), and no
+    PEFT adapters (Trainer averages their gradients over the whole world, which is wrong by
+    the SP size). The same ValueError on every rank."""
+    if getattr(unwrap(model), GROUPS_ATTR, None) is not groups:
+        raise ValueError(f"{where}: the model was distributed by transformers; pass sp_groups="
+                         "ukhf.sequence_parallel_groups(model, sp_size), which carves SP out of its fsdp dimension "
+                         "and makes its FSDP reduction a sum over SP and a mean over DP")
+    if unwrap(model) is not model and type(model).__name__.startswith("Peft"):
+        raise ValueError(f"{where}: PEFT adapters on a model transformers distributed are not supported under SP: "
+                         "Trainer averages their gradients over every rank, where the SP ranks' must be summed")
 
 
 def sequence_parallel_groups(model: nn.Module, sp_size: int) -> ParallelGroups:
@@ -56,9 +76,11 @@ def sequence_parallel_groups(model: nn.Module, sp_size: int) -> ParallelGroups:
     sp_group, sp_members = _new_groups(sp_groups, me)
     dp_group, dp_members = _new_groups(dp_groups, me)
     _divide_gradients(inner, dp_size=dr * fsdp, sp_size=sp_size)
-    return ParallelGroups(sp_group=sp_group, dp_group=dp_group, sp_rank=sp_members.index(me), sp_size=sp_size,
-                          dp_rank=dp_members.index(me), dp_size=len(dp_members), mesh=None,
-                          ulysses_group=sp_group, ulysses_rank=sp_members.index(me), ulysses_size=sp_size)
+    groups = ParallelGroups(sp_group=sp_group, dp_group=dp_group, sp_rank=sp_members.index(me), sp_size=sp_size,
+                            dp_rank=dp_members.index(me), dp_size=len(dp_members), mesh=None,
+                            ulysses_group=sp_group, ulysses_rank=sp_members.index(me), ulysses_size=sp_size)
+    setattr(inner, GROUPS_ATTR, groups)
+    return groups
 
 
 def mesh_groups(ranks, sp_size: int):

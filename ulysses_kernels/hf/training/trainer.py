@@ -25,7 +25,11 @@ first). What the mixin changes, through Trainer's public hooks where they exist:
   Each rank returns ``world * local_sum / count``: DDP and FSDP average gradients over the
   world, which turns that into the sum over SP ranks (their tokens partition the
   sequence) and the mean over DP; the mean of the returned values over the world, which
-  Trainer logs, is the true global loss.
+  Trainer logs, is the true global loss. A model transformers distributed
+  (`distributed_config=`, on `ukhf.sequence_parallel_groups`' groups) reduces its gradients
+  itself, summed over SP and averaged over the DP groups: its gradient is scaled by the DP
+  groups instead, its logged value the same (docs/hf_training.md, "MoE and transformers'
+  DistributedConfig").
 * **Vision-language models**: a VLM collator's images (`pixel_values`, `image_grid_thw`,
   `mm_token_type_ids`, ...) go to `shard_batch` with the tokens; ``sp_vision="split"``
   divides the vision tower's work over the SP group (vision.py).
@@ -67,9 +71,10 @@ from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, count_targets, shard_batch
 from ..families.vision_shard import check_vision_mode, vision_inputs
 from .data_parallel import DataParallelData, check_groups
+from .distributed_config import is_transformers_distributed
 from .global_batch import BalancedGlobalBatches, GlobalBatchSteps, PlannedMicroStep
 from .liger import check_liger
-from .loss import at_least_float32
+from .loss import at_least_float32, router_aux_loss
 from .patch import is_loss_patched
 
 # The minor versions of each integration the test suite ran on (pyproject.toml's `hf` extra
@@ -105,7 +110,12 @@ class SequenceParallelTrainerMixin(DataParallelData):
         # pass num_items_in_batch to the model nor divide by the accumulation steps.
         self.model_accepts_loss_kwargs = False
         self.loss_is_scaled_for_ga = True
-        self.check_world("SequenceParallelTrainerMixin")
+        self.check_world("SequenceParallelTrainerMixin", transformers_distributed=True)
+        # The loss is scaled for the gradients' reduction (compute_loss): DDP, FSDP and
+        # DeepSpeed average over the world; a model transformers distributed, on
+        # sequence_parallel_groups' groups, sums over SP and averages over the DP groups.
+        self.gradient_scale = (sp_groups.dp_size if is_transformers_distributed(self.model)
+                               else self.accelerator.num_processes)
         self.step_tokens = self.step_seq_len = self.step_plan = None
         self.global_batch_steps = self._global_batch_steps(global_batches) if global_batches is not None else None
         self.monitor = monitor if isinstance(monitor, StepMonitor) else (self._make_monitor() if monitor else None)
@@ -217,8 +227,37 @@ class SequenceParallelTrainerMixin(DataParallelData):
                                         batch.labels.reshape(-1).to(logits.device),
                                         ignore_index=IGNORE_INDEX, reduction="sum")
         count = torch.clamp(torch.as_tensor(count, dtype=torch.float64), min=1.0)
-        loss = local_sum * (self.accelerator.num_processes / count).to(local_sum.dtype)
+        share = local_sum * (1.0 / count).to(local_sum.dtype)   # this rank's part of the step's token mean
+        world, aux = self.accelerator.num_processes, self._router_loss(model, outputs)
+        # The value Trainer logs (its mean over the world): the token mean, plus the router
+        # loss of each DP group's batch, each counted once over its SP ranks and weighed as the
+        # trainer weighs a DP-only rank's (_router_loss).
+        value = share * world + (aux * (world / self.sp_groups.sp_size) if aux is not None else 0.0)
+        # The gradient, for the reduction (gradient_scale): the router loss's flows through
+        # this rank's router probabilities (router_aux_loss), summed over the SP ranks.
+        scaled = (share + (aux if aux is not None else 0.0)) * self.gradient_scale
+        loss = value.detach() + (scaled - scaled.detach())
         return (loss, outputs) if return_outputs else loss
+
+    def _router_loss(self, model, outputs) -> Optional[torch.Tensor]:
+        """A mixture of experts' load-balancing loss times its coefficient, over the whole
+        sequence of the SP group (`router_aux_loss`), where the model returns router logits
+        and weighs them (`output_router_logits`, `router_aux_loss_coef`); else None. Weighed
+        as in a DP-only run of the trainer it joins: TRL's SFTTrainer averages each rank's
+        over the ranks and the accumulation steps; transformers' Trainer adds it to each
+        rank's loss, which its token-mean scaling multiplies by the world: summed over the
+        ranks and the steps."""
+        router_logits = outputs.get("router_logits") if isinstance(outputs, dict) else getattr(
+            outputs, "router_logits", None)
+        config = getattr(self.accelerator.unwrap_model(model), "config", None)
+        coef = getattr(config, "router_aux_loss_coef", None)
+        if router_logits is None or not coef:
+            return None
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        aux = coef * router_aux_loss(router_logits, experts, config.num_experts_per_tok, self.sp_groups)
+        if getattr(self, "aux_loss_enabled", None) is not None:   # TRL's trainers
+            aux = aux / (self.sp_groups.dp_size * max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
+        return aux
 
 
 def monitor_callback(trainer, refresh_options: bool = True):
