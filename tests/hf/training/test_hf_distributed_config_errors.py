@@ -1,7 +1,7 @@
 """`sequence_parallel_groups` (ulysses_kernels/hf/training/distributed_config.py) without a
 process group: the SP and DP groups it carves out of transformers' dense mesh, and the
 errors it raises before any collective (so every rank raises the same one): a model
-transformers did not distribute, an SP size that does not divide the fsdp dimension, local
+transformers did not distribute, transformers' pipeline parallelism, an SP size that does not divide the fsdp dimension, local
 heads (after TP) that the SP size cannot split."""
 
 from types import SimpleNamespace
@@ -33,8 +33,8 @@ class _Model(torch.nn.Module):
             self._mesh_manager = SimpleNamespace(_dense_mesh=mesh)
 
 
-def _mesh(fsdp, tp, names=DENSE_DIMS):
-    return SimpleNamespace(mesh=torch.arange(fsdp * tp).reshape(1, 1, fsdp, tp), mesh_dim_names=names)
+def _mesh(fsdp, tp, names=DENSE_DIMS, pp=1):
+    return SimpleNamespace(mesh=torch.arange(pp * fsdp * tp).reshape(pp, 1, fsdp, tp), mesh_dim_names=names)
 
 
 def test_a_model_transformers_did_not_distribute_is_refused():
@@ -53,3 +53,9 @@ def test_an_sp_size_that_does_not_divide_fsdp_is_refused():
 def test_local_heads_the_sp_size_cannot_split_are_refused():
     with pytest.raises(ValueError, match="each TP rank holds 1 query and 1 key/value heads .* which 2 SP ranks"):
         sequence_parallel_groups(_Model(_mesh(fsdp=2, tp=2), heads=2, kv_heads=2), 2)
+
+
+def test_pipeline_parallelism_is_refused_with_transformers_own_limit():
+    """transformers 5.25's pipeline schedule sends activations without autograd: it cannot train."""
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp_size 2\), whose schedule is forward-only"):
+        sequence_parallel_groups(_Model(_mesh(fsdp=2, tp=1, pp=2)), 2)

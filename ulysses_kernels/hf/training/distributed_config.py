@@ -60,11 +60,18 @@ def sequence_parallel_groups(model: nn.Module, sp_size: int) -> ParallelGroups:
     """The SP and DP groups of a model transformers distributed with `distributed_config=`
     (module doc), and its FSDP modules' gradient reduction made a sum over SP and a mean over
     DP. A collective (every rank, the same `sp_size`); the same ValueError on every rank when
-    the model was not distributed by transformers, when `sp_size` does not divide the fsdp
-    dimension, or when the heads each TP rank holds cannot be split over `sp_size` ranks."""
+    the model was not distributed by transformers, when it runs transformers' pipeline
+    parallelism (forward-only), when `sp_size` does not divide the fsdp dimension, or when the
+    heads each TP rank holds cannot be split over `sp_size` ranks."""
     inner = unwrap(model)
     ranks, tp_size = _dense_ranks(inner)
     pp, dr, fsdp, tp = ranks.shape
+    if pp > 1:
+        raise ValueError(f"sequence_parallel_groups: the model runs transformers' pipeline parallelism (pp_size {pp}), "
+                         "whose schedule is forward-only in transformers 5.25 (pipeline_parallel_naive_forward sends "
+                         "each stage's activations without autograd and broadcasts the logits from the last stage), "
+                         "so no gradient reaches the earlier stages; train with pp_size 1 (fsdp, tp and ep sizes "
+                         "with SP)")
     sp_size = int(sp_size)
     if sp_size < 1 or fsdp % sp_size:
         raise ValueError(f"sequence_parallel_groups: sp_size {sp_size} must divide the model's fsdp dimension "
