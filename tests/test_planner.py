@@ -497,6 +497,10 @@ def test_choose_layout_takes_the_smallest_sp_then_the_smallest_ep_that_fit_and_s
     assert (layout.options.sp_size, layout.options.ep_size) == (8, 1) and layout.plan.fits
     assert [r.split(":")[0] for r in layout.reasons[:3]] == ["SP 1", "SP 2", "SP 4"]
     assert all("does not fit" in r for r in layout.reasons[:3])
+    # a ring the user chose is kept (--sp 8 --ring 2 --ep auto)
+    ringed = choose_layout(shape, tiled, sp_sizes=[8], ring_size=2)
+    assert (ringed.options.sp_size, ringed.options.ring_size) == (8, 2)
+    assert ringed.reasons[-1].startswith("SP 8 (Ulysses 4 x ring 2), EP 1: fits")
     # nothing fits: the lowest peak, and the plan says it does not fit
     layout = choose_layout(shape, dataclasses.replace(tiled, seq_len=1 << 22))
     assert not layout.plan.fits and layout.reasons[-1] == "nothing fits: the layout with the lowest peak"

@@ -504,7 +504,8 @@ def plan(args) -> int:
     reasons = []
     try:
         if args.ep == "auto":
-            layout = choose_layout(shape, options, sp_sizes=[args.sp] if args.sp else None)
+            layout = choose_layout(shape, options, sp_sizes=[args.sp] if args.sp else None,
+                                   ring_size=ring if args.sp and ring != 1 else None)
             options, result, reasons = layout.options, layout.plan, layout.reasons
         else:
             result = make_plan(shape, options)

@@ -918,14 +918,15 @@ def _divisors(n: int) -> List[int]:
 
 
 def choose_layout(shape: ModelShape, o: PlanOptions, *, sp_sizes: Optional[Sequence[int]] = None,
-                  ep_sizes: Optional[Sequence[int]] = None) -> Layout:
+                  ep_sizes: Optional[Sequence[int]] = None, ring_size: Optional[int] = None) -> Layout:
     """The layout of a training step at `o.seq_len`: the smallest SP size whose step fits
     with some EP size (fewer tokens exchanged, more DP groups), each SP size as Ulysses x
     ring by `layout.choose_ring_size` (the heads, the node); at it, the smallest EP size
     that fits (each token's top-k copies cross the fewest GPUs; an EP group within a node
     keeps its all-to-all on the node's links). Every SP size dividing the GPUs and every EP
-    size dividing the GPUs and the experts are tried unless given. None fits: the layout with
-    the lowest peak, its plan saying so."""
+    size dividing the GPUs and the experts are tried unless given; `ring_size` given, every SP
+    size it divides runs that ring. None fits: the layout with the lowest peak, its plan
+    saying so."""
     from .layout import choose_ring_size
 
     world = o.gpus_per_node * o.nodes
@@ -935,8 +936,10 @@ def choose_layout(shape: ModelShape, o: PlanOptions, *, sp_sizes: Optional[Seque
     node = o.gpus_per_node if o.nodes > 1 else None
     reasons: List[str] = []
     lowest = None
+    if ring_size is not None:
+        sps = [sp for sp in sps if sp % ring_size == 0]
     for sp in sps:
-        ring = choose_ring_size(sp, shape.heads, shape.kv_heads, gpus_per_node=node)
+        ring = ring_size or choose_ring_size(sp, shape.heads, shape.kv_heads, gpus_per_node=node)
         tried = []
         for ep in eps:
             trial = PlanOptions(**{**asdict(o), "sp_size": sp, "ring_size": ring, "ep_size": ep})

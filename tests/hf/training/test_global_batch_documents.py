@@ -64,3 +64,28 @@ def test_images_are_refused():
     batch = dict(_batches()["right padding"], pixel_values=torch.randn(1, 3, 4, 4))
     with pytest.raises(ValueError, match="balanced global batches take text documents only"):
         global_batch_documents(batch)
+
+
+def test_a_document_that_does_not_start_at_position_zero_is_refused():
+    """Rows that continue one stream (positions 0-7, then 8-15) are documents apart in a plain
+    run; packed next to each other they would run on into one."""
+    ids = torch.randint(3, 90, (2, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="a document starts at position 8, not 0"):
+        global_batch_documents(dict(input_ids=ids, position_ids=torch.arange(16).reshape(2, 8)))
+
+
+def test_a_mixture_of_experts_with_its_router_loss_is_refused():
+    """The planned route weighs each micro-batch's router loss by its tokens, Trainer and TRL
+    each rank's batch: refused (before any group is built) rather than weighed otherwise."""
+    import transformers
+
+    from ulysses_kernels.hf import BalancedGlobalBatches
+    from ulysses_kernels.hf.training.global_batch import GlobalBatchSteps
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                         router_aux_loss_coef=0.01)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ValueError, match="not with a mixture of experts' router loss yet"):
+        GlobalBatchSteps(model, BalancedGlobalBatches(token_budget=8), world=1, rank=0)

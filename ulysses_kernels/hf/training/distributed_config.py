@@ -42,6 +42,11 @@ def is_transformers_distributed(model: nn.Module) -> bool:
     return getattr(unwrap(model), "_mesh_manager", None) is not None
 
 
+def tp_size_of(model: nn.Module) -> int:
+    """The tensor-parallel size transformers distributed the model with (1: none)."""
+    return int(getattr(unwrap(model), "_tp_size", None) or 1)
+
+
 def check_transformers_distributed(where: str, model: nn.Module, groups) -> None:
     """A trainer on a model transformers distributed: its groups must be the ones
     `sequence_parallel_groups` gave it (they made its FSDP reduction right for SP), and no

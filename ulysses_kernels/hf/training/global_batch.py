@@ -150,8 +150,16 @@ def global_batch_documents(batch: Mapping) -> List[Document]:
         targets = shift_targets(labels, labels_shifted=shifted)
         positions = positions if positions is not None else torch.arange(S, device=ids.device).expand(B, S)
         rows = [(ids[b], positions[b], targets[b], _document_bounds(positions[b])) for b in range(B)]
-    return [Document(row_ids[a:b], row_targets[a:b], row_positions[a:b])
-            for row_ids, row_positions, row_targets, bounds in rows for a, b in zip(bounds[:-1], bounds[1:])]
+    documents = [Document(row_ids[a:b], row_targets[a:b], row_positions[a:b])
+                 for row_ids, row_positions, row_targets, bounds in rows for a, b in zip(bounds[:-1], bounds[1:])]
+    # Packed again in any order, a document is told from its neighbour by its positions
+    # restarting: one that starts elsewhere could run on from the one before it.
+    late = next((d for d in documents if len(d) and int(d.positions[0]) != 0), None)
+    if late is not None:
+        raise ValueError(f"global_batch_documents: a document starts at position {int(late.positions[0])}, not 0; "
+                         "balanced global batches need every document's positions to start at 0 (packed next to "
+                         "another document, one that continues a stream would run on from it)")
+    return documents
 
 
 def _document_bounds(positions: torch.Tensor) -> List[int]:
@@ -212,7 +220,7 @@ def train_global_batch(model: nn.Module, documents: Sequence[Union[Document, tor
     if plan.world != world:
         raise ValueError(f"train_global_batch: the plan is for {plan.world} ranks, the world has {world}")
     documents = [as_document(d) for d in documents]
-    count = label_count(documents) if count is None else int(count)
+    count = max(1, label_count(documents) if count is None else int(count))   # no target: a zero loss, not 0 / 0
     total = torch.zeros((), dtype=torch.float64)
     for mb in plan.micro_batches:
         share = run_micro_batch(model, documents, mb, dynamic, rank=rank, count=count)
@@ -286,6 +294,12 @@ class GlobalBatchSteps:
         if not isinstance(options, BalancedGlobalBatches):
             raise ValueError(f"global_batches= takes ulysses_kernels.hf.BalancedGlobalBatches(token_budget=...), got "
                              f"{type(options).__name__}")
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+            raise ValueError("global_batches=: not with a mixture of experts' router loss yet (output_router_logits "
+                             "with router_aux_loss_coef): the planned route weighs each micro-batch's by its tokens, "
+                             "where Trainer and TRL weigh each rank's batch; set output_router_logits=False or train "
+                             "without the option")
         self.options, self.world, self.rank, self.model = options, world, rank, model
         self.sizes = tuple(sorted(options.sp_sizes or sp_sizes_for(world)))
         node = options.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
@@ -300,7 +314,7 @@ class GlobalBatchSteps:
         plan = plan_global_batch([len(d) for d in documents], world=self.world,
                                  token_budget=self.options.token_budget, sp_sizes=self.sizes, cost=self.cost)
         self.last_plan, self.last_tokens = plan, sum(len(d) for d in documents)
-        count = label_count(documents)
+        count = max(1, label_count(documents))   # a step without targets: a zero loss, not 0 / 0
         # in the plan's order (the largest SP size first), as evenly as they go over the steps
         cuts = [round(i * len(plan.micro_batches) / len(batches)) for i in range(len(batches) + 1)]
         parts = [plan.micro_batches[a:b] for a, b in zip(cuts[:-1], cuts[1:])]

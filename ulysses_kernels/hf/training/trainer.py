@@ -71,7 +71,7 @@ from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, count_targets, shard_batch
 from ..families.vision_shard import check_vision_mode, vision_inputs
 from .data_parallel import DataParallelData, check_groups
-from .distributed_config import is_transformers_distributed
+from .distributed_config import is_transformers_distributed, tp_size_of
 from .global_batch import BalancedGlobalBatches, GlobalBatchSteps, PlannedMicroStep
 from .liger import check_liger
 from .loss import at_least_float32, router_aux_loss
@@ -114,8 +114,10 @@ class SequenceParallelTrainerMixin(DataParallelData):
         # The loss is scaled for the gradients' reduction (compute_loss): DDP, FSDP and
         # DeepSpeed average over the world; a model transformers distributed, on
         # sequence_parallel_groups' groups, sums over SP and averages over the DP groups.
-        self.gradient_scale = (sp_groups.dp_size if is_transformers_distributed(self.model)
-                               else self.accelerator.num_processes)
+        distributed = is_transformers_distributed(self.model)
+        self.gradient_scale = sp_groups.dp_size if distributed else self.accelerator.num_processes
+        # Trainer logs the mean over the world of the returned values; TP ranks return the same one
+        self.log_scale = self.accelerator.num_processes / (tp_size_of(self.model) if distributed else 1)
         self.step_tokens = self.step_seq_len = self.step_plan = None
         self.global_batch_steps = self._global_batch_steps(global_batches) if global_batches is not None else None
         self.monitor = monitor if isinstance(monitor, StepMonitor) else (self._make_monitor() if monitor else None)
@@ -127,11 +129,19 @@ class SequenceParallelTrainerMixin(DataParallelData):
         SFTTrainer"): the same clear error on every rank where the run's setup cannot take them."""
         from accelerate.utils import DistributedType
 
+        where = "SequenceParallelTrainerMixin(global_batches=...)"
         engine = self.accelerator.distributed_type
         if engine in (DistributedType.DEEPSPEED, DistributedType.FSDP) or getattr(self, "is_fsdp_enabled", False):
-            raise ValueError(f"SequenceParallelTrainerMixin(global_batches=...): not under {engine.value} (it "
-                             "reduces gradients and steps itself, while a planned step runs its micro-batches "
-                             "at several SP sizes and sums the gradients once); use DDP or one process")
+            raise ValueError(f"{where}: not under {engine.value} (it reduces gradients and steps itself, while a "
+                             "planned step runs its micro-batches at several SP sizes and sums the gradients once); "
+                             "use DDP or one process")
+        if is_transformers_distributed(self.model):
+            raise ValueError(f"{where}: not on a model transformers distributed (distributed_config=): its FSDP "
+                             "modules gather parameters over every fsdp rank, while a planned micro-batch runs on "
+                             "some ranks only")
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            raise ValueError(f"{where}: not with an IterableDataset: accelerate dispatches its batches rank by rank, "
+                             "and every rank must read the same global batch to plan it")
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         return GlobalBatchSteps(self.model, options, world=world, rank=rank)
@@ -228,7 +238,7 @@ class SequenceParallelTrainerMixin(DataParallelData):
                                         ignore_index=IGNORE_INDEX, reduction="sum")
         count = torch.clamp(torch.as_tensor(count, dtype=torch.float64), min=1.0)
         share = local_sum * (1.0 / count).to(local_sum.dtype)   # this rank's part of the step's token mean
-        world, aux = self.accelerator.num_processes, self._router_loss(model, outputs)
+        world, aux = self.log_scale, self._router_loss(model, outputs)
         # The value Trainer logs (its mean over the world): the token mean, plus the router
         # loss of each DP group's batch, each counted once over its SP ranks and weighed as the
         # trainer weighs a DP-only rank's (_router_loss).
