@@ -377,11 +377,11 @@ def _plan_arguments(p):
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel size (default: all GPUs)")
-    p.add_argument("--ep", type=_ep_size, default=1,
+    p.add_argument("--ep", type=_auto_or_positive, default=1,
                    help="expert-parallel size of a mixture of experts (each GPU holds experts / EP of every MoE "
                         "layer), or 'auto': the smallest SP size that fits, then the smallest EP size that fits "
                         "there, each with why (default 1)")
-    p.add_argument("--ring", type=_ring_degree, default=1,
+    p.add_argument("--ring", type=_auto_or_positive, default=1,
                    help="ring degree of Ulysses x Ring, or 'auto': the smallest the model's heads allow (default 1)")
     p.add_argument("--offload", action="store_true", help="checkpoint offload + FSDP2 CPU offload of parameters, "
                                                           "gradients and optimizer states")
@@ -401,30 +401,17 @@ def _plan_arguments(p):
     p.add_argument("--json", action="store_true")
 
 
-def _ep_size(value: str):
-    """--ep: "auto" or an integer >= 1."""
+def _auto_or_positive(value: str):
+    """--ring, --ep: "auto" or an integer >= 1."""
     if value == "auto":
         return value
     try:
-        ep = int(value)
+        number = int(value)
     except ValueError:
-        ep = 0
-    if ep < 1:
+        number = 0
+    if number < 1:
         raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}")
-    return ep
-
-
-def _ring_degree(value: str):
-    """--ring: "auto" or an integer >= 1."""
-    if value == "auto":
-        return value
-    try:
-        ring = int(value)
-    except ValueError:
-        ring = 0
-    if ring < 1:
-        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 1, got {value!r}")
-    return ring
+    return number
 
 
 def _plan_ring(args, shape) -> Tuple[Optional[int], Optional[str]]:

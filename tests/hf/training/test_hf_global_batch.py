@@ -57,6 +57,8 @@ def single_process(docs, parameters_from):
 
 
 def jobs(rank, world):
+    import torch
+
     from ulysses_kernels import global_batch as gb
     from ulysses_kernels import hf as ukhf
     from ulysses_kernels.hf.training import global_batch as dyn
@@ -97,6 +99,13 @@ def jobs(rank, world):
         out[name] = dict(loss=loss, grads={n: p.grad.clone() for n, p in m.named_parameters()},
                          sizes=sorted({mb.sp for p in plans for mb in p.micro_batches}))
     out["reference"] = single_process(docs, initial)
+    # A global batch without any target (every token's target ignored): a zero loss and zero
+    # gradients on every rank, not a division by zero on the ranks with documents (the others
+    # would wait for them in the gradients' reduction).
+    m.zero_grad(set_to_none=True)
+    silent = [dyn.Document(d, torch.full_like(d, -100)) for d in docs]
+    loss = float(dyn.train_global_batch(m, silent, runs["planned"][0], plain))
+    out["no_targets"] = (loss, max(float(p.grad.abs().max()) for p in m.parameters() if p.grad is not None))
     return out
 
 
@@ -121,3 +130,7 @@ def test_global_batch_equals_one_process(name):
         assert _run(4)[0][name]["sizes"] == [1, 2, 4]
     if name.startswith("ring"):   # (Ulysses, ring) of SP 1, 2 and 4
         assert _run(4)[0]["ring_layout"] == [(1, 1), (2, 1), (2, 2)]
+
+
+def test_a_global_batch_without_targets_gives_zero_loss_and_gradients():
+    assert all(r["no_targets"] == (0.0, 0.0) for r in _run(4)), [r["no_targets"] for r in _run(4)]
