@@ -181,10 +181,6 @@ def test_hybrid_configs_count_their_token_mixers():
 
     qwen = shape_from_dict(transformers.Qwen3NextConfig().to_dict())
     assert qwen.mixer.kind == "gated_deltanet" and qwen.mixer.layers == 36 and qwen.attention_layer_count == 12
-    # Qwen3-Next's MLPs are a mixture of experts whose layout the planner does not know: its
-    # prefill is refused (test_mixture_of_experts_is_planned_where_its_layout_is_known); its
-    # mixers' states are not MoE.
-    qwen = dataclasses.replace(qwen, routed_experts=0)
     bamba = shape_from_dict(transformers.BambaConfig(attn_layer_indices=[3, 7]).to_dict())
     assert bamba.mixer.kind == "mamba2" and bamba.mixer.layers == bamba.layers - 2 and bamba.attention_layer_count == 2
     for shape in (qwen, bamba):
@@ -201,6 +197,8 @@ def test_hybrid_configs_count_their_token_mixers():
 # shared experts, latent attention with and without a query rank, GPT-OSS's biases and sinks.
 TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=96, vocab_size=128)
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"] * 2)
 MLA = dict(kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1)
 TINY_EXPERTS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -216,6 +214,12 @@ TINY_EXPERTS = {
     # DeepSeek Sparse Attention: MLA and an indexer a layer (GLM-5: none in its "shared" layers)
     "deepseek_v32": dict(MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
                          first_k_dense_replace=1, q_lora_rank=24, index_topk=8, index_n_heads=2, index_head_dim=16),
+    # the Gated DeltaNet hybrids: shared experts with a gate, attention with an output gate
+    # (Qwen3-Next: `mlp_only_layers`; Qwen3.5-MoE: every layer, no dense width in its config)
+    "qwen3_next": dict(LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[0]),
+    "qwen3_5_moe_text": dict(LINEAR, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48, intermediate_size=None),
     "glm_moe_dsa": dict(MLA, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                         first_k_dense_replace=1, mlp_layer_types=["dense", "sparse", "dense", "sparse"], q_lora_rank=24,
                         index_topk=8, index_n_heads=2, index_head_dim=16, indexer_types=["full", "shared", "full", "shared"]),
@@ -223,14 +227,15 @@ TINY_EXPERTS = {
 
 
 @pytest.mark.slow   # builds Hugging Face models
-@pytest.mark.parametrize("family", list(TINY_EXPERTS) + ["qwen3", "llama"])
+@pytest.mark.parametrize("family", list(TINY_EXPERTS) + ["qwen3", "llama", "qwen3_5_text"])
 def test_the_planner_counts_a_mixture_of_experts_as_transformers_builds_it(family):
     """Every parameter of the model and of its routed experts, against transformers' own
     modules (DeepSeek-V3's router correction bias is a buffer, not a parameter)."""
     transformers = pytest.importorskip("transformers")
     from ulysses_kernels.planner import shape_from_dict
 
-    config = transformers.AutoConfig.for_model(family, **dict(TINY, **TINY_EXPERTS.get(family, {})))
+    fields = dict(TINY, **TINY_EXPERTS.get(family, LINEAR if family == "qwen3_5_text" else {}))
+    config = transformers.AutoConfig.for_model(family, **{k: v for k, v in fields.items() if v is not None})
     model = transformers.AutoModelForCausalLM.from_config(config)
     shape = shape_from_dict(config.to_dict())
     assert shape.params == sum(p.numel() for p in model.parameters())
@@ -242,13 +247,13 @@ def test_mixture_of_experts_is_planned_where_its_layout_is_known():
     """The flagship MoE configs (transformers' defaults) plan with their published sizes
     (Mixtral 8x7B 46.7e9, DeepSeek-V3 671e9, GPT-OSS 117e9), an MoE layer's activations
     wider than a dense layer's of its experts' width (top-k routed tokens); a family whose
-    expert layout the planner does not know (Qwen3-Next) gets a clear ValueError from the
+    expert layout the planner does not know (OLMoE) gets a clear ValueError from the
     training and prefill terms, never a plan of dense MLPs; dense configs plan."""
     transformers = pytest.importorskip("transformers")
     from ulysses_kernels.planner import PlanOptions, memory_terms, prefill_terms, shape_from_dict
 
     published = {"Mixtral": (transformers.MixtralConfig(), 46.7e9), "DeepSeek-V3": (transformers.DeepseekV3Config(), 671e9),
-                 "GPT-OSS": (transformers.GptOssConfig(), 116.8e9)}
+                 "GPT-OSS": (transformers.GptOssConfig(), 116.8e9), "Qwen3-Next": (transformers.Qwen3NextConfig(), 80e9)}
     for name, (config, params) in published.items():
         shape = shape_from_dict(config.to_dict())
         assert abs(shape.params - params) / params < 0.005, (name, shape.params)
@@ -257,9 +262,9 @@ def test_mixture_of_experts_is_planned_where_its_layout_is_known():
         assert terms["one layer in its backward (peak phase)"] > \
             memory_terms(dense, PlanOptions(seq_len=4096, gpus_per_node=8))["one layer in its backward (peak phase)"]
         assert prefill_terms(shape, 4096, 8)["weights (replicated)"] == shape.params * 2
-    unknown = shape_from_dict(transformers.Qwen3NextConfig().to_dict())
-    assert unknown.routed_experts == 512 and unknown.moe is None
-    with pytest.raises(ValueError, match="mixture-of-experts models \\(512 routed experts per MLP\\) are modelled for"):
+    unknown = shape_from_dict(transformers.OlmoeConfig().to_dict())
+    assert unknown.routed_experts == 64 and unknown.moe is None
+    with pytest.raises(ValueError, match="mixture-of-experts models \\(64 routed experts per MLP\\) are modelled for"):
         memory_terms(unknown, PlanOptions(seq_len=4096, gpus_per_node=8))
     with pytest.raises(ValueError, match="mixture-of-experts"):
         prefill_terms(unknown, 4096, 8)
@@ -274,7 +279,7 @@ def test_mixture_of_experts_is_planned_where_its_layout_is_known():
 def test_plan_cli_plans_mixtures_of_experts_by_model_type(tmp_path, capsys):
     """`--model` takes a transformers model type at its default configuration: Qwen3-MoE,
     Mixtral, DeepSeek-V3 and GPT-OSS plan, their routed experts counted from the config;
-    an MoE layout the planner does not know (Qwen3-Next, as a config file) exits 2. (The
+    an MoE layout the planner does not know (OLMoE, as a config file) exits 2. (The
     CLI's `main` in this process: one transformers import for the four plans.)"""
     transformers = pytest.importorskip("transformers")
     from ulysses_kernels.cli import main
@@ -288,7 +293,7 @@ def test_plan_cli_plans_mixtures_of_experts_by_model_type(tmp_path, capsys):
         out = capsys.readouterr().out
         assert "longest sequence that fits" in out and experts in out, out
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(transformers.Qwen3NextConfig().to_dict()))
+    path.write_text(json.dumps(transformers.OlmoeConfig().to_dict()))
     out = _cli("--model", str(tmp_path), "--seq-len", "4096")
     assert out.returncode == 2 and "are modelled for mixtral, qwen2_moe, qwen3_moe" in out.stderr, out.stderr
     unknown = _cli("--model", "no_such_model_type", "--seq-len", "4096")
@@ -443,6 +448,46 @@ def test_plan_cli_prints_deepseek_v32_s_dsa_terms(capsys):
     assert "154.0 MiB (the keys' all-gather); a Ulysses head exchange of the same layer: 2,240.0 MiB" in out
     indexers = 61 * (1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64)
     assert f"parameters: {671_026_404_352 + indexers:,}" in out
+
+
+def test_a_vision_language_config_plans_its_language_model():
+    """Qwen3.5-MoE's config (transformers' default: Qwen3.5-35B-A3B) keeps its decoder in
+    `text_config` and no dense width: the planner reads the decoder, 40 layers of 256 experts
+    of 512, 34.7e9 parameters (the published 35e9 has the vision tower too)."""
+    transformers = pytest.importorskip("transformers")
+    from ulysses_kernels.planner import shape_from_dict
+
+    shape = shape_from_dict(transformers.AutoConfig.for_model("qwen3_5_moe").to_dict())
+    assert (shape.moe.layers, shape.moe.experts, shape.moe.width, shape.moe.shared_width) == (40, 256, 512, 512)
+    assert shape.mixer.kind == "gated_deltanet" and shape.attention_layer_count == 10 and shape.intermediate == 0
+    assert shape.params == 34_660_610_688
+
+
+def test_qwen3_5_122b_a10b_preset_counts_its_experts_and_totals():
+    """The preset's published sizes and its inferred ones (planner.MOE_PRESET_CONFIGS) give the
+    model card's totals: 122e9 parameters (the vision tower's 0.4e9 aside), 10e9 active per
+    token; its routed experts counted by hand: 48 layers x 256 experts x 3 x 3072 x 1024."""
+    shape = PRESETS["qwen3.5-122b-a10b"]
+    assert shape.expert_params == 48 * 256 * 3 * 3072 * 1024 == 115_964_116_992
+    active = shape.params - shape.expert_params + 48 * 8 * 3 * 3072 * 1024
+    assert abs(shape.params - 122e9) / 122e9 < 0.005 and abs(active - 10e9) / 10e9 < 0.03
+    assert shape.mixer.layers == 36 and shape.attention_layer_count == 12
+
+
+def test_choose_layout_for_qwen3_5_122b_a10b():
+    """The layouts docs/planner.md tabulates for Qwen3.5-122B-A10B on 64 GPUs of 80 GiB with
+    tiled MLP and loss: SP 4 at 256K, SP 16 (Ulysses 8 x ring 2 across nodes) at 1M, EP 1
+    both; on one node of 8 the states alone (16 B x 122e9 / 8 = 227 GiB) exceed a GPU."""
+    from ulysses_kernels.planner import choose_layout
+
+    shape = PRESETS["qwen3.5-122b-a10b"]
+    nodes = PlanOptions(seq_len=262144, gpus_per_node=8, nodes=8, tiled_mlp=True, tiled_loss=True)
+    layout = choose_layout(shape, nodes)
+    assert (layout.options.sp_size, layout.options.ring_size, layout.options.ep_size) == (4, 1, 1) and layout.plan.fits
+    layout = choose_layout(shape, dataclasses.replace(nodes, seq_len=1 << 20))
+    assert (layout.options.sp_size, layout.options.ring_size, layout.options.ep_size) == (16, 2, 1) and layout.plan.fits
+    one_node = choose_layout(shape, dataclasses.replace(nodes, nodes=1))
+    assert not one_node.plan.fits and one_node.reasons[-1] == "nothing fits: the layout with the lowest peak"
 
 
 # Qwen3-30B-A3B's config.json (planner.MOE_PRESET_CONFIGS), counted by hand: 48 MoE layers of

@@ -415,6 +415,18 @@ MOE_PRESET_CONFIGS: Dict[str, dict] = {
                           num_key_value_heads=4, head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
                           num_experts=128, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[],
                           vocab_size=151936, tie_word_embeddings=False),
+    # Qwen3.5-122B-A10B's language model. Published on its model card: 48 layers (12 x (3 Gated
+    # DeltaNet, 1 gated attention)), hidden 3072, 32 query heads, 256 experts (8 routed + 1
+    # shared), vocabulary 248320. The rest as the family's other sizes lay it out (2 KV heads of
+    # 256; DeltaNet's 16 key and 64 value heads of 128; experts 1024 wide), checked by the card's
+    # totals: 122.1e9 parameters, 9.8e9 active per token (docs/planner.md, "Expert parallelism (`--ep`)").
+    "qwen3.5-122b-a10b": dict(model_type="qwen3_5_moe_text", hidden_size=3072, num_hidden_layers=48,
+                              num_attention_heads=32, num_key_value_heads=2, head_dim=256, moe_intermediate_size=1024,
+                              shared_expert_intermediate_size=1024, num_experts=256, num_experts_per_tok=8,
+                              linear_num_value_heads=64, linear_num_key_heads=16, linear_key_head_dim=128,
+                              linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12,
+                              vocab_size=248320, tie_word_embeddings=False),
 }
 
 
@@ -445,21 +457,41 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "
 MIXER_KINDS = ("linear_attention", "mamba", "hybrid", "hybrid_sliding", "conv", "recurrent", "rwkv", "mlstm")
 
 
+def language_model_config(cfg: dict) -> dict:
+    """The language model's config of a vision-language config whose decoder is all in its
+    `text_config` (Qwen3.5, Qwen3.5-MoE: the planner plans the decoder; the vision tower's
+    weights, under 1% of these models, are not counted), else `cfg` itself."""
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "num_attention_heads" not in cfg:
+        return dict(text, model_type=text.get("model_type") or f"{cfg.get('model_type')}_text")
+    return cfg
+
+
+def dense_width(cfg: dict, moe: Optional["ExpertShape"]) -> int:
+    """A dense MLP layer's width: `intermediate_size`, which a config whose every layer has
+    experts may lack (Qwen3.5-MoE); 0 there, since no layer uses it."""
+    if "intermediate_size" not in cfg and moe is not None and moe.layers == cfg.get("num_hidden_layers"):
+        return 0
+    return cfg["intermediate_size"]
+
+
 def shape_from_dict(cfg: dict) -> ModelShape:
     """A ModelShape from a Hugging Face config as a dict (`config.to_dict()`, config.json);
     a hybrid's per-layer kinds (`layer_types` / `layers_block_type`) give its attention and
     token-mixer layers (`mixer_from_dict`)."""
+    cfg = language_model_config(cfg)
     heads = cfg["num_attention_heads"]
     kinds = layer_kinds(cfg)
     mixer = mixer_from_dict(cfg, kinds) if kinds else None
+    moe = experts_from_dict(cfg)
     return ModelShape(hidden=cfg["hidden_size"], layers=cfg.get("num_hidden_layers") or len(kinds), heads=heads,
                       kv_heads=cfg.get("num_key_value_heads", heads),
                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                      intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                      intermediate=dense_width(cfg, moe), vocab=cfg["vocab_size"],
                       tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                       qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in ("qwen2", "qwen2_moe"))),
                       mixer=mixer, attention_layers=sum(k in ATTENTION_KINDS for k in kinds) if mixer else None,
-                      routed_experts=routed_experts(cfg), moe=experts_from_dict(cfg), mla=mla_from_dict(cfg),
+                      routed_experts=routed_experts(cfg), moe=moe, mla=mla_from_dict(cfg),
                       attention_extras=attention_extras(cfg), dsa=dsa_from_dict(cfg))
 
 
@@ -476,8 +508,8 @@ def routed_experts(cfg: dict) -> int:
 
 # The mixture-of-experts families whose layouts the planner knows (experts_from_dict), each
 # checked against transformers' own modules (tests/test_planner.py).
-EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "deepseek_v32",
-                   "glm_moe_dsa")
+EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text", "deepseek_v2", "deepseek_v3",
+                   "gpt_oss", "deepseek_v32", "glm_moe_dsa")
 
 
 def experts_from_dict(cfg: dict) -> Optional[ExpertShape]:
@@ -490,9 +522,9 @@ def experts_from_dict(cfg: dict) -> Optional[ExpertShape]:
     if family in ("mixtral", "gpt_oss"):   # every layer; an expert as wide as `intermediate_size`
         return ExpertShape(experts, top_k, cfg["intermediate_size"], layers, router_bias=family == "gpt_oss",
                            expert_bias=family == "gpt_oss")
-    if family in ("qwen2_moe", "qwen3_moe"):   # every `decoder_sparse_step`-th layer outside `mlp_only_layers`
-        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])
-        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if family in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):   # every `decoder_sparse_step`-th
+        step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or [])   # layer outside
+        moe_layers = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)   # `mlp_only_layers`
         shared = cfg.get("shared_expert_intermediate_size") or 0
         return ExpertShape(experts, top_k, cfg["moe_intermediate_size"], moe_layers, shared_width=shared,
                            shared_gate=bool(shared))
@@ -507,12 +539,15 @@ def experts_from_dict(cfg: dict) -> Optional[ExpertShape]:
 
 
 def attention_extras(cfg: dict) -> int:
-    """An attention layer's parameters beyond its projections: Qwen3's q and k norms, GPT-OSS's
-    output bias and sinks."""
+    """An attention layer's parameters beyond its projections: Qwen3's q and k norms (and in
+    the Gated DeltaNet hybrids, Qwen3-Next and Qwen3.5, the output gate q_proj doubles for),
+    GPT-OSS's output bias and sinks."""
     family = cfg.get("model_type") or ""
     heads = cfg["num_attention_heads"]
-    if family.startswith("qwen3") and "linear_num_value_heads" not in cfg:
-        return 2 * (cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if family.startswith("qwen3"):
+        gate = cfg["hidden_size"] * heads * head_dim if "linear_num_value_heads" in cfg else 0
+        return 2 * head_dim + gate
     return cfg["hidden_size"] + heads if family == "gpt_oss" else 0
 
 
