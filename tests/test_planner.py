@@ -253,7 +253,8 @@ def test_mixture_of_experts_is_planned_where_its_layout_is_known():
     from ulysses_kernels.planner import PlanOptions, memory_terms, prefill_terms, shape_from_dict
 
     published = {"Mixtral": (transformers.MixtralConfig(), 46.7e9), "DeepSeek-V3": (transformers.DeepseekV3Config(), 671e9),
-                 "GPT-OSS": (transformers.GptOssConfig(), 116.8e9), "Qwen3-Next": (transformers.Qwen3NextConfig(), 80e9)}
+                 "GPT-OSS": (transformers.GptOssConfig(), 116.8e9),
+                 "Qwen3-Next": (transformers.Qwen3NextConfig(), 80e9)}
     for name, (config, params) in published.items():
         shape = shape_from_dict(config.to_dict())
         assert abs(shape.params - params) / params < 0.005, (name, shape.params)
