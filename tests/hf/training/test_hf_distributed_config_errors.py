@@ -55,6 +55,21 @@ def test_local_heads_the_sp_size_cannot_split_are_refused():
         sequence_parallel_groups(_Model(_mesh(fsdp=2, tp=2), heads=2, kv_heads=2), 2)
 
 
+def test_experts_that_cannot_train_are_refused_before_any_collective():
+    """transformers' DeepGEMM experts (no backward): refused first, on every rank alike;
+    grouped_mm and eager pass this check."""
+    model = _Model(_mesh(fsdp=2, tp=1))
+    model.config._experts_implementation = "deepgemm_megamoe"
+    with pytest.raises(ValueError, match="sequence_parallel_groups: experts_implementation='deepgemm_megamoe' cannot "
+                                         "train: its fused dispatch, experts and combine kernel has no backward"):
+        sequence_parallel_groups(model, 2)
+    from ulysses_kernels.hf.training.experts import experts_training_problem
+
+    for kind in ("grouped_mm", "eager", None):
+        model.config._experts_implementation = kind
+        assert experts_training_problem(model) is None
+
+
 def test_pipeline_parallelism_is_refused_with_transformers_own_limit():
     """transformers 5.25's pipeline schedule sends activations without autograd: it cannot train."""
     with pytest.raises(ValueError, match=r"pipeline parallelism \(pp_size 2\), whose schedule is forward-only"):

@@ -93,12 +93,52 @@ def run(world, folder, *, sp, distributed, trl=True):
     return losses.reshape(STEPS, -1).sum(dim=1), params
 
 
+def experts_refusals(folder):
+    """The model with experts_implementation="deepgemm" (no backward; set on the loaded
+    config, as CPU has no DeepGEMM kernel): what the mixin and causal_lm_loss raise, and that
+    without gradients the package lets the forward reach transformers' kernel (which, on CPU,
+    refuses float32 itself)."""
+    import torch.distributed as dist
+    from _tiny import tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+    from trl import SFTTrainer
+
+    from ulysses_kernels import hf as ukhf
+    from ulysses_kernels import init_sequence_parallel
+
+    groups = init_sequence_parallel(2)
+    ukhf.register(groups)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "seed"), attn_implementation="ulysses")
+    model.config._experts_implementation = "deepgemm"
+    raised = {}
+    cls = type("SPTrainer", (ukhf.SequenceParallelTrainerMixin, SFTTrainer), {})
+    try:
+        cls(model=model, args=trainer_args(shared_dir("moe_refused"), sft=True, max_steps=1), sp_groups=groups,
+            train_dataset=sft_dataset(), processing_class=tiny_tokenizer())
+    except ValueError as exc:
+        raised["mixin"] = str(exc)
+    ids = torch.arange(12).reshape(1, 12) + 3
+    batch = ukhf.shard_batch(ids, groups, labels=ids)
+    try:
+        ukhf.causal_lm_loss(model, batch, groups)
+    except ValueError as exc:
+        raised["loss"] = str(exc)
+    with torch.no_grad():   # inference keeps the kernel
+        try:
+            ukhf.causal_lm_loss(model, batch, groups)
+        except ValueError as exc:
+            raised["no_grad_loss"] = str(exc)
+    dist.barrier()
+    return raised
+
+
 def jobs(rank, world, folder):
     launch_env(rank, world)
     sp = 2 if world == 4 else None
     return {"ddp": run(world, folder, sp=sp, distributed=False),
             "distributed": run(world, folder, sp=sp, distributed=True),
-            "trainer": run(world, folder, sp=sp, distributed=False, trl=False)}
+            "trainer": run(world, folder, sp=sp, distributed=False, trl=False),
+            "refused": experts_refusals(folder) if sp else None}
 
 
 def _jobs(world):
@@ -131,6 +171,21 @@ def test_sft_trainer_on_a_moe_with_its_router_loss_equals_the_dp_only_run(kind):
         if not worst[0] < UPDATE_TOL:
             errors.append(f"rank {rank}: {worst[1]} update rel err {worst[0]:.2e}")
     assert not errors, "\n".join(errors)
+
+
+def test_experts_without_backward_are_refused_on_every_rank():
+    """experts_implementation="deepgemm" (its matmuls outside autograd: the experts would not
+    train): the mixin and causal_lm_loss with gradients raise the same ValueError on all 4
+    ranks, naming the setting to use; without gradients the forward reaches the kernel."""
+    results = [r["refused"] for r in _run(4)]
+    for where in ("mixin", "loss"):
+        messages = {r.get(where) for r in results}
+        assert len(messages) == 1 and None not in messages, messages
+        message = messages.pop()
+        assert "experts_implementation='deepgemm' cannot train" in message and "'grouped_mm'" in message, message
+    assert results[0]["mixin"].startswith("SequenceParallelTrainerMixin: ")
+    assert results[0]["loss"].startswith("causal_lm_loss: ")
+    assert all("DeepGEMM experts path requires bfloat16" in r["no_grad_loss"] for r in results)
 
 
 def test_the_two_reference_runs_agree():

@@ -45,6 +45,7 @@ from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
 from ..model import forward_replaced, unwrap
 from ..training.data_parallel import DataParallelData, check_groups
+from ..training.experts import check_experts_train
 from ..training.liger import check_liger
 from .logprobs import token_fields
 
@@ -91,6 +92,7 @@ class SequenceParallelDPOMixin(DataParallelData):
         if self.compute_metrics is not None:   # TRL would call the model unsharded for its logits
             raise ValueError(f"{MIXIN}: compute_metrics is not supported")
         check_liger(MIXIN, self.args)
+        check_experts_train(MIXIN, self.model)
         columns = getattr(self.train_dataset, "column_names", None) or []   # the same on every rank
         if {"image", "images"} & set(columns):
             raise ValueError(f"{MIXIN}: image inputs are not supported (the dataset has {sorted(columns)})")

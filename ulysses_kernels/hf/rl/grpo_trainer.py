@@ -54,6 +54,7 @@ from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, gather_tokens, shard_batch
 from ..inference.generation import generate as sp_generate
 from ..training.data_parallel import DataParallelData, check_groups
+from ..training.experts import check_experts_train
 from ..training.liger import check_liger
 from .logprobs import token_logprobs
 
@@ -146,6 +147,7 @@ class SequenceParallelGRPOMixin(DataParallelData):
                 raise ValueError(f"{MIXIN}: {what} is not supported (an SP group's ranks must hold the same "
                                  "completions)")
         check_liger(MIXIN, self.args)
+        check_experts_train(MIXIN, self.model)
 
     # ------------------------------------------------------------------ DP-only gathers
 

@@ -50,6 +50,7 @@ from ..core.attention import register
 from ..core.batch import shard_batch
 from ..model import forward_replaced, unwrap
 from ..training.data_parallel import DataParallelData, DataParallelView, check_groups
+from ..training.experts import check_experts_train
 from ..training.liger import check_liger
 from ..training.loss import gradient_for_world_average
 
@@ -69,6 +70,7 @@ class SequenceParallelRewardMixin(DataParallelData):
         register(sp_groups)   # the attention's groups and the exact head (idempotent)
         super().__init__(*args, **kwargs)
         check_liger(MIXIN, self.args)
+        check_experts_train(MIXIN, self.model)
         sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
         self.check_world(MIXIN)
 

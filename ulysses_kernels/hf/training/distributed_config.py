@@ -32,6 +32,7 @@ from torch import nn
 from ...distributed.groups import ParallelGroups
 from ...layout import head_plan_error
 from ..model import unwrap
+from .experts import check_experts_train
 
 DENSE_DIMS = ("pp", "dp_replicate", "fsdp", "tp")
 GROUPS_ATTR = "_ulysses_sequence_parallel_groups"   # the groups sequence_parallel_groups gave the model
@@ -69,6 +70,7 @@ def sequence_parallel_groups(model: nn.Module, sp_size: int) -> ParallelGroups:
     parallelism (forward-only), when `sp_size` does not divide the fsdp dimension, or when the
     heads each TP rank holds cannot be split over `sp_size` ranks."""
     inner = unwrap(model)
+    check_experts_train("sequence_parallel_groups", inner)
     ranks, tp_size = _dense_ranks(inner)
     pp, dr, fsdp, tp = ranks.shape
     if pp > 1:

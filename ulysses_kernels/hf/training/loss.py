@@ -9,6 +9,7 @@ from ...distributed.groups import ParallelGroups, collective_device, resolve_gro
 from ..core.attach import sequence_parallel_model
 from ..core.batch import IGNORE_INDEX, SequenceParallelBatch
 from ..groups import sp_group_of, sum_over_group
+from .experts import check_experts_train
 from .patch import is_loss_patched
 
 
@@ -63,6 +64,8 @@ def causal_lm_loss(model: nn.Module, batch: SequenceParallelBatch, group=None, *
     one device.
     """
     sequence_parallel_model(model, group)   # the first time: the model's context and its checks (guard.py)
+    if torch.is_grad_enabled():
+        check_experts_train("causal_lm_loss", model)
     inputs = batch.model_inputs()
     count = (batch.labels != ignore_index).sum()
     if is_loss_patched(model):

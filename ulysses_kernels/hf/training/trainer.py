@@ -72,6 +72,7 @@ from ..core.batch import IGNORE_INDEX, count_targets, shard_batch
 from ..families.vision_shard import check_vision_mode, vision_inputs
 from .data_parallel import DataParallelData, check_groups
 from .distributed_config import is_transformers_distributed, tp_size_of
+from .experts import check_experts_train
 from .global_batch import BalancedGlobalBatches, GlobalBatchSteps, PlannedMicroStep
 from .liger import check_liger
 from .loss import at_least_float32, router_aux_loss
@@ -96,6 +97,7 @@ class SequenceParallelTrainerMixin(DataParallelData):
         super().__init__(*args, **kwargs)
         sequence_parallel_model(self.model, sp_groups)   # the model's context, checked (guard.py)
         check_liger("SequenceParallelTrainerMixin", self.args)
+        check_experts_train("SequenceParallelTrainerMixin", self.model)
         # Hooks this relies on beyond Trainer's documented overrides: a clear error on a
         # transformers / accelerate without them (tested: TESTED_VERSIONS).
         missing = [what for what, ok in (
