@@ -5,12 +5,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ...distributed.groups import ParallelGroups, collective_device, resolve_group
+from ...distributed.groups import ParallelGroups
 from ..core.attach import sequence_parallel_model
 from ..core.batch import IGNORE_INDEX, SequenceParallelBatch
-from ..groups import sp_group_of, sum_over_group
+from ..groups import sum_over_group
 from .experts import check_experts_train
 from .patch import is_loss_patched
+from .router_loss import router_aux_loss, router_loss_of
 
 
 def at_least_float32(x: torch.Tensor) -> torch.Tensor:
@@ -77,38 +78,10 @@ def causal_lm_loss(model: nn.Module, batch: SequenceParallelBatch, group=None, *
         logits = out["logits"] if isinstance(out, dict) else out.logits
         loss = sequence_parallel_loss(logits, batch.labels, group, ignore_index=ignore_index)
     router_logits = out.get("router_logits") if isinstance(out, dict) else getattr(out, "router_logits", None)
-    config = getattr(getattr(model, "module", model), "config", None)
-    coef = getattr(config, "router_aux_loss_coef", None)
-    if router_logits is not None and coef:
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-        loss = loss + coef * router_aux_loss(router_logits, experts, config.num_experts_per_tok, group)
+    terms = router_loss_of(model) if router_logits is not None else None
+    if terms is not None:
+        loss = loss + terms.coefficient * router_aux_loss(router_logits, terms.num_experts, terms.top_k, group)
     return loss
-
-
-def router_aux_loss(router_logits, num_experts: int, top_k: int, group=None) -> torch.Tensor:
-    """The Switch-Transformer load-balancing loss (transformers' `load_balancing_loss_func`
-    without a mask) over the tokens of the whole SP group: `E * sum_e f_e * P_e`, f_e the
-    fraction of top-k assignments and P_e the mean router probability of expert e over
-    every token and layer. Both are means over the group, so each rank's sums are
-    all-reduced (one collective); the value is the single-device loss on every rank and
-    the gradient flows through this rank's probabilities (the assignment counts are
-    constants), so the SP sum of the ranks' gradients is the full gradient."""
-    group, world, _ = resolve_group(sp_group_of(group))
-    counts, probs, rows = 0.0, 0.0, 0
-    for layer in router_logits:
-        p = torch.softmax(at_least_float32(layer), dim=-1)
-        chosen = torch.topk(p, top_k, dim=-1).indices.reshape(-1)
-        counts = counts + torch.bincount(chosen, minlength=num_experts).to(p.dtype)
-        probs = probs + p.sum(dim=0)
-        rows += p.shape[0]
-    local = torch.cat([counts.detach(), probs.detach(), probs.new_tensor([rows])]).double()
-    if group is not None and world > 1:
-        shared = local.to(collective_device(group))
-        dist.all_reduce(shared, group=group)
-        local = shared.to(probs.device)
-    total_counts, total_probs, total_rows = local[:num_experts], local[num_experts:-1], local[-1].clamp(min=1)
-    probs_all = probs + (total_probs - probs.detach().double()).to(probs.dtype)  # value global, gradient local
-    return num_experts * (total_counts.to(probs.dtype) * probs_all).sum() / total_rows.to(probs.dtype) ** 2
 
 
 def loss_for_world_average(loss: torch.Tensor, groups, engine=None) -> torch.Tensor:

@@ -77,6 +77,7 @@ from .global_batch import BalancedGlobalBatches, GlobalBatchSteps, PlannedMicroS
 from .liger import check_liger
 from .loss import at_least_float32, router_aux_loss
 from .patch import is_loss_patched
+from .router_loss import router_loss_of
 
 # The minor versions of each integration the test suite ran on (pyproject.toml's `hf` extra
 # spans them; tests/test_setup.py holds the two together).
@@ -261,12 +262,10 @@ class SequenceParallelTrainerMixin(DataParallelData):
         ranks and the steps."""
         router_logits = outputs.get("router_logits") if isinstance(outputs, dict) else getattr(
             outputs, "router_logits", None)
-        config = getattr(self.accelerator.unwrap_model(model), "config", None)
-        coef = getattr(config, "router_aux_loss_coef", None)
-        if router_logits is None or not coef:
+        terms = router_loss_of(self.accelerator.unwrap_model(model)) if router_logits is not None else None
+        if terms is None:
             return None
-        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-        aux = coef * router_aux_loss(router_logits, experts, config.num_experts_per_tok, self.sp_groups)
+        aux = terms.coefficient * router_aux_loss(router_logits, terms.num_experts, terms.top_k, self.sp_groups)
         if getattr(self, "aux_loss_enabled", None) is not None:   # TRL's trainers
             aux = aux / (self.sp_groups.dp_size * max(1, getattr(self, "current_gradient_accumulation_steps", 1)))
         return aux
