@@ -107,6 +107,7 @@ from .core.attention import (
     register,
     set_sequence_parallel_group,
     ulysses_attention_forward,
+    unregister,
 )
 from .core.batch import (
     IGNORE_INDEX,
@@ -118,6 +119,7 @@ from .core.batch import (
     shard_batch,
 )
 from .core.masks import ulysses_mask_function
+from .core.patches import process_patches
 from .inference.generation import decoding, generate, make_cache, prefill
 from .model import NotSequenceParallelError
 from .rl.dpo_trainer import SequenceParallelDPOMixin
@@ -146,7 +148,7 @@ from .training.tiling import tiled_cross_entropy_sum, tiled_mlp
 from .training.trainer import SequenceParallelTrainerMixin
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "SequenceParallelContext", "attach_context", "context_of",
+    "ATTN_IMPLEMENTATION", "IGNORE_INDEX", "register", "unregister", "process_patches", "SequenceParallelContext", "attach_context", "context_of",
     "NotSequenceParallelError", "set_sequence_parallel_group", "get_sequence_parallel_group",
     "ulysses_attention_forward", "ulysses_mask_function", "cu_seqlens_from_position_ids",
     "SequenceParallelBatch", "shard_batch", "PaddingInfo", "repad", "gather_tokens", "count_targets",

@@ -38,6 +38,7 @@ from ..model import (
     unwrap,
 )
 from .guard import check_model, install_call_checks, positions_holder, reads_positions
+from .patches import set_attribute
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
 
@@ -246,7 +247,7 @@ def meet_models_at_their_first_call() -> None:
             sequence_parallel_model(self)
         return call(self, *args, **kwargs)
 
-    PreTrainedModel.__call__ = _MEETING_CALLS.add(__call__)
+    set_attribute(PreTrainedModel, "__call__", _MEETING_CALLS.add(__call__), "transformers.PreTrainedModel.__call__")
 
 
 def _first_context(groups) -> SequenceParallelContext:

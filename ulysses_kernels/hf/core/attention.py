@@ -34,6 +34,7 @@ from .attach import ATTN_IMPLEMENTATION, meet_models_at_their_first_call
 from .guard import refuse_in_own_attention_tables
 from .heads import make_sequence_classification_exact, make_token_classification_exact
 from .masks import ulysses_mask_function
+from .patches import set_entry, undo_process_patches
 
 
 def _require_transformers():
@@ -80,19 +81,38 @@ def register(group=None, *, ring_group=None, backend: Optional[str] = None, name
     _require_transformers()
     from transformers import AttentionInterface
 
-    AttentionInterface.register(name, ulysses_attention_forward)
+    _register_in(AttentionInterface, name, ulysses_attention_forward)
     try:
         from transformers import AttentionMaskInterface
     except ImportError:  # older transformers: no mask interface, masks reach the attention
         AttentionMaskInterface = None
     if AttentionMaskInterface is not None:
-        AttentionMaskInterface.register(name, ulysses_mask_function)
+        _register_in(AttentionMaskInterface, name, ulysses_mask_function)
     refuse_in_own_attention_tables(name)
     make_sequence_classification_exact()
     make_token_classification_exact()
     meet_models_at_their_first_call()
     set_sequence_parallel_group(group, ring_group=ring_group, backend=backend)
     return name
+
+
+def _register_in(interface, name: str, function) -> None:
+    """`interface.register(name, function)` (transformers' process-wide table), recorded
+    for unregister() unless it is there already."""
+    if interface._global_mapping.get(name) is not function:
+        set_entry(interface._global_mapping, name, function, f"transformers.{interface.__name__}[{name!r}]")
+
+
+def unregister() -> None:
+    """Undo what `register()` changed in transformers for the whole process (core/patches.py:
+    the attention and mask functions, the refusing entries in the families' own attention
+    tables, the exact generic heads, `PreTrainedModel.__call__`) and drop the default
+    context: transformers then behaves as if the package had never been imported. Models
+    built with ``attn_implementation="ulysses"`` no longer run (transformers no longer
+    knows the name); `register()` again brings it back. Every rank calls it, after the
+    models that use it are done."""
+    undo_process_patches()
+    set_default_context(None)
 
 
 # ------------------------------------------------------------------------ attention

@@ -44,6 +44,7 @@ from torch import nn
 
 from ..families.adapters import adapted_kind
 from ..model import EXACT_HEADS, decoder_layers, ensure_record, refusal, text_configs, vision_towers, within
+from .patches import set_entry
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 TOKENWISE_LAYERS = frozenset({"mlp", "moe", "dense", "sparse"})
@@ -375,7 +376,7 @@ def refuse_in_own_attention_tables(name: str) -> None:
             continue
         classes = getattr(module, table, None)
         if isinstance(classes, dict) and name not in classes:
-            classes[name] = _refusing_attention(family, table)
+            set_entry(classes, name, _refusing_attention(family, table), f"{module.__name__}.{table}[{name!r}]")
 
 
 def _refusing_attention(family: str, table: str):

@@ -44,6 +44,7 @@ from ...distributed.groups import collective_device
 from ..context import context_of
 from ..groups import sum_over_group
 from ..model import EXACT_HEADS, READS_LABELS, refusal
+from .patches import set_attribute
 
 
 def _unadapted_head(name: str, marks) -> Optional[type]:
@@ -79,7 +80,7 @@ def make_sequence_classification_exact() -> None:
 
     EXACT_HEADS.add(forward)    # guard.head_problem lets it through
     READS_LABELS.add(forward)   # its loss is on the whole batch's scores (attach._check_labels)
-    generic.forward = forward
+    set_attribute(generic, "forward", forward, f"transformers.{generic.__name__}.forward")
 
 
 def make_token_classification_exact() -> None:
@@ -108,7 +109,7 @@ def make_token_classification_exact() -> None:
         return out
 
     READS_LABELS.add(forward)   # its loss is the whole batch's (attach._check_labels)
-    generic.forward = forward
+    set_attribute(generic, "forward", forward, f"transformers.{generic.__name__}.forward")
 
 
 def token_classification_loss(logits: torch.Tensor, labels: torch.Tensor, num_labels: int, context,
