@@ -1,11 +1,11 @@
 """The token-mixer adapters (docs/hf_hybrids.md, "Hybrid models"): which transformers class
-gets which sequence-parallel forward (`ADAPTERS`, written out whole), and installing them on a
-model, checking them and taking them off. The forwards themselves are the families'
-(gated_deltanet.py, mamba2.py, short_conv.py); what they share is mixers.py (the head
-exchange's side) and halo.py (the sequence halo)."""
+gets which sequence-parallel forward (`ADAPTERS`, derived from the families' declarations,
+`FAMILIES`: family.py), and installing them on a model, checking them and taking them off.
+The forwards themselves are the families' (gated_deltanet.py, mamba2.py, short_conv.py, ...);
+what they share is mixers.py (the head exchange's side) and halo.py (the sequence halo)."""
 
 import sys
-from typing import Callable, Dict, List, NamedTuple, Optional, Union
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -29,67 +29,36 @@ from . import (
     short_conv,
     xlstm,
 )
+from .family import Adapter, Family
+
+# Every family module's declaration (family.py): the registry below is derived from them.
+FAMILIES: Tuple[Family, ...] = (
+    gated_deltanet.FAMILY, mamba2.FAMILY, short_conv.FAMILY, cca.FAMILY, lightning.FAMILY, kimi_delta.FAMILY,
+    mamba1.FAMILY, rg_lru.FAMILY, rwkv.FAMILY, xlstm.FAMILY, inkling.FAMILY, inkling2.FAMILY, dsa.FAMILY,
+    block_sparse.FAMILY, qsa.FAMILY, ngram.FAMILY, compressed.FAMILY,
+)
 
 
-class Adapter(NamedTuple):
-    """A token mixer's sequence-parallel forward: its kind (a layer kind the guard lets
-    through), `forward(module, hidden_states, ...)` and `problem(module, world)`: why a
-    module's heads have no placement over `world` Ulysses ranks (None: they have)."""
-    kind: str
-    forward: Callable
-    problem: Optional[Callable]
+def _registry(families) -> Dict[str, Adapter]:
+    """transformers class name -> its adapter, each class claimed by one family only."""
+    found: Dict[str, Adapter] = {}
+    for family in families:
+        for adapter in family.adapters:
+            for name in adapter.classes:
+                if name in found:
+                    raise ValueError(f"{name} is adapted twice (family {family.name})")
+                found[name] = adapter
+    return found
 
 
-def _for(classes, kind: str, forward: Callable, problem: Callable) -> Dict[str, Adapter]:
-    return {name: Adapter(kind, forward, problem) for name in classes}
-
-
-# transformers class name -> its adapter: the whole registry, written here (a new mixer family
-# adds its line; nothing registers itself by being imported).
-ADAPTERS: Dict[str, Adapter] = {
-    **_for(gated_deltanet.GATED_DELTANET_CLASSES, "gated_deltanet", gated_deltanet.gated_deltanet_forward,
-           gated_deltanet.placement_problem),
-    **_for(mamba2.MAMBA2_CLASSES, "mamba2", mamba2.mamba2_forward, mamba2.adapter_problem),
-    **_for(mamba2.FALCON_H1_CLASSES, "mamba2", mamba2.falcon_h1_forward, mamba2.adapter_problem),
-    **_for(short_conv.SHORT_CONV_CLASSES, "short_conv", short_conv.short_conv_forward, None),
-    **_for(cca.CCA_CLASSES, "cca", cca.cca_projection_forward, None),
-    **_for(lightning.LIGHTNING_CLASSES, "lightning", lightning.lightning_forward, lightning.placement_problem),
-    **_for(kimi_delta.KDA_CLASSES, "kimi_delta", kimi_delta.kimi_delta_forward, kimi_delta.placement_problem),
-    **_for(mamba1.MAMBA1_CLASSES, "mamba1", mamba1.mamba1_forward, mamba1.placement_problem),
-    **_for(rg_lru.RG_LRU_CLASSES, "rg_lru", rg_lru.recurrent_block_forward, None),
-    **_for(rwkv.TIME_MIX_CLASSES, "rwkv", rwkv.time_mix_forward, None),
-    **_for(rwkv.CHANNEL_MIX_CLASSES, "rwkv", rwkv.channel_mix_forward, None),
-    **_for(xlstm.XLSTM_CLASSES, "mlstm", xlstm.xlstm_forward, xlstm.placement_problem),
-    **_for(inkling.SHORT_CONV_CLASSES, "short_conv", inkling.short_conv_forward, None),
-    **_for(inkling.ATTENTION_CLASSES, "inkling_attention", inkling.attention_forward, inkling.placement_problem),
-    **_for(inkling2.STATIC_CONV_CLASSES, "short_conv", inkling2.static_conv_forward, None),
-    **_for(inkling2.DYNAMIC_CONV_CLASSES, "short_conv", inkling2.dynamic_conv_forward, None),
-    **_for(inkling2.ATTENTION_CLASSES, "inkling_attention", inkling2.attention_forward, inkling.placement_problem),
-    **_for(inkling2.RESIDUAL_CLASSES, "depth_attention", inkling2.block_residual_forward, None),
-    **_for(inkling2.MESSAGE_CLASSES, "depth_attention", inkling2.message_residual_forward, None),
-    **_for(dsa.DSA_CLASSES, "sparse_attention", dsa.dsa_forward, None),
-    **_for(dsa.SHARED_SELECTION_CLASSES, "sparse_attention", dsa.shared_selection_forward, None),
-    **_for(dsa.DOTS3_CLASSES, "sparse_attention", dsa.dots3_forward, dsa.dots3_placement_problem),
-    **_for(block_sparse.M3_CLASSES, "sparse_attention", block_sparse.m3_forward, block_sparse.placement_problem),
-    **_for(qsa.QSA_CLASSES, "sparse_attention", qsa.qsa_forward, None),
-    **_for(ngram.PLE_CLASSES, "short_conv", ngram.ple_forward, None),
-    **_for(compressed.V4_CLASSES, "sparse_attention", compressed.v4_forward, None),
-}
-
-
-# Adapted class -> the cache class its model's forward insists on (it refuses any other
-# cache: the name of a class of the model's module), or the fields it reads of its cache (a
-# class of the package's): the decoding cache derives from it too (hf/inference/generation.py's
-# make_cache).
-OWN_CACHES: Dict[str, Union[str, type]] = {"MiniMaxLightningAttention": "MiniMaxCache",
-                                           "xLSTMLayer": xlstm.XlstmCacheFields}
+ADAPTERS: Dict[str, Adapter] = _registry(FAMILIES)
 
 
 def own_cache_class(model: nn.Module) -> Optional[type]:
-    """The cache class `model` insists on (OWN_CACHES; None: any cache)."""
+    """The cache class `model` insists on (an adapter's `own_cache`; None: any cache)."""
     for module in model.modules():
         base = _BASE_CLASSES.get(type(module))
-        own = OWN_CACHES.get(base.__name__) if base is not None else None
+        own = ADAPTERS[base.__name__].own_cache if base is not None else None
         if own is not None:
             return own if isinstance(own, type) else getattr(sys.modules[base.__module__], own)
     return None
@@ -179,10 +148,10 @@ def replaced_adapter_problem(modules) -> Optional[str]:
 
 def prepare_cache(model: nn.Module, cache) -> None:
     """Give a new decoding cache what `model`'s forward reads of it before its mixers run (an
-    adapted forward's `prepare_cache(module, cache)`: Qwen4-Exp's indexer positions)."""
+    adapter's `prepare_cache(module, cache)`: Qwen4-Exp's indexer positions)."""
     for module in model.modules():
         if adapted_kind(module) is not None:
-            prepare = getattr(ADAPTERS[type(module).__name__].forward, "prepare_cache", None)
+            prepare = ADAPTERS[type(module).__name__].prepare_cache
             if prepare is not None:
                 prepare(module, cache)
 
@@ -194,7 +163,7 @@ def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
         kind = adapted_kind(module)
         if kind is None:
             continue
-        if ring > 1 and not getattr(ADAPTERS[type(module).__name__].forward, "runs_on_a_ring", False):
+        if ring > 1 and not ADAPTERS[type(module).__name__].runs_on_a_ring:
             return (f"{name} ({type(module).__name__}) is a token mixer whose adapter does not run across the "
                     f"chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
         problem = ADAPTERS[type(module).__name__].problem

@@ -35,6 +35,7 @@ from ...exchange.sequence import all_gather_sequence
 from ...layout import head_plan_error
 from ..context import token_mixer_call
 from ..model import refusal
+from .family import SPARSE_ATTENTION, Adapter, Family
 from .mixers import (
     chunk_head_parallel,
     original_forward,
@@ -203,3 +204,7 @@ def m3_forward(self, hidden_states: torch.Tensor, position_embeddings, attention
     tensors = _projections(self, hidden_states, position_embeddings)
     out = ulysses_head_parallel(heads_forward(self, cu_seqlens), tensors, group, seq_lens=lens)
     return self.o_proj(out.reshape(B, S, -1)), None
+
+
+FAMILY = Family("block_sparse", (Adapter(M3_CLASSES, "sparse_attention", m3_forward, SPARSE_ATTENTION,
+                                         problem=placement_problem),))

@@ -25,6 +25,7 @@ chunk (decoding) continues from it on every rank.
 import torch
 
 from ..context import DecodingCache, token_mixer_call
+from .family import HALO, Adapter, Family
 from .halo import generation_layout, halo_map, training_layout
 from .mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
 
@@ -102,4 +103,5 @@ def cca_projection_forward(self, hidden_states: torch.Tensor, cache=None, conv_m
     return _projections(self, hidden_states, rows, mixed)
 
 
-cca_projection_forward.runs_on_a_ring = True   # the halo reads the ring's chunks in their global order
+# the halo reads the ring's chunks in their global order
+FAMILY = Family("cca", (Adapter(CCA_CLASSES, "cca", cca_projection_forward, HALO, runs_on_a_ring=True),))

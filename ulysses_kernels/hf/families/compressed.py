@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ..context import token_mixer_call
+from .family import SPARSE_ATTENTION, Adapter, Family
 from .mixers import document_starts, sparse_attention_cache
 from .selection import EMPTY, tiled_select
 
@@ -329,3 +330,6 @@ def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_
     out = rope(torch.cat(tiles, dim=2), cos, -sin)                                  # the values' rope undone
     grouped = self.o_a_proj(out.transpose(1, 2).reshape(B, S, self.config.o_groups, -1)).flatten(2)
     return self.o_b_proj(grouped), None
+
+
+FAMILY = Family("compressed", (Adapter(V4_CLASSES, "sparse_attention", v4_forward, SPARSE_ATTENTION),))

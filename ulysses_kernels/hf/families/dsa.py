@@ -8,7 +8,7 @@ through a low-rank `q_resid`; keys and values expanded from one latent `c` of `k
 per token plus a shared rotary key), and an indexer (without gradients) that scores every
 visible key for each query, `sum_h w_h relu(q_h . k)` in float32, and keeps the `index_topk`
 best; the attention runs over those only. The families differ in their projections and
-output gates (`FAMILIES`), their indexer's rope and scale (dsa_indexer.py); GLM-5's and HY-V4's "shared" layers reuse the previous full layer's
+output gates (`LAYOUTS`), their indexer's rope and scale (dsa_indexer.py); GLM-5's and HY-V4's "shared" layers reuse the previous full layer's
 selection (passed from layer to layer as `prev_topk_indices`; here, the chosen keys).
 
 Sequence-parallel: every rank gathers the latent and the rotary key (`kv_lora_rank +
@@ -39,6 +39,7 @@ from ...exchange.sequence import all_gather_sequence
 from ...layout import head_plan_error
 from ..context import token_mixer_call
 from .dsa_indexer import Visibility, indexer_keys, rope_of, select, visibility
+from .family import SPARSE_ATTENTION, Adapter, Family
 from .mixers import original_forward, sparse_attention_cache
 
 DSA_CLASSES = ("DeepseekV32Attention", "AXK2Attention")
@@ -152,16 +153,16 @@ def _gate(out, gate):
     return out * torch.sigmoid(gate)
 
 
-class Family(NamedTuple):
+class Layout(NamedTuple):
     projections: Callable
     gated: Callable   # (output `[B, S, H, v_head_dim]`, gate) -> the gated output
 
 
-FAMILIES = {"DeepseekV32Attention": Family(_deepseek_projections, _gate),
-            "GlmMoeDsaAttention": Family(_deepseek_projections, _gate),
-            "AXK2Attention": Family(_axk2_projections, _float_gate),
-            "HYV4Attention": Family(_hyv4_projections, _gate),
-            "Dots3NoteTextAttention": Family(_dots3_projections, _gate)}
+LAYOUTS = {"DeepseekV32Attention": Layout(_deepseek_projections, _gate),
+           "GlmMoeDsaAttention": Layout(_deepseek_projections, _gate),
+           "AXK2Attention": Layout(_axk2_projections, _float_gate),
+           "HYV4Attention": Layout(_hyv4_projections, _gate),
+           "Dots3NoteTextAttention": Layout(_dots3_projections, _gate)}
 
 
 def _base_class(module) -> type:
@@ -171,7 +172,7 @@ def _base_class(module) -> type:
 
 
 def _family(module):
-    return FAMILIES[type(module).__name__]
+    return LAYOUTS[type(module).__name__]
 
 
 def _training_keys(module, hidden_states, kwargs):
@@ -285,3 +286,10 @@ def dots3_forward(self, hidden_states: torch.Tensor, position_embeddings, attent
     if self.indexer is None:
         return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     return dsa_forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+
+
+FAMILY = Family("dsa", (Adapter(DSA_CLASSES, "sparse_attention", dsa_forward, SPARSE_ATTENTION),
+                        Adapter(SHARED_SELECTION_CLASSES, "sparse_attention", shared_selection_forward,
+                                SPARSE_ATTENTION),
+                        Adapter(DOTS3_CLASSES, "sparse_attention", dots3_forward, SPARSE_ATTENTION,
+                                problem=dots3_placement_problem)))

@@ -30,6 +30,7 @@ from ...api import ulysses_head_parallel
 from ...layout import place_heads
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
+from .family import BY_HEADS, Adapter, Family
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
 from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
@@ -211,4 +212,6 @@ def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attent
     return _gated_norm_and_output(self, core, z)
 
 
-gated_deltanet_forward.runs_on_a_ring = True   # mixer_ring.py passes its state across the ring's chunks
+# mixer_ring.py passes its state across the ring's chunks
+FAMILY = Family("gated_deltanet", (Adapter(GATED_DELTANET_CLASSES, "gated_deltanet", gated_deltanet_forward, BY_HEADS,
+                                           problem=placement_problem, runs_on_a_ring=True),))

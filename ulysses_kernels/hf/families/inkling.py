@@ -37,6 +37,7 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
+from .family import BY_HEADS, HALO, Adapter, Family
 from .halo import generation_layout, halo_map, training_layout
 from .mixers import (
     causal_conv1d,
@@ -246,3 +247,8 @@ def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, co
     run = heads_forward(self, cu_seqlens, table=self.rel_logits_proj, scale_queries=True)
     out = ulysses_head_parallel(run, {"q": q, "k": k, "v": v, "r": r}, group, seq_lens=lens)
     return self.o_proj(out.reshape(B, S, -1)), None
+
+
+FAMILY = Family("inkling", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv_forward, HALO),
+                            Adapter(ATTENTION_CLASSES, "inkling_attention", attention_forward, BY_HEADS,
+                                    problem=placement_problem)))

@@ -38,6 +38,7 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
+from .family import BY_HEADS, DEPTH, HALO, Adapter, Family
 from .inkling import convolve, decoding_heads, depthwise, heads_forward, placement_problem
 from .mixers import (
     check_cache_outside_generation,
@@ -186,3 +187,11 @@ def message_residual_forward(self, block_states: torch.Tensor, partial_block_sta
                              loop_layer_idx: int):
     """`Inkling2LoopMessageAttentionResidual`'s forward on this rank's tokens (`_over_depth`)."""
     return _over_depth(self, block_states, partial_block_states, self.query[loop_layer_idx])
+
+
+FAMILY = Family("inkling2", (Adapter(STATIC_CONV_CLASSES, "short_conv", static_conv_forward, HALO),
+                             Adapter(DYNAMIC_CONV_CLASSES, "short_conv", dynamic_conv_forward, HALO),
+                             Adapter(ATTENTION_CLASSES, "inkling_attention", attention_forward, BY_HEADS,
+                                     problem=placement_problem),
+                             Adapter(RESIDUAL_CLASSES, "depth_attention", block_residual_forward, DEPTH),
+                             Adapter(MESSAGE_CLASSES, "depth_attention", message_residual_forward, DEPTH)))

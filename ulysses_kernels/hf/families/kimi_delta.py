@@ -30,6 +30,7 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
+from .family import BY_HEADS, Adapter, Family
 from .gated_deltanet import DeltaRuleChunks
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
 from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
@@ -137,4 +138,6 @@ def kimi_delta_forward(self, hidden_states: torch.Tensor, cache=None, attention_
     return _output(self, core, hidden_states)
 
 
-kimi_delta_forward.runs_on_a_ring = True   # mixer_ring.py passes its state across the ring's chunks
+# mixer_ring.py passes its state across the ring's chunks
+FAMILY = Family("kimi_delta", (Adapter(KDA_CLASSES, "kimi_delta", kimi_delta_forward, BY_HEADS,
+                                       problem=placement_problem, runs_on_a_ring=True),))

@@ -26,6 +26,7 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
+from .family import BY_HEADS, Adapter, Family
 from .mixer_ring import portion_pieces, ring_portion, ring_recurrence
 from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
@@ -158,4 +159,6 @@ def lightning_forward(self, hidden_states: torch.Tensor, position_embeddings=Non
     return _output(self, core, hidden_states), None
 
 
-lightning_forward.runs_on_a_ring = True   # mixer_ring.py passes its state across the ring's chunks
+# mixer_ring.py passes its state across the ring's chunks; MiniMax's forward insists on its own cache
+FAMILY = Family("lightning", (Adapter(LIGHTNING_CLASSES, "lightning", lightning_forward, BY_HEADS,
+                                      problem=placement_problem, runs_on_a_ring=True, own_cache="MiniMaxCache"),))

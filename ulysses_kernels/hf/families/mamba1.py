@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ..context import DecodingCache, token_mixer_call
+from .family import STATE_PASSING, Adapter, Family
 from .halo import contiguous_layout, halo_conv, training_layout
 from .mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 from .state_passing import layout_recurrence
@@ -160,9 +161,13 @@ def mamba1_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask
     return _output(self, x, y, z, hidden_states.dtype)
 
 
-mamba1_forward.runs_on_a_ring = True   # the halo and the state passing follow the ring's chunks
 
 
 def placement_problem(module, world: int) -> Optional[str]:
     """Nothing of the layer is placed by heads: any SP size runs it."""
     return None
+
+
+# the halo and the state passing follow the ring's chunks
+FAMILY = Family("mamba1", (Adapter(MAMBA1_CLASSES, "mamba1", mamba1_forward, STATE_PASSING, problem=placement_problem,
+                                   runs_on_a_ring=True),))

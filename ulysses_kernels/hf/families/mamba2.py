@@ -40,6 +40,7 @@ from ...api import ulysses_head_parallel
 from ...layout import place_heads
 from ..context import DecodingCache, token_mixer_call
 from ..model import refusal
+from .family import BY_HEADS, Adapter, Family
 from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
 from .mixers import check_cache_outside_generation, chunk_head_parallel, document_bounds, original_forward
 from .ssd_scan import ScanChunks, scan_documents
@@ -286,4 +287,7 @@ def falcon_h1_forward(self, hidden_states: torch.Tensor, cache=None, attention_m
 
 
 # mixer_ring.py passes their state across the ring's chunks
-mamba2_forward.runs_on_a_ring = falcon_h1_forward.runs_on_a_ring = True
+FAMILY = Family("mamba2", (Adapter(MAMBA2_CLASSES, "mamba2", mamba2_forward, BY_HEADS, problem=adapter_problem,
+                                   runs_on_a_ring=True),
+                           Adapter(FALCON_H1_CLASSES, "mamba2", falcon_h1_forward, BY_HEADS, problem=adapter_problem,
+                                   runs_on_a_ring=True)))

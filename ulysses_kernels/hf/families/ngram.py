@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..context import DecodingCache, token_mixer_call
+from .family import HALO, Adapter, Family
 from .halo import generation_layout, halo_map, training_layout
 from .mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
 
@@ -97,3 +98,6 @@ def ple_forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, cach
     gated_value_normed = self.norm_conv(gated_value.flatten(-2))
     return gated_value.flatten(-2) + run("conv", gated_value_normed, _dilated_operator(self),
                                          self.short_conv_state_len)
+
+
+FAMILY = Family("ngram", (Adapter(PLE_CLASSES, "short_conv", ple_forward, HALO),))

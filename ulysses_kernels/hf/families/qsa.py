@@ -34,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 from ...api import gather_sequence
 from ...exchange.sequence import all_gather_sequence
 from ..context import token_mixer_call
+from .family import SPARSE_ATTENTION, Adapter, Family
 from .mixers import document_starts, sparse_attention_cache
 from .selection import EMPTY, tiled_select
 
@@ -209,4 +210,6 @@ def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attentio
     return self.o_proj(out * torch.sigmoid(gate)), None
 
 
-qsa_forward.prepare_cache = _prepare_cache
+# a new decoding cache gets the indexer's positions first (_prepare_cache)
+FAMILY = Family("qsa", (Adapter(QSA_CLASSES, "sparse_attention", qsa_forward, SPARSE_ATTENTION,
+                                prepare_cache=_prepare_cache),))

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..context import token_mixer_call
 from ..model import refusal
+from .family import STATE_PASSING, Adapter, Family
 from .halo import contiguous_layout, halo_conv, training_layout
 from .mixers import causal_conv1d, conv_history
 from .state_passing import layout_recurrence
@@ -127,4 +128,6 @@ def recurrent_block_forward(self, input_states: torch.Tensor, position_ids: torc
     return self.linear_out(h.to(x.dtype) * y), None
 
 
-recurrent_block_forward.runs_on_a_ring = True   # the halo and the state passing follow the ring's chunks
+# the halo and the state passing follow the ring's chunks
+FAMILY = Family("rg_lru", (Adapter(RG_LRU_CLASSES, "rg_lru", recurrent_block_forward, STATE_PASSING,
+                                   runs_on_a_ring=True),))

@@ -34,6 +34,7 @@ import torch
 
 from ..context import context_of, require_default_context, token_mixer_call
 from ..model import refusal
+from .family import HALO, STATE_PASSING, Adapter, Family
 from .halo import generation_layout, halo_conv, training_layout
 from .state_passing import layout_recurrence
 
@@ -188,4 +189,6 @@ def channel_mix_forward(self, hidden, state=None):
     return _channel_mix(self, hidden, _shifted(hidden, training_layout(context, lens), cu_seqlens)[0]), None
 
 
-time_mix_forward.runs_on_a_ring = channel_mix_forward.runs_on_a_ring = True   # halo and state passing follow the ring
+# the halo and the state passing follow the ring's chunks
+FAMILY = Family("rwkv", (Adapter(TIME_MIX_CLASSES, "rwkv", time_mix_forward, STATE_PASSING, runs_on_a_ring=True),
+                         Adapter(CHANNEL_MIX_CLASSES, "rwkv", channel_mix_forward, HALO, runs_on_a_ring=True)))

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from ..context import DecodingCache, token_mixer_call
+from .family import HALO, Adapter, Family
 from .halo import contiguous_layout, halo_conv, training_layout
 from .mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 
@@ -67,4 +68,6 @@ def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, attention_
     return self.out_proj(c * y)
 
 
-short_conv_forward.runs_on_a_ring = True   # the halo reads the ring's chunks in their global order
+# the halo reads the ring's chunks in their global order
+FAMILY = Family("short_conv", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv_forward, HALO,
+                                       runs_on_a_ring=True),))

@@ -32,6 +32,7 @@ import torch
 from ...api import ulysses_head_parallel
 from ..context import token_mixer_call
 from ..model import refusal
+from .family import BY_HEADS, Adapter, Family
 from .mixers import chunk_head_parallel, over_documents
 
 XLSTM_CLASSES = ("xLSTMLayer",)
@@ -110,7 +111,7 @@ class _Slots:
 
 class XlstmCacheFields:
     """What transformers' xLSTMModel reads of its cache besides the layers' states (the
-    decoding cache derives from this: adapters.py's OWN_CACHES): `rnn_state[layer]`, a
+    decoding cache derives from this: this module's FAMILY, own_cache): `rnn_state[layer]`, a
     `DecodingSlot`, and `seqlen_offset`, which the model counts up."""
     seqlen_offset = 0
 
@@ -177,3 +178,8 @@ def xlstm_forward(self, x: torch.Tensor, state=None):
                               seq_lens=lens)
     h = self.multihead_norm(h).reshape(B, S, -1)
     return self.out_proj(self.ogate_act_fn(o) * h), None
+
+
+# its model's forward reads the fields of XlstmCacheFields of its cache
+FAMILY = Family("xlstm", (Adapter(XLSTM_CLASSES, "mlstm", xlstm_forward, BY_HEADS, problem=placement_problem,
+                                  own_cache=XlstmCacheFields),))
