@@ -236,15 +236,15 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def layout_part(t: torch.Tensor, ranges) -> torch.Tensor:
     """The tokens (dim 1) of `t` at `ranges` ((global start, length), in order): one rank's
-    part of a sequence layout (hf/families/halo.py's SequenceLayout)."""
+    part of a sequence layout (hf/families/halo/halo.py's SequenceLayout)."""
     return torch.cat([t[:, :0]] + [t[:, s:s + n] for s, n in ranges], dim=1)
 
 
 def chunk_layout(total: int):
     """A generation chunk of `total` tokens split along the sequence over the default
-    group (hf/families/halo.py's contiguous layout): (the layout, this rank's ranges)."""
+    group (hf/families/halo/halo.py's contiguous layout): (the layout, this rank's ranges)."""
     from ulysses_kernels.distributed.groups import resolve_group
-    from ulysses_kernels.hf.families.halo import contiguous_layout
+    from ulysses_kernels.hf.families.halo.halo import contiguous_layout
     from ulysses_kernels.layout import split_lengths
 
     group = resolve_group(None)

@@ -372,11 +372,11 @@ def test_dsa_layer_terms_by_hand():
 
 
 def test_dsa_tiles_are_the_code_s():
-    """The planner's DSA tiles are the ones hf/families/dsa.py runs with (the planner may not
+    """The planner's DSA tiles are the ones hf/families/sparse/dsa.py runs with (the planner may not
     import it)."""
     pytest.importorskip("torch")
     from ulysses_kernels import planner
-    from ulysses_kernels.hf.families import dsa, dsa_indexer
+    from ulysses_kernels.hf.families.sparse import dsa, dsa_indexer
 
     assert planner.DSA_QUERY_TILE == dsa.QUERY_TILE == dsa_indexer.QUERY_TILE
     assert planner.DSA_KEY_TILE == dsa_indexer.KEY_TILE

@@ -206,14 +206,14 @@ class MlaShape:
         return q + kv + heads * self.value_dim * hidden
 
 
-# hf/families/dsa.py's and dsa_indexer.py's tiles (QUERY_TILE, KEY_TILE; tests/test_planner.py checks they agree):
+# hf/families/sparse/dsa.py's and dsa_indexer.py's tiles (QUERY_TILE, KEY_TILE; tests/test_planner.py checks they agree):
 # the queries that attend at once over their selection, the keys the indexer scores at once.
 DSA_QUERY_TILE, DSA_KEY_TILE = 256, 4096
 
 
 @dataclass(frozen=True)
 class DsaShape:
-    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, A.X-K2, HY-V4, dots3; hf/families/dsa.py,
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5, A.X-K2, HY-V4, dots3; hf/families/sparse/dsa.py,
     docs/planner.md, "Sparse attention"): MLA whose queries attend only to the `topk` keys an
     indexer of `index_heads` heads of `index_dim` picks for each. `layers`: the DSA layers
     (dots3: its indexed ones; its sliding-window layers are MLA under the head exchange);
@@ -273,7 +273,7 @@ class DsaLayerBytes(NamedTuple):
 def dsa_layer_bytes(shape: "ModelShape", seq_len: int, sp: int, dtype_bytes: int = 2, *,
                     indexer: bool = True) -> DsaLayerBytes:
     """One DSA layer (with its own indexer, or `indexer=False`: a "shared" layer) at `seq_len`
-    tokens on one of `sp` ranks, as hf/families/dsa.py runs it: the queries stay on their
+    tokens on one of `sp` ranks, as hf/families/sparse/dsa.py runs it: the queries stay on their
     shard, every rank all-gathers the whole sequence's latent + rotary key and indexer key
     (S tokens, not S/P); the indexer scores one [QT, KT] tile at a time with a running top k;
     the attention runs per query tile over the chosen rows, recomputed in the backward. The
@@ -754,7 +754,7 @@ def memory_terms(shape: ModelShape, o: PlanOptions) -> Dict[str, float]:
     planner cannot count (ModelShape.dense_mlp_problem) raises ValueError."""
     _require_dense(shape)
     if shape.dsa is not None and o.ring_size > 1:
-        raise ValueError("plan: DeepSeek Sparse Attention does not run on a ring (hf/families/dsa.py refuses one): "
+        raise ValueError("plan: DeepSeek Sparse Attention does not run on a ring (hf/families/sparse/dsa.py refuses one): "
                          "use --ring 1")
     world = o.gpus_per_node * o.nodes
     sp = o.sp_size or world

@@ -1,4 +1,4 @@
-"""MiniMax-M3's block-sparse attention under sequence parallelism (hf/families/block_sparse.py):
+"""MiniMax-M3's block-sparse attention under sequence parallelism (hf/families/sparse/block_sparse.py):
 one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
 boundaries do not line up with the shards, float64, against one process running each document
 alone (transformers' eager attention with the blocks its indexer keeps), the loss, every
@@ -22,7 +22,7 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families import block_sparse  # noqa: E402
+from ulysses_kernels.hf.families.sparse import block_sparse  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 BLOCK, KEPT = 4, 2

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's attention under sequence parallelism (hf/families/compressed.py): one training
+"""DeepSeek-V4's attention under sequence parallelism (hf/families/sparse/compressed.py): one training
 step at SP 2, 3 and 4 of an HCA, a CSA and a sliding-window layer, one uneven document and two
 packed documents whose boundaries do not line up with the shards, float64 (the
 hyper-connections' float32 kept float64 in both runs: sweep.FLOAT32_ISLANDS), against one
@@ -24,7 +24,7 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families import compressed  # noqa: E402
+from ulysses_kernels.hf.families.sparse import compressed  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 CSA, HCA, TOPK = 3, 5, 2

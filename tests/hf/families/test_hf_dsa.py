@@ -1,5 +1,5 @@
 """DeepSeek Sparse Attention under sequence parallelism
-(hf/families/dsa.py): one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
+(hf/families/sparse/dsa.py): one training step at SP 2, 3 and 4, one uneven document and two packed documents whose
 boundaries do not line up with the shards, float64 weights (the indexer in float32, as
 transformers computes it), against one process running each document alone: the loss, every
 gradient and the selected key sets of every layer, the indexer and the attention run in
@@ -26,7 +26,7 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families import dsa, dsa_indexer  # noqa: E402
+from ulysses_kernels.hf.families.sparse import dsa, dsa_indexer  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 TOPK = 4   # below a shard at SP 4 (5-6 of 23 tokens)

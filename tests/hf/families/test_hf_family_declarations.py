@@ -9,7 +9,6 @@ import importlib
 import pkgutil
 
 import pytest
-
 from helpers import ROOT
 
 pytest.importorskip("transformers")
@@ -24,10 +23,10 @@ FAMILIES_DIR = ROOT / "ulysses_kernels" / "hf" / "families"
 def _family_modules():
     """Every module of hf/families that declares a FAMILY."""
     found = {}
-    for info in pkgutil.iter_modules(families.__path__):
-        module = importlib.import_module(f"{families.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(families.__path__, prefix=f"{families.__name__}."):
+        module = importlib.import_module(info.name)
         if hasattr(module, "FAMILY"):
-            found[info.name] = module
+            found[info.name.rsplit(".", 1)[-1]] = module
     return found
 
 
@@ -55,7 +54,7 @@ def test_no_family_fact_is_set_on_a_function():
     """No `f.runs_on_a_ring = ...`, `f.prepare_cache = ...` (or any attribute) assigned to a
     function in hf/families: the facts are the declarations' fields."""
     assigned = []
-    for path in sorted(FAMILIES_DIR.glob("*.py")):
+    for path in sorted(FAMILIES_DIR.rglob("*.py")):
         tree = ast.parse(path.read_text())
         functions = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
         for node in ast.walk(tree):
@@ -65,3 +64,28 @@ def test_no_family_fact_is_set_on_a_function():
                             and target.value.id in functions:
                         assigned.append(f"{path.name}:{node.lineno} {target.value.id}.{target.attr}")
     assert not assigned, assigned
+
+
+def test_the_families_are_grouped_by_mechanism():
+    """hf/families/: at most 10 entries at its top (the shared pieces and one folder per
+    mechanism), no module over 400 lines, and every family module in the folder of its
+    adapters' mechanism (the mixed Inklings: halo, beside their attention by heads)."""
+    top = sorted(p.name for p in FAMILIES_DIR.iterdir() if p.name != "__pycache__")
+    assert len(top) <= 10, top
+    long = {str(p.relative_to(FAMILIES_DIR)): n for p in FAMILIES_DIR.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+    folder = {"by heads": "by_heads", "halo": "halo", "halo + state passing": "halo", "sparse attention": "sparse"}
+    for name, module in _family_modules().items():
+        where = module.__name__.split(".")[-2]
+        mechanisms = {a.mechanism for a in module.FAMILY.adapters} - {"over depth"}
+        assert where in {folder[m] for m in mechanisms}, (name, where, mechanisms)
+
+
+def test_the_docs_name_every_adapted_class():
+    """Every class the registry adapts is named in docs/hf_hybrids.md's table (the token
+    mixers) or docs/hf_families.md's sparse attention sections, so a family added to the
+    registry without its line in the docs fails here."""
+    docs = "".join((ROOT / "docs" / name).read_text() for name in ("hf_hybrids.md", "hf_families.md"))
+    assert [name for name in adapters.ADAPTERS if f"`{name}`" not in docs] == []
+

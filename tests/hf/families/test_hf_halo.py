@@ -1,4 +1,4 @@
-"""The sequence halo (ulysses_kernels/hf/families/halo.py): a causal depthwise convolution run on
+"""The sequence halo (ulysses_kernels/hf/families/halo/halo.py): a causal depthwise convolution run on
 the sequence shards, each reading the last inputs of the shards before it, against the same
 convolution on one process over the whole sequence (each packed document alone), output and
 every gradient, float64: worlds 1-4, pure Ulysses and Ulysses x Ring (2 x 2, 1 x 4), shards
@@ -17,7 +17,7 @@ from helpers import SPAWN_TIMEOUT, chunk_layout, layout_part, rel_err, sharded_c
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from ulysses_kernels.hf.families.halo import halo_conv, halo_map, training_layout  # noqa: E402
+from ulysses_kernels.hf.families.halo.halo import halo_conv, halo_map, training_layout  # noqa: E402
 from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 

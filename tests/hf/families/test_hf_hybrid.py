@@ -560,7 +560,7 @@ def test_the_float64_twin_is_transformers_rule(family):
 
 
 def test_a_value_head_count_without_placement_is_refused():
-    from ulysses_kernels.hf.families.gated_deltanet import placement_problem
+    from ulysses_kernels.hf.families.by_heads.gated_deltanet import placement_problem
 
     layer = next(m for m in hybrid_model("qwen3_next", "sdpa", 3).modules()
                  if type(m).__name__ == "Qwen3NextGatedDeltaNet")
@@ -604,10 +604,10 @@ def test_ring_chunks_compose_to_the_whole_sequence(total, documents):
     values and the gradients of every input."""
     import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 
-    from ulysses_kernels.hf.families.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.families.by_heads.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.families.by_heads.ssd_scan import ScanChunks, scan_documents
     from ulysses_kernels.hf.families.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
     from ulysses_kernels.hf.families.mixers import causal_conv1d, document_bounds, document_starts, over_documents
-    from ulysses_kernels.hf.families.ssd_scan import ScanChunks, scan_documents
 
     g = torch.Generator().manual_seed(total)
     draw = lambda *shape: torch.randn(*shape, dtype=torch.float64, generator=g)  # noqa: E731
@@ -687,10 +687,10 @@ def _ring_chunks_worker(rank, world, cases):
     import torch.distributed as dist
     import transformers.models.qwen3_next.modeling_qwen3_next as qwen3_next
 
-    from ulysses_kernels.hf.families.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.families.by_heads.gated_deltanet import DeltaRuleChunks
+    from ulysses_kernels.hf.families.by_heads.ssd_scan import ScanChunks, scan_documents
     from ulysses_kernels.hf.families.mixer_ring import RingPortion, portion_pieces, ring_conv, ring_recurrence
     from ulysses_kernels.hf.families.mixers import causal_conv1d, document_bounds, document_starts, over_documents
-    from ulysses_kernels.hf.families.ssd_scan import ScanChunks, scan_documents
     from ulysses_kernels.ring.layout import zigzag_segments
 
     errors = []
@@ -764,10 +764,10 @@ def test_ring_chunks_pass_the_state_between_ranks(world):
 
 @pytest.mark.parametrize("chunk", [1, 4, 64])
 def test_the_decayed_linear_attention_is_the_recurrence(chunk):
-    """hf/families/lightning.py's chunked form against the step-by-step recurrence
+    """hf/families/by_heads/lightning.py's chunked form against the step-by-step recurrence
     S_t = l S_{t-1} + k_t^T v_t, o_t = q_t S_t, from an initial state, over a length that is
     no multiple of the chunk: outputs and the final state."""
-    from ulysses_kernels.hf.families.lightning import decayed_linear_attention
+    from ulysses_kernels.hf.families.by_heads.lightning import decayed_linear_attention
 
     g = torch.Generator().manual_seed(5)
     B, S, H, Dk, Dv = 2, 23, 3, 4, 5

@@ -1,4 +1,4 @@
-"""Llama 4 under sequence parallelism (ulysses_kernels/hf/families/llama4.py): its chunked layers
+"""Llama 4 under sequence parallelism (ulysses_kernels/hf/families/attention/llama4.py): its chunked layers
 see the keys of their own chunk only (`attention_chunk_size` = 5 here, shorter than the
 23-token sequence), chunks cut from each packed document's start; its NoPE layer scales
 the queries by position (temperature tuning, `floor_scale` = 4, so the factor changes
@@ -24,7 +24,7 @@ from sweep import DOCUMENTS, reference_step, sp_step  # noqa: E402
 from test_hf_generation_families import decode_greedily  # noqa: E402
 
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families.llama4 import chunk_bounds, retune_queries, temperature  # noqa: E402
+from ulysses_kernels.hf.families.attention.llama4 import chunk_bounds, retune_queries, temperature  # noqa: E402
 
 CHUNK, FLOOR = 5, 4
 PROMPT, NEW_TOKENS, DECODE_STEPS = 13, 6, 4

@@ -1,5 +1,5 @@
 """The Mamba2 mixers of Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid and Zamba2 under
-sequence parallelism (ulysses_kernels/hf/families/mamba2.py).
+sequence parallelism (ulysses_kernels/hf/families/by_heads/mamba2.py).
 
 Fast tier (one process): the chunked scan against the step-by-step recurrence, with
 initial states and several documents; the convolution with documents against each
@@ -28,9 +28,9 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
                                            "(pip install -e '.[hf]' in the checkout)")
 
 from ulysses_kernels.hf.families.adapters import install_adapters  # noqa: E402
-from ulysses_kernels.hf.families.mamba2 import placement_problem  # noqa: E402
+from ulysses_kernels.hf.families.by_heads.mamba2 import placement_problem  # noqa: E402
+from ulysses_kernels.hf.families.by_heads.ssd_scan import scan_documents, ssd_scan  # noqa: E402
 from ulysses_kernels.hf.families.mixers import causal_conv1d, document_starts, original_forward  # noqa: E402
-from ulysses_kernels.hf.families.ssd_scan import scan_documents, ssd_scan  # noqa: E402
 from ulysses_kernels.hf.model import record_of  # noqa: E402
 from ulysses_kernels.layout import split_lengths  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Qwen4-Exp's query-selected attention under sequence parallelism (hf/families/qsa.py, and its
+"""Qwen4-Exp's query-selected attention under sequence parallelism (hf/families/sparse/qsa.py, and its
 n-gram embeddings: ngram.py): one training step at SP 2, 3 and 4 of a Gated DeltaNet layer then
 a QSA layer, both with n-gram embeddings, one uneven document
 and two packed documents whose boundaries do not line up with the shards, float64, against
@@ -25,7 +25,7 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families import qsa  # noqa: E402
+from ulysses_kernels.hf.families.sparse import qsa  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 RATIO, BLOCKS_KEPT = 2, 4

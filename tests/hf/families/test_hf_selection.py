@@ -1,4 +1,4 @@
-"""The key selection rule of sparse attention (ulysses_kernels/hf/families/selection.py)
+"""The key selection rule of sparse attention (ulysses_kernels/hf/families/sparse/selection.py)
 against a brute force in Python: the k largest scores, ties to the smaller key index, a set
 in ascending key order, empty slots -1 last; the same set from the whole row, from any
 tiling of its keys, and from candidates merged over any split of the keys (what each rank
@@ -8,7 +8,7 @@ torch.topk selects."""
 import pytest
 import torch
 
-from ulysses_kernels.hf.families.selection import EMPTY, merge_candidates, select_keys, tiled_select
+from ulysses_kernels.hf.families.sparse.selection import EMPTY, merge_candidates, select_keys, tiled_select
 
 
 def brute_force(scores: torch.Tensor, k: int) -> torch.Tensor:

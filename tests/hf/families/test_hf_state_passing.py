@@ -1,4 +1,4 @@
-"""State passing over the sequence layout (ulysses_kernels/hf/families/state_passing.py): a
+"""State passing over the sequence layout (ulysses_kernels/hf/families/halo/state_passing.py): a
 selective scan (Mamba1's, a diagonal transition) run on the sequence shards, each continuing
 from the state its peers pass, against the scan on one process over each document, output
 and every gradient, float64: worlds 1-4, pure Ulysses and Ulysses x Ring (2 x 2, 1 x 4), shards
@@ -15,10 +15,10 @@ from helpers import SPAWN_TIMEOUT, chunk_layout, layout_part, rel_err, sharded_c
 pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Face transformers "
                                            "(pip install -e '.[hf]' in the checkout)")
 
-from ulysses_kernels.hf.families.halo import training_layout  # noqa: E402
-from ulysses_kernels.hf.families.mamba1 import SelectiveScan  # noqa: E402
+from ulysses_kernels.hf.families.halo.halo import training_layout  # noqa: E402
+from ulysses_kernels.hf.families.halo.mamba1 import SelectiveScan  # noqa: E402
+from ulysses_kernels.hf.families.halo.state_passing import layout_recurrence  # noqa: E402
 from ulysses_kernels.hf.families.mixers import over_documents  # noqa: E402
-from ulysses_kernels.hf.families.state_passing import layout_recurrence  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 CHANNELS, STATE = 3, 4
@@ -124,7 +124,7 @@ def _wkv_worker(rank, world, ring):
     `WkvRecurrence.compose`) through state passing, against transformers' kernel per document."""
     import ulysses_kernels as uk
     from ulysses_kernels.hf.context import SequenceParallelContext
-    from ulysses_kernels.hf.families.rwkv import WkvRecurrence
+    from ulysses_kernels.hf.families.halo.rwkv import WkvRecurrence
     from ulysses_kernels.ring.layout import sp_lengths
 
     context = SequenceParallelContext(uk.init_sequence_parallel(world, ring_size=ring))

@@ -1,4 +1,4 @@
-"""Vision-language models under sequence parallelism (ulysses_kernels/hf/families/vision.py), through
+"""Vision-language models under sequence parallelism (ulysses_kernels/hf/families/vision/vision.py), through
 the documented calls only: `register`, `attn_implementation="ulysses"`, `shard_batch(...,
 pixel_values=..., image_grid_thw=..., mm_token_type_ids=..., vision=...)`, `causal_lm_loss`,
 `allreduce_gradients`, `generate`.
@@ -40,8 +40,8 @@ from vlm_cases import (  # noqa: E402
 
 import ulysses_kernels as uk  # noqa: E402
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families.vision import balanced_blocks  # noqa: E402
-from ulysses_kernels.hf.families.vision_shard import TokenShard
+from ulysses_kernels.hf.families.vision.vision import balanced_blocks  # noqa: E402
+from ulysses_kernels.hf.families.vision.vision_shard import TokenShard
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 PRELOAD = ["torch", "transformers", "ulysses_kernels.hf"]
@@ -522,7 +522,7 @@ def _zero3_worker(rank, world, dummy, vision):
     from train_deepspeed import deepspeed_config
     from trainer_cases import launch_env
 
-    from ulysses_kernels.hf.families import vision as vision_module
+    from ulysses_kernels.hf.families.vision import vision as vision_module
 
     launch_env(rank, world)
     os.environ["DS_ACCELERATOR"] = "cpu"
@@ -592,7 +592,7 @@ def test_block_overlay_is_accepted_only_where_it_equals_the_batch_blocks():
     the blocks shard_batch derived from token_type_ids, not when the blocks differ."""
     from transformers import masking_utils as mu
 
-    from ulysses_kernels.hf.families.gemma3 import honours_blocks, image_blocks
+    from ulysses_kernels.hf.families.attention.gemma3 import honours_blocks, image_blocks
 
     types = torch.tensor([[0, 1, 1, 1, 0, 0, 1, 1, 0], [0, 0, 1, 1, 0, 1, 1, 1, 0]])
     blocks = image_blocks(types)
@@ -614,7 +614,7 @@ def test_block_overlay_is_accepted_only_where_it_equals_the_batch_blocks():
 
 def test_language_inputs_refuse_what_the_hook_cannot_cut():
     from ulysses_kernels.hf import NotSequenceParallelError
-    from ulysses_kernels.hf.families.vision import _shard_language_inputs
+    from ulysses_kernels.hf.families.vision.vision import _shard_language_inputs
 
     shard = TokenShard(shape=(1, 6), ranges=[(0, 3)])
     embeds = torch.randn(1, 6, 4, dtype=torch.float64)

@@ -25,7 +25,7 @@ from ..families.adapters import (
     replaced_adapter_problem,
     uninstall_adapters,
 )
-from ..families.vision import install_vision
+from ..families.vision.vision import install_vision
 from ..groups import sp_size_of
 from ..model import (
     READS_LABELS,

@@ -20,15 +20,15 @@ from ..context import (
     require_default_context,
     set_default_context,
 )
-from ..families.gemma3 import BLOCKS_KEY, block_attention
-from ..families.llama4 import (
+from ..families.attention.gemma3 import BLOCKS_KEY, block_attention
+from ..families.attention.llama4 import (
     chunked_cu_seqlens,
     layer_chunk_size,
     positions_in_documents,
     retune_queries,
     tunes_temperature,
 )
-from ..families.vision import is_local_attention, local_attention
+from ..families.vision.vision import is_local_attention, local_attention
 from ..model import refusal
 from .attach import ATTN_IMPLEMENTATION, meet_models_at_their_first_call
 from .guard import refuse_in_own_attention_tables

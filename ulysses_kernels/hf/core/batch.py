@@ -12,8 +12,8 @@ from ...distributed.groups import resolve_group
 from ...ring.layout import local_ranges, sp_lengths
 from ...ring.shard import cut_ranges
 from ..context import cu_seqlens_from_position_ids
-from ..families.gemma3 import image_blocks
-from ..families.vision_shard import SHARD_KEY, TokenShard, check_vision_mode, has_images, vision_inputs
+from ..families.attention.gemma3 import image_blocks
+from ..families.vision.vision_shard import SHARD_KEY, TokenShard, check_vision_mode, has_images, vision_inputs
 from ..groups import sp_group_of, split_groups
 
 IGNORE_INDEX = -100

@@ -72,7 +72,7 @@ def _layer_kinds(config):
 def config_problem(config, adapted_kinds=frozenset(), indexed: bool = False) -> Optional[str]:
     """What the config asks for that the attention function (and the token-mixer adapters
     of `adapted_kinds`' layers, mixers.py) cannot honour, or None. `indexed`: the model's
-    sparse attention runs the package's adapter (families/dsa.py), which honours its indexer."""
+    sparse attention runs the package's adapter (families/sparse/dsa.py), which honours its indexer."""
     for sub in text_configs(config):
         for field, kinds in _layer_kinds(sub):
             other = sorted(set(kinds) - ATTENTION_LAYERS - TOKENWISE_LAYERS - set(adapted_kinds))

@@ -18,8 +18,8 @@ from torch import nn
 
 from ...distributed.collectives import first_message, max_over_ranks
 from ..context import SequenceParallelContext, require_default_context
-from ..families.gemma3 import honours_blocks
-from ..families.vision_shard import SHARD_KEY, unpads
+from ..families.attention.gemma3 import honours_blocks
+from ..families.vision.vision_shard import SHARD_KEY, unpads
 from ..model import NotSequenceParallelError, refusal
 from .attach import context_for_config, model_context
 from .guard import config_problem

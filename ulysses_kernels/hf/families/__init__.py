@@ -1,10 +1,21 @@
-"""One model family's quirks per module (docs/architecture.md, "The Hugging Face layer"):
-Llama 4's chunks and temperature (llama4.py), vision-language models (vision.py, vision_shard.py,
-gemma3.py), and the token mixers that are not attention, adapted by heads or along the ring
-(adapters.py: the registry, written out, and installing it; mixers.py: the shared pieces;
-gated_deltanet.py, mamba2.py with ssd_scan.py; mixer_ring.py).
+"""The model families' quirks, one module per family, grouped by mechanism
+(docs/architecture.md, "The Hugging Face layer"):
 
-A new family goes here, as one module: it may read the context, the groups and the model's
-make-up (the rooms below), never the core, training, generation or RL (the rooms above);
-what the core must know of it, it asks through the family's own functions.
+- attention/: attention families with quirks of their own (Llama 4's chunks and temperature,
+  Gemma 3's image blocks);
+- vision/: vision-language models (the towers, the merge, the image tokens' shard);
+- by_heads/, halo/, sparse/: the token mixers that are not attention, made exact by an
+  exchange to the head layout, by the sequence halo (and state passing), or by a key selection
+  over the whole sequence.
+
+Below them, what they share: family.py (a family's declaration, `Family` and `Adapter`; each
+token-mixer module ends with one `FAMILY`), mixers.py (the head exchange's side), mixer_ring.py
+(a mixer on a ring's chunks); above them, adapters.py (the registry derived from the
+declarations, installing it and checking it). The layers are enforced (pyproject.toml, "The
+families").
+
+A new family goes into its mechanism's folder, as one module with its `FAMILY`, added to
+adapters.FAMILIES: it may read the context, the groups and the model's make-up (the rooms
+below), never the core, training, generation or RL (the rooms above); what the core must know
+of it, it asks through the family's declaration and functions.
 """

@@ -10,26 +10,10 @@ from typing import Dict, List, Optional, Tuple
 from torch import nn
 
 from ..model import ensure_record, record_of
-from . import (
-    block_sparse,
-    cca,
-    compressed,
-    dsa,
-    gated_deltanet,
-    inkling,
-    inkling2,
-    kimi_delta,
-    lightning,
-    mamba1,
-    mamba2,
-    ngram,
-    qsa,
-    rg_lru,
-    rwkv,
-    short_conv,
-    xlstm,
-)
+from .by_heads import gated_deltanet, kimi_delta, lightning, mamba2, xlstm
 from .family import Adapter, Family
+from .halo import cca, inkling, inkling2, mamba1, ngram, rg_lru, rwkv, short_conv
+from .sparse import block_sparse, compressed, dsa, qsa
 
 # Every family module's declaration (family.py): the registry below is derived from them.
 FAMILIES: Tuple[Family, ...] = (

@@ -36,7 +36,7 @@ from ...ring.merge import accumulate_dtype, merge_partials, merge_sinks
 from ...variants import make_variant
 from ..context import SequenceParallelContext
 from ..core.attach import model_context
-from ..families.llama4 import retune_queries, tunes_temperature
+from ..families.attention.llama4 import retune_queries, tunes_temperature
 
 
 def head_counts(model) -> Optional[Tuple[int, int]]:
@@ -207,7 +207,7 @@ class HeadShardedCache(DynamicCache):
         return sum(t.numel() * t.element_size() for state in self.mixer_states.values() for t in state.values()
                    if isinstance(t, torch.Tensor))
 
-    # -- a layer that attends by itself (hf/families/inkling.py: a relative bias no kernel takes)
+    # -- a layer that attends by itself (hf/families/halo/inkling.py: a relative bias no kernel takes)
     def update_own_heads(self, key_states, value_states, layer_idx):
         """The chunk's K/V `[B, H, T_local, D]` (H: the layer's own KV heads, any count that
         has a placement) -> this rank's held K/V `[B, H_own, S, D]` with the chunk, for a layer
@@ -259,7 +259,7 @@ class HeadShardedCache(DynamicCache):
         (or expanded from it by the layer) -> `[B, T_local, Hq, Dv]`. window_size / softcap:
         the layer's variants (docs/api.md, "Attention variants"); sinks: its `[Hq]` logits
         over the global heads; attention_chunk: the attention_chunk_size of a chunked layer (Llama 4,
-        hf/families/llama4.py); module: the attention module (Llama 4's temperature tuning)."""
+        hf/families/attention/llama4.py); module: the attention module (Llama 4's temperature tuning)."""
         pending, self._pending = self._pending, None
         if pending is None:
             raise ValueError("HeadShardedCache: an attention call without its layer's cache update (layers that "
@@ -344,7 +344,7 @@ class HeadShardedCache(DynamicCache):
         return end % attention_chunk
 
     def _retune(self, module, query):
-        """Llama 4's query temperature at the tokens' global positions (hf/families/llama4.py):
+        """Llama 4's query temperature at the tokens' global positions (hf/families/attention/llama4.py):
         transformers counted from the forward's start on every rank of a sharded chunk."""
         start, T = self.forward_start, query.shape[2]
         offset = sum(self.chunk_lens[:self.ulysses[2]]) if self._sharded else 0

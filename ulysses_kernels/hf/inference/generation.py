@@ -69,8 +69,8 @@ from ...layout import split_lengths
 from ..core.attach import sequence_parallel_model
 from ..core.attention import _require_transformers
 from ..families.adapters import adapted_kind, own_cache_class, prepare_cache
-from ..families.vision import merged_prompt
-from ..families.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
+from ..families.vision.vision import merged_prompt
+from ..families.vision.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
 from ..model import refusal, unwrap
 
 _UNSUPPORTED_GENERATION = {

@@ -37,7 +37,7 @@ from ...global_batch import LLAMA3_8B, Cost, CostModel, GlobalBatchPlan, MicroBa
 from ..context import SequenceParallelContext, context_of
 from ..core.attach import attach_context
 from ..core.batch import IGNORE_INDEX, given_positions, packed_row, padding_from_mask, shard_batch, shift_targets
-from ..families.vision_shard import has_images, vision_inputs
+from ..families.vision.vision_shard import has_images, vision_inputs
 from .loss import causal_lm_loss
 from .parallel import allreduce_gradients
 

@@ -69,7 +69,7 @@ from ..context import context_of
 from ..core.attach import sequence_parallel_model
 from ..core.attention import register
 from ..core.batch import IGNORE_INDEX, count_targets, shard_batch
-from ..families.vision_shard import check_vision_mode, vision_inputs
+from ..families.vision.vision_shard import check_vision_mode, vision_inputs
 from .data_parallel import DataParallelData, check_groups
 from .distributed_config import is_transformers_distributed, tp_size_of
 from .experts import check_experts_train

@@ -40,9 +40,9 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
-from ...api import gather_sequence
-from ...distributed.groups import resolve_group
-from ..model import ensure_record, is_vision_config, record_of, refusal, vision_towers
+from ....api import gather_sequence
+from ....distributed.groups import resolve_group
+from ...model import ensure_record, is_vision_config, record_of, refusal, vision_towers
 from .vision_shard import _PER_TOKEN, SHARD_KEY, CaptureMerge, MergedInputs, TokenShard
 
 # ---------------------------------------------------------------------- the model's parts

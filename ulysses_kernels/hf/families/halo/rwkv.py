@@ -32,9 +32,9 @@ import sys
 
 import torch
 
-from ..context import context_of, require_default_context, token_mixer_call
-from ..model import refusal
-from .family import HALO, STATE_PASSING, Adapter, Family
+from ...context import context_of, require_default_context, token_mixer_call
+from ...model import refusal
+from ..family import HALO, STATE_PASSING, Adapter, Family
 from .halo import generation_layout, halo_conv, training_layout
 from .state_passing import layout_recurrence
 

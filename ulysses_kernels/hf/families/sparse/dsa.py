@@ -34,13 +34,13 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ...api import gather_sequence
-from ...exchange.sequence import all_gather_sequence
-from ...layout import head_plan_error
-from ..context import token_mixer_call
+from ....api import gather_sequence
+from ....exchange.sequence import all_gather_sequence
+from ....layout import head_plan_error
+from ...context import token_mixer_call
+from ..family import SPARSE_ATTENTION, Adapter, Family
+from ..mixers import original_forward, sparse_attention_cache
 from .dsa_indexer import Visibility, indexer_keys, rope_of, select, visibility
-from .family import SPARSE_ATTENTION, Adapter, Family
-from .mixers import original_forward, sparse_attention_cache
 
 DSA_CLASSES = ("DeepseekV32Attention", "AXK2Attention")
 # some layers reuse the previous full layer's selection ("shared"): GLM-5, HY-V4

@@ -35,18 +35,18 @@ import math
 
 import torch
 
-from ...api import ulysses_head_parallel
-from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
-from .family import BY_HEADS, DEPTH, HALO, Adapter, Family
-from .inkling import convolve, decoding_heads, depthwise, heads_forward, placement_problem
-from .mixers import (
+from ....api import ulysses_head_parallel
+from ...context import DecodingCache, token_mixer_call
+from ...model import refusal
+from ..family import BY_HEADS, DEPTH, HALO, Adapter, Family
+from ..mixers import (
     check_cache_outside_generation,
     chunk_head_parallel,
     original_forward,
     refuse_attention_dropout,
     refuse_conv_padding,
 )
+from .inkling import convolve, decoding_heads, depthwise, heads_forward, placement_problem
 
 # Inkling 2 Loop's classes are Inkling 2's, renamed; its message residual is one more attention over depth
 STATIC_CONV_CLASSES = ("Inkling2ShortConvolution", "Inkling2LoopShortConvolution")

@@ -31,10 +31,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..context import DecodingCache, token_mixer_call
-from .family import STATE_PASSING, Adapter, Family
+from ...context import DecodingCache, token_mixer_call
+from ..family import STATE_PASSING, Adapter, Family
+from ..mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 from .halo import contiguous_layout, halo_conv, training_layout
-from .mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 from .state_passing import layout_recurrence
 
 MAMBA1_CLASSES = ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer")

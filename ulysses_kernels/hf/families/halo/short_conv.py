@@ -17,10 +17,10 @@ import sys
 
 import torch
 
-from ..context import DecodingCache, token_mixer_call
-from .family import HALO, Adapter, Family
+from ...context import DecodingCache, token_mixer_call
+from ..family import HALO, Adapter, Family
+from ..mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 from .halo import contiguous_layout, halo_conv, training_layout
-from .mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
 
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..model import refusal
+from ...model import refusal
 
 BLOCKS_KEY = "ulysses_image_blocks"   # the keyword that carries Gemma 3's image blocks to the attention
 
@@ -74,7 +74,7 @@ def block_attention(context, module, query, key, value, *, lens, cu_seqlens, blo
     the mask built over it (documents, the window's left bound, causal OR same block, as
     transformers composes them), softmax in float32 at least. Another path (a kernel
     without such a mask), a ring, or sinks: refused on every rank."""
-    from ...api import resolve_path, ulysses_head_parallel
+    from ....api import resolve_path, ulysses_head_parallel
 
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     path = resolve_path(context.backend, q.device, distributed=True, tensors=(q, k, v))

@@ -23,12 +23,12 @@ from typing import Optional
 
 import torch
 
-from ...api import ulysses_head_parallel
-from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
-from .family import BY_HEADS, Adapter, Family
-from .mixer_ring import portion_pieces, ring_portion, ring_recurrence
-from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
+from ....api import ulysses_head_parallel
+from ...context import DecodingCache, token_mixer_call
+from ...model import refusal
+from ..family import BY_HEADS, Adapter, Family
+from ..mixer_ring import portion_pieces, ring_portion, ring_recurrence
+from ..mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 

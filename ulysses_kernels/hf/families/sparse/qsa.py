@@ -31,11 +31,11 @@ import sys
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ...api import gather_sequence
-from ...exchange.sequence import all_gather_sequence
-from ..context import token_mixer_call
-from .family import SPARSE_ATTENTION, Adapter, Family
-from .mixers import document_starts, sparse_attention_cache
+from ....api import gather_sequence
+from ....exchange.sequence import all_gather_sequence
+from ...context import token_mixer_call
+from ..family import SPARSE_ATTENTION, Adapter, Family
+from ..mixers import document_starts, sparse_attention_cache
 from .selection import EMPTY, tiled_select
 
 QSA_CLASSES = ("Qwen4ExpTextAttention",)

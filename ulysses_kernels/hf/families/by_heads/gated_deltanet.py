@@ -26,13 +26,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...api import ulysses_head_parallel
-from ...layout import place_heads
-from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
-from .family import BY_HEADS, Adapter, Family
-from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
+from ....api import ulysses_head_parallel
+from ....layout import place_heads
+from ...context import DecodingCache, token_mixer_call
+from ...model import refusal
+from ..family import BY_HEADS, Adapter, Family
+from ..mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
+from ..mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                           "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet")

@@ -21,9 +21,9 @@ from typing import List, Sequence
 
 import torch
 
-from ...exchange.sequence import GatherSequence
+from ....exchange.sequence import GatherSequence
+from ..mixer_ring import portion_pieces, ring_recurrence
 from .halo import SequenceLayout
-from .mixer_ring import portion_pieces, ring_recurrence
 
 
 class LayoutPortion:

@@ -14,7 +14,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .mixers import document_starts
+from ..mixers import document_starts
 from .selection import tiled_select
 
 # indexers whose rotary channels are the last `qk_rope_head_dim`, not the first (HY-V4)

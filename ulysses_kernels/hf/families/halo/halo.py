@@ -30,10 +30,10 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ...exchange.sequence import GatherSequence
-from ...ring.layout import lengths_error as zigzag_lengths_error
-from ...ring.layout import local_ranges
-from .mixers import causal_conv1d, document_bounds
+from ....exchange.sequence import GatherSequence
+from ....ring.layout import lengths_error as zigzag_lengths_error
+from ....ring.layout import local_ranges
+from ..mixers import causal_conv1d, document_bounds
 
 Range = Tuple[int, int]   # (global start, length)
 

@@ -34,12 +34,11 @@ from typing import Optional
 
 import torch
 
-from ...api import ulysses_head_parallel
-from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
-from .family import BY_HEADS, HALO, Adapter, Family
-from .halo import generation_layout, halo_map, training_layout
-from .mixers import (
+from ....api import ulysses_head_parallel
+from ...context import DecodingCache, token_mixer_call
+from ...model import refusal
+from ..family import BY_HEADS, HALO, Adapter, Family
+from ..mixers import (
     causal_conv1d,
     check_cache_outside_generation,
     chunk_head_parallel,
@@ -48,6 +47,7 @@ from .mixers import (
     refuse_attention_dropout,
     refuse_conv_padding,
 )
+from .halo import generation_layout, halo_map, training_layout
 
 SHORT_CONV_CLASSES = ("InklingShortConvolution",)
 ATTENTION_CLASSES = ("InklingAttention",)

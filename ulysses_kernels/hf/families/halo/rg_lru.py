@@ -27,11 +27,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ..context import token_mixer_call
-from ..model import refusal
-from .family import STATE_PASSING, Adapter, Family
+from ...context import token_mixer_call
+from ...model import refusal
+from ..family import STATE_PASSING, Adapter, Family
+from ..mixers import causal_conv1d, conv_history
 from .halo import contiguous_layout, halo_conv, training_layout
-from .mixers import causal_conv1d, conv_history
 from .state_passing import layout_recurrence
 
 RG_LRU_CLASSES = ("RecurrentGemmaRecurrentBlock",)

@@ -36,13 +36,13 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from ...api import ulysses_head_parallel
-from ...layout import place_heads
-from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
-from .family import BY_HEADS, Adapter, Family
-from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import check_cache_outside_generation, chunk_head_parallel, document_bounds, original_forward
+from ....api import ulysses_head_parallel
+from ....layout import place_heads
+from ...context import DecodingCache, token_mixer_call
+from ...model import refusal
+from ..family import BY_HEADS, Adapter, Family
+from ..mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
+from ..mixers import check_cache_outside_generation, chunk_head_parallel, document_bounds, original_forward
 from .ssd_scan import ScanChunks, scan_documents
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer", "Mamba2Mixer")

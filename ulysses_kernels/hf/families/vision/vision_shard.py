@@ -8,9 +8,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...ring.shard import cut_ranges
-from ..model import refusal
-from .gemma3 import BLOCKS_KEY
+from ....ring.shard import cut_ranges
+from ...model import refusal
+from ..attention.gemma3 import BLOCKS_KEY
 
 SHARD_KEY = "ulysses_shard"   # the model keyword that carries a TokenShard down to the language model
 

@@ -19,10 +19,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..context import DecodingCache, token_mixer_call
-from .family import HALO, Adapter, Family
+from ...context import DecodingCache, token_mixer_call
+from ..family import HALO, Adapter, Family
+from ..mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
 from .halo import generation_layout, halo_map, training_layout
-from .mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
 
 PLE_CLASSES = ("Qwen4ExpTextPLELayer",)
 

@@ -30,13 +30,13 @@ from typing import Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ...api import ulysses_head_parallel
-from ...exchange.sequence import all_gather_sequence
-from ...layout import head_plan_error
-from ..context import token_mixer_call
-from ..model import refusal
-from .family import SPARSE_ATTENTION, Adapter, Family
-from .mixers import (
+from ....api import ulysses_head_parallel
+from ....exchange.sequence import all_gather_sequence
+from ....layout import head_plan_error
+from ...context import token_mixer_call
+from ...model import refusal
+from ..family import SPARSE_ATTENTION, Adapter, Family
+from ..mixers import (
     chunk_head_parallel,
     original_forward,
     over_documents,

@@ -29,11 +29,11 @@ from typing import Optional
 
 import torch
 
-from ...api import ulysses_head_parallel
-from ..context import token_mixer_call
-from ..model import refusal
-from .family import BY_HEADS, Adapter, Family
-from .mixers import chunk_head_parallel, over_documents
+from ....api import ulysses_head_parallel
+from ...context import token_mixer_call
+from ...model import refusal
+from ..family import BY_HEADS, Adapter, Family
+from ..mixers import chunk_head_parallel, over_documents
 
 XLSTM_CLASSES = ("xLSTMLayer",)
 

@@ -24,10 +24,10 @@ chunk (decoding) continues from it on every rank.
 
 import torch
 
-from ..context import DecodingCache, token_mixer_call
-from .family import HALO, Adapter, Family
+from ...context import DecodingCache, token_mixer_call
+from ..family import HALO, Adapter, Family
+from ..mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
 from .halo import generation_layout, halo_map, training_layout
-from .mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
 
 CCA_CLASSES = ("ZayaCCAProjection",)
 

@@ -27,13 +27,13 @@ from typing import Optional
 
 import torch
 
-from ...api import ulysses_head_parallel
-from ..context import DecodingCache, token_mixer_call
-from ..model import refusal
-from .family import BY_HEADS, Adapter, Family
+from ....api import ulysses_head_parallel
+from ...context import DecodingCache, token_mixer_call
+from ...model import refusal
+from ..family import BY_HEADS, Adapter, Family
+from ..mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
+from ..mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 from .gated_deltanet import DeltaRuleChunks
-from .mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from .mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
 
 KDA_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
 
