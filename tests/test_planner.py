@@ -47,28 +47,42 @@ def test_plan_cli_json_contract_and_options():
     assert bad.returncode == 2 and "neither a preset" in bad.stderr
 
 
-@pytest.mark.slow   # the CLI in subprocesses, as the other CLI tests
-def test_plan_ring_auto_and_an_sp_the_heads_do_not_allow():
+def _plan_here(capsys, *args):
+    """The CLI's `plan` run in this process (its main, as `python -m ulysses_kernels.cli`
+    runs it; an argparse error's exit caught): (exit code, stdout, stderr)."""
+    from ulysses_kernels.cli import main
+
+    try:
+        code = main(["plan", *args])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_ring_auto_and_an_sp_the_heads_do_not_allow(capsys):
     """--ring auto takes the smallest ring the heads allow and that keeps each Ulysses group
     inside a node, and says so (32 query heads on SP 64: ring 2 on one node of 64, ring 8
     on 8 nodes of 8); without it, SP 64 as pure Ulysses over 32 heads exits 2 naming the
-    fix (it planned it silently); --ring takes 'auto' or an integer >= 1."""
+    fix (it planned it silently); --ring takes 'auto' or an integer >= 1. (In this process:
+    test_plan_cli_json_contract_and_options runs the CLI as a program.)"""
     base = ["--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "8", "--nodes", "8", "--sp", "64"]
-    auto = _cli(*base, "--ring", "auto", "--json")
-    assert auto.returncode == 0, auto.stderr
-    assert json.loads(auto.stdout)["options"]["ring_size"] == 8
-    assert "Ulysses 8 x ring 8 (each Ulysses group inside a node of 8 GPUs, the ring across nodes)" in auto.stderr
-    spelled = _cli("--model", "llama-3-8b", "--seq-len", "1000000", "--gpus-per-node", "8", "--nodes", "8", "--sp",
-                   "64", "--ring", "auto", "--json")   # --gpus-per-node: --gpus's other name
-    assert json.loads(spelled.stdout)["options"]["ring_size"] == 8, spelled.stderr
-    one_node = _cli("--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "64", "--sp", "64", "--ring", "auto")
-    assert "SP 64 (ring 2)" in one_node.stdout and "Ulysses 32 x ring 2 (one node)" in one_node.stderr
-    refused = _cli(*base)
-    assert refused.returncode == 2 and "SP 64 with --ring 1 is Ulysses 64" in refused.stderr, refused.stderr
-    assert "use --ring 2 (Ulysses 32) or --ring auto" in refused.stderr
-    assert _cli(*base, "--ring", "4").returncode == 0
-    bad = _cli(*base, "--ring", "0")
-    assert bad.returncode == 2 and "must be 'auto' or an integer >= 1" in bad.stderr
+    code, out, err = _plan_here(capsys, *base, "--ring", "auto", "--json")
+    assert code == 0, err
+    assert json.loads(out)["options"]["ring_size"] == 8
+    assert "Ulysses 8 x ring 8 (each Ulysses group inside a node of 8 GPUs, the ring across nodes)" in err
+    code, out, err = _plan_here(capsys, "--model", "llama-3-8b", "--seq-len", "1000000", "--gpus-per-node", "8",
+                                "--nodes", "8", "--sp", "64", "--ring", "auto", "--json")   # --gpus's other name
+    assert json.loads(out)["options"]["ring_size"] == 8, err
+    code, out, err = _plan_here(capsys, "--model", "llama-3-8b", "--seq-len", "1000000", "--gpus", "64", "--sp", "64",
+                                "--ring", "auto")
+    assert "SP 64 (ring 2)" in out and "Ulysses 32 x ring 2 (one node)" in err
+    code, out, err = _plan_here(capsys, *base)
+    assert code == 2 and "SP 64 with --ring 1 is Ulysses 64" in err, err
+    assert "use --ring 2 (Ulysses 32) or --ring auto" in err
+    assert _plan_here(capsys, *base, "--ring", "4")[0] == 0
+    code, out, err = _plan_here(capsys, *base, "--ring", "0")
+    assert code == 2 and "must be 'auto' or an integer >= 1" in err
 
 
 @pytest.mark.slow
@@ -552,11 +566,10 @@ def test_choose_layout_takes_the_smallest_sp_then_the_smallest_ep_that_fit_and_s
     assert not layout.plan.fits and layout.reasons[-1] == "nothing fits: the layout with the lowest peak"
 
 
-@pytest.mark.slow   # the CLI in subprocesses, as the other CLI tests
-def test_plan_cli_ep():
-    out = _cli("--model", "qwen3-30b-a3b", "--seq-len", "262144", "--gpus", "8", "--nodes", "8", "--ep", "auto",
-               "--tiled")
-    assert out.returncode == 0, out.stderr
-    assert "layout (--ep auto):" in out.stdout and "SP 2, EP 1: fits" in out.stdout, out.stdout
-    out = _cli("--model", "qwen3-30b-a3b", "--seq-len", "65536", "--ep", "3")
-    assert out.returncode == 2 and "--ep 3 must divide the 8 GPUs and the 128 routed experts" in out.stderr
+def test_plan_cli_ep(capsys):
+    code, out, err = _plan_here(capsys, "--model", "qwen3-30b-a3b", "--seq-len", "262144", "--gpus", "8", "--nodes",
+                                "8", "--ep", "auto", "--tiled")
+    assert code == 0, err
+    assert "layout (--ep auto):" in out and "SP 2, EP 1: fits" in out, out
+    code, out, err = _plan_here(capsys, "--model", "qwen3-30b-a3b", "--seq-len", "65536", "--ep", "3")
+    assert code == 2 and "--ep 3 must divide the 8 GPUs and the 128 routed experts" in err
