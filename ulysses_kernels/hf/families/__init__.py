@@ -8,10 +8,11 @@
   exchange to the head layout, by the sequence halo (and state passing), or by a key selection
   over the whole sequence.
 
-Below them, what they share: family.py (a family's declaration, `Family` and `Adapter`; each
-token-mixer module ends with one `FAMILY`), mixers.py (the head exchange's side), mixer_ring.py
-(a mixer on a ring's chunks); above them, adapters.py (the registry derived from the
-declarations, installing it and checking it). The layers are enforced (pyproject.toml, "The
+Below them, what they share: family.py (a family's declaration, `Family` and `Adapter`, each
+token-mixer module ending with one `FAMILY`; and the one protocol an adapted forward follows,
+`protocol_forward`), mixers.py (the head exchange's side), mixer_ring.py (a mixer on a ring's
+chunks); above them, adapters.py (the registry derived from the declarations, installing it
+and checking it). The layers are enforced (pyproject.toml, "The
 families").
 
 A new family goes into its mechanism's folder, as one module with its `FAMILY`, added to

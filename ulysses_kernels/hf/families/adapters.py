@@ -11,7 +11,7 @@ from torch import nn
 
 from ..model import ensure_record, record_of
 from .by_heads import gated_deltanet, kimi_delta, lightning, mamba2, xlstm
-from .family import Adapter, Family
+from .family import Adapter, Family, protocol_forward
 from .halo import cca, inkling, inkling2, mamba1, ngram, rg_lru, rwkv, short_conv
 from .sparse import block_sparse, compressed, dsa, qsa
 
@@ -70,7 +70,8 @@ def adapted_class(base: type) -> type:
     """The subclass of `base` whose forward is its adapter (ADAPTERS), made once per class."""
     made = _ADAPTED_CLASSES.get(base)
     if made is None:
-        forward = ADAPTERS[base.__name__].forward
+        adapter = ADAPTERS[base.__name__]
+        forward = protocol_forward(adapter, base) if adapter.generation is not None else adapter.forward
         made = type(base.__name__, (base,), {
             "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),
             "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})

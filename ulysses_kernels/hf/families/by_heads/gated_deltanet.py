@@ -28,11 +28,9 @@ import torch.nn.functional as F
 
 from ....api import ulysses_head_parallel
 from ....layout import place_heads
-from ...context import DecodingCache, token_mixer_call
-from ...model import refusal
 from ..family import BY_HEADS, Adapter, Family
-from ..mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from ..mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
+from ..mixer_ring import mixer_conv, portion_pieces, ring_recurrence
+from ..mixers import chunk_head_parallel, over_documents
 
 GATED_DELTANET_CLASSES = ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet",
                           "LaraMiniGatedDeltaNet", "OlmoHybridGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet")
@@ -164,14 +162,9 @@ def _heads_forward(module, cu_seqlens, state=None, portion=None):
     return run
 
 
-def _generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache):
     """A forward inside `generate` / `prefill` (hf/inference/cache.py's chunks): the layer continues
     from the states of this rank's heads, kept on the cache."""
-    context = cache.context
-    context.attention_calls += 1
-    problem = placement_problem(module, cache.ulysses[1])
-    if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}")
     B, T = hidden_states.shape[:2]
     state = cache.mixer_state(module.layer_idx, T)
     q, k, v, z, b, a = _projections(module, hidden_states)
@@ -190,28 +183,18 @@ def _gated_norm_and_output(module, core, z):
     return out(core.reshape(B, T, -1))
 
 
-def gated_deltanet_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """The layer's forward, sequence-parallel by heads (the module doc)."""
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
-        return _generation_forward(self, hidden_states, cache)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    group, world, _ = context.ulysses()
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens),
-                                       "its conv and recurrent states are sharded by heads there only")
-        return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    problem = placement_problem(self, world)
-    if problem:
-        raise refusal(None, f"{type(self).__name__}: {problem}")
-    hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+def gated_deltanet_forward(self, call, hidden_states: torch.Tensor, **_):
+    """The layer's forward over the sequence, by heads (the module doc; the protocol around
+    it: family.py)."""
     q, k, v, z, b, a = _projections(self, hidden_states)
-    portion, lens = ring_portion(context, lens)
-    core = ulysses_head_parallel(_heads_forward(self, cu_seqlens, portion=portion),
-                                 {"q": q, "k": k, "v": v, "b": b.unsqueeze(-1), "a": a.unsqueeze(-1)}, group,
-                                 seq_lens=lens)
+    core = ulysses_head_parallel(_heads_forward(self, call.cu_seqlens, portion=call.portion),
+                                 {"q": q, "k": k, "v": v, "b": b.unsqueeze(-1), "a": a.unsqueeze(-1)}, call.group,
+                                 seq_lens=call.ulysses_lens)
     return _gated_norm_and_output(self, core, z)
 
 
 # mixer_ring.py passes its state across the ring's chunks
 FAMILY = Family("gated_deltanet", (Adapter(GATED_DELTANET_CLASSES, "gated_deltanet", gated_deltanet_forward, BY_HEADS,
-                                           problem=placement_problem, runs_on_a_ring=True),))
+                                           problem=placement_problem, runs_on_a_ring=True,
+                                           generation=generation_forward, pads=True,
+                                           cache_kept="its conv and recurrent states are sharded by heads there only"),))

@@ -28,11 +28,9 @@ from typing import Optional
 import torch
 
 from ....api import ulysses_head_parallel
-from ...context import DecodingCache, token_mixer_call
-from ...model import refusal
 from ..family import BY_HEADS, Adapter, Family
-from ..mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from ..mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
+from ..mixer_ring import mixer_conv, portion_pieces, ring_recurrence
+from ..mixers import chunk_head_parallel, over_documents
 from .gated_deltanet import DeltaRuleChunks
 
 KDA_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
@@ -106,38 +104,26 @@ def _output(module, core, hidden_states):
     return module.o_proj(module.o_norm(core, gate).reshape(B, S, -1))
 
 
-def _generation_forward(module, hidden_states, cache):
-    cache.context.attention_calls += 1
-    problem = placement_problem(module, cache.ulysses[1])
-    if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}")
+def generation_forward(module, hidden_states, cache):
+    """A forward inside `generate` / `prefill`: the layer continues from the states of this
+    rank's heads, kept on the cache."""
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
     q, k, v, g, b = _inputs(module, hidden_states)
     core = chunk_head_parallel(_heads_forward(module, None, state), {"q": q, "k": k, "v": v, "g": g, "b": b}, cache)
     return _output(module, core, hidden_states)
 
 
-def kimi_delta_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """The layer's forward, sequence-parallel by heads (the module doc)."""
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_forward(self, hidden_states, cache)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    group, world, _ = context.ulysses()
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens),
-                                       "its conv and recurrent states are sharded by heads there only")
-        return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    problem = placement_problem(self, world)
-    if problem:
-        raise refusal(None, f"{type(self).__name__}: {problem}")
-    hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+def kimi_delta_forward(self, call, hidden_states: torch.Tensor, **_):
+    """The layer's forward over the sequence, by heads (the module doc; the protocol around
+    it: family.py)."""
     q, k, v, g, b = _inputs(self, hidden_states)
-    portion, lens = ring_portion(context, lens)
-    core = ulysses_head_parallel(_heads_forward(self, cu_seqlens, portion=portion),
-                                 {"q": q, "k": k, "v": v, "g": g, "b": b}, group, seq_lens=lens)
+    core = ulysses_head_parallel(_heads_forward(self, call.cu_seqlens, portion=call.portion),
+                                 {"q": q, "k": k, "v": v, "g": g, "b": b}, call.group, seq_lens=call.ulysses_lens)
     return _output(self, core, hidden_states)
 
 
 # mixer_ring.py passes its state across the ring's chunks
 FAMILY = Family("kimi_delta", (Adapter(KDA_CLASSES, "kimi_delta", kimi_delta_forward, BY_HEADS,
-                                       problem=placement_problem, runs_on_a_ring=True),))
+                                       problem=placement_problem, runs_on_a_ring=True, generation=generation_forward,
+                                       pads=True, cache_kept="its conv and recurrent states are sharded by heads "
+                                                             "there only"),))

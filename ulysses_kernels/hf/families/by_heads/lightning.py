@@ -24,11 +24,9 @@ from typing import Optional
 import torch
 
 from ....api import ulysses_head_parallel
-from ...context import DecodingCache, token_mixer_call
-from ...model import refusal
 from ..family import BY_HEADS, Adapter, Family
-from ..mixer_ring import portion_pieces, ring_portion, ring_recurrence
-from ..mixers import check_cache_outside_generation, chunk_head_parallel, original_forward, over_documents
+from ..mixer_ring import portion_pieces, ring_recurrence
+from ..mixers import chunk_head_parallel, over_documents
 
 LIGHTNING_CLASSES = ("MiniMaxLightningAttention",)
 
@@ -126,39 +124,26 @@ def _output(module, core, hidden_states):
     return module.out_proj(torch.sigmoid(module.output_gate(hidden_states)) * core)
 
 
-def _generation_forward(module, hidden_states, cache):
-    cache.context.attention_calls += 1
-    problem = placement_problem(module, cache.ulysses[1])
-    if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}")
+def generation_forward(module, hidden_states, cache):
+    """A forward inside `generate` / `prefill`: the layer continues from the states of this
+    rank's heads, kept on the cache; returns (output, None)."""
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
     q, k, v = _qkv(module, hidden_states, None)
     core = chunk_head_parallel(_heads_forward(module, None, state), {"q": q, "k": k, "v": v}, cache)
     return _output(module, core, hidden_states), None
 
 
-def lightning_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
-                      **kwargs):
-    """The layer's forward, sequence-parallel by heads (the module doc); returns (output,
-    None) as the decoder layer unpacks it."""
-    cache = cache if cache is not None else kwargs.pop("past_key_values", None)
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_forward(self, hidden_states, cache)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    group, world, _ = context.ulysses()
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its states are sharded by heads there only")
-        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-    problem = placement_problem(self, world)
-    if problem:
-        raise refusal(None, f"{type(self).__name__}: {problem}")
+def lightning_forward(self, call, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **_):
+    """The layer's forward over the sequence, by heads (the module doc; the protocol around
+    it: family.py); returns (output, None) as the decoder layer unpacks it."""
     q, k, v = _qkv(self, hidden_states, attention_mask)
-    portion, lens = ring_portion(context, lens)
-    core = ulysses_head_parallel(_heads_forward(self, cu_seqlens, portion=portion), {"q": q, "k": k, "v": v}, group,
-                                 seq_lens=lens)
+    core = ulysses_head_parallel(_heads_forward(self, call.cu_seqlens, portion=call.portion), {"q": q, "k": k, "v": v},
+                                 call.group, seq_lens=call.ulysses_lens)
     return _output(self, core, hidden_states), None
 
 
 # mixer_ring.py passes its state across the ring's chunks; MiniMax's forward insists on its own cache
 FAMILY = Family("lightning", (Adapter(LIGHTNING_CLASSES, "lightning", lightning_forward, BY_HEADS,
-                                      problem=placement_problem, runs_on_a_ring=True, own_cache="MiniMaxCache"),))
+                                      problem=placement_problem, runs_on_a_ring=True, own_cache="MiniMaxCache",
+                                      generation=generation_forward,
+                                      cache_kept="its states are sharded by heads there only"),))

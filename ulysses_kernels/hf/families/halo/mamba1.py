@@ -31,9 +31,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ...context import DecodingCache, token_mixer_call
 from ..family import STATE_PASSING, Adapter, Family
-from ..mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
+from ..mixers import causal_conv1d, conv_history
 from .halo import contiguous_layout, halo_conv, training_layout
 from .state_passing import layout_recurrence
 
@@ -118,10 +117,9 @@ def _output(module, x, y, z, dtype):
     return module.out_proj(y.to(dtype))
 
 
-def _generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache):
     """A forward inside `generate` / `prefill`: the layer continues from its conv history and
     scan state, the same on every rank, which it then replaces."""
-    cache.context.attention_calls += 1
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
     x, z = _split_projection(module, hidden_states)
     weight, bias = _conv_weights(module)
@@ -141,23 +139,18 @@ def _generation_forward(module, hidden_states, cache):
     return _output(module, x, y, z, hidden_states.dtype)
 
 
-def mamba1_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """The layer's forward (the module doc)."""
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_forward(self, hidden_states, cache)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its conv and scan states are kept there only")
-        return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+def mamba1_forward(self, call, hidden_states: torch.Tensor, attention_mask=None, **_):
+    """The layer's forward over the sequence (the module doc; the protocol around it:
+    family.py)."""
     if attention_mask is not None and bool((attention_mask == 0).any()):
         raise ValueError(f"ulysses_kernels.hf: {type(self).__name__} got an attention_mask with zeros (padding); pass "
                          "unpadded (optionally packed) batches: ulysses_kernels.hf.shard_batch unpads them")
-    layout = training_layout(context, lens)
+    layout = training_layout(call.context, call.lens)
     x, z = _split_projection(self, hidden_states)
     weight, bias = _conv_weights(self)
-    x, _ = halo_conv(x, weight, bias, layout, cu_seqlens=cu_seqlens, activation=self.activation)
+    x, _ = halo_conv(x, weight, bias, layout, cu_seqlens=call.cu_seqlens, activation=self.activation)
     x, dt, B, C, A = _after_conv(self, x)
-    y = layout_recurrence(SelectiveScan(A), [x, dt, B, C], layout, cu_seqlens)
+    y = layout_recurrence(SelectiveScan(A), [x, dt, B, C], layout, call.cu_seqlens)
     return _output(self, x, y, z, hidden_states.dtype)
 
 
@@ -170,4 +163,5 @@ def placement_problem(module, world: int) -> Optional[str]:
 
 # the halo and the state passing follow the ring's chunks
 FAMILY = Family("mamba1", (Adapter(MAMBA1_CLASSES, "mamba1", mamba1_forward, STATE_PASSING, problem=placement_problem,
-                                   runs_on_a_ring=True),))
+                                   runs_on_a_ring=True, generation=generation_forward,
+                                   cache_kept="its conv and scan states are kept there only"),))

@@ -13,13 +13,11 @@ the convolution, the same on every rank (a sharded prefill chunk leaves every ra
 chunk's last inputs, halo.py); a replicated chunk (decoding) continues from it on every rank.
 """
 
-import sys
 
 import torch
 
-from ...context import DecodingCache, token_mixer_call
 from ..family import HALO, Adapter, Family
-from ..mixers import causal_conv1d, check_cache_outside_generation, conv_history, original_forward
+from ..mixers import causal_conv1d, conv_history
 from .halo import contiguous_layout, halo_conv, training_layout
 
 SHORT_CONV_CLASSES = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
@@ -35,10 +33,9 @@ def _gated_inputs(module, hidden_states):
     return b * x, c
 
 
-def _generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache):
     """A forward inside `generate` / `prefill`: the convolution continues from the layer's
     state (every rank's copy), which it then replaces."""
-    cache.context.attention_calls += 1
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
     bx, c = _gated_inputs(module, hidden_states)
     weight, bias = _weights(module)
@@ -52,22 +49,16 @@ def _generation_forward(module, hidden_states, cache):
     return module.out_proj(c * y)
 
 
-def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+def short_conv_forward(self, call, hidden_states: torch.Tensor, **_):
     """The layer's forward on the local shard, its convolution over the global sequence (the
-    module doc)."""
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_forward(self, hidden_states, cache)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")
-        return original_forward(self)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    hidden_states = sys.modules[type(self).__module__].apply_mask_to_padding_states(hidden_states, attention_mask)
+    module doc; the protocol around it: family.py)."""
     bx, c = _gated_inputs(self, hidden_states)
     weight, bias = _weights(self)
-    y, _ = halo_conv(bx, weight, bias, training_layout(context, lens), cu_seqlens=cu_seqlens)
+    y, _ = halo_conv(bx, weight, bias, training_layout(call.context, call.lens), cu_seqlens=call.cu_seqlens)
     return self.out_proj(c * y)
 
 
 # the halo reads the ring's chunks in their global order
 FAMILY = Family("short_conv", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv_forward, HALO,
-                                       runs_on_a_ring=True),))
+                                       runs_on_a_ring=True, generation=generation_forward, pads=True,
+                                       cache_kept="its convolution state is kept there only"),))
