@@ -81,16 +81,19 @@ Design notes
   `patch_model(..., offload_checkpoints=True)` keeps the checkpointed layers' saved inputs
   in pinned host memory until the backward (`offload.py`).
 
-Files: `attention.py` (registration, masks, the attention function), `context.py` (the
-context per model), `guard.py` (what is refused), `chunked.py` (Llama 4), `generation.py`
-(`generate`, `prefill`, `decoding`), `cache.py` (the head-sharded KV cache), `trainer.py`
-(`SequenceParallelTrainerMixin` for transformers' Trainer and TRL's SFTTrainer), `batch.py`
-(`shard_batch`, unpadding, `repad`), `loss.py`, `parallel.py` (gradient reduction, DDP,
-FSDP2), `tiling.py` (tiled MLP and loss), `logprobs.py` (per-token log-probs and entropy, tiled), `rl.py` (row sums,
-GRPO and DPO losses), `offload.py` (checkpoint offload), `patch.py` (`patch_model`), `vision.py` (vision-language
-models), `mixers.py` / `gated_deltanet.py` / `mamba2.py` / `mixer_ring.py` (hybrid models), `heads.py`
-(sequence classification: reward models), `grpo_trainer.py` / `dpo_trainer.py` / `reward_trainer.py` (TRL's
-RL trainers' mixins).
+Rooms (docs/architecture.md, "The Hugging Face layer"; each imports only the rooms below it):
+`model.py` (what a model is made of, the refusal), `groups.py`, `context.py` (the context per
+model, the forward's documents); `families/` (each family's quirks, one module per family,
+grouped by mechanism: `attention/` (Llama 4, Gemma 3), `vision/`, `by_heads/`, `halo/`,
+`sparse/`; a token mixer's declaration and its one protocol in `family.py`, the registry in
+`adapters.py`); `core/` (`attention.py`: register, unregister, the attention function;
+`guard.py`: what is refused; `masks.py`, `attach.py`, `batch.py`: `shard_batch`, `heads.py`:
+exact heads, `patches.py`: register()'s process-wide changes); `inference/` (`generation.py`:
+`generate`, `prefill`, `decoding`; `cache.py`: the head-sharded cache); `training/`
+(`loss.py`, `router_loss.py`, `experts.py`, `tiling.py`, `patch.py`, `offload.py`,
+`parallel.py`: gradient reduction, DDP, FSDP2; `trainer.py`: `SequenceParallelTrainerMixin`;
+`global_batch.py`, `distributed_config.py`: SP inside transformers' `DistributedConfig`);
+`rl/` (`logprobs.py`, `losses.py`, the GRPO, DPO and reward trainers' mixins).
 """
 
 from ..extensions import HF_INSTALL_HINT

@@ -1,6 +1,5 @@
-"""Token mixers that are not attention, made sequence-parallel by heads (docs/hf_hybrids.md,
-"Hybrid models"): the adapters of the linear-attention and state-space layers the guard
-recognises, and what they share.
+"""What the token mixers that are not attention share (docs/hf_hybrids.md, "Hybrid models"),
+above all the side of the head exchange of those made sequence-parallel by heads.
 
 The rule is attention's (`ulysses_kernels.ulysses_head_parallel`): each of these layers
 mixes tokens within a head only (a gated delta rule or a selective scan per head, a
@@ -24,10 +23,11 @@ not survive what transformers does to a model afterwards (since 5.25 every `trai
 does, and the subclass refuses hub kernels (`kernel_condition`), which would run the
 one-device layer on the local shard. The module's kind is its subclass's (`adapted_kind`) and the guard
 lets it (and its layer kind) through; every outermost forward checks that no adapted
-module's forward was replaced since (`replaced_adapter_problem`). Each adapted forward
-starts with `context.token_mixer_call`, which counts it as a call of the package's token mixers
-(`context.attention_calls`, as the attention function does) and gives it the forward's
-lengths and documents.
+module's forward was replaced since (`replaced_adapter_problem`). The installing is
+adapters.py's; the protocol around each adapted forward (`context.token_mixer_call`, which
+counts it as a call of the package's token mixers and gives it the forward's lengths and
+documents, then the cache, placement, padding and ring rules) is family.py's
+`protocol_forward`, for the families that declare their generation forward.
 """
 
 import types
