@@ -101,7 +101,7 @@ def run_case(folder, family, case, mutants=False):
         out["refused"] = _refusal(model, 3)
         out["trainer_refused"] = _trainer_refusal(model, folder)
         original = loss_module.router_aux_loss   # the router loss of this rank's shard alone
-        loss_module.router_aux_loss = lambda logits, e, k, group=None: original(logits, e, k, None)
+        loss_module.router_aux_loss = lambda logits, e, k, group=None: original(logits, e, k, local=True)
         try:
             out["shard_aux_loss"] = float(ukhf.causal_lm_loss(model, batch, groups))
         finally:
@@ -248,7 +248,10 @@ def test_the_mutations_fail():
         got = result["qwen3_moe"]
         mean_err = max(rel_err(got["mean_grads"][n], g) for n, g in grads.items())
         assert mean_err > 0.4, mean_err
-        assert abs(got["shard_aux_loss"] - losses[got["dp"]]) / losses[got["dp"]] > 10 * TOL   # measured 6.5e-4
+        shard_err = abs(got["shard_aux_loss"] - losses[got["dp"]]) / losses[got["dp"]]
+        print(f"DP group {got['dp']}: FSDP's mean: gradient rel err {mean_err:.2f}; router loss of the shard alone: "
+              f"loss rel err {shard_err:.1e}")
+        assert shard_err > 10 * TOL
 
 
 def test_an_sp_size_that_does_not_divide_fsdp_is_refused_on_every_rank():
