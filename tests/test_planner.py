@@ -476,6 +476,9 @@ def test_a_vision_language_config_plans_its_language_model():
     assert (shape.moe.layers, shape.moe.experts, shape.moe.width, shape.moe.shared_width) == (40, 256, 512, 512)
     assert shape.mixer.kind == "gated_deltanet" and shape.attention_layer_count == 10 and shape.intermediate == 0
     assert shape.params == 34_660_610_688
+    # its top-level config says whether the embeddings are tied (transformers ties by it)
+    tied = shape_from_dict(transformers.AutoConfig.for_model("qwen3_5_moe", tie_word_embeddings=True).to_dict())
+    assert tied.tied_embeddings and tied.params == shape.params - 248320 * 2048
 
 
 def test_qwen3_5_122b_a10b_preset_counts_its_experts_and_totals():

@@ -463,7 +463,10 @@ def language_model_config(cfg: dict) -> dict:
     weights, under 1% of these models, are not counted), else `cfg` itself."""
     text = cfg.get("text_config")
     if isinstance(text, dict) and "num_attention_heads" not in cfg:
-        return dict(text, model_type=text.get("model_type") or f"{cfg.get('model_type')}_text")
+        # the model ties its embeddings as its top-level config says (transformers' tie_weights)
+        tied = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return dict(text, model_type=text.get("model_type") or f"{cfg.get('model_type')}_text",
+                    tie_word_embeddings=tied)
     return cfg
 
 

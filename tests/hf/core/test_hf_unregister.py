@@ -17,18 +17,27 @@ pytest.importorskip("transformers")
 from helpers import ROOT  # noqa: E402
 
 SCRIPT = r'''
-import json, torch, transformers
+import importlib, json, torch, transformers
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers import modeling_layers
-from transformers.models.git import modeling_git
-from transformers.models.gpt_neo import modeling_gpt_neo
+
+# the families' own attention tables this transformers has (guard.OWN_ATTENTION_TABLES' list,
+# read here before the package is imported: Falcon's is in 5.24 only)
+TABLES = {}
+for family, table in {"falcon": "FALCON_ATTENTION_CLASSES", "git": "GIT_SELF_ATTENTION_CLASSES",
+                      "gpt_neo": "GPT_NEO_ATTENTION_CLASSES"}.items():
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        continue
+    if isinstance(getattr(module, table, None), dict):
+        TABLES[family] = getattr(module, table)
 
 def state():
     """Every object register() may change, by identity."""
     return {"attention": dict(AttentionInterface._global_mapping),
             "masks": dict(AttentionMaskInterface._global_mapping),
-            "git": dict(modeling_git.GIT_SELF_ATTENTION_CLASSES),
-            "gpt_neo": dict(modeling_gpt_neo.GPT_NEO_ATTENTION_CLASSES),
+            **{family: dict(table) for family, table in TABLES.items()},
             "sequence": modeling_layers.GenericForSequenceClassification.__dict__.get("forward"),
             "token": modeling_layers.GenericForTokenClassification.__dict__.get("forward"),
             "call": PreTrainedModel.__dict__.get("__call__")}
@@ -70,8 +79,10 @@ except Exception as exc:
     unknown = f"{type(exc).__name__}: {exc}"
 ukhf.register()
 again = "ulysses" in AttentionInterface._global_mapping and len(ukhf.process_patches()) == len(patches)
+from ulysses_kernels.hf.core.guard import OWN_ATTENTION_TABLES
 print(json.dumps(dict(changed=sorted(changed), patches=patches, twice=twice, restored=restored, bitwise=bitwise,
-                      unknown=unknown, again=again)))
+                      unknown=unknown, again=again, tables=sorted(TABLES),
+                      guarded=sorted(OWN_ATTENTION_TABLES))))
 '''
 
 
@@ -80,9 +91,12 @@ def test_unregister_leaves_transformers_as_before_the_import():
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
     print(json.dumps(found, indent=1))
-    # register() changed all seven objects, each recorded once
-    assert found["changed"] == ["attention", "call", "git", "gpt_neo", "masks", "sequence", "token"], found
-    assert len(found["patches"]) == 7 and found["twice"], found["patches"]
+    # register() changed every object, each recorded once (transformers 5.25: seven; 5.24 has
+    # Falcon's table too), and the test watched every table the guard patches
+    assert set(found["tables"]) <= set(found["guarded"]) and {"git", "gpt_neo"} <= set(found["tables"]), found
+    expected = sorted(["attention", "call", "masks", "sequence", "token", *found["tables"]])
+    assert found["changed"] == expected, found
+    assert len(found["patches"]) == len(expected) and found["twice"], found["patches"]
     assert found["restored"] and found["bitwise"], found
     assert found["unknown"].startswith("ValueError") and "ulysses" in found["unknown"], found["unknown"]
     assert found["again"]

@@ -1,7 +1,8 @@
 """Which load-balancing loss the package adds for a mixture of experts (ulysses_kernels/hf/
 training/router_loss.py), one process, no process group: the terms are read where each
 family's own forward reads them (JetMoE's `aux_loss_coef`, which the package used to miss
-and so dropped its router loss), a coefficient of 0 adds none, and a family whose
+and so dropped its router loss; a vision-language model's text config, as Qwen3.5-MoE's
+forward reads it), a coefficient of 0 adds none, and a family whose
 `load_balancing_loss_func` is not the one `router_aux_loss` computes (Doge's, or any
 function changed under it) is refused rather than given another loss."""
 
@@ -44,6 +45,31 @@ def test_the_terms_are_the_ones_the_family_forward_reads(family, experts, coeffi
     model = tiny(family)
     terms = router_loss.router_loss_of(model)
     assert terms == router_loss.RouterLoss(experts, 2, coefficient)
+    ids = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, labels=ids)
+    plain = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:])
+    ours = terms.coefficient * router_aux_loss(out.router_logits, terms.num_experts, terms.top_k, local=True)
+    assert abs(float(out.loss - plain) - float(ours)) < 1e-5
+
+
+def test_a_vision_language_model_reads_its_text_config():
+    """Qwen3.5-MoE's ForConditionalGeneration keeps the terms on `config.text_config` only
+    (its forward reads `self.config.text_config.router_aux_loss_coef`): they are read there,
+    and the package's loss is the forward's own."""
+    import transformers
+
+    text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+                num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.25,
+                linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                layer_types=["linear_attention", "full_attention"])
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(
+        transformers.AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision))
+    terms = router_loss.router_loss_of(model)
+    assert terms == router_loss.RouterLoss(4, 2, 0.25)
     ids = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(1))
     out = model(input_ids=ids, labels=ids)
     plain = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:])

@@ -2,7 +2,8 @@
 gets which sequence-parallel forward (`ADAPTERS`, derived from the families' declarations,
 `FAMILIES`: family.py), and installing them on a model, checking them and taking them off.
 The forwards themselves are the families' (gated_deltanet.py, mamba2.py, short_conv.py, ...);
-what they share is mixers.py (the head exchange's side) and halo.py (the sequence halo)."""
+what they share is mixers.py (the head exchange's side), mixer_ring.py and halo/halo.py (the
+sequence halo)."""
 
 import sys
 from typing import Dict, List, Optional, Tuple

@@ -105,7 +105,7 @@ class MixerCall(NamedTuple):
     group: Any                # the Ulysses group
     world: int                # its size
     portion: Optional[Any]    # this rank's RingPortion under a ring (a mixer by heads; else None)
-    ulysses_lens: List[int]   # the lengths of this rank's Ulysses group (`lens` without a ring)
+    ulysses_lens: List[int]   # a mixer by heads: its Ulysses group's lengths (`lens` without a ring; others: `lens`)
 
 
 def protocol_forward(adapter: Adapter, base: type):

@@ -51,12 +51,12 @@ def router_aux_loss(router_logits, num_experts: int, top_k: int, group=None, *, 
         counts = counts + torch.bincount(chosen, minlength=num_experts).to(p.dtype)
         probs = probs + p.sum(dim=0)
         rows += p.shape[0]
-    local = torch.cat([counts.detach(), probs.detach(), probs.new_tensor([rows])]).double()
+    sums = torch.cat([counts.detach(), probs.detach(), probs.new_tensor([rows])]).double()
     if group is not None and world > 1:
-        shared = local.to(collective_device(group))
+        shared = sums.to(collective_device(group))
         dist.all_reduce(shared, group=group)
-        local = shared.to(probs.device)
-    total_counts, total_probs, total_rows = local[:num_experts], local[num_experts:-1], local[-1].clamp(min=1)
+        sums = shared.to(probs.device)
+    total_counts, total_probs, total_rows = sums[:num_experts], sums[num_experts:-1], sums[-1].clamp(min=1)
     probs_all = probs + (total_probs - probs.detach().double()).to(probs.dtype)  # value global, gradient local
     return num_experts * (total_counts.to(probs.dtype) * probs_all).sum() / total_rows.to(probs.dtype) ** 2
 
@@ -66,7 +66,7 @@ def router_loss_of(model: nn.Module) -> Optional[RouterLoss]:
     its coefficient is 0 or unset, so its forward adds none); NotSequenceParallelError when
     its family's loss is not the one `router_aux_loss` computes."""
     inner = unwrap(model)
-    config = getattr(inner, "config", None)
+    config = _decoder_config(getattr(inner, "config", None))
     coefficient = next((getattr(inner, name) for name in COEFFICIENT_ATTRS if hasattr(inner, name)),
                        getattr(config, "router_aux_loss_coef", None))
     if not coefficient:
@@ -79,6 +79,14 @@ def router_loss_of(model: nn.Module) -> Optional[RouterLoss]:
         raise refusal(inner, problem, "Train it with output_router_logits=False (no load-balancing loss), or "
                                       "without sequence parallelism.")
     return RouterLoss(int(experts), int(top_k), float(coefficient))
+
+
+def _decoder_config(config):
+    """The config a family's forward reads its loss terms from where its module has none of
+    its own: a vision-language model's text config (Qwen3.5-MoE, Qwen3-VL-MoE, GLM-4.5V, ...:
+    `self.config.text_config.router_aux_loss_coef`), else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if callable(get) else config
 
 
 def _function_problem(model: nn.Module, experts, top_k) -> Optional[str]:
