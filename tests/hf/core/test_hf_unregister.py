@@ -4,7 +4,8 @@ Python process (this test process has imported and registered the package alread
 process-wide table entry and method `register()` changes is the very object it was before
 the import, a tiny Llama's logits and its sequence- and token-classification losses are
 bit-identical to those computed before the import, loading with
-attn_implementation="ulysses" gets transformers' own error, and `register()` again works."""
+attn_implementation="ulysses" gets transformers' own error, `register()` again works, and an
+entry someone else replaced after `register()` is left to them."""
 
 import json
 import subprocess
@@ -79,9 +80,16 @@ except Exception as exc:
     unknown = f"{type(exc).__name__}: {exc}"
 ukhf.register()
 again = "ulysses" in AttentionInterface._global_mapping and len(ukhf.process_patches()) == len(patches)
+# a change made over the package's after register() is not undone by unregister()
+ukhf.register()
+theirs = lambda *args, **kwargs: None
+AttentionInterface._global_mapping["ulysses"] = theirs
+ukhf.unregister()
+kept_theirs = AttentionInterface._global_mapping.get("ulysses") is theirs
+del AttentionInterface._global_mapping["ulysses"]
 from ulysses_kernels.hf.core.guard import OWN_ATTENTION_TABLES
 print(json.dumps(dict(changed=sorted(changed), patches=patches, twice=twice, restored=restored, bitwise=bitwise,
-                      unknown=unknown, again=again, tables=sorted(TABLES),
+                      unknown=unknown, again=again, kept_theirs=kept_theirs, tables=sorted(TABLES),
                       guarded=sorted(OWN_ATTENTION_TABLES))))
 '''
 
@@ -99,4 +107,4 @@ def test_unregister_leaves_transformers_as_before_the_import():
     assert len(found["patches"]) == len(expected) and found["twice"], found["patches"]
     assert found["restored"] and found["bitwise"], found
     assert found["unknown"].startswith("ValueError") and "ulysses" in found["unknown"], found["unknown"]
-    assert found["again"]
+    assert found["again"] and found["kept_theirs"]

@@ -4,7 +4,8 @@ their undoing (`ukhf.unregister()`; docs/hf.md, "What register() changes in tran
 `register()` is the only place the package changes transformers for the whole process (every
 other change is on one model, and `attach_context` / `unpatch_model` undo those). Each change
 is recorded here when it is made, with how to restore what was there before, so that
-`unregister()` leaves transformers as if the package had never been imported:
+`unregister()` leaves transformers as if the package had never been imported (a change
+someone else has made over the package's since is left to them):
 
 - ``AttentionInterface`` and ``AttentionMaskInterface``: the ``"ulysses"`` entries;
 - the attention tables of the families that keep their own (guard.OWN_ATTENTION_TABLES):
@@ -37,16 +38,34 @@ def undo_process_patches() -> None:
 
 
 def set_entry(mapping: dict, key, value, what: str) -> None:
-    """`mapping[key] = value`, recorded (undone: the key's former value, or no key)."""
+    """`mapping[key] = value`, recorded (undone: the key's former value, or no key; left
+    alone if something else has replaced the package's value since)."""
     had, before = key in mapping, mapping.get(key)
     mapping[key] = value
-    record(what, (lambda: mapping.__setitem__(key, before)) if had else (lambda: mapping.pop(key, None)))
+
+    def undo():
+        if mapping.get(key) is not value:
+            return
+        if had:
+            mapping[key] = before
+        else:
+            mapping.pop(key, None)
+    record(what, undo)
 
 
 def set_attribute(owner, name: str, value, what: str) -> None:
     """`owner.name = value`, recorded (undone: the attribute `owner` itself held before, or
-    none, so that an inherited one shows through again)."""
+    none, so that an inherited one shows through again; left alone if something else has
+    replaced the package's value since)."""
     missing = object()
-    before = owner.__dict__.get(name, missing) if hasattr(owner, "__dict__") else getattr(owner, name, missing)
+    before = owner.__dict__.get(name, missing)
     setattr(owner, name, value)
-    record(what, (lambda: delattr(owner, name)) if before is missing else (lambda: setattr(owner, name, before)))
+
+    def undo():
+        if owner.__dict__.get(name, missing) is not value:
+            return
+        if before is missing:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, before)
+    record(what, undo)
