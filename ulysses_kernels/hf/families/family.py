@@ -13,7 +13,7 @@ forward, `protocol_forward`, which in this order:
 
 1. inside `generate` / `prefill` (the package's head-sharded `DecodingCache`): counts the
    call, refuses a head placement the cache's Ulysses size does not allow, and runs the
-   adapter's `generation(module, hidden_states, cache)`;
+   adapter's `generation(module, hidden_states, cache, **the layer's other arguments)`;
 2. otherwise takes the call's lengths and documents from the context, counting it
    (`context.token_mixer_call`: the guard's call check);
 3. given any other cache (transformers makes one unless `use_cache=False`): lets
@@ -59,7 +59,7 @@ class Adapter:
     it reads), which the decoding cache derives from; prepare_cache(module, cache): what a new
     decoding cache needs before the layer first runs.
 
-    With `generation(module, hidden_states, cache)` declared, the layer follows the one
+    With `generation(module, hidden_states, cache, **its other arguments)` declared, the layer follows the one
     protocol (below): `forward(module, call, hidden_states, **its other arguments)` is
     then only the layer's own sequence forward (`call`: MixerCall), `cache_kept` says
     where its states live instead of a cache given outside generation, and `pads` applies
@@ -128,7 +128,7 @@ def protocol_forward(adapter: Adapter, base: type):
         if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
             cache.context.attention_calls += 1
             _refuse_placement(self, adapter, cache.ulysses[1])
-            return adapter.generation(self, hidden_states, cache)
+            return adapter.generation(self, hidden_states, cache, **arguments, **extra)
         context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], extra)
         group, world, _ = context.ulysses()
         if cache is not None:

@@ -162,7 +162,7 @@ def _heads_forward(module, cu_seqlens, state=None, portion=None):
     return run
 
 
-def generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache, **_):
     """A forward inside `generate` / `prefill` (hf/inference/cache.py's chunks): the layer continues
     from the states of this rank's heads, kept on the cache."""
     B, T = hidden_states.shape[:2]

@@ -104,7 +104,7 @@ def _output(module, core, hidden_states):
     return module.o_proj(module.o_norm(core, gate).reshape(B, S, -1))
 
 
-def generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache, **_):
     """A forward inside `generate` / `prefill`: the layer continues from the states of this
     rank's heads, kept on the cache."""
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])

@@ -124,7 +124,7 @@ def _output(module, core, hidden_states):
     return module.out_proj(torch.sigmoid(module.output_gate(hidden_states)) * core)
 
 
-def generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache, **_):
     """A forward inside `generate` / `prefill`: the layer continues from the states of this
     rank's heads, kept on the cache; returns (output, None)."""
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])

@@ -24,9 +24,8 @@ chunk (decoding) continues from it on every rank.
 
 import torch
 
-from ...context import DecodingCache, token_mixer_call
 from ..family import HALO, Adapter, Family
-from ..mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
+from ..mixers import refuse_conv_padding
 from .halo import generation_layout, halo_map, training_layout
 
 CCA_CLASSES = ("ZayaCCAProjection",)
@@ -74,7 +73,7 @@ def _projections(module, hidden_states, rows, mixed):
     return query, key, value
 
 
-def _generation_forward(module, hidden_states, cache, conv_mask):
+def generation_forward(module, hidden_states, cache, conv_mask=None, **_):
     """A forward inside `generate` / `prefill`: the causal part continues from the layer's
     state (every rank's copy), which it then replaces."""
     refuse_conv_padding(module, conv_mask)
@@ -86,22 +85,17 @@ def _generation_forward(module, hidden_states, cache, conv_mask):
     return _projections(module, hidden_states, rows, mixed)
 
 
-def cca_projection_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
+def cca_projection_forward(self, call, hidden_states: torch.Tensor, conv_mask=None, **_):
     """The projection of the local shard, its convolutions and delayed value over the global
-    sequence (the module doc)."""
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_forward(self, hidden_states, cache, conv_mask)
-    if cache is None:   # (the package's mask function refuses a padded batch first: a mask is never dropped here)
-        refuse_conv_padding(self, conv_mask)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its convolution state is kept there only")
-        return original_forward(self)(hidden_states, cache, conv_mask)
+    sequence (the module doc; the protocol around it: family.py). (The package's mask function
+    refuses a padded batch first: a mask is never dropped here.)"""
+    refuse_conv_padding(self, conv_mask)
     rows = _rows(self, hidden_states)
-    mixed, _ = halo_map(rows, _mixed_operator(self), _width(self), training_layout(context, lens),
-                        cu_seqlens=cu_seqlens)
+    mixed, _ = halo_map(rows, _mixed_operator(self), _width(self), training_layout(call.context, call.lens),
+                        cu_seqlens=call.cu_seqlens)
     return _projections(self, hidden_states, rows, mixed)
 
 
 # the halo reads the ring's chunks in their global order
-FAMILY = Family("cca", (Adapter(CCA_CLASSES, "cca", cca_projection_forward, HALO, runs_on_a_ring=True),))
+FAMILY = Family("cca", (Adapter(CCA_CLASSES, "cca", cca_projection_forward, HALO, runs_on_a_ring=True,
+                                generation=generation_forward, cache_kept="its convolution state is kept there only"),))

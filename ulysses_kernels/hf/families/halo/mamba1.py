@@ -117,7 +117,7 @@ def _output(module, x, y, z, dtype):
     return module.out_proj(y.to(dtype))
 
 
-def generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache, **_):
     """A forward inside `generate` / `prefill`: the layer continues from its conv history and
     scan state, the same on every rank, which it then replaces."""
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])

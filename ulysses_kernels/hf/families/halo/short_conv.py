@@ -33,7 +33,7 @@ def _gated_inputs(module, hidden_states):
     return b * x, c
 
 
-def generation_forward(module, hidden_states, cache):
+def generation_forward(module, hidden_states, cache, **_):
     """A forward inside `generate` / `prefill`: the convolution continues from the layer's
     state (every rank's copy), which it then replaces."""
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
