@@ -112,3 +112,35 @@ def test_the_protocol_is_written_once():
              if all(a.generation is not None for a in module.FAMILY.adapters)}
     assert moved == {"gated_deltanet", "kimi_delta", "lightning", "short_conv", "mamba1", "cca"}
 
+
+# Adapted classes whose families have test modules of their own (tiny configs with their own
+# overrides), beside the hybrid tests' family lists.
+TESTED_ELSEWHERE = {
+    "DeepseekV32Attention": "test_hf_dsa.py", "GlmMoeDsaAttention": "test_hf_dsa.py", "AXK2Attention": "test_hf_dsa.py",
+    "HYV4Attention": "test_hf_dsa.py", "Dots3NoteTextAttention": "test_hf_dsa.py",
+    "MiniMaxM3VLAttention": "test_hf_block_sparse.py", "DeepseekV4Attention": "test_hf_compressed.py",
+    "Qwen4ExpTextPLELayer": "test_hf_qsa.py",
+}
+
+
+@pytest.mark.slow   # builds the hybrid tests' tiny models (about 8 s)
+def test_the_hybrid_tests_cover_the_registry_and_its_ring_flags():
+    """The tiny models of test_hf_hybrid.py's family lists hold every adapted class (but those
+    tested in their own modules, TESTED_ELSEWHERE, whose files exist); the ring tests'
+    (RING_FAMILIES) hold a class of every adapter declared `runs_on_a_ring`, and no class of
+    an adapter that is not (so a declaration's ring flag is the one the ring tests run)."""
+    import test_hf_hybrid as hybrid
+    from tiny_models import build_tiny_model
+
+    families = set(hybrid.RING_FAMILIES + hybrid.INKLING_FAMILIES + hybrid.XLSTM_FAMILIES + ("qwen4_exp_text",))
+    held = {family: {type(m).__name__ for m in build_tiny_model(family, "eager").modules()} & set(adapters.ADAPTERS)
+            for family in sorted(families)}
+    covered = set().union(*held.values())
+    assert set(adapters.ADAPTERS) - covered == set(TESTED_ELSEWHERE)
+    assert all((ROOT / "tests" / "hf" / "families" / name).exists() for name in TESTED_ELSEWHERE.values())
+    on_ring = set().union(*(held[family] for family in hybrid.RING_FAMILIES))
+    assert all(adapters.ADAPTERS[name].runs_on_a_ring for name in on_ring)
+    flagged = {id(a): a for a in adapters.ADAPTERS.values() if a.runs_on_a_ring}
+    assert all(set(a.classes) & on_ring for a in flagged.values()), [a.classes for a in flagged.values()
+                                                                     if not set(a.classes) & on_ring]
+
