@@ -37,6 +37,16 @@ def tiny(family, **extra):
     return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(family, **fields))
 
 
+def assert_the_forwards_router_loss(model, terms):
+    """The model's own loss minus its cross-entropy (a real forward) is the package's
+    `router_aux_loss` with `terms`, on the forward's router logits."""
+    ids = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(1))
+    out = model(input_ids=ids, labels=ids)
+    plain = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:])
+    ours = terms.coefficient * router_aux_loss(out.router_logits, terms.num_experts, terms.top_k, local=True)
+    assert abs(float(out.loss - plain) - float(ours)) < 1e-5
+
+
 @pytest.mark.parametrize("family,experts,coefficient", [("mixtral", 4, 0.5), ("qwen3_moe", 6, 0.25),
                                                          ("gpt_oss", 4, 0.5), ("jetmoe", 4, 0.3)])
 def test_the_terms_are_the_ones_the_family_forward_reads(family, experts, coefficient):
@@ -45,11 +55,7 @@ def test_the_terms_are_the_ones_the_family_forward_reads(family, experts, coeffi
     model = tiny(family)
     terms = router_loss.router_loss_of(model)
     assert terms == router_loss.RouterLoss(experts, 2, coefficient)
-    ids = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(1))
-    out = model(input_ids=ids, labels=ids)
-    plain = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:])
-    ours = terms.coefficient * router_aux_loss(out.router_logits, terms.num_experts, terms.top_k, local=True)
-    assert abs(float(out.loss - plain) - float(ours)) < 1e-5
+    assert_the_forwards_router_loss(model, terms)
 
 
 def test_a_vision_language_model_reads_its_text_config():
@@ -70,11 +76,7 @@ def test_a_vision_language_model_reads_its_text_config():
         transformers.AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=vision))
     terms = router_loss.router_loss_of(model)
     assert terms == router_loss.RouterLoss(4, 2, 0.25)
-    ids = torch.randint(0, 64, (1, 11), generator=torch.Generator().manual_seed(1))
-    out = model(input_ids=ids, labels=ids)
-    plain = torch.nn.functional.cross_entropy(out.logits[0, :-1].float(), ids[0, 1:])
-    ours = terms.coefficient * router_aux_loss(out.router_logits, terms.num_experts, terms.top_k, local=True)
-    assert abs(float(out.loss - plain) - float(ours)) < 1e-5
+    assert_the_forwards_router_loss(model, terms)
 
 
 def test_a_zero_coefficient_adds_no_loss():

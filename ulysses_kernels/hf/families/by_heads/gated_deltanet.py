@@ -146,20 +146,27 @@ def _heads_forward(module, cu_seqlens, state=None, portion=None):
         # as the layer computes it: in float32 (A might be -inf in fp16)
         g = -module.A_log[index].float().exp() * F.softplus(local["a"][..., 0].float() + module.dt_bias[index])
 
-        if state is not None:
-            out, state["recurrent"] = rule(q, k, v, g=g, beta=beta, initial_state=state.get("recurrent"),
-                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
-            return out
-        if portion is not None:
-            return ring_recurrence(DeltaRuleChunks(rule), portion_pieces(portion, [q, k, v, g, beta]), portion,
-                                   cu_seqlens)
-
-        def one_document(q, k, v, g, beta):
-            out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                          use_qk_l2norm_in_kernel=True)
-            return out
-        return over_documents(one_document, [q, k, v, g, beta], cu_seqlens)
+        return run_delta_rule(rule, [q, k, v, g, beta], cu_seqlens, state=state, portion=portion)
     return run
+
+
+def run_delta_rule(rule, inputs, cu_seqlens, *, state=None, portion=None):
+    """A delta rule (Gated DeltaNet's, Kimi Delta Attention's: `rule(q, k, v, g=, beta=, ...)`)
+    over `inputs` `[q, k, v, g, beta]` of this rank's heads: in generation after the state
+    kept on the cache (`state["recurrent"]`, replaced), on a ring's portion (mixer_ring.py),
+    else each document from a zero state."""
+    q, k, v, g, beta = inputs
+    if state is not None:
+        out, state["recurrent"] = rule(q, k, v, g=g, beta=beta, initial_state=state.get("recurrent"),
+                                       output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out
+    if portion is not None:
+        return ring_recurrence(DeltaRuleChunks(rule), portion_pieces(portion, inputs), portion, cu_seqlens)
+
+    def one_document(q, k, v, g, beta):
+        return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=True)[0]
+    return over_documents(one_document, inputs, cu_seqlens)
 
 
 def generation_forward(module, hidden_states, cache, **_):

@@ -29,9 +29,9 @@ import torch
 
 from ....api import ulysses_head_parallel
 from ..family import BY_HEADS, Adapter, Family
-from ..mixer_ring import mixer_conv, portion_pieces, ring_recurrence
-from ..mixers import chunk_head_parallel, over_documents
-from .gated_deltanet import DeltaRuleChunks
+from ..mixer_ring import mixer_conv
+from ..mixers import chunk_head_parallel
+from .gated_deltanet import run_delta_rule
 
 KDA_CLASSES = ("KimiLinearDeltaAttention", "BailingHybridDeltaAttention")
 
@@ -83,18 +83,7 @@ def _heads_forward(module, cu_seqlens, state=None, portion=None):
         mixed = mixer_conv(mixed, weight, bias, module.activation, cu_seqlens=cu_seqlens, state=state, portion=portion)
         q, k, v = (t.reshape(B, S, H, D) for t in mixed.split(H * D, dim=-1))
         g, beta = local["g"], local["b"][..., 0].sigmoid()
-        if state is not None:
-            out, state["recurrent"] = rule(q, k, v, g=g, beta=beta, initial_state=state.get("recurrent"),
-                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
-            return out
-        if portion is not None:
-            return ring_recurrence(DeltaRuleChunks(rule), portion_pieces(portion, [q, k, v, g, beta]), portion,
-                                   cu_seqlens)
-
-        def one_document(q, k, v, g, beta):
-            return rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
-                        use_qk_l2norm_in_kernel=True)[0]
-        return over_documents(one_document, [q, k, v, g, beta], cu_seqlens)
+        return run_delta_rule(rule, [q, k, v, g, beta], cu_seqlens, state=state, portion=portion)
     return run
 
 
