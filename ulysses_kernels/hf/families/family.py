@@ -11,16 +11,22 @@ function as an attribute.
 The protocol: an adapter that declares its `generation` forward gets, as its class's
 forward, `protocol_forward`, which in this order:
 
-1. inside `generate` / `prefill` (the package's head-sharded `DecodingCache`): counts the
-   call, refuses a head placement the cache's Ulysses size does not allow, and runs the
-   adapter's `generation(module, hidden_states, cache, **the layer's other arguments)`;
+1. inside `generate` / `prefill` (the package's head-sharded `DecodingCache`, or the
+   `LayerSlot` of it a model hands each layer): counts the call, refuses a head placement
+   the cache's Ulysses size does not allow, and runs the adapter's `generation(module,
+   hidden_states, cache (the slot as given), **the layer's other arguments)`; with
+   `decoding_from_context`, the context's decoding cache (`inference_cache`), whatever the
+   layer is given, its own cache argument (its model's states) staying among the others;
 2. otherwise takes the call's lengths and documents from the context, counting it
    (`context.token_mixer_call`: the guard's call check);
 3. given any other cache (transformers makes one unless `use_cache=False`): lets
    transformers' own forward fill it where nothing is sharded (one rank, one document per
-   row), else refuses on every rank (`mixers.check_cache_outside_generation`, with the
-   adapter's `cache_kept`);
-4. refuses a head placement the Ulysses size does not allow (`problem`);
+   row; the cache under the name that forward takes), else refuses on every rank
+   (`mixers.check_cache_outside_generation`, with the adapter's `cache_kept`); refuses it
+   whatever the size where the adapter declares `cache_refused`; where it declares
+   `cache_rule`, applies that instead (with or without a cache), then goes on;
+4. refuses a head placement the Ulysses size does not allow (`problem`, advising the
+   adapter's `placement_advice`);
 5. applies the padding mask the way the layer's modeling module does (`pads`);
 6. under a ring, cuts this rank's portion (`mixer_ring.ring_portion`) for a mixer by heads;
 7. runs the adapter's `forward(module, call, hidden_states, **the layer's other arguments)`
@@ -28,12 +34,13 @@ forward, `protocol_forward`, which in this order:
 
 A family writes only what is its own: the sequence forward and the generation forward."""
 
+import contextvars
 import inspect
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
-from ..context import DecodingCache, token_mixer_call
+from ..context import DecodingCache, context_of, require_default_context, token_mixer_call
 from ..model import refusal
 from .mixer_ring import ring_portion
 from .mixers import check_cache_outside_generation, original_forward
@@ -64,7 +71,22 @@ class Adapter:
     then only the layer's own sequence forward (`call`: MixerCall), `cache_kept` says
     where its states live instead of a cache given outside generation, and `pads` applies
     the padding mask as the layer's modeling module does. Without it, `forward` is the whole
-    forward (the adapters not moved onto the protocol yet)."""
+    forward (the adapters not moved onto the protocol yet). cache_refused: (why, what to do)
+    where a cache outside generation is refused on any number of ranks instead (its model's
+    own use of it cannot run: xLSTM's chunked inference); placement_advice: what a refusal by
+    `problem` in a forward advises (empty: the package's default advice).
+
+    Where the layer's model keeps the layer's states itself (on the module, in a list of its
+    own: RecurrentGemma, RWKV): `decoding_from_context` takes the decoding cache from the
+    context (`inference_cache`, as the attention function does), not from the layer's
+    arguments, and leaves its cache argument (its model's states) among the arguments its
+    `generation` gets; `cache_rule(module, context, cache, **its other arguments)` is its own
+    rule outside generation instead of step 3's: it raises where refused, else the package's
+    forward runs (transformers' own would keep the states per rank).
+
+    members(base): more members of the adapted class (a users' declaration wraps the method
+    it names: by_heads/declared.py, halo/declared.py); generates: False where `make_cache`
+    must refuse (a users' declaration says nothing of the layer's decoding state)."""
     classes: Tuple[str, ...]
     kind: str
     forward: Callable
@@ -76,6 +98,12 @@ class Adapter:
     generation: Optional[Callable] = None
     cache_kept: str = ""
     pads: bool = False
+    cache_refused: Tuple[str, ...] = ()
+    placement_advice: str = ""
+    decoding_from_context: bool = False
+    cache_rule: Optional[Callable] = None
+    members: Optional[Callable] = None
+    generates: bool = True
 
     def __post_init__(self):
         if self.mechanism not in MECHANISMS:
@@ -87,14 +115,25 @@ class Family:
     """One family module's adapters, under the family's name."""
     name: str
     adapters: Tuple[Adapter, ...]
+    attention: Tuple[str, ...] = ()   # a users' declaration: its attention classes (InterfaceAttention)
 
     @property
     def classes(self) -> Tuple[str, ...]:
         return tuple(name for adapter in self.adapters for name in adapter.classes)
 
 
-# where transformers' layers take their cache (5.25: `cache`; 5.24: `cache_params`; MiniMax: `past_key_values`)
-CACHE_NAMES = ("cache", "cache_params", "past_key_values")
+# where transformers' layers take their cache (5.25: `cache`; 5.24: `cache_params`; MiniMax: `past_key_values`;
+# xLSTM and RWKV: `state`, their model's recurrent states)
+CACHE_NAMES = ("cache", "cache_params", "past_key_values", "state")
+
+
+class LayerSlot:
+    """Layer `layer`'s entry of the decoding cache `cache`, for a model that hands each layer
+    its own entry of its cache rather than the cache (xLSTM's `rnn_state[layer]`:
+    by_heads/xlstm.py): the protocol dispatches it as the decoding cache."""
+
+    def __init__(self, cache: DecodingCache, layer: int):
+        self.cache, self.layer = cache, layer
 
 
 class MixerCall(NamedTuple):
@@ -115,6 +154,7 @@ def protocol_forward(adapter: Adapter, base: type):
     signature = inspect.signature(base.forward)
     params = signature.parameters
     hidden_name = list(params)[1]
+    own_cache_name = next((name for name in CACHE_NAMES if name in params), None)
     var_keyword = next((name for name, p in params.items() if p.kind is p.VAR_KEYWORD), None)
 
     def forward(self, *args, **kwargs):
@@ -122,18 +162,23 @@ def protocol_forward(adapter: Adapter, base: type):
         extra = dict(arguments.pop(var_keyword, None) or {}) if var_keyword else {}
         arguments.pop("self")
         hidden_states = arguments.pop(hidden_name)
+        if adapter.decoding_from_context:   # before the cache is taken out: it holds the model's states
+            decoding = (context_of(self) or require_default_context()).inference_cache
+            if decoding is not None:
+                return _generation(self, adapter, hidden_states, decoding, decoding, arguments, extra)
         caches = [value for name in CACHE_NAMES for value in (arguments.pop(name, None), extra.pop(name, None))
                   if value is not None]
         cache = caches[0] if caches else None
-        if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
-            cache.context.attention_calls += 1
-            _refuse_placement(self, adapter, cache.ulysses[1])
-            return adapter.generation(self, hidden_states, cache, **arguments, **extra)
+        decoding = cache.cache if isinstance(cache, LayerSlot) else cache
+        if isinstance(decoding, DecodingCache) and not adapter.decoding_from_context:
+            return _generation(self, adapter, hidden_states, cache, decoding, arguments, extra)
         context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], extra)
         group, world, _ = context.ulysses()
-        if cache is not None:
-            check_cache_outside_generation(self, context, cu_seqlens, sum(lens), adapter.cache_kept)
-            return original_forward(self)(*args, **kwargs)
+        if adapter.cache_rule is not None:   # its model keeps the layer's states itself: its own rule
+            adapter.cache_rule(self, context, cache, **arguments, **extra)
+        elif cache is not None:
+            _refuse_cache_outside_generation(self, adapter, context, cu_seqlens, sum(lens))
+            return original_forward(self)(*args, **_cache_under_its_name(kwargs, own_cache_name))
         _refuse_placement(self, adapter, world)
         if adapter.pads:
             hidden_states = sys.modules[base.__module__].apply_mask_to_padding_states(
@@ -146,7 +191,101 @@ def protocol_forward(adapter: Adapter, base: type):
     return forward
 
 
+def _generation(module, adapter: Adapter, hidden_states, cache, decoding: DecodingCache, arguments: dict,
+                extra: dict):
+    """Step 1 (`generate` / `prefill`): counted, its placement checked against the cache's
+    Ulysses size, then the adapter's generation forward (`cache` as the layer got it)."""
+    decoding.context.attention_calls += 1
+    _refuse_placement(module, adapter, decoding.ulysses[1])
+    return adapter.generation(module, hidden_states, cache, **arguments, **extra)
+
+
+def _refuse_cache_outside_generation(module, adapter: Adapter, context, cu_seqlens, length: int) -> None:
+    """Step 3's refusals: the adapter's `cache_refused` whatever the size, else the rule of
+    `mixers.check_cache_outside_generation` (the same on every rank either way)."""
+    if adapter.cache_refused:
+        why, what_to_do = adapter.cache_refused
+        raise refusal(None, f"{type(module).__name__} got {why}", what_to_do)
+    check_cache_outside_generation(module, context, cu_seqlens, length, adapter.cache_kept)
+
+
+def _cache_under_its_name(kwargs: dict, own_name: Optional[str]) -> dict:
+    """The call's keyword arguments for transformers' own forward, a cache given under another
+    of CACHE_NAMES (5.24's `cache_params`) moved to the name that forward takes, as its
+    deprecated-keyword wrapper would."""
+    other = next((name for name in CACHE_NAMES if name != own_name and kwargs.get(name) is not None), None)
+    if own_name is None or other is None or kwargs.get(own_name) is not None:
+        return kwargs
+    renamed = {name: value for name, value in kwargs.items() if name != other}
+    renamed[own_name] = kwargs[other]
+    return renamed
+
+
 def _refuse_placement(module, adapter: Adapter, world: int) -> None:
     problem = adapter.problem(module, world) if adapter.problem is not None else None
     if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}")
+        advice = (adapter.placement_advice,) if adapter.placement_advice else ()
+        raise refusal(None, f"{type(module).__name__}: {problem}", *advice)
+
+
+# ------------------------------------ users' declarations (by_heads/declared.py, halo/declared.py)
+
+# [module, MixerCall, calls of its declared method] of each declared layer whose forward is running
+_DECLARED_CALLS = contextvars.ContextVar("ulysses_declared_calls", default=())
+
+
+def class_names(classes) -> Tuple[str, ...]:
+    """Class names from a class, a name or a sequence of them (the registry is keyed by name)."""
+    items = (classes,) if isinstance(classes, (str, type)) else tuple(classes)
+    return tuple(c if isinstance(c, str) else c.__name__ for c in items)
+
+
+@dataclass(frozen=True)
+class InterfaceAttention:
+    """A users' declaration of attention layers (`classes`, by name) that call transformers'
+    attention interface: the guard lets their names through (the call check still confirms,
+    at the model's first forward, that every such decoder layer calls the attention)."""
+    classes: Tuple[str, ...]
+
+
+def interface_attention(classes) -> InterfaceAttention:
+    """The declaration of attention layers of a users' model (`classes`, types or names) that
+    look their attention up in transformers' `ALL_ATTENTION_FUNCTIONS`, for `declare_family`."""
+    return InterfaceAttention(class_names(classes))
+
+
+def declared_forward(module, call: MixerCall, hidden_states, method: str = "", **others):
+    """The sequence forward of a layer of a users' declaration: the layer's own forward,
+    during which the method the declaration names (`declared_call`) runs sequence-parallel.
+    A forward that never called that method mixed its tokens some other way, on this rank's
+    slice only: refused (the same on every rank, whose layers run the same code)."""
+    entry = [module, call, 0]
+    token = _DECLARED_CALLS.set(_DECLARED_CALLS.get() + (entry,))
+    try:
+        out = original_forward(module)(hidden_states, **others)
+    finally:
+        _DECLARED_CALLS.reset(token)
+    if entry[2] == 0:
+        raise refusal(None, f"{type(module).__name__}'s forward did not call {method}, the method its declaration "
+                            "names, so it mixed its tokens another way, on this rank's slice only",
+                      "Declare the method the layer's forward calls to mix tokens.")
+    return out
+
+
+def declared_call(module) -> Optional[MixerCall]:
+    """The MixerCall of `module`'s running sequence forward, counting the call of its declared
+    method (None: one device, or the method called outside the layer's forward, which then
+    runs as the layer wrote it)."""
+    entry = next((e for e in reversed(_DECLARED_CALLS.get()) if e[0] is module), None)
+    if entry is None:
+        return None
+    entry[2] += 1
+    return entry[1]
+
+
+def refuse_declared_generation(module, hidden_states, cache, **_):
+    """Generation of a layer of a users' declaration: refused on every rank (make_cache
+    refuses first; this is the layer that got a decoding cache anyway)."""
+    raise refusal(None, f"{type(module).__name__} is a layer of a users' declaration: a declaration says how the "
+                        "layer mixes a whole sequence, not what it keeps between decoding steps",
+                  "Generate on one device, or with the package's own families.")

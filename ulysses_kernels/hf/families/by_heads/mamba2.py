@@ -38,11 +38,9 @@ import torch.nn.functional as F
 
 from ....api import ulysses_head_parallel
 from ....layout import place_heads
-from ...context import DecodingCache, token_mixer_call
-from ...model import refusal
 from ..family import BY_HEADS, Adapter, Family
-from ..mixer_ring import mixer_conv, portion_pieces, ring_portion, ring_recurrence
-from ..mixers import check_cache_outside_generation, chunk_head_parallel, document_bounds, original_forward
+from ..mixer_ring import mixer_conv, portion_pieces, ring_recurrence
+from ..mixers import chunk_head_parallel, document_bounds
 from .ssd_scan import ScanChunks, scan_documents
 
 MAMBA2_CLASSES = ("BambaMixer", "NemotronHMamba2Mixer", "GraniteMoeHybridMambaLayer", "Zamba2MambaMixer", "Mamba2Mixer")
@@ -93,22 +91,17 @@ def _layer_problem(module) -> Optional[str]:
     return None
 
 
-def _check_call(module, context, world: int, hidden_states, attention_mask, cu_seqlens, lens) -> Optional[List[int]]:
-    """Refuse what the adapter cannot compute exactly; the document bounds otherwise. Every
-    condition but the mask is the same on every rank (config, group sizes, the global
-    documents); a padding mask is refused on every rank before the layers by the model's
-    mask function (attention.py), so a mask reaching a mixer with zeros is a direct call's."""
+def _check_call(module, call, hidden_states, attention_mask) -> Optional[List[int]]:
+    """Refuse what the adapter cannot compute exactly beyond the protocol's refusals (the
+    layer's configuration and placement: `adapter_problem`; a cache); the document bounds
+    otherwise. A padding mask is refused on every rank before the layers by the model's
+    mask function (attention.py), so a mask reaching a mixer with zeros is a direct call's;
+    the documents are the global ones, the same on every rank."""
     name = type(module).__name__
-    problem = _layer_problem(module)
-    if problem:
-        raise refusal(None, f"{name}: {problem}")
-    problem = placement_problem(module, world)
-    if problem:
-        raise refusal(None, f"{name}: {problem}", _PLACEMENT_ADVICE)
     if attention_mask is not None and bool((attention_mask == 0).any()):
         raise ValueError(f"ulysses_kernels.hf: {name} got an attention_mask with zeros (padding); pass unpadded "
                          "(optionally packed) batches: ulysses_kernels.hf.shard_batch unpads them")
-    bounds = document_bounds(cu_seqlens, sum(lens))
+    bounds = document_bounds(call.cu_seqlens, sum(call.lens))
     if bounds is not None and hidden_states.shape[0] != 1:
         raise ValueError(f"ulysses_kernels.hf: {name}: packed documents need batch size 1, got "
                          f"{hidden_states.shape[0]}")
@@ -218,34 +211,15 @@ def _heads_forward(module, bounds, state: Optional[dict] = None, portion=None) -
     return run
 
 
-def _forward_with_cache(module, context, hidden_states, cache, attention_mask, cu_seqlens, lens, kwargs):
-    """A forward that fills the layer's cache (transformers' models make one unless called
-    with use_cache=False): transformers' own forward on one rank, where nothing is sharded;
-    refused on more (the states of the local heads would have to be gathered) and for
-    packed documents (the cache holds one state per row, not per document)."""
-    check_cache_outside_generation(module, context, cu_seqlens, sum(lens),
-                                   "its conv and recurrent states are sharded by heads there only")
-    return original_forward(module)(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-
-
-def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwargs, project: Callable,
-                               gated_norm: Callable):
-    """The layer's forward, sequence-parallel by heads (the module doc); `project` maps the
-    local hidden states to the projection, `gated_norm(y, gate)` the scan's output to
-    `out_proj`'s input."""
-    cache = cache if cache is not None else kwargs.pop("cache_params", None)
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill: the head-sharded cache
-        return _generation_forward(module, hidden_states, cache, project, gated_norm)
-    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
-    group, world, _ = context.ulysses()
-    if cache is not None:
-        return _forward_with_cache(module, context, hidden_states, cache, attention_mask, cu_seqlens, lens, kwargs)
-    bounds = _check_call(module, context, world, hidden_states, attention_mask, cu_seqlens, lens)
+def _sequence_forward(module, call, hidden_states, attention_mask, project: Callable, gated_norm: Callable):
+    """The layer's forward over the sequence, by heads (the module doc; the protocol around
+    it: family.py); `project` maps the local hidden states to the projection, `gated_norm(y,
+    gate)` the scan's output to `out_proj`'s input."""
+    bounds = _check_call(module, call, hidden_states, attention_mask)
     b, s_local, _ = hidden_states.shape
     gate, x, B, C, dt = _split_projection(module, project(hidden_states))
-    portion, lens = ring_portion(context, lens)
-    y = ulysses_head_parallel(_heads_forward(module, bounds, portion=portion), {"x": x, "B": B, "C": C, "dt": dt},
-                              group, seq_lens=lens)
+    y = ulysses_head_parallel(_heads_forward(module, bounds, portion=call.portion), {"x": x, "B": B, "C": C, "dt": dt},
+                              call.group, seq_lens=call.ulysses_lens)
     y = gated_norm(y.reshape(b, s_local, module.intermediate_size), gate)
     return module.out_proj(y.to(hidden_states.dtype))
 
@@ -253,10 +227,6 @@ def _sequence_parallel_forward(module, hidden_states, cache, attention_mask, kwa
 def _generation_forward(module, hidden_states, cache, project: Callable, gated_norm: Callable):
     """A forward inside `generate` / `prefill` (hf/inference/cache.py's chunks): the layer continues
     from the states of this rank's heads, kept on the cache."""
-    cache.context.attention_calls += 1
-    problem = _layer_problem(module) or placement_problem(module, cache.ulysses[1])
-    if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}", _PLACEMENT_ADVICE)
     b, T, _ = hidden_states.shape
     state = cache.mixer_state(module.layer_idx, T)
     gate, x, B, C, dt = _split_projection(module, project(hidden_states))
@@ -267,27 +237,53 @@ def _generation_forward(module, hidden_states, cache, project: Callable, gated_n
 
 # ---------------------------------------------------------------------------- adapters
 
-@force_accelerate_hooks("conv1d")
-def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """Bamba, Nemotron-H, GraniteMoeHybrid and Zamba2: the same forward in transformers."""
-    return _sequence_parallel_forward(self, hidden_states, cache, attention_mask, kwargs, self.in_proj, self.norm)
+def _mamba2_parts(module):
+    """Bamba, Nemotron-H, GraniteMoeHybrid and Zamba2 (the same forward in transformers): the
+    projection and the gated norm, the layer's own."""
+    return module.in_proj, module.norm
 
 
-@force_accelerate_hooks("conv1d")
-def falcon_h1_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
+def _falcon_h1_parts(module):
     """Falcon-H1: the input scaled by `ssm_in_multiplier`, the projection by the `mup_vector`
     (one multiplier per section z, x, B, C, dt), and the gate applied by the norm
     (`mamba_rms_norm`) or as `y * silu(z)` without one."""
     def project(h):
-        return self.in_proj(h * self.ssm_in_multiplier) * self.mup_vector
+        return module.in_proj(h * module.ssm_in_multiplier) * module.mup_vector
 
     def gated_norm(y, gate):
-        return self.norm(y, gate) if self.mamba_rms_norm else y * F.silu(gate)
-    return _sequence_parallel_forward(self, hidden_states, cache, attention_mask, kwargs, project, gated_norm)
+        return module.norm(y, gate) if module.mamba_rms_norm else y * F.silu(gate)
+    return project, gated_norm
 
 
-# mixer_ring.py passes their state across the ring's chunks
+# Both forwards read conv1d's weights directly (not through its forward): its accelerate
+# hooks (device_map, offloading) are fired around them, as transformers' own forward does.
+@force_accelerate_hooks("conv1d")
+def mamba2_forward(self, call, hidden_states: torch.Tensor, attention_mask=None, **_):
+    return _sequence_forward(self, call, hidden_states, attention_mask, *_mamba2_parts(self))
+
+
+@force_accelerate_hooks("conv1d")
+def mamba2_generation(self, hidden_states: torch.Tensor, cache, **_):
+    return _generation_forward(self, hidden_states, cache, *_mamba2_parts(self))
+
+
+@force_accelerate_hooks("conv1d")
+def falcon_h1_forward(self, call, hidden_states: torch.Tensor, attention_mask=None, **_):
+    return _sequence_forward(self, call, hidden_states, attention_mask, *_falcon_h1_parts(self))
+
+
+@force_accelerate_hooks("conv1d")
+def falcon_h1_generation(self, hidden_states: torch.Tensor, cache, **_):
+    return _generation_forward(self, hidden_states, cache, *_falcon_h1_parts(self))
+
+
+# The protocol (family.py) refuses the layer's configuration and placement (`adapter_problem`,
+# with the placement advice) and a cache outside generation; mixer_ring.py passes their
+# state across the ring's chunks.
+_CACHE_KEPT = "its conv and recurrent states are sharded by heads there only"
 FAMILY = Family("mamba2", (Adapter(MAMBA2_CLASSES, "mamba2", mamba2_forward, BY_HEADS, problem=adapter_problem,
-                                   runs_on_a_ring=True),
+                                   runs_on_a_ring=True, generation=mamba2_generation, cache_kept=_CACHE_KEPT,
+                                   placement_advice=_PLACEMENT_ADVICE),
                            Adapter(FALCON_H1_CLASSES, "mamba2", falcon_h1_forward, BY_HEADS, problem=adapter_problem,
-                                   runs_on_a_ring=True)))
+                                   runs_on_a_ring=True, generation=falcon_h1_generation, cache_kept=_CACHE_KEPT,
+                                   placement_advice=_PLACEMENT_ADVICE)))

@@ -30,9 +30,8 @@ from typing import Optional
 import torch
 
 from ....api import ulysses_head_parallel
-from ...context import token_mixer_call
 from ...model import refusal
-from ..family import BY_HEADS, Adapter, Family
+from ..family import BY_HEADS, Adapter, Family, LayerSlot
 from ..mixers import chunk_head_parallel, over_documents
 
 XLSTM_CLASSES = ("xLSTMLayer",)
@@ -85,14 +84,12 @@ def _heads_forward(module, cu_seqlens):
 _STATES = ("C", "n", "m")   # the mLSTM's states, in transformers' order
 
 
-class DecodingSlot:
+class DecodingSlot(LayerSlot):
     """Layer `layer`'s entry of the decoding cache's `rnn_state` (what transformers' xLSTMModel
-    passes to the layer as its state): the adapted layer reads and replaces its heads' states
-    in `cache.mixer_states`. Indexed like transformers' `(C, n, m)`, so a model that copies the
-    layer's returned states into it copies them onto themselves."""
-
-    def __init__(self, cache, layer: int):
-        self.cache, self.layer = cache, layer
+    passes to the layer as its state; the protocol, family.py, takes it for the decoding cache):
+    the adapted layer reads and replaces its heads' states in `cache.mixer_states`. Indexed like
+    transformers' `(C, n, m)`, so a model that copies the layer's returned states into it copies
+    them onto themselves."""
 
     def __len__(self):
         return 3
@@ -134,52 +131,52 @@ def _decoding_heads(module, state):
     return run
 
 
-def _generation_forward(module, x, slot):
-    cache = slot.cache
-    cache.context.attention_calls += 1
-    name = type(module).__name__
-    problem = placement_problem(module, cache.ulysses[1])
-    if problem:
-        raise refusal(None, f"{name}: {problem}")
-    limit = module.config.max_inference_chunksize   # every rank decides alike: from every rank's length
-    if cache.chunk_lens is not None and not module.training and max(cache.chunk_lens) > limit:
-        raise refusal(None, f"{name} got a prefill chunk of {max(cache.chunk_lens)} tokens on a rank: in eval mode "
-                            f"the model cuts a rank's tokens into pieces of max_inference_chunksize ({limit}), which "
-                            "are not contiguous over the ranks",
-                      "Prefill in chunks of at most the sequence-parallel size x max_inference_chunksize "
-                      "(ulysses_kernels.hf.generate's prefill_chunk_size, prefill's chunk_size).")
-    state = cache.mixer_state(slot.layer, x.shape[1])
+def generation_forward(module, x, slot, **_):
+    """A forward inside `generate` / `prefill` (the protocol, family.py, has counted it and
+    refused a placement): this rank's heads continue from their states; returns (y, the slot),
+    as the block unpacks it."""
+    _refuse_pieces(module, slot.cache)
+    state = slot.cache.mixer_state(slot.layer, x.shape[1])
     B, S, _ = x.shape
     q, k, v, o, i, f = _inputs(module, x)
-    h = chunk_head_parallel(_decoding_heads(module, state), {"q": q, "k": k, "v": v, "i": i, "f": f}, cache)
+    h = chunk_head_parallel(_decoding_heads(module, state), {"q": q, "k": k, "v": v, "i": i, "f": f}, slot.cache)
     h = module.multihead_norm(h).reshape(B, S, -1)
     return module.out_proj(module.ogate_act_fn(o) * h), slot
 
 
-def xlstm_forward(self, x: torch.Tensor, state=None):
-    """The mLSTM layer's forward, sequence-parallel by heads (the module doc); returns (y,
-    None) as the block unpacks it (in generation, the layer's `DecodingSlot`)."""
-    if isinstance(state, DecodingSlot):   # ulysses_kernels.hf.generate / prefill
-        return _generation_forward(self, x, state)
-    context, lens, cu_seqlens = token_mixer_call(self, x.shape[1], {})
-    group, world, _ = context.ulysses()
-    name = type(self).__name__
-    if state is not None:
-        raise refusal(None, f"{name} got a recurrent state (a cache, or the model's chunked inference in eval mode): "
-                            "its states are not kept sharded by heads",
-                      "Train and evaluate with use_cache=False in train mode, or with max_inference_chunksize above "
-                      "the sequence length.")
-    problem = placement_problem(self, world)
-    if problem:
-        raise refusal(None, f"{name}: {problem}")
+def _refuse_pieces(module, cache):
+    """In eval mode the model cuts a rank's tokens into pieces of max_inference_chunksize,
+    which are not contiguous over the ranks: a prefill chunk longer on a rank is refused,
+    alike on every rank (from every rank's length)."""
+    limit = module.config.max_inference_chunksize
+    if cache.chunk_lens is not None and not module.training and max(cache.chunk_lens) > limit:
+        raise refusal(None, f"{type(module).__name__} got a prefill chunk of {max(cache.chunk_lens)} tokens on a "
+                            f"rank: in eval mode the model cuts a rank's tokens into pieces of max_inference_chunksize "
+                            f"({limit}), which are not contiguous over the ranks",
+                      "Prefill in chunks of at most the sequence-parallel size x max_inference_chunksize "
+                      "(ulysses_kernels.hf.generate's prefill_chunk_size, prefill's chunk_size).")
+
+
+def xlstm_forward(self, call, x: torch.Tensor, **_):
+    """The mLSTM layer's forward over the sequence, by heads (the module doc; the protocol
+    around it: family.py); returns (y, None) as the block unpacks it."""
     B, S, _ = x.shape
     q, k, v, o, i, f = _inputs(self, x)
-    h = ulysses_head_parallel(_heads_forward(self, cu_seqlens), {"q": q, "k": k, "v": v, "i": i, "f": f}, group,
-                              seq_lens=lens)
+    h = ulysses_head_parallel(_heads_forward(self, call.cu_seqlens), {"q": q, "k": k, "v": v, "i": i, "f": f},
+                              call.group, seq_lens=call.lens)
     h = self.multihead_norm(h).reshape(B, S, -1)
     return self.out_proj(self.ogate_act_fn(o) * h), None
 
 
-# its model's forward reads the fields of XlstmCacheFields of its cache
+# A recurrent state outside generation is refused whatever the size: the model's own (a cache,
+# or its chunked inference in eval mode) is not kept sharded by heads.
+_STATE_REFUSED = ("a recurrent state (a cache, or the model's chunked inference in eval mode): its states are not "
+                  "kept sharded by heads",
+                  "Train and evaluate with use_cache=False in train mode, or with max_inference_chunksize above the "
+                  "sequence length.")
+
+# its model hands the layer its states as `state` (in generation, the layer's DecodingSlot) and
+# reads the fields of XlstmCacheFields of its cache
 FAMILY = Family("xlstm", (Adapter(XLSTM_CLASSES, "mlstm", xlstm_forward, BY_HEADS, problem=placement_problem,
-                                  own_cache=XlstmCacheFields),))
+                                  own_cache=XlstmCacheFields, generation=generation_forward,
+                                  cache_refused=_STATE_REFUSED),))

@@ -27,7 +27,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ...context import token_mixer_call
 from ...model import refusal
 from ..family import STATE_PASSING, Adapter, Family
 from ..mixers import causal_conv1d, conv_history
@@ -83,8 +82,8 @@ def _gates(lru, x, position_ids):
     return (torch.exp(log_a) * ~reset).to(acc), u.to(acc)
 
 
-def _generation(module, x, position_ids, cache):
-    """A chunk of `generate` / `prefill`: the block's conv history and recurrent state, the
+def _recurrence_in_generation(module, x, position_ids, cache):
+    """h of a chunk of `generate` / `prefill`: the block's conv history and recurrent state, the
     same on every rank, on the decoding cache (keyed by the block: it has no layer index);
     a sharded chunk (the prefill) by the halo and state passing, a replicated one (decoding)
     as on one device."""
@@ -106,28 +105,42 @@ def _generation(module, x, position_ids, cache):
     return h
 
 
-def recurrent_block_forward(self, input_states: torch.Tensor, position_ids: torch.Tensor, attention_mask=None,
-                            use_cache: bool = True, **kwargs):
-    """The block's forward (the module doc); returns (output, None) as the layer unpacks it."""
-    cache = kwargs.pop("cache", None)
-    context, lens, cu_seqlens = token_mixer_call(self, input_states.shape[1], kwargs)
+def generation_forward(module, input_states, decoding, position_ids, **_):
+    """A forward inside `generate` / `prefill` over the context's decoding cache (the block's
+    own `cache` argument among the others: family.py); returns (output, None) as the layer
+    unpacks it."""
+    y = module.act_fn(module.linear_y(input_states))
+    x = module.linear_x(input_states)
+    h = _recurrence_in_generation(module, x, position_ids, decoding)
+    return module.linear_out(h.to(x.dtype) * y), None
+
+
+def refuse_module_states(module, context, cache, use_cache=True, **_):
+    """Outside generation transformers keeps the block's states on the module, per rank, so a
+    cache is refused on several ranks; on one, or with use_cache=False, the package's forward
+    runs (it drops the module's states, as transformers' does without a cache)."""
+    if use_cache and cache is not None and context.sp_size > 1:
+        raise refusal(None, f"{type(module).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: "
+                            "its state is kept on the module, per rank",
+                      "Generate with ulysses_kernels.hf.generate, and train with use_cache=False.")
+
+
+def recurrent_block_forward(self, call, input_states: torch.Tensor, position_ids: torch.Tensor, **_):
+    """The block's forward over the sequence (the module doc; the protocol around it:
+    family.py); returns (output, None) as the layer unpacks it. The states transformers keeps
+    on the module are dropped, as its own forward drops them without a cache."""
+    self.conv1d_state = self.rg_lru.recurrent_states = None
     y = self.act_fn(self.linear_y(input_states))
-    x = self.linear_x(input_states)
-    if context.inference_cache is not None:   # ulysses_kernels.hf.generate / prefill
-        h = _generation(self, x, position_ids, context.inference_cache)
-    else:
-        if use_cache and cache is not None and context.sp_size > 1:
-            raise refusal(None, f"{type(self).__name__} got a cache outside ulysses_kernels.hf.generate / prefill: "
-                                "its state is kept on the module, per rank",
-                          "Generate with ulysses_kernels.hf.generate, and train with use_cache=False.")
-        self.conv1d_state = self.rg_lru.recurrent_states = None
-        layout = training_layout(context, lens)
-        x, _ = halo_conv(x, self.conv_1d.weight[:, 0, :], self.conv_1d.bias, layout, cu_seqlens=cu_seqlens)
-        a, u = _gates(self.rg_lru, x, position_ids)
-        h = layout_recurrence(GatedRecurrence(), [a, u], layout, cu_seqlens)
+    layout = training_layout(call.context, call.lens)
+    x, _ = halo_conv(self.linear_x(input_states), self.conv_1d.weight[:, 0, :], self.conv_1d.bias, layout,
+                     cu_seqlens=call.cu_seqlens)
+    a, u = _gates(self.rg_lru, x, position_ids)
+    h = layout_recurrence(GatedRecurrence(), [a, u], layout, call.cu_seqlens)
     return self.linear_out(h.to(x.dtype) * y), None
 
 
-# the halo and the state passing follow the ring's chunks
+# the halo and the state passing follow the ring's chunks; the block's states are not in a
+# transformers cache (on the module), so the protocol takes the context's decoding cache
 FAMILY = Family("rg_lru", (Adapter(RG_LRU_CLASSES, "rg_lru", recurrent_block_forward, STATE_PASSING,
-                                   runs_on_a_ring=True),))
+                                   runs_on_a_ring=True, generation=generation_forward,
+                                   decoding_from_context=True, cache_rule=refuse_module_states),))

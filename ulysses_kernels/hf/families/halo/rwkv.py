@@ -32,8 +32,6 @@ import sys
 
 import torch
 
-from ...context import context_of, require_default_context, token_mixer_call
-from ...model import refusal
 from ..family import HALO, STATE_PASSING, Adapter, Family
 from .halo import generation_layout, halo_conv, training_layout
 from .state_passing import layout_recurrence
@@ -117,25 +115,11 @@ def _channel_mix(module, hidden, shifted):
     return torch.sigmoid(_mixed(module, hidden, shifted, "receptance")) * module.value(key)
 
 
-def _refuse_state(module, state):
-    if state is not None:
-        raise refusal(None, f"{type(module).__name__} got a recurrent state outside ulysses_kernels.hf.generate / "
-                            "prefill: the model's own state list is not shared over the sequence-parallel ranks",
-                      "Train and evaluate with use_cache=False; generate with ulysses_kernels.hf.generate.")
-
-
-def _inference_cache(module):
-    """The decoding cache of a `generate` / `prefill` in progress (None: none)."""
-    context = context_of(module) or require_default_context()
-    return context.inference_cache
-
-
-def _block_state(module, cache, length, *, counts):
-    """The block's state in the cache (a dict, every rank's the same). The time mixing
-    counts the block into the forward in progress; the channel mixing after it reads the
-    same dict."""
-    cache.context.attention_calls += 1
-    if counts:
+def _block_state(module, cache, length, *, first):
+    """The block's state in the cache (a dict, every rank's the same). The time mixing, the
+    block's first mixer, opens it for the forward in progress; the channel mixing after it
+    reads the same dict."""
+    if first:
         return cache.mixer_state(module.layer_id, length)
     return cache.mixer_states.setdefault(module.layer_id, {})
 
@@ -147,48 +131,52 @@ def _keep(model_state, index, layer_id, value):
         model_state[index][:, :, layer_id] = value
 
 
-def _time_mix_generation(module, hidden, cache, model_state):
-    state = _block_state(module, cache, hidden.shape[1], counts=True)
+def time_mix_generation(module, hidden, cache, state=None, **_):
+    """RwkvSelfAttention inside `generate` / `prefill` (the protocol takes the context's
+    decoding cache: family.py); returns (output, the model's state list)."""
+    kept = _block_state(module, cache, hidden.shape[1], first=True)
     layout = generation_layout(cache, hidden.shape[1])
-    shifted, state["time_shift"] = _shifted(hidden, layout, before=state.get("time_shift"))
-    out, state["wkv"] = _time_mix(module, hidden, shifted, layout, None, initial=state.get("wkv"))
-    state["time_shift"], state["wkv"] = state["time_shift"].detach().clone(), state["wkv"].detach()
-    _keep(model_state, 1, module.layer_id, state["time_shift"][:, -1])
-    for index, part in zip((2, 3, 4), state["wkv"].unbind(dim=1)):
-        _keep(model_state, index, module.layer_id, part)
-    return out
+    shifted, kept["time_shift"] = _shifted(hidden, layout, before=kept.get("time_shift"))
+    out, kept["wkv"] = _time_mix(module, hidden, shifted, layout, None, initial=kept.get("wkv"))
+    kept["time_shift"], kept["wkv"] = kept["time_shift"].detach().clone(), kept["wkv"].detach()
+    _keep(state, 1, module.layer_id, kept["time_shift"][:, -1])
+    for index, part in zip((2, 3, 4), kept["wkv"].unbind(dim=1)):
+        _keep(state, index, module.layer_id, part)
+    return out, state
 
 
-def _channel_mix_generation(module, hidden, cache, model_state):
-    state = _block_state(module, cache, hidden.shape[1], counts=False)
+def channel_mix_generation(module, hidden, cache, state=None, **_):
+    """RwkvFeedForward inside `generate` / `prefill`; returns (output, the model's state list)."""
+    kept = _block_state(module, cache, hidden.shape[1], first=False)
     layout = generation_layout(cache, hidden.shape[1])
-    shifted, last = _shifted(hidden, layout, before=state.get("channel_shift"))
-    state["channel_shift"] = last.detach().clone()
-    _keep(model_state, 0, module.layer_id, state["channel_shift"][:, -1])
-    return _channel_mix(module, hidden, shifted)
+    shifted, last = _shifted(hidden, layout, before=kept.get("channel_shift"))
+    kept["channel_shift"] = last.detach().clone()
+    _keep(state, 0, module.layer_id, kept["channel_shift"][:, -1])
+    return _channel_mix(module, hidden, shifted), state
 
 
-def time_mix_forward(self, hidden, state=None, use_cache=False):
-    """RwkvSelfAttention's forward (the module doc); returns (output, the model's state list)."""
-    cache = _inference_cache(self)
-    if cache is not None:   # ulysses_kernels.hf.generate / prefill
-        return _time_mix_generation(self, hidden, cache, state), state
-    _refuse_state(self, state)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden.shape[1], {})
-    layout = training_layout(context, lens)
-    return _time_mix(self, hidden, _shifted(hidden, layout, cu_seqlens)[0], layout, cu_seqlens)[0], None
+def time_mix_forward(self, call, hidden, **_):
+    """RwkvSelfAttention's forward over the sequence (the module doc; the protocol around it:
+    family.py); returns (output, None) for the model's state list."""
+    layout = training_layout(call.context, call.lens)
+    return _time_mix(self, hidden, _shifted(hidden, layout, call.cu_seqlens)[0], layout, call.cu_seqlens)[0], None
 
 
-def channel_mix_forward(self, hidden, state=None):
-    """RwkvFeedForward's forward (the module doc); returns (output, the model's state list)."""
-    cache = _inference_cache(self)
-    if cache is not None:
-        return _channel_mix_generation(self, hidden, cache, state), state
-    _refuse_state(self, state)
-    context, lens, cu_seqlens = token_mixer_call(self, hidden.shape[1], {})
-    return _channel_mix(self, hidden, _shifted(hidden, training_layout(context, lens), cu_seqlens)[0]), None
+def channel_mix_forward(self, call, hidden, **_):
+    """RwkvFeedForward's forward over the sequence (the module doc); returns (output, None)."""
+    layout = training_layout(call.context, call.lens)
+    return _channel_mix(self, hidden, _shifted(hidden, layout, call.cu_seqlens)[0]), None
 
 
-# the halo and the state passing follow the ring's chunks
-FAMILY = Family("rwkv", (Adapter(TIME_MIX_CLASSES, "rwkv", time_mix_forward, STATE_PASSING, runs_on_a_ring=True),
-                         Adapter(CHANNEL_MIX_CLASSES, "rwkv", channel_mix_forward, HALO, runs_on_a_ring=True)))
+# Outside generation the model's own state list would be filled per rank: refused whatever the
+# size, the same on every rank
+STATE_REFUSED = ("a recurrent state outside ulysses_kernels.hf.generate / prefill: the model's own state list is not "
+                 "shared over the sequence-parallel ranks",
+                 "Train and evaluate with use_cache=False; generate with ulysses_kernels.hf.generate.")
+# the halo and the state passing follow the ring's chunks; the model hands the blocks its state
+# list, not the decoding cache, so the protocol takes the context's
+_OWN_STATES = dict(runs_on_a_ring=True, decoding_from_context=True, cache_refused=STATE_REFUSED)
+FAMILY = Family("rwkv", (Adapter(TIME_MIX_CLASSES, "rwkv", time_mix_forward, STATE_PASSING,
+                                 generation=time_mix_generation, **_OWN_STATES),
+                         Adapter(CHANNEL_MIX_CLASSES, "rwkv", channel_mix_forward, HALO,
+                                 generation=channel_mix_generation, **_OWN_STATES)))
