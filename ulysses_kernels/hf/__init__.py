@@ -123,6 +123,10 @@ from .core.batch import (
 )
 from .core.masks import ulysses_mask_function
 from .core.patches import process_patches
+from .families.adapters import declare_family, undeclare_family
+from .families.by_heads.declared import by_heads
+from .families.family import interface_attention
+from .families.halo.declared import halo
 from .inference.generation import decoding, generate, make_cache, prefill
 from .model import NotSequenceParallelError
 from .rl.dpo_trainer import SequenceParallelDPOMixin
@@ -161,4 +165,5 @@ __all__ = [
     "tiled_mlp", "tiled_cross_entropy_sum", "patch_model", "unpatch_model", "CheckpointOffload", "HostBufferPool",
     "token_logprobs", "row_sums", "grpo_loss", "dpo_loss", "DynamicSequenceParallel", "train_global_batch",
     "BalancedGlobalBatches", "global_batch_documents", "sequence_parallel_groups",
+    "declare_family", "undeclare_family", "by_heads", "halo", "interface_attention",
 ]

@@ -42,7 +42,7 @@ from typing import List, Optional
 
 from torch import nn
 
-from ..families.adapters import adapted_kind
+from ..families.adapters import adapted_kind, declared_attention
 from ..model import EXACT_HEADS, decoder_layers, ensure_record, refusal, text_configs, vision_towers, within
 from .patches import set_entry
 
@@ -154,7 +154,8 @@ def module_problem(model: nn.Module) -> Optional[str]:
                 what = f"a convolution or token shift along the sequence ({cls}, {size})"
             elif isinstance(module, nn.RNNBase):
                 what = f"a recurrent module ({cls})"
-            elif _names_a_mixer(cls) and not holds_adapted and not _calls_the_attention_interface(type(module)):
+            elif _names_a_mixer(cls) and not holds_adapted and not declared_attention(cls) \
+                    and not _calls_the_attention_interface(type(module)):
                 what = f"a token mixer that is not attention ({cls})"
             if what:
                 where = f"decoder layer {index}" + (f", {name}" if name else "")

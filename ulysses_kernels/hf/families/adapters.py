@@ -12,7 +12,7 @@ from torch import nn
 
 from ..model import ensure_record, record_of
 from .by_heads import gated_deltanet, kimi_delta, lightning, mamba2, xlstm
-from .family import Adapter, Family, protocol_forward
+from .family import Adapter, Family, InterfaceAttention, protocol_forward
 from .halo import cca, inkling, inkling2, mamba1, ngram, rg_lru, rwkv, short_conv
 from .sparse import block_sparse, compressed, dsa, qsa
 
@@ -37,6 +37,52 @@ def _registry(families) -> Dict[str, Adapter]:
 
 
 ADAPTERS: Dict[str, Adapter] = _registry(FAMILIES)
+# Users' declarations (`declare_family`), by family name; ADAPTERS holds their adapters too
+DECLARED: Dict[str, Family] = {}
+
+
+def declare_family(name: str, *declarations) -> Family:
+    """Make the layers of a model the package does not know sequence-parallel (docs/hf_custom.md):
+    `declarations` are `by_heads(...)` (by_heads/declared.py), `halo(...)` (halo/declared.py)
+    and `interface_attention(...)` (family.py) of its layer classes. Process-wide, like
+    transformers' own registries; declaring a name again replaces its declaration. A class the
+    package or another declaration adapts already, or a family name of the package's, is a
+    ValueError. Returns the declaration (`undeclare_family(name)` takes it back)."""
+    unknown = [d for d in declarations if not isinstance(d, (Adapter, InterfaceAttention))]
+    if unknown or not declarations:
+        raise ValueError(f"declare_family({name!r}, ...) takes by_heads(...), halo(...) and interface_attention(...) "
+                         f"declarations, got {unknown or 'none'}")
+    if name in {family.name for family in FAMILIES}:
+        raise ValueError(f"{name!r} is a family of the package's own; name the declaration after your model")
+    family = Family(name, tuple(d for d in declarations if isinstance(d, Adapter)),
+                    tuple(c for d in declarations if isinstance(d, InterfaceAttention) for c in d.classes))
+    others = tuple(f for n, f in DECLARED.items() if n != name)
+    registry = _registry(FAMILIES + others + (family,))   # a class claimed twice raises here
+    attention = {c for f in others for c in f.attention}
+    claimed = (set(family.attention) & (attention | set(registry))) | (set(family.classes) & attention)
+    if claimed:
+        raise ValueError(f"{sorted(claimed)} declared twice (family {name})")
+    undeclare_family(name)
+    DECLARED[name] = family
+    ADAPTERS.update(registry)
+    return family
+
+
+def undeclare_family(name: str) -> None:
+    """Take back `declare_family(name, ...)` (nothing if it was not declared); modules adapted
+    under it keep their forward until `attach_context` is undone (`uninstall_adapters`)."""
+    family = DECLARED.pop(name, None)
+    if family is None:
+        return
+    for class_name in family.classes:
+        ADAPTERS.pop(class_name, None)
+    for base in [b for b in _ADAPTED_CLASSES if b.__name__ in family.classes]:
+        del _ADAPTED_CLASSES[base]
+
+
+def declared_attention(class_name: str) -> bool:
+    """Whether a users' declaration names `class_name` as attention through the interface."""
+    return any(class_name in family.attention for family in DECLARED.values())
 
 
 def own_cache_class(model: nn.Module) -> Optional[type]:
@@ -73,8 +119,9 @@ def adapted_class(base: type) -> type:
     if made is None:
         adapter = ADAPTERS[base.__name__]
         forward = protocol_forward(adapter, base) if adapter.generation is not None else adapter.forward
+        members = adapter.members(base) if adapter.members is not None else {}
         made = type(base.__name__, (base,), {
-            "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),
+            **members, "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),
             "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})
         _ADAPTED_CLASSES[base] = made
         _BASE_CLASSES[made] = base
@@ -129,6 +176,16 @@ def replaced_adapter_problem(modules) -> Optional[str]:
         if "forward" in vars(module):
             return (f"{name} ({type(module).__name__}) got a forward of its own after the package adapted it "
                     f"({vars(module)['forward']!r}), which would mix each rank's slice of the sequence only")
+    return None
+
+
+def generation_problem(model: nn.Module) -> Optional[str]:
+    """Why `model` cannot generate with the package's decoding cache (None: it can): a layer of
+    a users' declaration, which says nothing of what the layer keeps between steps."""
+    for name, module in model.named_modules():
+        if adapted_kind(module) is not None and not ADAPTERS[type(module).__name__].generates:
+            return (f"{name} ({type(module).__name__}) is a layer of a users' declaration, which says how it mixes "
+                    "a whole sequence, not what it keeps between decoding steps")
     return None
 
 

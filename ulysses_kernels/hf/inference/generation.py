@@ -68,7 +68,7 @@ from ...distributed.collectives import all_gather_tensor, broadcast_tensor
 from ...layout import split_lengths
 from ..core.attach import sequence_parallel_model
 from ..core.attention import _require_transformers
-from ..families.adapters import adapted_kind, own_cache_class, prepare_cache
+from ..families.adapters import adapted_kind, generation_problem, own_cache_class, prepare_cache
 from ..families.vision.vision import merged_prompt
 from ..families.vision.vision_shard import SHARD_KEY, VISION_KEYS, TokenShard, has_images, vision_inputs
 from ..model import refusal, unwrap
@@ -95,6 +95,9 @@ def make_cache(model, group=None, *, backend: Optional[str] = None):
         raise refusal(unwrap(model), "its token mixers' conv and recurrent states are kept by heads within a Ulysses "
                                      "group; generation on a ring is not supported for them",
                       "Generate with Ulysses only (ring_size=1); training runs on a ring.")
+    declared = generation_problem(unwrap(model))
+    if declared:
+        raise refusal(unwrap(model), declared, "Generate on one device, or with the package's own families.")
     cache_class = head_sharded_cache_class(own_cache_class(unwrap(model)))
     cache = cache_class(model, context.group, context.ring_group, context=context,
                         backend=backend if backend is not None else context.backend)
