@@ -603,58 +603,73 @@ def layer_kinds(cfg: dict) -> list:
     return []
 
 
-def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
-    """The token-mixer layers of a hybrid config (Gated DeltaNet's `linear_*` fields, or
-    Mamba2's `mamba_*` fields under their families' names), None without any."""
-    layers = sum(k in MIXER_KINDS for k in kinds)
-    if not layers:
-        return None
-    if "conv_L_cache" in cfg:   # LFM2 / LFM3
-        return MixerShape("short_conv", layers, 1, 0, 0, cfg["hidden_size"], cfg["conv_L_cache"],
-                          conv_bias=bool(cfg.get("conv_bias", False)))
-    if cfg.get("model_type") == "zaya":   # the convolutions of q|k in every attention layer (hybrid kinds)
-        return MixerShape("cca", layers, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-                          cfg["hidden_size"], cfg["cca_time0"], second_kernel=cfg["cca_time1"])
-    if cfg.get("model_type") == "minimax":   # lightning attention: one state [D, D] per head, in the compute dtype
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
-    if cfg.get("model_type") == "rwkv":   # transformers' defaults for the widths left unset
-        hidden = cfg["hidden_size"]
-        return MixerShape("rwkv", layers, 1, 0, hidden, cfg.get("attention_hidden_size") or hidden, 2,
-                          mlp_width=cfg.get("intermediate_size") or 4 * hidden)
-    if cfg.get("model_type") in ("inkling_text", "inkling2_text", "inkling2_loop_text"):   # their convolutions
-        # (the attention is counted as attention's); the Loop's looped layers hold a state per pass
-        looped = kinds[cfg.get("loop_layer_index_start", 0):cfg.get("loop_layer_index_end", 0)]
-        passes = (cfg.get("loop_num_passes") or 1) - 1
-        sliding = sum(kind == "hybrid_sliding" for kind in kinds + looped * passes)
-        return MixerShape("inkling", layers + len(looped) * passes, cfg["num_key_value_heads"] * cfg["head_dim"],
-                          cfg["swa_num_key_value_heads"] * cfg["swa_head_dim"],
-                          cfg.get("sconv_kernel_size") or cfg["conv_kernel_size"],   # an alias in the config class
-                          cfg["hidden_size"], cfg["conv_kernel_size"], sliding_layers=sliding,
-                          dynamic=cfg["model_type"] != "inkling_text")
-    if cfg.get("model_type") == "xlstm":   # the layer's head dims (its config's qk_head_dim rounds up to 64)
-        heads, hidden = cfg["num_heads"], cfg["hidden_size"]
-        return MixerShape("mlstm", layers, heads, heads, int(hidden * cfg["qk_dim_factor"]) // heads,
-                          int(hidden * cfg["v_dim_factor"]) // heads, 1, proj_bias=bool(cfg.get("use_bias")))
-    if cfg.get("model_type") == "recurrent_gemma":   # Griffin's RG-LRU: heads = its gates' blocks
-        return MixerShape("rg_lru", layers, cfg["num_attention_heads"], 0, 0, cfg["lru_width"], cfg["conv1d_width"])
-    if cfg.get("model_type") in ("mamba", "falcon_mamba", "jamba", "zamba"):   # Mamba1 (Zamba: its heads split
-        jamba = cfg["model_type"] in ("jamba", "zamba")                        # x_proj and dt_proj, same sizes)
-        channels = cfg["mamba_expand"] * cfg["hidden_size"] if jamba else cfg["intermediate_size"]
-        rank = cfg["mamba_dt_rank"] if jamba else cfg["time_step_rank"]
-        return MixerShape("mamba1", layers, 1, 0, cfg["mamba_d_state" if jamba else "state_size"], channels,
-                          cfg["mamba_d_conv" if jamba else "conv_kernel"],
-                          conv_bias=bool(cfg["mamba_conv_bias" if jamba else "use_conv_bias"]), gate_rank=rank,
-                          proj_bias=bool(cfg["mamba_proj_bias" if jamba else "use_bias"]),
-                          norm_weights=cfg["model_type"] == "jamba")
-    if cfg.get("model_type") in ("kimi_linear", "bailing_hybrid"):   # Kimi Delta Attention
-        heads, head_dim = cfg["linear_num_heads"], cfg["linear_head_dim"]
-        return MixerShape("kimi_delta", layers, heads, heads, head_dim, head_dim, cfg["linear_conv_kernel_dim"],
-                          conv_bias=False, gate_rank=head_dim if cfg["model_type"] == "kimi_linear" else 0)
-    if "linear_num_value_heads" in cfg:
-        return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
-                          cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])
+def _short_conv_shape(cfg, layers, kinds):   # LFM2 / LFM3
+    return MixerShape("short_conv", layers, 1, 0, 0, cfg["hidden_size"], cfg["conv_L_cache"],
+                      conv_bias=bool(cfg.get("conv_bias", False)))
+
+
+def _cca_shape(cfg, layers, kinds):   # ZAYA: the convolutions of q|k in every attention layer (hybrid kinds)
+    return MixerShape("cca", layers, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                      cfg["hidden_size"], cfg["cca_time0"], second_kernel=cfg["cca_time1"])
+
+
+def _lightning_shape(cfg, layers, kinds):   # MiniMax: one state [D, D] per head, in the compute dtype
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return MixerShape("lightning", layers, heads, heads, head_dim, head_dim, 1)
+
+
+def _rwkv_shape(cfg, layers, kinds):   # transformers' defaults for the widths left unset
+    hidden = cfg["hidden_size"]
+    return MixerShape("rwkv", layers, 1, 0, hidden, cfg.get("attention_hidden_size") or hidden, 2,
+                      mlp_width=cfg.get("intermediate_size") or 4 * hidden)
+
+
+def _inkling_shape(cfg, layers, kinds):   # their convolutions (the attention is counted as attention's);
+    # the Loop's looped layers hold a state per pass
+    looped = kinds[cfg.get("loop_layer_index_start", 0):cfg.get("loop_layer_index_end", 0)]
+    passes = (cfg.get("loop_num_passes") or 1) - 1
+    sliding = sum(kind == "hybrid_sliding" for kind in kinds + looped * passes)
+    return MixerShape("inkling", layers + len(looped) * passes, cfg["num_key_value_heads"] * cfg["head_dim"],
+                      cfg["swa_num_key_value_heads"] * cfg["swa_head_dim"],
+                      cfg.get("sconv_kernel_size") or cfg["conv_kernel_size"],   # an alias in the config class
+                      cfg["hidden_size"], cfg["conv_kernel_size"], sliding_layers=sliding,
+                      dynamic=cfg["model_type"] != "inkling_text")
+
+
+def _mlstm_shape(cfg, layers, kinds):   # xLSTM: the layer's head dims (its config's qk_head_dim rounds up to 64)
+    heads, hidden = cfg["num_heads"], cfg["hidden_size"]
+    return MixerShape("mlstm", layers, heads, heads, int(hidden * cfg["qk_dim_factor"]) // heads,
+                      int(hidden * cfg["v_dim_factor"]) // heads, 1, proj_bias=bool(cfg.get("use_bias")))
+
+
+def _rg_lru_shape(cfg, layers, kinds):   # Griffin's RG-LRU: heads = its gates' blocks
+    return MixerShape("rg_lru", layers, cfg["num_attention_heads"], 0, 0, cfg["lru_width"], cfg["conv1d_width"])
+
+
+def _mamba1_shape(cfg, layers, kinds):   # Mamba, Falcon-Mamba; Jamba, Zamba (their heads split x_proj and
+    jamba = cfg.get("model_type") in ("jamba", "zamba")   # dt_proj, same sizes) name the fields mamba_*
+    channels = cfg["mamba_expand"] * cfg["hidden_size"] if jamba else cfg["intermediate_size"]
+    rank = cfg["mamba_dt_rank"] if jamba else cfg["time_step_rank"]
+    return MixerShape("mamba1", layers, 1, 0, cfg["mamba_d_state" if jamba else "state_size"], channels,
+                      cfg["mamba_d_conv" if jamba else "conv_kernel"],
+                      conv_bias=bool(cfg["mamba_conv_bias" if jamba else "use_conv_bias"]), gate_rank=rank,
+                      proj_bias=bool(cfg["mamba_proj_bias" if jamba else "use_bias"]),
+                      norm_weights=cfg.get("model_type") == "jamba")
+
+
+def _kimi_delta_shape(cfg, layers, kinds):   # Kimi Delta Attention (Kimi Linear, Ling)
+    heads, head_dim = cfg["linear_num_heads"], cfg["linear_head_dim"]
+    return MixerShape("kimi_delta", layers, heads, heads, head_dim, head_dim, cfg["linear_conv_kernel_dim"],
+                      conv_bias=False, gate_rank=head_dim if cfg.get("model_type") == "kimi_linear" else 0)
+
+
+def _gated_deltanet_shape(cfg, layers, kinds):
+    return MixerShape("gated_deltanet", layers, cfg["linear_num_value_heads"], cfg["linear_num_key_heads"],
+                      cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], cfg["linear_conv_kernel_dim"])
+
+
+def _mamba2_shape(cfg, layers, kinds):
     if cfg.get("model_type") == "mamba2":   # Mamba2's own config: the mixer's fields without a prefix
         cfg = dict(cfg, mamba_n_heads=cfg.get("num_heads"), mamba_d_head=cfg.get("head_dim"),
                    mamba_d_state=cfg.get("state_size"))
@@ -669,6 +684,47 @@ def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
     conv_bias = cfg.get("mamba_conv_bias", cfg.get("use_conv_bias", True))
     return MixerShape("mamba2", layers, heads, groups, state, head_dim, kernel, conv_bias=bool(conv_bias),
                       norm=bool(cfg.get("mamba_rms_norm", True)))
+
+
+# The token-mixer layers' shape of each family the package adapts (hf/families: a family's
+# `FAMILY` declaration, by its name), from the config. tests/test_planner.py holds this table to
+# the declarations: every family that mixes tokens has its entry, and every model type a
+# family declares (`Family.model_types`) is in MIXER_MODEL_TYPES under it. The planner imports
+# nothing of hf/ (it runs without transformers), hence the table here.
+MIXER_SHAPES = {
+    "gated_deltanet": _gated_deltanet_shape, "kimi_delta": _kimi_delta_shape, "lightning": _lightning_shape,
+    "mamba2": _mamba2_shape, "xlstm": _mlstm_shape, "short_conv": _short_conv_shape, "cca": _cca_shape,
+    "mamba1": _mamba1_shape, "rg_lru": _rg_lru_shape, "rwkv": _rwkv_shape, "inkling": _inkling_shape,
+    "inkling2": _inkling_shape,
+}
+# model type -> its family (the declarations' `model_types`, for the planner: see MIXER_SHAPES)
+MIXER_MODEL_TYPES = {
+    "zaya": "cca", "minimax": "lightning", "rwkv": "rwkv", "inkling_text": "inkling",
+    "inkling2_text": "inkling2", "inkling2_loop_text": "inkling2", "xlstm": "xlstm",
+    "recurrent_gemma": "rg_lru", "mamba": "mamba1", "falcon_mamba": "mamba1", "jamba": "mamba1", "zamba": "mamba1",
+    "kimi_linear": "kimi_delta", "bailing_hybrid": "kimi_delta", "mamba2": "mamba2",
+}
+
+
+def mixer_family(cfg: dict) -> str:
+    """The family of a hybrid config's token mixers: by its model type (MIXER_MODEL_TYPES),
+    else by its fields (a model type the planner does not list: LFM's `conv_L_cache`, Gated
+    DeltaNet's `linear_*`, else Mamba2's `mamba_*`)."""
+    known = MIXER_MODEL_TYPES.get(cfg.get("model_type"))
+    if known:
+        return known
+    if "conv_L_cache" in cfg:
+        return "short_conv"
+    return "gated_deltanet" if "linear_num_value_heads" in cfg else "mamba2"
+
+
+def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
+    """The token-mixer layers of a hybrid config (its family's entry of MIXER_SHAPES), None
+    without any."""
+    layers = sum(k in MIXER_KINDS for k in kinds)
+    if not layers:
+        return None
+    return MIXER_SHAPES[mixer_family(cfg)](cfg, layers, kinds)
 
 
 def mlp_tile_tokens(hidden: int) -> int:
