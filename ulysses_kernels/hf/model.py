@@ -1,5 +1,6 @@
 """What a transformers model is made of, as the package reads it: its text configs, its
-decoder layers (THE rule every room uses), its vision towers, the blocks transformers keeps
+decoder layers (THE rule every room uses), its vision towers, the module that numbers its
+positions (the three found once per model: `Anatomy`), the blocks transformers keeps
 whole, the model inside a wrapper; the one error the package raises for what it cannot
 make exactly sequence-parallel; and the one record of what the package installed on a model
 (`Installed`: its context, the forwards it replaced, its hooks and marks), so that every
@@ -13,6 +14,7 @@ get the same answer.
 import contextlib
 import types
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 from torch import nn
@@ -67,19 +69,51 @@ def within(module: nn.Module, tower: nn.Module) -> bool:
     return any(m is module for m in tower.modules())
 
 
-def decoder_layers(model: nn.Module) -> List[nn.Module]:
+def decoder_layers(model: nn.Module, towers: Optional[List[nn.Module]] = None) -> List[nn.Module]:
     """The decoder layers: a `ModuleList` of the model, preferring one as long as the
     (text) config's layer count, then the shallowest (a mixture of experts' list sits
-    inside a layer), then the longest; never a list inside a vision tower (vision.py)."""
+    inside a layer), then the longest; never a list inside a vision tower (vision.py;
+    `towers`: the model's, when already found)."""
     config = getattr(model, "config", None)
     counts = {getattr(sub, "num_hidden_layers", None) for sub in text_configs(config)} if config is not None else set()
-    towers = vision_towers(model)
+    towers = vision_towers(model) if towers is None else towers
     lists = [(len(m) not in counts, name.count("."), -len(m), m) for name, m in model.named_modules()
              if isinstance(m, nn.ModuleList) and len(m) > 0 and not any(any(m is t for t in tower.modules())
                                                                           for tower in towers)]
     if not lists:
         return []
     return list(min(lists, key=lambda entry: entry[:3])[3])
+
+
+def positions_holder(model: nn.Module) -> Optional[nn.Module]:
+    """The innermost transformers model holding the input embedding: the one that numbers
+    the positions (None: no input embedding)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if embedding is None:
+        return None
+    holder = None
+    for module in model.modules():   # outer to inner: the last transformers model holding it
+        if hasattr(module, "base_model_prefix") and hasattr(module, "config") \
+                and any(m is embedding for m in module.modules()):
+            holder = module
+    return holder
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """What the guard's rules and the installers read of a model, found once when the package
+    meets it (`attach_context`) and handed to each of them: the model, its decoder layers, its
+    vision towers and the module that numbers its positions (None: no input embedding)."""
+    model: nn.Module
+    layers: List[nn.Module]
+    towers: List[nn.Module]
+    holder: Optional[nn.Module]
+
+
+def anatomy_of(model: nn.Module) -> Anatomy:
+    towers = vision_towers(model)
+    return Anatomy(model, decoder_layers(model, towers), towers, positions_holder(model))
 
 
 def wrapped_blocks(model: nn.Module) -> List[nn.Module]:

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402
 
 from ulysses_kernels import hf as ukhf  # noqa: E402
 from ulysses_kernels.hf.core import guard, masks  # noqa: E402
+from ulysses_kernels.hf.model import anatomy_of  # noqa: E402
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 
@@ -87,14 +88,14 @@ class _Stack(nn.Module):
 
 
 def test_sequence_mixing_modules_inside_the_layers_are_refused():
-    assert guard.module_problem(_Stack(nn.Linear(8, 8))) is None
-    assert guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=1))) is None   # per token
-    assert "convolution or token shift along the sequence" in guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=4)))
-    assert "decoder layer 1, extra" in guard.module_problem(_Stack(nn.Conv1d(8, 8, kernel_size=4, groups=8)))
-    assert "recurrent module (GRU)" in guard.module_problem(_Stack(nn.GRU(8, 8)))
+    assert guard.module_problem(anatomy_of(_Stack(nn.Linear(8, 8)))) is None
+    assert guard.module_problem(anatomy_of(_Stack(nn.Conv1d(8, 8, kernel_size=1)))) is None   # per token
+    assert "convolution or token shift along the sequence" in guard.module_problem(anatomy_of(_Stack(nn.Conv1d(8, 8, kernel_size=4))))
+    assert "decoder layer 1, extra" in guard.module_problem(anatomy_of(_Stack(nn.Conv1d(8, 8, kernel_size=4, groups=8))))
+    assert "recurrent module (GRU)" in guard.module_problem(anatomy_of(_Stack(nn.GRU(8, 8))))
     # a token shift (RWKV's `time_shift`): the previous token, by padding the sequence
-    assert "ZeroPad2d, padding (0, 0, 1, -1)" in guard.module_problem(_Stack(nn.ZeroPad2d((0, 0, 1, -1))))
-    assert guard.module_problem(_Stack(nn.ZeroPad2d((1, 1, 0, 0)))) is None   # along the channels
+    assert "ZeroPad2d, padding (0, 0, 1, -1)" in guard.module_problem(anatomy_of(_Stack(nn.ZeroPad2d((0, 0, 1, -1)))))
+    assert guard.module_problem(anatomy_of(_Stack(nn.ZeroPad2d((1, 1, 0, 0))))) is None   # along the channels
 
 
 def test_a_short_convolution_inside_the_attention_is_found():
@@ -105,18 +106,18 @@ def test_a_short_convolution_inside_the_attention_is_found():
 
     model = causal_lm_class("inkling2_text")._from_config(tiny_config("inkling2_text"))
     assert "self_attn.k_proj.sconv.conv1d holds a convolution or token shift along the sequence" \
-        in guard.module_problem(model)
+        in guard.module_problem(anatomy_of(model))
 
 
 def test_models_that_number_positions_themselves_are_refused():
-    assert guard.position_problem(build_tiny_model("llama", "eager")) is None
-    assert "takes no position_ids" in guard.position_problem(build_tiny_model("bart", "eager"))
-    assert "padding index" in guard.position_problem(build_tiny_model("roberta", "eager"))
+    assert guard.position_problem(anatomy_of(build_tiny_model("llama", "eager"))) is None
+    assert "takes no position_ids" in guard.position_problem(anatomy_of(build_tiny_model("bart", "eager")))
+    assert "padding index" in guard.position_problem(anatomy_of(build_tiny_model("roberta", "eager")))
 
 
 def test_hand_written_attention_is_refused_before_its_forward():
-    assert guard.interface_problem(build_tiny_model("llama", "eager")) is None
-    assert "written by hand" in guard.interface_problem(build_tiny_model("bloom", "eager"))
+    assert guard.interface_problem(anatomy_of(build_tiny_model("llama", "eager"))) is None
+    assert "written by hand" in guard.interface_problem(anatomy_of(build_tiny_model("bloom", "eager")))
 
 
 # ------------------------------------------------------------------- first forward, SP 1
@@ -314,9 +315,9 @@ def test_heads_that_pool_over_the_sequence_are_refused(registered):
     model = _head_model("llama", "QuestionAnswering")
     with pytest.raises(ukhf.NotSequenceParallelError, match="its head \\(LlamaForQuestionAnswering\\) pools over"):
         ukhf.attach_context(model)
-    assert guard.head_problem(_head_model("llama", "SequenceClassification")) is None   # heads.py
-    assert "pools over the sequence" in guard.head_problem(_head_model("gpt2", "SequenceClassification", "GPT2"))
-    assert guard.head_problem(_head_model("llama", "TokenClassification")) is None   # per token: exact
+    assert guard.head_problem(anatomy_of(_head_model("llama", "SequenceClassification"))) is None   # heads.py
+    assert "pools over the sequence" in guard.head_problem(anatomy_of(_head_model("gpt2", "SequenceClassification", "GPT2")))
+    assert guard.head_problem(anatomy_of(_head_model("llama", "TokenClassification"))) is None   # per token: exact
 
 
 def test_a_head_that_drops_the_positions_is_refused(registered):
@@ -343,8 +344,8 @@ def test_a_pooler_in_the_text_model_is_refused(registered):
 
     config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, is_decoder=True)
-    assert "BertPooler" in guard.head_problem(BertModel(config))
-    assert guard.head_problem(BertModel(config, add_pooling_layer=False)) is None
+    assert "BertPooler" in guard.head_problem(anatomy_of(BertModel(config)))
+    assert guard.head_problem(anatomy_of(BertModel(config, add_pooling_layer=False))) is None
 
 
 def test_keywords_the_attention_function_would_ignore():

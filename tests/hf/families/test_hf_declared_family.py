@@ -182,6 +182,7 @@ def test_declared_attention_passes_the_guard_by_its_name():
     from transformers.models.llama.modeling_llama import LlamaAttention
 
     from ulysses_kernels.hf.core.guard import module_problem
+    from ulysses_kernels.hf.model import anatomy_of
 
     class ToyRetention(LlamaAttention):
         def forward(self, *args, **kwargs):
@@ -192,10 +193,10 @@ def test_declared_attention_passes_the_guard_by_its_name():
 
     model = tiny_model("sdpa")
     model.model.layers[1].self_attn.__class__ = ToyRetention
-    assert "a token mixer that is not attention (ToyRetention)" in module_problem(model)
+    assert "a token mixer that is not attention (ToyRetention)" in module_problem(anatomy_of(model))
     ukhf.declare_family("toy_retention", ukhf.interface_attention(ToyRetention))
     try:
-        assert "ToyRetention" not in (module_problem(model) or "")
+        assert "ToyRetention" not in (module_problem(anatomy_of(model)) or "")
     finally:
         ukhf.undeclare_family("toy_retention")
-    assert "ToyRetention" in module_problem(model)
+    assert "ToyRetention" in module_problem(anatomy_of(model))

@@ -30,14 +30,14 @@ from ..groups import sp_size_of
 from ..model import (
     READS_LABELS,
     ForwardMarks,
-    decoder_layers,
+    anatomy_of,
     ensure_record,
     peft_problem,
     record_of,
     refusal,
     unwrap,
 )
-from .guard import check_model, install_call_checks, positions_holder, reads_positions
+from .guard import check_model, install_call_checks, reads_positions
 from .patches import set_attribute
 
 ATTN_IMPLEMENTATION = "ulysses"   # the name register() gives the attention (and its mask function)
@@ -158,8 +158,9 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
                                                                           backend=backend, engine=engine)
     ensure_record(model)   # the one record of what follows (model.py's Installed)
     install_adapters(model)
+    anatomy = anatomy_of(model)   # what the rules and the installers below read of the model
     try:
-        check_model(model)
+        check_model(anatomy)
         _, world, _ = context.ulysses()
         problem = adapted_problem(model, world, context.ring()[1])
         if problem:
@@ -167,15 +168,15 @@ def attach_context(model: nn.Module, groups=None, *, ring_group=None, backend: O
     except Exception:   # refused: the model runs as transformers wrote it
         uninstall_adapters(model)
         raise
-    install_vision(model, decoder_layers(model))
+    install_vision(anatomy)
     set_context(model, context)
     _remember_configs(model, context)
     install_input_hooks(model)
-    holder = positions_holder(model)
+    holder = anatomy.holder
     # checked at each forward that the positions reach the module that numbers them
-    if holder is not None and holder is not model and reads_positions(model):
+    if holder is not None and holder is not model and reads_positions(anatomy):
         record_of(model).mark(holder, "positions_holder")
-    install_call_checks(model, context)
+    install_call_checks(anatomy, context)
     return context
 
 

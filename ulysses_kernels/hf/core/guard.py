@@ -43,7 +43,7 @@ from typing import List, Optional
 from torch import nn
 
 from ..families.adapters import adapted_kind, declared_attention
-from ..model import EXACT_HEADS, decoder_layers, ensure_record, refusal, text_configs, vision_towers, within
+from ..model import EXACT_HEADS, Anatomy, ensure_record, refusal, text_configs, within
 from .patches import set_entry
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
@@ -132,10 +132,9 @@ def _calls_the_attention_interface(cls: type) -> bool:
         return False
 
 
-def module_problem(model: nn.Module) -> Optional[str]:
+def module_problem(anatomy: Anatomy) -> Optional[str]:
     """The first module inside the decoder layers that mixes tokens without attention, or None."""
-    layers = decoder_layers(model)
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(anatomy.layers):
         adapted = [name for name, module in layer.named_modules() if adapted_kind(module)]
         for name, module in layer.named_modules():
             if any(name == a or name.startswith(a + ".") for a in adapted):   # made sequence-parallel (mixers.py)
@@ -163,12 +162,12 @@ def module_problem(model: nn.Module) -> Optional[str]:
     return None
 
 
-def interface_problem(model: nn.Module) -> Optional[str]:
+def interface_problem(anatomy: Anatomy) -> Optional[str]:
     """A decoder layer defined in a transformers modeling file that does not even import
     the attention interface cannot call the registered function: its attention is
     written by hand (found before the forward, which such models often break on the
     mask they do not get)."""
-    for layer in decoder_layers(model):
+    for layer in anatomy.layers:
         namespace = sys.modules.get(type(layer).__module__)
         if _mixes_by_adapted_mixers_only(layer):   # Mamba2's blocks: no attention to call
             continue
@@ -191,17 +190,17 @@ def _mixes_by_adapted_mixers_only(layer: nn.Module) -> bool:
                    if not any(m is i for i in inside))
 
 
-def reads_positions(model: nn.Module) -> bool:
+def reads_positions(anatomy: Anatomy) -> bool:
     """Whether the model may read token positions. Only a model with no attention at all (every
     decoder layer mixes tokens by adapted mixers only: Mamba2) and nothing named as a
     position embedding or rotary table is known not to; any other may number them in code
     (ALiBi, a local `arange`), so the position rules hold for it."""
-    layers = decoder_layers(model)
+    layers = anatomy.layers
     if not layers or not all(_mixes_by_adapted_mixers_only(layer) for layer in layers):
         return True
     return any(re.search(r"Position|Positional|Rotary|Rope|RoPE", type(m).__name__)
                or ("pos" in name.rsplit(".", 1)[-1] and isinstance(m, nn.Embedding))
-               for name, m in model.named_modules())
+               for name, m in anatomy.model.named_modules())
 
 
 def _takes(module: nn.Module, name: str) -> bool:
@@ -211,21 +210,19 @@ def _takes(module: nn.Module, name: str) -> bool:
         return True
 
 
-def position_problem(model: nn.Module) -> Optional[str]:
+def position_problem(anatomy: Anatomy) -> Optional[str]:
     """Positions the model numbers itself from local indices: the innermost transformers
     model holding the input embedding takes no `position_ids` (it counts `arange` over
     this rank's slice, as BART's decoder does), or its position embedding counts from a
     padding index (RoBERTa's `padding_idx + 1 + ...`, which `shard_batch`'s global
     positions do not follow)."""
-    get = getattr(model, "get_input_embeddings", None)
-    embedding = get() if callable(get) else None
-    if embedding is None:
+    holder = anatomy.holder
+    if holder is None:   # no input embedding
         return None
-    holder = positions_holder(model)
-    if holder is not None and not _takes(holder, "position_ids") and reads_positions(model):
+    if not _takes(holder, "position_ids") and reads_positions(anatomy):
         return (f"{type(holder).__name__}.forward takes no position_ids: it numbers each rank's tokens from 0 "
                 "(local positions)")
-    for name, module in model.named_modules():
+    for name, module in anatomy.model.named_modules():
         if "position" in name.rsplit(".", 1)[-1] and isinstance(module, nn.Embedding) and module.padding_idx is not None:
             return (f"{name} numbers positions from its padding index ({module.padding_idx} + 1, RoBERTa's "
                     "convention), not from the global positions shard_batch passes")
@@ -239,44 +236,29 @@ POOLING_HEADS = ("ForSequenceClassification", "ForQuestionAnswering", "ForMultip
                  "ForNextSentencePrediction", "ForPreTraining")
 
 
-def head_problem(model: nn.Module) -> Optional[str]:
+def head_problem(anatomy: Anatomy) -> Optional[str]:
     """Why the model's head or a pooler in its text model reads across the sequence (None:
     every head it has is per token). Vision towers run whole images on each rank (vision.py):
     their poolers are theirs."""
+    model = anatomy.model
     name = type(model).__name__
     suffix = next((s for s in POOLING_HEADS if name.endswith(s)), None)
     if suffix is not None and type(model).forward not in EXACT_HEADS:   # heads.py's
         return (f"its head ({name}) pools over the sequence: each rank would pool its own slice of the packed "
                 "sequence, one value per rank instead of one per row")
-    towers = vision_towers(model)
     for sub_name, module in model.named_modules():
-        if type(module).__name__.endswith("Pooler") and not any(within(module, tower) for tower in towers):
+        if type(module).__name__.endswith("Pooler") and not any(within(module, tower) for tower in anatomy.towers):
             return (f"{sub_name} ({type(module).__name__}) pools the sequence (its first token): each rank would "
                     "pool its own slice")
     return None
 
 
-def positions_holder(model: nn.Module) -> Optional[nn.Module]:
-    """The innermost transformers model holding the input embedding: the one that numbers
-    the positions (None: no input embedding)."""
-    get = getattr(model, "get_input_embeddings", None)
-    embedding = get() if callable(get) else None
-    if embedding is None:
-        return None
-    holder = None
-    for module in model.modules():   # outer to inner: the last transformers model holding it
-        if hasattr(module, "base_model_prefix") and hasattr(module, "config") \
-                and any(m is embedding for m in module.modules()):
-            holder = module
-    return holder
-
-
-def adapted_layer_kinds(model: nn.Module) -> frozenset:
+def adapted_layer_kinds(anatomy: Anatomy) -> frozenset:
     """The layer kinds (config `layer_types`, one per decoder layer) whose every layer holds
     a token mixer made sequence-parallel by an adapter (mixers.py); what else such a layer
     holds is still checked by `module_problem`."""
-    layers = decoder_layers(model)
-    config = getattr(model, "config", None)
+    layers = anatomy.layers
+    config = getattr(anatomy.model, "config", None)
     adapted = [any(adapted_kind(m) for m in layer.modules()) for layer in layers]
     kinds = set()
     for sub in text_configs(config) if config is not None else []:
@@ -292,15 +274,17 @@ def adapted_layer_kinds(model: nn.Module) -> frozenset:
     return frozenset(kinds)
 
 
-def check_model(model: nn.Module) -> None:
+def check_model(anatomy: Anatomy) -> None:
     """Raise `NotSequenceParallelError` when the model's structure cannot be made exactly
     sequence-parallel (config, interface, position and module rules); the calls are
     checked at its first forward. The token mixers the package adapts (mixers.py,
     `install_adapters`, which runs first) and their layer kinds pass."""
+    model = anatomy.model
     config = getattr(model, "config", None)
     indexed = any(adapted_kind(m) == "sparse_attention" for m in model.modules())
-    problem = ((config_problem(config, adapted_layer_kinds(model), indexed) if config is not None else None)
-               or head_problem(model) or interface_problem(model) or position_problem(model) or module_problem(model))
+    problem = ((config_problem(config, adapted_layer_kinds(anatomy), indexed) if config is not None else None)
+               or head_problem(anatomy) or interface_problem(anatomy) or position_problem(anatomy)
+               or module_problem(anatomy))
     if problem:
         raise refusal(model, problem)
 
@@ -318,11 +302,11 @@ def attention_layer_flags(model: nn.Module, layers: List[nn.Module]) -> List[boo
     return [True] * len(layers)
 
 
-def install_call_checks(model: nn.Module, context) -> None:
+def install_call_checks(anatomy: Anatomy, context) -> None:
     """Hooks on the decoder layers for the model's first forward: a layer that must attend
     and made no call of the attention function raises at its end; the last layer removes
     the hooks."""
-    layers = decoder_layers(model)
+    model, layers = anatomy.model, anatomy.layers
     record = ensure_record(model)
     record.remove_hooks("call_checks")   # a context attached again: its checks only
     if not layers:

@@ -42,7 +42,7 @@ from torch import nn
 
 from ....api import gather_sequence
 from ....distributed.groups import resolve_group
-from ...model import ensure_record, is_vision_config, record_of, refusal, vision_towers
+from ...model import Anatomy, ensure_record, is_vision_config, record_of, refusal
 from .vision_shard import _PER_TOKEN, SHARD_KEY, CaptureMerge, MergedInputs, TokenShard
 
 # ---------------------------------------------------------------------- the model's parts
@@ -72,10 +72,10 @@ def language_model(model: nn.Module, layers: List[nn.Module]) -> Optional[nn.Mod
     return found
 
 
-def install_vision(model: nn.Module, layers: List[nn.Module]) -> None:
+def install_vision(anatomy: Anatomy) -> None:
     """Make a VLM sequence-parallel: its towers' attention local, the split forward on its
     towers, the shard hook on its language model. Nothing for a model without a tower."""
-    towers = vision_towers(model)
+    model, layers, towers = anatomy.model, anatomy.layers, anatomy.towers
     if not towers:
         return
     record = ensure_record(model)
