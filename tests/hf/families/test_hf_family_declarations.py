@@ -43,11 +43,11 @@ def test_the_registry_is_every_declared_family_and_nothing_else():
 
 
 def test_a_class_claimed_twice_or_an_unknown_mechanism_is_refused():
-    one = Adapter(("X",), "short_conv", lambda *a: None, "halo")
+    one = Adapter(("X",), "short_conv", lambda *a: None, "halo", generation=lambda *a: None)
     with pytest.raises(ValueError, match="X is adapted twice"):
         adapters._registry([Family("a", (one,)), Family("b", (one,))])
     with pytest.raises(ValueError, match="mechanism 'convolution' is none of"):
-        Adapter(("Y",), "short_conv", lambda *a: None, "convolution")
+        Adapter(("Y",), "short_conv", lambda *a: None, "convolution", generation=lambda *a: None)
 
 
 def test_no_family_fact_is_set_on_a_function():
@@ -90,27 +90,20 @@ def test_the_docs_name_every_adapted_class():
     assert [name for name in adapters.ADAPTERS if f"`{name}`" not in docs] == []
 
 
-# The modules whose forwards still open with the protocol themselves (not yet declaring their
-# generation forward, so family.protocol_forward does not run them): this set may only shrink.
-PROTOCOL_NOT_YET_MOVED = {"halo/inkling.py", "halo/inkling2.py", "halo/ngram.py",
-                          "sparse/block_sparse.py", "sparse/compressed.py", "sparse/dsa.py", "sparse/qsa.py"}
-
-
 def test_the_protocol_is_written_once():
     """`token_mixer_call`, `check_cache_outside_generation` and `attention_calls +=` appear in
-    family.py's protocol and in the modules not moved onto it yet, nowhere else; an adapter
-    that declares its generation forward has none of them in its module."""
+    family.py's protocol and nowhere else in hf/families: no family module opens its forwards
+    with the protocol (78 occurrences before family.py held it), and an adapter
+    without its generation forward (which the protocol dispatches to) is refused."""
     import re
 
     pattern = re.compile(r"token_mixer_call\(|check_cache_outside_generation\(|attention_calls \+= ")
-    found = {str(p.relative_to(FAMILIES_DIR)) for p in FAMILIES_DIR.rglob("*.py")
-             if any(pattern.search(line) and not line.lstrip().startswith("def ")
-                    for line in p.read_text().splitlines())}
-    assert found - {"family.py"} == PROTOCOL_NOT_YET_MOVED, found
-    for module in _family_modules().values():   # moved (every adapter declares its generation) or listed
-        where = "/".join(module.__name__.split(".")[-2:]) + ".py"
-        moved = all(a.generation is not None for a in module.FAMILY.adapters)
-        assert moved != (where in PROTOCOL_NOT_YET_MOVED), where
+    found = {str(p.relative_to(FAMILIES_DIR)): n for p in FAMILIES_DIR.rglob("*.py")
+             if (n := sum(bool(pattern.search(line)) and not line.lstrip().startswith("def ")
+                          for line in p.read_text().splitlines()))}
+    assert set(found) == {"family.py"}, found
+    with pytest.raises(ValueError, match="no generation forward declared"):
+        Adapter(("Z",), "short_conv", lambda *a: None, "halo")
 
 
 # Adapted classes whose families have test modules of their own (tiny configs with their own

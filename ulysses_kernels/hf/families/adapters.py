@@ -118,7 +118,7 @@ def adapted_class(base: type) -> type:
     made = _ADAPTED_CLASSES.get(base)
     if made is None:
         adapter = ADAPTERS[base.__name__]
-        forward = protocol_forward(adapter, base) if adapter.generation is not None else adapter.forward
+        forward = protocol_forward(adapter, base)
         members = adapter.members(base) if adapter.members is not None else {}
         made = type(base.__name__, (base,), {
             **members, "forward": forward, "kernel_condition": staticmethod(_refuse_hub_kernels),

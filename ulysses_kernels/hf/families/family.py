@@ -8,31 +8,49 @@ module ends with one `FAMILY`; adapters.py derives the registry (`ADAPTERS`, the
 kinds, the caches) from them, so no fact about a family is written twice or hung on a
 function as an attribute.
 
-The protocol: an adapter that declares its `generation` forward gets, as its class's
-forward, `protocol_forward`, which in this order:
+The protocol: every adapter gets, as its class's forward, `protocol_forward`, which in
+this order:
 
-1. inside `generate` / `prefill` (the package's head-sharded `DecodingCache`, or the
+1. runs transformers' own forward, and nothing else, for a layer its adapter leaves as written
+   (`runs_as_written`: a sparse model's dense layer, which calls the attention function, the
+   package's, which counts the call);
+2. for a sparse attention (`SPARSE_ATTENTION`), whose cache is an attention's, refuses on
+   every rank, whatever the size and before anything is counted, attention dropout in
+   training and any cache but the decoding cache (`mixers.sparse_attention_cache`); for any
+   adapter, likewise first, what it declares in `refuse_first` (Inkling's and Qwen4-Exp's
+   convolutions: a padding mask; Inkling's attentions: that, then attention dropout in training);
+3. inside `generate` / `prefill` (the package's head-sharded `DecodingCache`, or the
    `LayerSlot` of it a model hands each layer): counts the call, refuses a head placement
    the cache's Ulysses size does not allow, and runs the adapter's `generation(module,
    hidden_states, cache (the slot as given), **the layer's other arguments)`; with
    `decoding_from_context`, the context's decoding cache (`inference_cache`), whatever the
    layer is given, its own cache argument (its model's states) staying among the others;
-2. otherwise takes the call's lengths and documents from the context, counting it
-   (`context.token_mixer_call`: the guard's call check);
-3. given any other cache (transformers makes one unless `use_cache=False`): lets
+4. otherwise takes the call's lengths and documents from the context, counting it
+   (`context.token_mixer_call`: the guard's call check; a sparse attention's from the position
+   ids its forward names too, as the attention function reads the ones it is given);
+5. given any other cache (transformers makes one unless `use_cache=False`): lets
    transformers' own forward fill it where nothing is sharded (one rank, one document per
    row; the cache under the name that forward takes), else refuses on every rank
    (`mixers.check_cache_outside_generation`, with the adapter's `cache_kept`); refuses it
    whatever the size where the adapter declares `cache_refused`; where it declares
    `cache_rule`, applies that instead (with or without a cache), then goes on;
-4. refuses a head placement the Ulysses size does not allow (`problem`, advising the
+6. refuses a head placement the Ulysses size does not allow (`problem`, advising the
    adapter's `placement_advice`);
-5. applies the padding mask the way the layer's modeling module does (`pads`);
-6. under a ring, cuts this rank's portion (`mixer_ring.ring_portion`) for a mixer by heads;
-7. runs the adapter's `forward(module, call, hidden_states, **the layer's other arguments)`
+7. applies the padding mask the way the layer's modeling module does (`pads`);
+8. under a ring, cuts this rank's portion (`mixer_ring.ring_portion`) for a mixer by heads;
+9. runs the adapter's `forward(module, call, hidden_states, **the layer's other arguments)`
    with the `MixerCall`.
 
-A family writes only what is its own: the sequence forward and the generation forward."""
+A mixer over depth (`DEPTH`: each token's own states across the layers, no other token's)
+takes none of these steps, which are a sequence's: it runs `generation(module, *the layer's
+arguments)` inside `generate` / `prefill` (the context's decoding cache set), else
+`forward(module, *the layer's arguments)`, uncounted (it is no call of the attention).
+
+A family writes only what is its own: the sequence forward and the generation forward.
+
+A users' declaration (`adapters.declare_family`; by_heads/declared.py, halo/declared.py) is
+an `Adapter` too: its forward is the layer's own (`declared_forward`), during which the
+method it names runs by heads or with the halo, and its generation a refusal."""
 
 import contextvars
 import inspect
@@ -43,7 +61,7 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 from ..context import DecodingCache, context_of, require_default_context, token_mixer_call
 from ..model import refusal
 from .mixer_ring import ring_portion
-from .mixers import check_cache_outside_generation, original_forward
+from .mixers import check_cache_outside_generation, original_forward, sparse_attention_cache
 
 # How a layer that is not attention is made exact under sequence parallelism
 BY_HEADS = "by heads"                  # an exchange to the head layout, the whole sequence per head
@@ -66,12 +84,12 @@ class Adapter:
     it reads), which the decoding cache derives from; prepare_cache(module, cache): what a new
     decoding cache needs before the layer first runs.
 
-    With `generation(module, hidden_states, cache, **its other arguments)` declared, the layer follows the one
-    protocol (below): `forward(module, call, hidden_states, **its other arguments)` is
-    then only the layer's own sequence forward (`call`: MixerCall), `cache_kept` says
-    where its states live instead of a cache given outside generation, and `pads` applies
-    the padding mask as the layer's modeling module does. Without it, `forward` is the whole
-    forward (the adapters not moved onto the protocol yet). cache_refused: (why, what to do)
+    Every layer follows the one protocol (the module doc): `forward(module, call,
+    hidden_states, **its other arguments)` is only the layer's own sequence forward (`call`:
+    MixerCall), `generation(module, hidden_states, cache, **its other arguments)` (required)
+    its forward inside `generate` / `prefill`, `cache_kept` says where its states live
+    instead of a cache given outside generation, and `pads` applies the padding mask as the
+    layer's modeling module does. cache_refused: (why, what to do)
     where a cache outside generation is refused on any number of ranks instead (its model's
     own use of it cannot run: xLSTM's chunked inference); placement_advice: what a refusal by
     `problem` in a forward advises (empty: the package's default advice).
@@ -81,8 +99,22 @@ class Adapter:
     context (`inference_cache`, as the attention function does), not from the layer's
     arguments, and leaves its cache argument (its model's states) among the arguments its
     `generation` gets; `cache_rule(module, context, cache, **its other arguments)` is its own
-    rule outside generation instead of step 3's: it raises where refused, else the package's
+    rule outside generation instead of step 5's: it raises where refused, else the package's
     forward runs (transformers' own would keep the states per rank).
+
+    A sparse attention (mechanism SPARSE_ATTENTION) is an attention layer, and its cache an
+    attention's: the decoding cache inside `generate` / `prefill`, none outside (transformers'
+    KV cache refused whatever the size, as is attention dropout in training, before anything is
+    counted: `mixers.sparse_attention_cache`); its lengths read the position ids its forward
+    names. runs_as_written(module): True where the layer runs transformers' own forward,
+    untouched (MiniMax-M3's dense layers, dots3's sliding-window ones: they call the attention
+    function, the package's, which counts them).
+
+    refuse_first(module, **the layer's arguments but its hidden states): refusals before
+    anything else (step 2), in generation or not, whatever the cache: it raises where refused
+    (a padding mask given to a convolution, attention dropout). A mixer over depth (mechanism
+    DEPTH) takes none of the steps: its `generation` and `forward` both take the layer's own
+    arguments, `(module, *args, **kwargs)`, the former inside `generate` / `prefill`.
 
     members(base): more members of the adapted class (a users' declaration wraps the method
     it names: by_heads/declared.py, halo/declared.py); generates: False where `make_cache`
@@ -102,12 +134,16 @@ class Adapter:
     placement_advice: str = ""
     decoding_from_context: bool = False
     cache_rule: Optional[Callable] = None
+    runs_as_written: Optional[Callable] = None
+    refuse_first: Optional[Callable] = None
     members: Optional[Callable] = None
     generates: bool = True
 
     def __post_init__(self):
         if self.mechanism not in MECHANISMS:
             raise ValueError(f"Adapter {self.classes}: mechanism {self.mechanism!r} is none of {MECHANISMS}")
+        if self.generation is None:   # the protocol dispatches to it (a refusal is a generation forward too)
+            raise ValueError(f"Adapter {self.classes}: no generation forward declared")
 
 
 @dataclass(frozen=True)
@@ -151,17 +187,24 @@ def protocol_forward(adapter: Adapter, base: type):
     """The forward of `base`'s adapted class (adapters.adapted_class): the module doc's
     protocol around `adapter.forward` and `adapter.generation`, bound by `base.forward`'s
     own signature (so positional and keyword calls, and either cache name, reach it)."""
+    if adapter.mechanism == DEPTH:   # each token's own states: none of a sequence's steps
+        return _over_depth(adapter)
     signature = inspect.signature(base.forward)
     params = signature.parameters
     hidden_name = list(params)[1]
     own_cache_name = next((name for name in CACHE_NAMES if name in params), None)
     var_keyword = next((name for name, p in params.items() if p.kind is p.VAR_KEYWORD), None)
+    attention = adapter.mechanism == SPARSE_ATTENTION   # an attention's cache and lengths (steps 2 and 4)
 
     def forward(self, *args, **kwargs):
+        if adapter.runs_as_written is not None and adapter.runs_as_written(self):
+            return original_forward(self)(*args, **kwargs)
         arguments = dict(signature.bind(self, *args, **kwargs).arguments)
         extra = dict(arguments.pop(var_keyword, None) or {}) if var_keyword else {}
         arguments.pop("self")
         hidden_states = arguments.pop(hidden_name)
+        if adapter.refuse_first is not None:   # step 2: before the cache or the context decides anything
+            adapter.refuse_first(self, **arguments, **extra)
         if adapter.decoding_from_context:   # before the cache is taken out: it holds the model's states
             decoding = (context_of(self) or require_default_context()).inference_cache
             if decoding is not None:
@@ -169,10 +212,13 @@ def protocol_forward(adapter: Adapter, base: type):
         caches = [value for name in CACHE_NAMES for value in (arguments.pop(name, None), extra.pop(name, None))
                   if value is not None]
         cache = caches[0] if caches else None
+        if attention:
+            sparse_attention_cache(self, cache)
         decoding = cache.cache if isinstance(cache, LayerSlot) else cache
         if isinstance(decoding, DecodingCache) and not adapter.decoding_from_context:
             return _generation(self, adapter, hidden_states, cache, decoding, arguments, extra)
-        context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], extra)
+        lengths_from = dict(arguments, **extra) if attention else extra
+        context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], lengths_from)
         group, world, _ = context.ulysses()
         if adapter.cache_rule is not None:   # its model keeps the layer's states itself: its own rule
             adapter.cache_rule(self, context, cache, **arguments, **extra)
@@ -191,9 +237,20 @@ def protocol_forward(adapter: Adapter, base: type):
     return forward
 
 
+def _over_depth(adapter: Adapter):
+    """The forward of a mixer over depth (the module doc, after the steps): nothing counted, no
+    lengths, no cache; `generation` inside `generate` / `prefill` (the context's decoding
+    cache), else `forward`, on the layer's own arguments."""
+    def forward(self, *args, **kwargs):
+        decoding = (context_of(self) or require_default_context()).inference_cache
+        run = adapter.forward if decoding is None else adapter.generation
+        return run(self, *args, **kwargs)
+    return forward
+
+
 def _generation(module, adapter: Adapter, hidden_states, cache, decoding: DecodingCache, arguments: dict,
                 extra: dict):
-    """Step 1 (`generate` / `prefill`): counted, its placement checked against the cache's
+    """Step 3 (`generate` / `prefill`): counted, its placement checked against the cache's
     Ulysses size, then the adapter's generation forward (`cache` as the layer got it)."""
     decoding.context.attention_calls += 1
     _refuse_placement(module, adapter, decoding.ulysses[1])
@@ -201,7 +258,7 @@ def _generation(module, adapter: Adapter, hidden_states, cache, decoding: Decodi
 
 
 def _refuse_cache_outside_generation(module, adapter: Adapter, context, cu_seqlens, length: int) -> None:
-    """Step 3's refusals: the adapter's `cache_refused` whatever the size, else the rule of
+    """Step 5's refusals: the adapter's `cache_refused` whatever the size, else the rule of
     `mixers.check_cache_outside_generation` (the same on every rank either way)."""
     if adapter.cache_refused:
         why, what_to_do = adapter.cache_refused

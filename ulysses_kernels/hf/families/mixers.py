@@ -82,8 +82,9 @@ def refuse_attention_dropout(module: nn.Module) -> None:
 
 
 def sparse_attention_cache(module: nn.Module, cache) -> Optional[DecodingCache]:
-    """What every adapted sparse attention (dsa.py, qsa.py, compressed.py, block_sparse.py) asks
-    first: the decoding cache inside `generate` / `prefill` (None: training). Refused on every
+    """What the protocol asks first of every adapted sparse attention (family.py, step 2; dsa.py,
+    qsa.py, compressed.py, block_sparse.py): the decoding cache inside `generate` / `prefill`
+    (None: training). Refused on every
     rank, whatever the size: attention dropout in training (`refuse_attention_dropout`), and a
     cache outside `generate` / `prefill` (transformers' models make one unless called with
     use_cache=False; transformers' own forward of these layers needs eager attention's masks and

@@ -35,22 +35,15 @@ from typing import Optional
 import torch
 
 from ....api import ulysses_head_parallel
-from ...context import DecodingCache, token_mixer_call
-from ...model import refusal
 from ..family import BY_HEADS, HALO, Adapter, Family
-from ..mixers import (
-    causal_conv1d,
-    check_cache_outside_generation,
-    chunk_head_parallel,
-    original_forward,
-    over_documents,
-    refuse_attention_dropout,
-    refuse_conv_padding,
-)
+from ..mixers import causal_conv1d, chunk_head_parallel, over_documents, refuse_attention_dropout, refuse_conv_padding
 from .halo import generation_layout, halo_map, training_layout
 
 SHORT_CONV_CLASSES = ("InklingShortConvolution",)
 ATTENTION_CLASSES = ("InklingAttention",)
+# where a layer's states live instead of a cache given outside generation (Inkling's and Inkling 2's)
+CONV_KEPT = "its convolution state is kept there only"
+KEYS_KEPT = "its keys are sharded by heads there only"
 
 
 def placement_problem(module, world: int) -> Optional[str]:
@@ -64,39 +57,42 @@ def placement_problem(module, world: int) -> Optional[str]:
     return None
 
 
-def _rows_generation(module, rows, cache, layer: int, operator, width: int, kept: int):
-    """`operator` over `rows` inside `generate` / `prefill`, after the layer's last rows on the
-    decoding cache (every rank's copy, `cache.mixer_states[layer]`), which it replaces: their
-    first `kept` channels (what the operator reads of the rows before a token), zeros after.
-    A layer's first convolution (`conv_idx` 0) counts the layer into the forward in progress."""
-    cache.context.attention_calls += 1
+def convolve(module, call, rows, operator):
+    """An Inkling (or Inkling 2) convolution over the global sequence, each document on its own:
+    `operator` (`halo.halo_map`'s, reach `module.conv_kernel_size - 1`) over the local `rows`
+    `[B, S, C']` (`call`: the protocol's MixerCall)."""
+    layout = training_layout(call.context, call.lens)
+    return halo_map(rows, operator, module.conv_kernel_size - 1, layout, cu_seqlens=call.cu_seqlens)[0]
+
+
+def convolve_in_generation(module, rows, operator, cache, layer: int, kept: int):
+    """The same inside `generate` / `prefill`, after the layer's last rows on the decoding
+    cache (every rank's copy, `cache.mixer_states[layer]`, `layer` its cache layer), which it
+    replaces: their first `kept` channels (what the operator reads of the rows before a
+    token), zeros after. A layer's first convolution (`conv_idx` 0) counts the layer into the
+    forward in progress."""
     T = rows.shape[1]
     state = cache.mixer_state(layer, T) if module.conv_idx == 0 else cache.mixer_states.setdefault(layer, {})
     name = f"conv{module.conv_idx}"
     before = state.get(name)
     if before is not None:
         before = torch.cat([before, before.new_zeros(*before.shape[:2], rows.shape[2] - kept)], dim=-1)
-    out, last = halo_map(rows, operator, width, generation_layout(cache, T), before=before)
+    out, last = halo_map(rows, operator, module.conv_kernel_size - 1, generation_layout(cache, T), before=before)
     state[name] = last[..., :kept].detach().clone()
     return out
 
 
-def convolve(module, rows, operator, *, kept: int, cache, layer: int, conv_mask, kwargs):
-    """An Inkling (or Inkling 2) convolution over the global sequence: `operator`
-    (`halo.halo_map`'s, reach `module.conv_kernel_size - 1`) over the local `rows` `[B, S, C']`
-    whose first `kept` channels are the inputs; in training (each document on its own), or in
-    generation after the layer's state (`layer`: its cache layer). None where transformers' own
-    forward runs instead (a cache outside generation on one rank)."""
+def refuse_padding(module, conv_mask=None, **_):
+    """A convolution's refusal before anything else, in generation or not, whatever the cache:
+    a padding mask (`mixers.refuse_conv_padding`)."""
     refuse_conv_padding(module, conv_mask)
-    width = module.conv_kernel_size - 1
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _rows_generation(module, rows, cache, layer, operator, width, kept)
-    context, lens, cu_seqlens = token_mixer_call(module, rows.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its convolution state is kept there "
-                                                                                "only")
-        return None
-    return halo_map(rows, operator, width, training_layout(context, lens), cu_seqlens=cu_seqlens)[0]
+
+
+def refuse_padding_and_dropout(module, conv_mask=None, **_):
+    """An attention's refusals before anything else: a padding mask for its convolutions, then
+    attention dropout in training."""
+    refuse_conv_padding(module, conv_mask)
+    refuse_attention_dropout(module)
 
 
 def depthwise(conv1d: torch.nn.Conv1d):
@@ -106,14 +102,18 @@ def depthwise(conv1d: torch.nn.Conv1d):
     return lambda piece: causal_conv1d(piece[:, width:], weight, None, None, None, history=piece[:, :width])
 
 
-def short_conv_forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None, **kwargs):
-    """`x + conv(x)` in float32 over the global sequence (the module doc)."""
+def short_conv_generation(module, hidden_states: torch.Tensor, cache, **_):
+    """`x + conv(x)` in float32 inside `generate` / `prefill`, after the layer's state."""
     x = hidden_states.float()
-    mixed = convolve(self, x, depthwise(self.conv1d), kept=x.shape[-1], cache=cache, layer=self.layer_idx,
-                     conv_mask=conv_mask, kwargs=kwargs)
-    if mixed is None:
-        return original_forward(self)(hidden_states, cache=cache, conv_mask=conv_mask)
+    mixed = convolve_in_generation(module, x, depthwise(module.conv1d), cache, module.layer_idx, kept=x.shape[-1])
     return (mixed + x).to(hidden_states.dtype)
+
+
+def short_conv_forward(self, call, hidden_states: torch.Tensor, **_):
+    """`x + conv(x)` in float32 over the global sequence (the module doc; the protocol around
+    it: family.py)."""
+    x = hidden_states.float()
+    return (convolve(self, call, x, depthwise(self.conv1d)) + x).to(hidden_states.dtype)
 
 
 def relative_bias(table, relative, distance):
@@ -213,42 +213,30 @@ def _projections(module, hidden_states, cache, kwargs=None):
     return q, k, v, module.r_proj(hidden_states).view(B, S, module.num_heads, -1)
 
 
-def _generation_attention(module, hidden_states, cache):
+def attention_generation(module, hidden_states: torch.Tensor, cache, **_):
     """The attention inside `generate` / `prefill`: the chunk's K/V join this rank's held
-    heads (`update_own_heads`), its queries attend over them by heads (`decoding_heads`)."""
-    cache.context.attention_calls += 1
-    problem = placement_problem(module, cache.ulysses[1])
-    if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}")
+    heads (`update_own_heads`), its queries attend over them by heads (`decoding_heads`);
+    returns (output, None)."""
     B, T, _ = hidden_states.shape
     q, k, v, r = _projections(module, hidden_states, cache)
     keys, values = cache.update_own_heads(k.transpose(1, 2), v.transpose(1, 2), module.layer_idx)
     run = decoding_heads(module, cache, keys, values, table=module.rel_logits_proj, scale_queries=True)
-    return module.o_proj(chunk_head_parallel(run, {"q": q, "r": r}, cache).reshape(B, T, -1))
+    return module.o_proj(chunk_head_parallel(run, {"q": q, "r": r}, cache).reshape(B, T, -1)), None
 
 
-def attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, conv_mask=None, cache=None,
-                      **kwargs):
-    """InklingAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    refuse_conv_padding(self, conv_mask)
-    refuse_attention_dropout(self)
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_attention(self, hidden_states, cache), None
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")
-        return original_forward(self)(hidden_states, attention_mask, conv_mask=conv_mask, cache=cache, **kwargs)
-    group, world, _ = context.ulysses()
-    problem = placement_problem(self, world)
-    if problem:
-        raise refusal(None, f"{type(self).__name__}: {problem}")
+def attention_forward(self, call, hidden_states: torch.Tensor, attention_mask=None, conv_mask=None, **kwargs):
+    """InklingAttention's forward, sequence-parallel (the module doc; the protocol around it:
+    family.py); its convolutions get the layer's other keyword arguments (the documents);
+    returns (output, None)."""
     B, S, _ = hidden_states.shape
     q, k, v, r = _projections(self, hidden_states, None, kwargs)
-    run = heads_forward(self, cu_seqlens, table=self.rel_logits_proj, scale_queries=True)
-    out = ulysses_head_parallel(run, {"q": q, "k": k, "v": v, "r": r}, group, seq_lens=lens)
+    run = heads_forward(self, call.cu_seqlens, table=self.rel_logits_proj, scale_queries=True)
+    out = ulysses_head_parallel(run, {"q": q, "k": k, "v": v, "r": r}, call.group, seq_lens=call.lens)
     return self.o_proj(out.reshape(B, S, -1)), None
 
 
-FAMILY = Family("inkling", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv_forward, HALO),
+FAMILY = Family("inkling", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv_forward, HALO,
+                                    generation=short_conv_generation, refuse_first=refuse_padding, cache_kept=CONV_KEPT),
                             Adapter(ATTENTION_CLASSES, "inkling_attention", attention_forward, BY_HEADS,
-                                    problem=placement_problem)))
+                                    problem=placement_problem, generation=attention_generation,
+                                    refuse_first=refuse_padding_and_dropout, cache_kept=KEYS_KEPT)))

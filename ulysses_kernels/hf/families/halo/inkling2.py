@@ -36,17 +36,20 @@ import math
 import torch
 
 from ....api import ulysses_head_parallel
-from ...context import DecodingCache, token_mixer_call
-from ...model import refusal
 from ..family import BY_HEADS, DEPTH, HALO, Adapter, Family
-from ..mixers import (
-    check_cache_outside_generation,
-    chunk_head_parallel,
-    original_forward,
-    refuse_attention_dropout,
-    refuse_conv_padding,
+from ..mixers import chunk_head_parallel
+from .inkling import (
+    CONV_KEPT,
+    KEYS_KEPT,
+    convolve,
+    convolve_in_generation,
+    decoding_heads,
+    depthwise,
+    heads_forward,
+    placement_problem,
+    refuse_padding,
+    refuse_padding_and_dropout,
 )
-from .inkling import convolve, decoding_heads, depthwise, heads_forward, placement_problem
 
 # Inkling 2 Loop's classes are Inkling 2's, renamed; its message residual is one more attention over depth
 STATIC_CONV_CLASSES = ("Inkling2ShortConvolution", "Inkling2LoopShortConvolution")
@@ -57,16 +60,25 @@ RESIDUAL_CLASSES = ("Inkling2BlockAttentionResidual", "Inkling2LoopBlockAttentio
 MESSAGE_CLASSES = ("Inkling2LoopMessageAttentionResidual",)
 
 
-def static_conv_forward(self, hidden_states: torch.Tensor, dynamic_input=None, cache=None, conv_mask=None,
-                        cache_offset: int = 0, **kwargs):
-    """`(x + conv(x)) / sqrt(K + 1)` in float32 over the global sequence (the module doc)."""
+def static_conv_generation(module, hidden_states: torch.Tensor, cache, cache_offset: int = 0, **_):
+    """`(x + conv(x)) / sqrt(K + 1)` in float32 inside `generate` / `prefill`, after the state
+    of cache layer `layer_idx + cache_offset` (the Loop's later passes have layers of their own)."""
     x = hidden_states.float()
-    mixed = convolve(self, x, depthwise(self.conv1d), kept=x.shape[-1], cache=cache,
-                     layer=self.layer_idx + cache_offset, conv_mask=conv_mask, kwargs=kwargs)
-    if mixed is None:
-        return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
-                                      cache_offset=cache_offset, **kwargs)
-    return ((mixed + x) / math.sqrt(self.conv_kernel_size + 1)).to(hidden_states.dtype)
+    mixed = convolve_in_generation(module, x, depthwise(module.conv1d), cache, module.layer_idx + cache_offset,
+                                   kept=x.shape[-1])
+    return _static_output(module, mixed, x, hidden_states.dtype)
+
+
+def static_conv_forward(self, call, hidden_states: torch.Tensor, **_):
+    """`(x + conv(x)) / sqrt(K + 1)` in float32 over the global sequence (the module doc; the
+    protocol around it: family.py)."""
+    x = hidden_states.float()
+    return _static_output(self, convolve(self, call, x, depthwise(self.conv1d)), x, hidden_states.dtype)
+
+
+def _static_output(module, mixed, x, dtype):
+    """The layer's output from the convolution `mixed` of its float32 inputs `x`."""
+    return ((mixed + x) / math.sqrt(module.conv_kernel_size + 1)).to(dtype)
 
 
 def _dynamic_taps(module, dynamic_input, B, S):
@@ -88,49 +100,58 @@ def _per_token_taps(B, C, K, heads):
     return operator
 
 
-def dynamic_conv_forward(self, hidden_states: torch.Tensor, dynamic_input: torch.Tensor, cache=None,
-                         conv_mask=None, cache_offset: int = 0, **kwargs):
-    """The convolution with per-token taps over the global sequence (the module doc): each
-    token's taps travel with its input through the halo, and the state keeps inputs only."""
+def _dynamic_rows(module, hidden_states, dynamic_input):
+    """(the rows the halo carries, `[B, S, C (1 + K)]`: each token's input, then its `C x K`
+    taps; the inputs `x` in float32)."""
     B, S, C = hidden_states.shape
-    K = self.conv_kernel_size
     x = hidden_states.float()
-    rows = torch.cat([x, _dynamic_taps(self, dynamic_input, B, S).to(x.dtype).reshape(B, S, C * K)], dim=-1)
-    mixed = convolve(self, rows, _per_token_taps(B, C, K, self.num_heads), kept=C, cache=cache,
-                     layer=self.layer_idx + cache_offset, conv_mask=conv_mask, kwargs=kwargs)
-    if mixed is None:
-        return original_forward(self)(hidden_states, dynamic_input, cache=cache, conv_mask=conv_mask,
-                                      cache_offset=cache_offset, **kwargs)
-    return ((mixed + x) / math.sqrt(2 * K + 1)).to(hidden_states.dtype)
+    taps = _dynamic_taps(module, dynamic_input, B, S).to(x.dtype).reshape(B, S, C * module.conv_kernel_size)
+    return torch.cat([x, taps], dim=-1), x
 
 
-def attention_forward(self, hidden_states: torch.Tensor, key_hidden_states=None, value_hidden_states=None,
-                      attention_mask=None, relative_distance=None, conv_mask=None, cache=None, cache_offset: int = 0,
-                      **kwargs):
+def _dynamic_output(module, mixed, x, dtype):
+    """The layer's output from the convolution `mixed` of its float32 inputs `x`."""
+    return ((mixed + x) / math.sqrt(2 * module.conv_kernel_size + 1)).to(dtype)
+
+
+def dynamic_conv_generation(module, hidden_states: torch.Tensor, cache, dynamic_input: torch.Tensor,
+                            cache_offset: int = 0, **_):
+    """The convolution with per-token taps inside `generate` / `prefill`: the state keeps the
+    inputs only (of cache layer `layer_idx + cache_offset`)."""
+    B, S, C = hidden_states.shape
+    rows, x = _dynamic_rows(module, hidden_states, dynamic_input)
+    mixed = convolve_in_generation(module, rows, _per_token_taps(B, C, module.conv_kernel_size, module.num_heads),
+                                   cache, module.layer_idx + cache_offset, kept=C)
+    return _dynamic_output(module, mixed, x, hidden_states.dtype)
+
+
+def dynamic_conv_forward(self, call, hidden_states: torch.Tensor, dynamic_input: torch.Tensor, **_):
+    """The convolution with per-token taps over the global sequence (the module doc; the
+    protocol around it: family.py): each token's taps travel with its input through the halo."""
+    B, S, C = hidden_states.shape
+    rows, x = _dynamic_rows(self, hidden_states, dynamic_input)
+    mixed = convolve(self, call, rows, _per_token_taps(B, C, self.conv_kernel_size, self.num_heads))
+    return _dynamic_output(self, mixed, x, hidden_states.dtype)
+
+
+def _inputs(hidden_states, key_hidden_states, value_hidden_states):
+    """What the keys and the values are projected from (the layer's input where not given)."""
+    return (hidden_states if key_hidden_states is None else key_hidden_states,
+            hidden_states if value_hidden_states is None else value_hidden_states)
+
+
+# The attention's forwards name attention_mask, relative_distance and conv_mask so that they stay
+# out of what the projections' convolutions get (the layer's `**kwargs`: position ids, documents).
+def attention_forward(self, call, hidden_states: torch.Tensor, key_hidden_states=None, value_hidden_states=None,
+                      attention_mask=None, relative_distance=None, conv_mask=None, cache_offset: int = 0, **kwargs):
     """Inkling2SlidingAttention's and Inkling2FullAttention's forward, sequence-parallel (the
-    module doc); returns (output, None)."""
-    refuse_conv_padding(self, conv_mask)
-    refuse_attention_dropout(self)
-    keys_from = hidden_states if key_hidden_states is None else key_hidden_states
-    values_from = hidden_states if value_hidden_states is None else value_hidden_states
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        return _generation_attention(self, hidden_states, keys_from, values_from, cache, cache_offset, kwargs), None
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    if cache is not None:
-        check_cache_outside_generation(self, context, cu_seqlens, sum(lens), "its keys are sharded by heads there only")
-        return original_forward(self)(hidden_states=hidden_states, key_hidden_states=key_hidden_states,
-                                      value_hidden_states=value_hidden_states, attention_mask=attention_mask,
-                                      relative_distance=relative_distance, conv_mask=conv_mask, cache=cache,
-                                      cache_offset=cache_offset, **kwargs)
-    group, world, _ = context.ulysses()
-    problem = placement_problem(self, world)
-    if problem:
-        raise refusal(None, f"{type(self).__name__}: {problem}")
+    module doc; the protocol around it: family.py); returns (output, None)."""
+    keys_from, values_from = _inputs(hidden_states, key_hidden_states, value_hidden_states)
     B, S, _ = hidden_states.shape
     q, k, v, r, sinks = _projections(self, hidden_states, keys_from, values_from, dict(kwargs, conv_mask=conv_mask))
-    out = ulysses_head_parallel(heads_forward(self, cu_seqlens, table=self.relative_position_bias),
+    out = ulysses_head_parallel(heads_forward(self, call.cu_seqlens, table=self.relative_position_bias),
                                 {"q": q, "k": k.transpose(1, 2), "v": v.transpose(1, 2), "r": r, "sinks": sinks},
-                                group, seq_lens=lens)
+                                call.group, seq_lens=call.lens)
     return self.o_proj(out.reshape(B, S, -1), hidden_states), None
 
 
@@ -161,21 +182,21 @@ def _over_depth(module, block_states, partial_block_states, queries):
     return torch.einsum("bsql,bslh->bsqh", probs, stacked)
 
 
-def _generation_attention(module, hidden_states, keys_from, values_from, cache, cache_offset: int, kwargs):
+def attention_generation(module, hidden_states: torch.Tensor, cache, key_hidden_states=None,
+                         value_hidden_states=None, attention_mask=None, relative_distance=None, conv_mask=None,
+                         cache_offset: int = 0, **kwargs):
     """The attention inside `generate` / `prefill` (inkling.py's `decoding_heads`): the chunk's
     K/V join this rank's held heads of cache layer `layer_idx + cache_offset` (the Loop's later
-    passes have layers of their own), its queries, relative states and sinks attend by heads."""
-    cache.context.attention_calls += 1
-    problem = placement_problem(module, cache.ulysses[1])
-    if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}")
+    passes have layers of their own), its queries, relative states and sinks attend by heads;
+    returns (output, None)."""
+    keys_from, values_from = _inputs(hidden_states, key_hidden_states, value_hidden_states)
     B, T, _ = hidden_states.shape
     q, k, v, r, sinks = _projections(module, hidden_states, keys_from, values_from,
                                      dict(kwargs, cache=cache, cache_offset=cache_offset))
     keys, values = cache.update_own_heads(k, v, module.layer_idx + cache_offset)
     run = decoding_heads(module, cache, keys, values, table=module.relative_position_bias)
     out = chunk_head_parallel(run, {"q": q, "r": r, "sinks": sinks}, cache)
-    return module.o_proj(out.reshape(B, T, -1), hidden_states)
+    return module.o_proj(out.reshape(B, T, -1), hidden_states), None
 
 
 def block_residual_forward(self, block_states: torch.Tensor, partial_block_states: torch.Tensor):
@@ -189,9 +210,17 @@ def message_residual_forward(self, block_states: torch.Tensor, partial_block_sta
     return _over_depth(self, block_states, partial_block_states, self.query[loop_layer_idx])
 
 
-FAMILY = Family("inkling2", (Adapter(STATIC_CONV_CLASSES, "short_conv", static_conv_forward, HALO),
-                             Adapter(DYNAMIC_CONV_CLASSES, "short_conv", dynamic_conv_forward, HALO),
+# the residuals over depth read each token's own states only: the same forward in generation
+FAMILY = Family("inkling2", (Adapter(STATIC_CONV_CLASSES, "short_conv", static_conv_forward, HALO,
+                                     generation=static_conv_generation, refuse_first=refuse_padding,
+                                     cache_kept=CONV_KEPT),
+                             Adapter(DYNAMIC_CONV_CLASSES, "short_conv", dynamic_conv_forward, HALO,
+                                     generation=dynamic_conv_generation, refuse_first=refuse_padding,
+                                     cache_kept=CONV_KEPT),
                              Adapter(ATTENTION_CLASSES, "inkling_attention", attention_forward, BY_HEADS,
-                                     problem=placement_problem),
-                             Adapter(RESIDUAL_CLASSES, "depth_attention", block_residual_forward, DEPTH),
-                             Adapter(MESSAGE_CLASSES, "depth_attention", message_residual_forward, DEPTH)))
+                                     problem=placement_problem, generation=attention_generation,
+                                     refuse_first=refuse_padding_and_dropout, cache_kept=KEYS_KEPT),
+                             Adapter(RESIDUAL_CLASSES, "depth_attention", block_residual_forward, DEPTH,
+                                     generation=block_residual_forward),
+                             Adapter(MESSAGE_CLASSES, "depth_attention", message_residual_forward, DEPTH,
+                                     generation=message_residual_forward)))

@@ -19,9 +19,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...context import DecodingCache, token_mixer_call
 from ..family import HALO, Adapter, Family
-from ..mixers import check_cache_outside_generation, original_forward, refuse_conv_padding
+from ..mixers import refuse_conv_padding
 from .halo import generation_layout, halo_map, training_layout
 
 PLE_CLASSES = ("Qwen4ExpTextPLELayer",)
@@ -57,47 +56,51 @@ def _dilated_operator(module):
                                          groups=conv.groups)).transpose(1, 2)
 
 
-def _over_sequence(module, cache, kwargs):
-    """`run(name, rows, operator, width)`: `operator` over the global sequence of `rows` (the
-    module doc); None where transformers' own forward runs instead (a cache outside generation
-    on one rank)."""
-    if isinstance(cache, DecodingCache):   # ulysses_kernels.hf.generate / prefill
-        cache.context.attention_calls += 1
-        state = cache.mixer_states.setdefault((module.layer_idx, "ple"), {})
-
-        def run(name, rows, operator, width):
-            out, last = halo_map(rows, operator, width, generation_layout(cache, rows.shape[1]),
-                                 before=state.get(name))
-            state[name] = last.detach().clone()
-            return out
-        return run
-    context, lens, cu_seqlens = token_mixer_call(module, kwargs["length"], kwargs["call"])
-    if cache is not None:
-        check_cache_outside_generation(module, context, cu_seqlens, sum(lens), "its convolution state is kept there "
-                                                                                "only")
-        return None
-    layout = training_layout(context, lens)
-    return lambda name, rows, operator, width: halo_map(rows, operator, width, layout, cu_seqlens=cu_seqlens)[0]
-
-
-def ple_forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, cache, conv_mask=None, **kwargs):
-    """Qwen4ExpTextPLELayer's forward, sequence-parallel (the module doc)."""
-    refuse_conv_padding(self, conv_mask)
-    run = _over_sequence(self, cache, dict(length=hidden_states.shape[1], call=kwargs))
-    if run is None:
-        return original_forward(self)(hidden_states, input_ids, cache, conv_mask=conv_mask, **kwargs)
-    embedding = self.ple_embedding
+def _gated_embeddings(module, hidden_states, input_ids, run):
+    """The layer's output from `run(name, rows, operator, width)`, `operator` over the global
+    sequence of `rows` (the module doc): the n-gram embeddings of the token ids, then the
+    dilated convolution of the normed gated values."""
+    embedding = module.ple_embedding
     ids = (input_ids.long() + 1).to(torch.float64).unsqueeze(-1)
     embeddings = run("ngram", ids, _ngram_operator(embedding), embedding.context_len)
-    key_normed = self.norm_key(self.key_proj(embeddings)).unflatten(-1, (self.hc_count, self.hidden_size))
-    value = self.value_proj(embeddings)
-    query_normed = self.norm_query(hidden_states).unflatten(-1, (self.hc_count, self.hidden_size))
-    gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / math.sqrt(self.hidden_size)
+    key_normed = module.norm_key(module.key_proj(embeddings)).unflatten(-1, (module.hc_count, module.hidden_size))
+    value = module.value_proj(embeddings)
+    query_normed = module.norm_query(hidden_states).unflatten(-1, (module.hc_count, module.hidden_size))
+    gate = (key_normed * query_normed).sum(dim=-1, keepdim=True) / math.sqrt(module.hidden_size)
     gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
     gated_value = torch.sigmoid(gate) * value.unsqueeze(-2)
-    gated_value_normed = self.norm_conv(gated_value.flatten(-2))
-    return gated_value.flatten(-2) + run("conv", gated_value_normed, _dilated_operator(self),
-                                         self.short_conv_state_len)
+    gated_value_normed = module.norm_conv(gated_value.flatten(-2))
+    return gated_value.flatten(-2) + run("conv", gated_value_normed, _dilated_operator(module),
+                                         module.short_conv_state_len)
 
 
-FAMILY = Family("ngram", (Adapter(PLE_CLASSES, "short_conv", ple_forward, HALO),))
+def generation_forward(module, hidden_states, cache, input_ids, **_):
+    """A forward inside `generate` / `prefill`: both halos continue from the layer's last rows
+    on the decoding cache (every rank's copy), which they then replace."""
+    state = cache.mixer_states.setdefault((module.layer_idx, "ple"), {})
+
+    def run(name, rows, operator, width):
+        out, last = halo_map(rows, operator, width, generation_layout(cache, rows.shape[1]), before=state.get(name))
+        state[name] = last.detach().clone()
+        return out
+    return _gated_embeddings(module, hidden_states, input_ids, run)
+
+
+def ple_forward(self, call, hidden_states: torch.Tensor, input_ids: torch.Tensor, **_):
+    """Qwen4ExpTextPLELayer's forward, sequence-parallel (the module doc; the protocol around
+    it: family.py): each document's halo on its own."""
+    layout = training_layout(call.context, call.lens)
+
+    def run(name, rows, operator, width):
+        return halo_map(rows, operator, width, layout, cu_seqlens=call.cu_seqlens)[0]
+    return _gated_embeddings(self, hidden_states, input_ids, run)
+
+
+def refuse_padding(module, conv_mask=None, **_):
+    """Before anything else, in generation or not: a padding mask for the convolution
+    (`mixers.refuse_conv_padding`), whatever the cache."""
+    refuse_conv_padding(module, conv_mask)
+
+
+FAMILY = Family("ngram", (Adapter(PLE_CLASSES, "short_conv", ple_forward, HALO, generation=generation_forward,
+                                  refuse_first=refuse_padding, cache_kept="its convolution state is kept there only"),))

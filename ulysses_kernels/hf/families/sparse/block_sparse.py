@@ -33,15 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from ....api import ulysses_head_parallel
 from ....exchange.sequence import all_gather_sequence
 from ....layout import head_plan_error
-from ...context import token_mixer_call
-from ...model import refusal
 from ..family import SPARSE_ATTENTION, Adapter, Family
-from ..mixers import (
-    chunk_head_parallel,
-    original_forward,
-    over_documents,
-    sparse_attention_cache,
-)
+from ..mixers import chunk_head_parallel, over_documents
 from .selection import EMPTY, select_keys
 
 M3_CLASSES = ("MiniMaxM3VLAttention",)
@@ -60,12 +53,6 @@ def placement_problem(module, world: int) -> Optional[str]:
         problem = (f"its indexer forces {module.indexer.local_blocks} local blocks into {module.indexer.topk_blocks} "
                    "slots: which of the forced blocks transformers keeps is torch.topk's order of equal scores")
     return problem
-
-
-def _refuse_placement(module, world: int) -> None:
-    problem = placement_problem(module, world)
-    if problem:
-        raise refusal(None, f"{type(module).__name__}: {problem}")
 
 
 def _projections(module, hidden_states, position_embeddings):
@@ -158,13 +145,12 @@ def heads_forward(module, cu_seqlens):
     return run
 
 
-def _generation_attention(module, hidden_states, position_embeddings, cache):
-    """The attention inside `generate` / `prefill`: the chunk's KV heads join this rank's held
-    ones (`update_own_heads`), its index keys every earlier token's (the layer's decoding
-    state, on every rank); its query heads select and attend over them by heads."""
-    cache.context.attention_calls += 1
-    group, world, _ = cache.ulysses
-    _refuse_placement(module, world)
+def generation_forward(module, hidden_states: torch.Tensor, cache, position_embeddings, **_):
+    """The attention inside `generate` / `prefill` (the protocol around it: family.py): the
+    chunk's KV heads join this rank's held ones (`update_own_heads`), its index keys every
+    earlier token's (the layer's decoding state, on every rank); its query heads select and
+    attend over them by heads. Returns (output, None)."""
+    group = cache.ulysses[0]
     B, T, _ = hidden_states.shape
     tensors = _projections(module, hidden_states, position_embeddings)
     keys, values = cache.update_own_heads(tensors["k"].transpose(1, 2), tensors["v"].transpose(1, 2),
@@ -185,26 +171,24 @@ def _generation_attention(module, hidden_states, position_embeddings, cache):
         return block_sparse_attention(module, q, keys.transpose(1, 2), values.transpose(1, 2), local["iq"],
                                       state["index_keys"][:, :, None], index, positions, key_positions)
     out = chunk_head_parallel(run, {"q": tensors["q"], "iq": tensors["iq"]}, cache)
-    return module.o_proj(out.reshape(B, T, -1))
+    return module.o_proj(out.reshape(B, T, -1)), None
 
 
-def m3_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs):
-    """MiniMaxM3VLAttention's forward: a sparse layer sequence-parallel (the module doc), a
-    dense one as transformers runs it (through the attention function, which is the
-    package's); returns (output, None)."""
-    if self.indexer is None:
-        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-    decoding = sparse_attention_cache(self, cache)
-    if decoding is not None:   # ulysses_kernels.hf.generate / prefill
-        return _generation_attention(self, hidden_states, position_embeddings, decoding), None
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    group, world, _ = context.ulysses()
-    _refuse_placement(self, world)
+def m3_forward(self, call, hidden_states: torch.Tensor, position_embeddings, **_):
+    """A sparse layer's forward over the sequence, by heads (the module doc; the protocol around
+    it: family.py); returns (output, None)."""
     B, S, _ = hidden_states.shape
     tensors = _projections(self, hidden_states, position_embeddings)
-    out = ulysses_head_parallel(heads_forward(self, cu_seqlens), tensors, group, seq_lens=lens)
+    out = ulysses_head_parallel(heads_forward(self, call.cu_seqlens), tensors, call.group, seq_lens=call.lens)
     return self.o_proj(out.reshape(B, S, -1)), None
 
 
+def dense_layer(module) -> bool:
+    """A layer without an indexer: dense, which transformers' forward runs through the
+    attention function (the package's)."""
+    return module.indexer is None
+
+
 FAMILY = Family("block_sparse", (Adapter(M3_CLASSES, "sparse_attention", m3_forward, SPARSE_ATTENTION,
-                                         problem=placement_problem),))
+                                         problem=placement_problem, generation=generation_forward,
+                                         runs_as_written=dense_layer),))

@@ -37,9 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ....api import gather_sequence
 from ....exchange.sequence import all_gather_sequence
-from ...context import token_mixer_call
 from ..family import SPARSE_ATTENTION, Adapter, Family
-from ..mixers import document_starts, sparse_attention_cache
+from ..mixers import document_starts
 from .selection import EMPTY, tiled_select
 
 V4_CLASSES = ("DeepseekV4Attention",)
@@ -228,11 +227,11 @@ class Keys(NamedTuple):
     query_starts: torch.Tensor
 
 
-def _training_keys(module, hidden_states, kv, kwargs) -> Keys:
-    """The keys of a training forward: gathered over the whole sequence, entries pooled per
-    document (`kv`: this rank's key-value head `[B, S_local, D]`)."""
-    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
-    group, _, rank = context.ulysses()
+def _training_keys(module, hidden_states, kv, call) -> Keys:
+    """The keys of a forward over the sequence (`call`: family.MixerCall): gathered over the
+    whole sequence, entries pooled per document (`kv`: this rank's key-value head `[B, S_local,
+    D]`)."""
+    lens, cu_seqlens, group, rank = call.lens, call.cu_seqlens, call.group, call.context.ulysses()[2]
     total = sum(lens)
     starts = document_starts(cu_seqlens, total, hidden_states.device)
     if starts is None:
@@ -277,7 +276,6 @@ def _generation_keys(module, hidden_states, kv, cache) -> Keys:
     """The keys inside `generate` / `prefill`: every rank keeps the last `sliding_window - 1`
     key-value rows and the entries so far (the layer's decoding state, the same on every rank);
     the chunk's rows and projections join them (gathered from its shards)."""
-    cache.context.attention_calls += 1
     group, _, rank = cache.ulysses
     lens = cache.chunk_lens
     state = cache.mixer_state(module.layer_idx, hidden_states.shape[1])
@@ -304,21 +302,20 @@ def _generation_keys(module, hidden_states, kv, cache) -> Keys:
     return Keys(rows, rows_first, entries, index_entries, queries, torch.zeros_like(queries))
 
 
-def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None, attention_mask=None,
-               cache=None, **kwargs):
-    """DeepseekV4Attention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    decoding = sparse_attention_cache(self, cache)
+def _v4_attention(module, hidden_states: torch.Tensor, position_embeddings, position_ids, keys_of) -> torch.Tensor:
+    """DeepseekV4Attention's output (the module doc), its queries over the keys `keys_of(kv)`
+    gives for this rank's key-value head `kv` `[B, S_local, D]` (`_training_keys`,
+    `_generation_keys`)."""
     B, S, _ = hidden_states.shape
-    D, rope = self.head_dim, _rope(self)
-    cos, sin = position_embeddings[self.rope_layer_type]
-    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
-    q = rope(self.q_b_norm(self.q_b_proj(q_residual).view(B, S, -1, D).transpose(1, 2)), cos, sin)
-    kv = rope(self.kv_norm(self.kv_proj(hidden_states)).view(B, S, -1, D).transpose(1, 2), cos, sin)[:, 0]
-    keys = _generation_keys(self, hidden_states, kv, decoding) if decoding is not None else \
-        _training_keys(self, hidden_states, kv, dict(kwargs, position_ids=position_ids))
-    chosen = _entry_choice(self, hidden_states, q_residual, position_ids, keys.index_entries, keys.queries,
+    D, rope = module.head_dim, _rope(module)
+    cos, sin = position_embeddings[module.rope_layer_type]
+    q_residual = module.q_a_norm(module.q_a_proj(hidden_states))
+    q = rope(module.q_b_norm(module.q_b_proj(q_residual).view(B, S, -1, D).transpose(1, 2)), cos, sin)
+    kv = rope(module.kv_norm(module.kv_proj(hidden_states)).view(B, S, -1, D).transpose(1, 2), cos, sin)[:, 0]
+    keys = keys_of(kv)
+    chosen = _entry_choice(module, hidden_states, q_residual, position_ids, keys.index_entries, keys.queries,
                            keys.query_starts)
-    window = _window(keys.queries, keys.query_starts, self.sliding_window)
+    window = _window(keys.queries, keys.query_starts, module.sliding_window)
     window = torch.where(window >= 0, window - keys.first, EMPTY).expand(B, -1, -1)
     entries = keys.entries if keys.entries is not None and keys.entries.values.shape[1] else None
     tiles = []
@@ -326,10 +323,27 @@ def v4_forward(self, hidden_states: torch.Tensor, position_embeddings, position_
         part = slice(first, first + QUERY_TILE)
         tiles.append(checkpoint(_attend_tile, q[:, :, part], keys.kv, window[:, part], entries,
                                 None if chosen is None else chosen[:, part], keys.queries[part],
-                                keys.query_starts[part], self.sinks, self.scaling, use_reentrant=False))
+                                keys.query_starts[part], module.sinks, module.scaling, use_reentrant=False))
     out = rope(torch.cat(tiles, dim=2), cos, -sin)                                  # the values' rope undone
-    grouped = self.o_a_proj(out.transpose(1, 2).reshape(B, S, self.config.o_groups, -1)).flatten(2)
-    return self.o_b_proj(grouped), None
+    grouped = module.o_a_proj(out.transpose(1, 2).reshape(B, S, module.config.o_groups, -1)).flatten(2)
+    return module.o_b_proj(grouped)
 
 
-FAMILY = Family("compressed", (Adapter(V4_CLASSES, "sparse_attention", v4_forward, SPARSE_ATTENTION),))
+def v4_forward(self, call, hidden_states: torch.Tensor, position_embeddings, position_ids=None, **_):
+    """DeepseekV4Attention's forward over the sequence (the protocol around it: family.py);
+    returns (output, None)."""
+    return _v4_attention(self, hidden_states, position_embeddings, position_ids,
+                         lambda kv: _training_keys(self, hidden_states, kv, call)), None
+
+
+def v4_generation(self, hidden_states: torch.Tensor, cache, position_embeddings, position_ids=None, **_):
+    """`v4_forward` inside `generate` / `prefill`: the same attention, over the decoding state
+    every rank keeps."""
+    return _v4_attention(self, hidden_states, position_embeddings, position_ids,
+                         lambda kv: _generation_keys(self, hidden_states, kv, cache)), None
+
+
+# generation: the training forward's attention over the keys the decoding cache keeps
+# (`_generation_keys`) instead of the gathered ones (`_training_keys`)
+FAMILY = Family("compressed", (Adapter(V4_CLASSES, "sparse_attention", v4_forward, SPARSE_ATTENTION,
+                                       generation=v4_generation),))

@@ -37,9 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ....api import gather_sequence
 from ....exchange.sequence import all_gather_sequence
 from ....layout import head_plan_error
-from ...context import token_mixer_call
 from ..family import SPARSE_ATTENTION, Adapter, Family
-from ..mixers import original_forward, sparse_attention_cache
 from .dsa_indexer import Visibility, indexer_keys, rope_of, select, visibility
 
 DSA_CLASSES = ("DeepseekV32Attention", "AXK2Attention")
@@ -165,28 +163,31 @@ LAYOUTS = {"DeepseekV32Attention": Layout(_deepseek_projections, _gate),
            "Dots3NoteTextAttention": Layout(_dots3_projections, _gate)}
 
 
+_PACKAGE = __name__.split(".")[0]
+
+
 def _base_class(module) -> type:
-    """transformers' class of an adapted module: the first in its MRO with a forward not this
-    module's."""
-    return next(c for c in type(module).__mro__ if "forward" in vars(c) and vars(c)["forward"].__module__ != __name__)
+    """transformers' class of an adapted module: the first in its MRO with a forward not the
+    package's (the adapted class's forward is family.py's protocol, the layer's is its model's)."""
+    return next(c for c in type(module).__mro__
+                if "forward" in vars(c) and vars(c)["forward"].__module__.split(".")[0] != _PACKAGE)
 
 
 def _family(module):
     return LAYOUTS[type(module).__name__]
 
 
-def _training_keys(module, hidden_states, kwargs):
-    """`keys(shared, index_keys)` of a training forward: the latent and rotary keys `[B, S, R +
-    r]` (gathered with a backward) and the indexer keys `[B, S, D]` (or None) of this rank's
-    tokens -> those of the whole sequence, and which of them each local query sees (a
-    `Visibility`: its document's, up to itself)."""
-    context, lens, cu_seqlens = token_mixer_call(module, hidden_states.shape[1], kwargs)
-    group, _, rank = context.ulysses()
+def _training_keys(call):
+    """`keys(shared, index_keys)` of a forward over the sequence (`call`: family.MixerCall): the
+    latent and rotary keys `[B, S, R + r]` (gathered with a backward) and the indexer keys `[B,
+    S, D]` (or None) of this rank's tokens -> those of the whole sequence, and which of them
+    each local query sees (a `Visibility`: its document's, up to itself)."""
+    lens, group, rank = call.lens, call.group, call.context.ulysses()[2]
 
     def keys(shared, index_keys):
         gathered = None if index_keys is None else all_gather_sequence(index_keys, lens, 1, group)
         return (gather_sequence(shared, group, dim=1, seq_lens=lens), gathered,
-                visibility(lens, rank, cu_seqlens, shared.device))
+                visibility(lens, rank, call.cu_seqlens, shared.device))
     return keys
 
 
@@ -195,7 +196,6 @@ def _generation_keys(module, cache):
     the cache holds (`update_own_heads`: one head, so every rank holds every token, like MLA's
     latent), and each query of the chunk sees every key up to its position (one document a
     row: generation refuses padding)."""
-    cache.context.attention_calls += 1
     rank, layer = cache.ulysses[2], module.layer_idx
 
     def keys(shared, index_keys):
@@ -242,54 +242,58 @@ def _sparse_attention(module, hidden_states, position_embeddings, keys, shared_c
     return module.o_proj(out.reshape(B, S, -1)), chosen
 
 
-def _keys_for(module, hidden_states, cache, kwargs):
-    """The keys' source of this forward (`_training_keys` / `_generation_keys`), after
-    `mixers.sparse_attention_cache`'s refusals."""
-    decoding = sparse_attention_cache(module, cache)
-    if decoding is not None:
-        return _generation_keys(module, decoding)
-    return _training_keys(module, hidden_states, kwargs)
+def dsa_forward(self, call, hidden_states: torch.Tensor, position_embeddings, **_):
+    """DeepseekV32Attention's, AXK2Attention's and dots3's DSA layers' forward over the sequence
+    (the module doc; the protocol around it: family.py); returns (output, None)."""
+    return _sparse_attention(self, hidden_states, position_embeddings, _training_keys(call))[0], None
 
 
-def dsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
-                position_ids=None, **kwargs):
-    """DeepseekV32Attention's and AXK2Attention's forward, sequence-parallel (the module doc);
-    returns (output, None)."""
-    keys = _keys_for(self, hidden_states, cache, dict(kwargs, position_ids=position_ids))
-    return _sparse_attention(self, hidden_states, position_embeddings, keys)[0], None
+def dsa_generation(self, hidden_states: torch.Tensor, cache, position_embeddings, **_):
+    """`dsa_forward` inside `generate` / `prefill`: the same attention, over the keys the
+    decoding cache holds."""
+    return _sparse_attention(self, hidden_states, position_embeddings, _generation_keys(self, cache))[0], None
 
 
-def shared_selection_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None,
-                             cache=None, position_ids=None, prev_topk_indices=None, **kwargs):
-    """GlmMoeDsaAttention's and HYV4Attention's forward, sequence-parallel; returns (output,
+def shared_selection_forward(self, call, hidden_states: torch.Tensor, position_embeddings, prev_topk_indices=None,
+                             **_):
+    """GlmMoeDsaAttention's and HYV4Attention's forward over the sequence; returns (output,
     None, the chosen keys `[B, S_local, k]`, global indices), which the model hands to the next
     layer as `prev_topk_indices` (a "shared" layer's)."""
-    keys = _keys_for(self, hidden_states, cache, dict(kwargs, position_ids=position_ids))
-    out, chosen = _sparse_attention(self, hidden_states, position_embeddings, keys, shared_chosen=prev_topk_indices)
+    out, chosen = _sparse_attention(self, hidden_states, position_embeddings, _training_keys(call),
+                                    shared_chosen=prev_topk_indices)
     return out, None, chosen
+
+
+def shared_selection_generation(self, hidden_states: torch.Tensor, cache, position_embeddings,
+                                prev_topk_indices=None, **_):
+    """`shared_selection_forward` inside `generate` / `prefill`, over the keys the decoding
+    cache holds."""
+    out, chosen = _sparse_attention(self, hidden_states, position_embeddings, _generation_keys(self, cache),
+                                    shared_chosen=prev_topk_indices)
+    return out, None, chosen
+
+
+def sliding_window_layer(module) -> bool:
+    """A dots3 layer without an indexer: a sliding-window MLA layer, which transformers' forward
+    runs through the attention function (the package's)."""
+    return module.indexer is None
 
 
 def dots3_placement_problem(module, world: int) -> Optional[str]:
     """Why a dots3 sliding-window layer's heads (exchanged by the attention function) have no
     placement over `world` ranks (None: they have, or a DSA layer, whose queries stay on their
     shard)."""
-    if module.indexer is not None:
+    if not sliding_window_layer(module):
         return None
     return head_plan_error(world, module.num_heads, module.num_heads)   # MLA expands keys to every head
 
 
-def dots3_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None,
-                  **kwargs):
-    """Dots3NoteTextAttention's forward: its DSA layers sequence-parallel (the module doc), its
-    sliding-window layers as transformers runs them (through the attention function, which is
-    the package's)."""
-    if self.indexer is None:
-        return original_forward(self)(hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-    return dsa_forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
-
-
-FAMILY = Family("dsa", (Adapter(DSA_CLASSES, "sparse_attention", dsa_forward, SPARSE_ATTENTION),
+# Each class's generation is its training forward's attention over the keys the decoding cache
+# holds (`_generation_keys`) instead of the gathered ones (`_training_keys`).
+FAMILY = Family("dsa", (Adapter(DSA_CLASSES, "sparse_attention", dsa_forward, SPARSE_ATTENTION,
+                                generation=dsa_generation),
                         Adapter(SHARED_SELECTION_CLASSES, "sparse_attention", shared_selection_forward,
-                                SPARSE_ATTENTION),
-                        Adapter(DOTS3_CLASSES, "sparse_attention", dots3_forward, SPARSE_ATTENTION,
-                                problem=dots3_placement_problem)))
+                                SPARSE_ATTENTION, generation=shared_selection_generation),
+                        Adapter(DOTS3_CLASSES, "sparse_attention", dsa_forward, SPARSE_ATTENTION,
+                                problem=dots3_placement_problem, generation=dsa_generation,
+                                runs_as_written=sliding_window_layer)))

@@ -21,7 +21,7 @@ per query (`QUERY_TILE` queries at a time, recomputed in the backward): no head 
 Not on a ring (refused on every rank).
 
 Generation (`ulysses_kernels.hf.generate` / `prefill`): every rank keeps every token's keys,
-values, raw index keys and rope (`_generation_attention`); a chunk's queries select and attend
+values, raw index keys and rope (`generation_forward`); a chunk's queries select and attend
 over them as in training.
 """
 
@@ -33,9 +33,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ....api import gather_sequence
 from ....exchange.sequence import all_gather_sequence
-from ...context import token_mixer_call
 from ..family import SPARSE_ATTENTION, Adapter, Family
-from ..mixers import document_starts, sparse_attention_cache
+from ..mixers import document_starts
 from .selection import EMPTY, tiled_select
 
 QSA_CLASSES = ("Qwen4ExpTextAttention",)
@@ -147,12 +146,12 @@ def _attention(module, q, k, v, kept):
     return torch.cat(tiles, dim=2)
 
 
-def _generation_attention(module, hidden_states, position_embeddings, cache):
-    """The attention inside `generate` / `prefill`: every rank keeps every token's keys,
-    values, raw index keys and rope (the layer's decoding state; a sharded chunk's gathered
-    from its shards), and the chunk's queries select and attend over them as in training (one
-    document a row: generation refuses padding)."""
-    cache.context.attention_calls += 1
+def generation_forward(module, hidden_states: torch.Tensor, cache, position_embeddings, **_):
+    """The attention inside `generate` / `prefill` (the protocol around it: family.py): every
+    rank keeps every token's keys, values, raw index keys and rope (the layer's decoding state;
+    a sharded chunk's gathered from its shards), and the chunk's queries select and attend over
+    them as in training (one document a row: generation refuses padding). Returns (output,
+    None)."""
     group, _, rank = cache.ulysses
     lens = cache.chunk_lens
     B, n, _ = hidden_states.shape
@@ -174,7 +173,7 @@ def _generation_attention(module, hidden_states, position_embeddings, cache):
     queries = torch.arange(offset, offset + n, device=k.device)
     kept = select_tokens(module.indexer, index_q, block_first, block_keys, queries, starts)
     out = _attention(module, q, k, v, kept).transpose(1, 2).reshape(B, n, -1)
-    return module.o_proj(out * torch.sigmoid(gate))
+    return module.o_proj(out * torch.sigmoid(gate)), None
 
 
 def _prepare_cache(module, cache) -> None:
@@ -186,13 +185,10 @@ def _prepare_cache(module, cache) -> None:
     cache.layers[index].indexer_position_ids = None
 
 
-def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs):
-    """Qwen4ExpTextAttention's forward, sequence-parallel (the module doc); returns (output, None)."""
-    decoding = sparse_attention_cache(self, cache)
-    if decoding is not None:   # ulysses_kernels.hf.generate / prefill
-        return _generation_attention(self, hidden_states, position_embeddings, decoding), None
-    context, lens, cu_seqlens = token_mixer_call(self, hidden_states.shape[1], kwargs)
-    group, _, rank = context.ulysses()
+def qsa_forward(self, call, hidden_states: torch.Tensor, position_embeddings, **_):
+    """Qwen4ExpTextAttention's forward over the sequence (the module doc; the protocol around
+    it: family.py); returns (output, None)."""
+    lens, cu_seqlens, group, rank = call.lens, call.cu_seqlens, call.group, call.context.ulysses()[2]
     B, S, _ = hidden_states.shape
     q, k, v, gate, index_q, raw_keys = _projections(self, hidden_states, position_embeddings)
     k, v = (gather_sequence(x, group, dim=1, seq_lens=lens) for x in (k, v))
@@ -212,4 +208,4 @@ def qsa_forward(self, hidden_states: torch.Tensor, position_embeddings, attentio
 
 # a new decoding cache gets the indexer's positions first (_prepare_cache)
 FAMILY = Family("qsa", (Adapter(QSA_CLASSES, "sparse_attention", qsa_forward, SPARSE_ATTENTION,
-                                prepare_cache=_prepare_cache),))
+                                prepare_cache=_prepare_cache, generation=generation_forward),))
