@@ -85,6 +85,21 @@ def decoder_layers(model: nn.Module, towers: Optional[List[nn.Module]] = None) -
     return list(min(lists, key=lambda entry: entry[:3])[3])
 
 
+def torch_sequence_mixer(module: nn.Module) -> Optional[str]:
+    """What of torch's own modules mixes tokens along the sequence (None: `module` does not):
+    a convolution of kernel > 1 (1-D: along the sequence; 2-D / 3-D: any), a token shift
+    (a ZeroPad2d padding the sequence: RWKV's `time_shift`), a recurrent module."""
+    name = type(module).__name__
+    if isinstance(module, nn.ZeroPad2d) and any(module.padding[2:]):
+        return f"a convolution or token shift along the sequence ({name}, padding {tuple(module.padding)})"
+    if (isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1) or \
+            (isinstance(module, (nn.Conv2d, nn.Conv3d)) and any(k > 1 for k in module.kernel_size)):
+        return f"a convolution or token shift along the sequence ({name}, kernel {tuple(module.kernel_size)})"
+    if isinstance(module, nn.RNNBase):
+        return f"a recurrent module ({name})"
+    return None
+
+
 def positions_holder(model: nn.Module) -> Optional[nn.Module]:
     """The innermost transformers model holding the input embedding: the one that numbers
     the positions (None: no input embedding)."""

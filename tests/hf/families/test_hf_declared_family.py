@@ -5,11 +5,14 @@ known to the package), declared in the example and nowhere else, one training st
 SP 3 (uneven shards: 23 = 8 + 8 + 7) on one document and on two packed documents, against one
 process running each document on its own in float64: the loss and every gradient.
 
-And what a declaration must not let through, each the same error on every rank: the model
-undeclared (the guard), a method declared by heads that ignores which heads it holds, a halo
-narrower than what the method reads, a method that is not causal, a declared method the
-layer's forward never calls, and generation; a class declared twice, and the declaration taken
-back.
+And what a declaration must not let through, each the same error on every rank (MUTATIONS):
+the model undeclared (the guard); a method declared by heads that ignores which heads it
+holds, also when its per-head parameters are equal until an optimizer step; a halo narrower
+than what the method reads (a plain and a dilated convolution); a method that is not causal,
+or starts from a learned token instead of zeros; a declared method the layer's forward never
+calls; a convolution of the layer run outside its declared method; the method checkpointed by
+itself (recomputed outside the layer's forward); and generation. A class declared twice, and
+the declaration taken back (modules adapted under it keep their adapter).
 """
 
 import sys
@@ -25,7 +28,13 @@ pytest.importorskip("transformers", reason="ulysses_kernels.hf needs Hugging Fac
 from sweep import DOCUMENTS, largest_error, reference_step, sp_step  # noqa: E402
 
 from ulysses_kernels import hf as ukhf  # noqa: E402
-from ulysses_kernels.hf.families.adapters import ADAPTERS, DECLARED  # noqa: E402
+from ulysses_kernels.hf.families.adapters import (  # noqa: E402
+    ADAPTERS,
+    DECLARED,
+    adapted_kind,
+    install_adapters,
+    uninstall_adapters,
+)
 from ulysses_kernels.launch import spawn  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -93,53 +102,117 @@ def test_the_declaration_adapts_only_the_declared_classes():
             ukhf.declare_family("short_conv", ukhf.halo(example.ToyShortConv, method="convolve", width=3))
         with pytest.raises(ValueError, match="no method"):
             ukhf.by_heads(example.ToyLinearMixer, method="mix").members(example.ToyLinearMixer)
+        model = example.tiny_model("sdpa")
+        adapted = install_adapters(model)
+        assert sorted(adapted_kind(m) for m in adapted) == ["declared by heads"] * 2 + ["declared halo"] * 2
     finally:
         ukhf.undeclare_family("toy_hybrid")
     assert ADAPTERS == before and "toy_hybrid" not in DECLARED
+    # modules adapted under the declaration keep their adapter until they are taken off
+    assert sorted(adapted_kind(m) for m in adapted) == ["declared by heads"] * 2 + ["declared halo"] * 2
+    uninstall_adapters(model)
+    assert not any(adapted_kind(m) for m in model.modules())
 
 
-def _mutated_worker(rank, world, mutation):
+# mutation -> what every rank must say (the test below)
+MUTATIONS = {
+    "undeclared": "config.layer_types has layers of kind 'linear_mixer', 'short_conv'",
+    "heads ignored": "ToyLinearMixer.mix_heads on heads 3..5 alone gives another result than over all heads",
+    "heads ignored, decays equal until a step": "ToyLinearMixer.mix_heads on heads 3..5 alone gives another result",
+    "halo too narrow": "ToyShortConv.convolve reads more than its declared width of 1 earlier inputs",
+    "dilated convolution": "ToyShortConv.convolve reads more than its declared width of 3 earlier inputs",
+    "not causal": "ToyShortConv.convolve is not causal",
+    "learned start": "ToyShortConv.convolve does not read zeros as its history before the first token",
+    "method not called": "ToyLinearMixer's forward did not call mix_heads_never_called",
+    "convolution outside the method": "ToyLinearMixer.v_conv is a convolution or token shift along the sequence "
+                                      "(Conv1d, kernel (3,)), run outside mix_heads",
+    "method checkpointed alone": "a declared method of ToyLinearMixer was called outside the layer's forward",
+}
+
+
+def _mutate(example, mutation):
+    """Change the example's classes as `mutation` says; returns (declarations, model)."""
+    from torch import nn
+
+    mixer, conv = example.ToyLinearMixer, example.ToyShortConv
+    mix_heads, convolve, mixer_forward = mixer.mix_heads, conv.convolve, mixer.forward
+    if mutation.startswith("heads ignored"):   # the decays of heads 0.. whatever heads the method holds
+        mixer.mix_heads = lambda self, q, k, v, heads=None: mix_heads(self, q, k, v, heads=range(q.shape[2]))
+    if mutation == "not causal":      # reads the tokens after each token too
+        conv.convolve = lambda self, x: convolve(self, x) + convolve(self, x.flip(1)).flip(1)
+    if mutation == "learned start":   # a token shift from a start of its own, not zeros
+        conv.convolve = lambda self, x: convolve(self, x) + torch.cat([torch.ones_like(x[:, :1]), x[:, :-1]], dim=1)
+    if mutation == "convolution outside the method":   # a convolution of v in the forward, not in mix_heads
+        def forward(self, hidden_states, **kwargs):
+            B, S, _ = hidden_states.shape
+            q, k, v = self.qkv(hidden_states).view(B, S, 3, self.heads, self.head_dim).unbind(2)
+            v = self.v_conv(v.reshape(B, S, -1).transpose(1, 2))[..., :S].transpose(1, 2).reshape(v.shape)
+            return self.o_proj(self.mix_heads(q, k, v).reshape(B, S, -1))
+        mixer.forward = forward
+    if mutation == "method checkpointed alone":   # recomputed in the backward, outside the layer's forward
+        def forward(self, hidden_states, **kwargs):
+            B, S, _ = hidden_states.shape
+            q, k, v = self.qkv(hidden_states).view(B, S, 3, self.heads, self.head_dim).unbind(2)
+            core = torch.utils.checkpoint.checkpoint(self.mix_heads, q, k, v, use_reentrant=True)
+            return self.o_proj(core.reshape(B, S, -1))
+        mixer.forward = forward
+    mixer.mix_heads_never_called = mix_heads
+    width = 1 if mutation == "halo too narrow" else (lambda layer: layer.conv.kernel_size[0] - 1)
+    method = "mix_heads_never_called" if mutation == "method not called" else "mix_heads"
+    declarations = () if mutation == "undeclared" else (ukhf.by_heads(mixer, method=method),
+                                                       ukhf.halo(conv, method="convolve", width=width))
+    model = example.tiny_model("ulysses", dtype=torch.float64)
+    for module in model.modules():
+        if mutation == "dilated convolution" and isinstance(module, conv):   # reads 3 x 3 tokens back
+            module.conv = nn.Conv1d(48, 48, 4, groups=48, padding=9, dilation=3, dtype=torch.float64)
+        if mutation == "convolution outside the method" and isinstance(module, mixer):
+            module.v_conv = nn.Conv1d(48, 48, 3, groups=48, padding=2, dtype=torch.float64)
+        if mutation == "heads ignored, decays equal until a step" and isinstance(module, mixer):
+            with torch.no_grad():
+                module.log_decay.fill_(-0.1)
+    restore = dict(mix_heads=mix_heads, convolve=convolve, forward=mixer_forward)
+    return declarations, model, restore
+
+
+def _mutated_worker(rank, world):
+    """Every mutation in turn on this rank: {mutation: the refusal's message, or "ran"}."""
     import ulysses_kernels as uk
     from ulysses_kernels.hf import NotSequenceParallelError
 
     example = _example()
     groups = uk.init_sequence_parallel(world)
     ukhf.register(groups)
-    mix_heads, convolve = example.ToyLinearMixer.mix_heads, example.ToyShortConv.convolve
-    if mutation == "heads ignored":   # the decays of heads 0.. whatever heads the method holds
-        example.ToyLinearMixer.mix_heads = lambda self, q, k, v, heads=None: mix_heads(self, q, k, v,
-                                                                                       heads=range(q.shape[2]))
-    if mutation == "not causal":      # reads the tokens after each token too
-        example.ToyShortConv.convolve = lambda self, x: convolve(self, x) + convolve(self, x.flip(1)).flip(1)
-    width = 1 if mutation == "halo too narrow" else 3
-    method = "mix_heads_never_called" if mutation == "method not called" else "mix_heads"
-    example.ToyLinearMixer.mix_heads_never_called = mix_heads
-    declarations = () if mutation == "undeclared" else (
-        ukhf.by_heads(example.ToyLinearMixer, method=method),
-        ukhf.halo(example.ToyShortConv, method="convolve", width=width))
-    if declarations:
-        ukhf.declare_family("toy_hybrid", *declarations)
-    model = example.tiny_model("ulysses", dtype=torch.float64)
-    try:
-        sp_step(model, None, groups.sp_group)
-    except NotSequenceParallelError as error:
-        return str(error)
-    return "ran"
+    said = {}
+    for mutation in MUTATIONS:
+        declarations, model, restore = _mutate(example, mutation)
+        if declarations:
+            ukhf.declare_family("toy_hybrid", *declarations)
+        try:
+            sp_step(model, None, groups.sp_group)
+            if mutation == "heads ignored, decays equal until a step":   # the decays move apart
+                with torch.no_grad():
+                    for module in model.modules():
+                        if isinstance(module, example.ToyLinearMixer):
+                            module.log_decay.sub_(module.log_decay.grad * 10)
+                sp_step(model, None, groups.sp_group)
+            said[mutation] = "ran"
+        except NotSequenceParallelError as error:
+            said[mutation] = str(error)
+        finally:
+            ukhf.undeclare_family("toy_hybrid")
+            example.ToyLinearMixer.mix_heads, example.ToyLinearMixer.forward = restore["mix_heads"], restore["forward"]
+            example.ToyShortConv.convolve = restore["convolve"]
+    return said
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutation,message", [
-    ("undeclared", "config.layer_types has layers of kind 'linear_mixer', 'short_conv'"),
-    ("heads ignored", "ToyLinearMixer.mix_heads on heads 3..5 alone gives another result than over all heads"),
-    ("halo too narrow", "ToyShortConv.convolve reads more than its declared width of 1 earlier inputs"),
-    ("not causal", "ToyShortConv.convolve is not causal"),
-    ("method not called", "ToyLinearMixer's forward did not call mix_heads_never_called"),
-])
-def test_a_wrong_declaration_is_refused_on_every_rank(mutation, message):
-    """What a declaration gets wrong refuses the model, the same message on both ranks."""
-    messages = spawn(_mutated_worker, 2, args=(mutation,), timeout=SPAWN_TIMEOUT)
-    print(f"{mutation}: {messages[0]}")
-    assert messages[0] == messages[1] and message in messages[0], messages
+def test_a_wrong_declaration_is_refused_on_every_rank():
+    """What a declaration (or the layer around its method) gets wrong refuses the model, the
+    same message on both ranks (MUTATIONS)."""
+    said = spawn(_mutated_worker, 2, timeout=SPAWN_TIMEOUT)
+    for mutation, message in MUTATIONS.items():
+        print(f"{mutation}: {said[0][mutation]}")
+        assert said[0][mutation] == said[1][mutation] and message in said[0][mutation], (mutation, said)
 
 
 def _generation_worker(rank, world):

@@ -43,7 +43,7 @@ from typing import List, Optional
 from torch import nn
 
 from ..families.adapters import adapted_kind, declared_attention
-from ..model import EXACT_HEADS, Anatomy, ensure_record, refusal, text_configs, within
+from ..model import EXACT_HEADS, Anatomy, ensure_record, refusal, text_configs, torch_sequence_mixer, within
 from .patches import set_entry
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
@@ -97,16 +97,6 @@ def config_problem(config, adapted_kinds=frozenset(), indexed: bool = False) -> 
 # ----------------------------------------------------------------------------- modules
 
 
-def _sequence_conv(module: nn.Module) -> bool:
-    if isinstance(module, nn.ZeroPad2d):   # a token shift (RWKV's `time_shift`: pads one token before the sequence)
-        return any(module.padding[2:])
-    if isinstance(module, nn.Conv1d):
-        return module.kernel_size[0] > 1
-    if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-        return any(k > 1 for k in module.kernel_size)
-    return False
-
-
 # Class names that end in a per-token role: a model named after a mixer names its MLP after
 # itself too (xLSTM's `xLSTMFeedForward`), and the role, not the prefix, says what it does.
 PER_TOKEN_ROLES = ("FeedForward", "MLP", "Mlp", "Norm", "Embedding", "Embeddings", "Experts")
@@ -145,15 +135,9 @@ def module_problem(anatomy: Anatomy) -> Optional[str]:
             # say nothing of their own forward, whose convolutions and recurrent modules are still
             # checked (and a layer's attention calls, at the first forward: `install_call_checks`).
             holds_adapted = name == "" or any(a.startswith(name + ".") for a in adapted)
-            what = None
             cls = type(module).__name__
-            if _sequence_conv(module):
-                size = f"padding {tuple(module.padding)}" if isinstance(module, nn.ZeroPad2d) else \
-                    f"kernel {tuple(module.kernel_size)}"
-                what = f"a convolution or token shift along the sequence ({cls}, {size})"
-            elif isinstance(module, nn.RNNBase):
-                what = f"a recurrent module ({cls})"
-            elif _names_a_mixer(cls) and not holds_adapted and not declared_attention(cls) \
+            what = torch_sequence_mixer(module)
+            if not what and _names_a_mixer(cls) and not holds_adapted and not declared_attention(cls) \
                     and not _calls_the_attention_interface(type(module)):
                 what = f"a token mixer that is not attention ({cls})"
             if what:
@@ -216,10 +200,11 @@ def position_problem(anatomy: Anatomy) -> Optional[str]:
     this rank's slice, as BART's decoder does), or its position embedding counts from a
     padding index (RoBERTa's `padding_idx + 1 + ...`, which `shard_batch`'s global
     positions do not follow)."""
-    holder = anatomy.holder
-    if holder is None:   # no input embedding
+    get = getattr(anatomy.model, "get_input_embeddings", None)
+    if (get() if callable(get) else None) is None:
         return None
-    if not _takes(holder, "position_ids") and reads_positions(anatomy):
+    holder = anatomy.holder
+    if holder is not None and not _takes(holder, "position_ids") and reads_positions(anatomy):
         return (f"{type(holder).__name__}.forward takes no position_ids: it numbers each rank's tokens from 0 "
                 "(local positions)")
     for name, module in anatomy.model.named_modules():

@@ -45,9 +45,10 @@ def declare_family(name: str, *declarations) -> Family:
     """Make the layers of a model the package does not know sequence-parallel (docs/hf_custom.md):
     `declarations` are `by_heads(...)` (by_heads/declared.py), `halo(...)` (halo/declared.py)
     and `interface_attention(...)` (family.py) of its layer classes. Process-wide, like
-    transformers' own registries; declaring a name again replaces its declaration. A class the
-    package or another declaration adapts already, or a family name of the package's, is a
-    ValueError. Returns the declaration (`undeclare_family(name)` takes it back)."""
+    transformers' own registries; declaring a name again replaces its declaration (for the
+    modules adapted after it: `undeclare_family`). A class the package or another declaration
+    adapts already, or a family name of the package's, is a ValueError. Returns the
+    declaration (`undeclare_family(name)` takes it back)."""
     unknown = [d for d in declarations if not isinstance(d, (Adapter, InterfaceAttention))]
     if unknown or not declarations:
         raise ValueError(f"declare_family({name!r}, ...) takes by_heads(...), halo(...) and interface_attention(...) "
@@ -69,8 +70,9 @@ def declare_family(name: str, *declarations) -> Family:
 
 
 def undeclare_family(name: str) -> None:
-    """Take back `declare_family(name, ...)` (nothing if it was not declared); modules adapted
-    under it keep their forward until `attach_context` is undone (`uninstall_adapters`)."""
+    """Take back `declare_family(name, ...)` (nothing if it was not declared). A declaration
+    applies to the modules adapted after it: modules adapted under it keep their adapter
+    (`_ADAPTER_OF`) until they are taken off (`uninstall_adapters`)."""
     family = DECLARED.pop(name, None)
     if family is None:
         return
@@ -89,7 +91,7 @@ def own_cache_class(model: nn.Module) -> Optional[type]:
     """The cache class `model` insists on (an adapter's `own_cache`; None: any cache)."""
     for module in model.modules():
         base = _BASE_CLASSES.get(type(module))
-        own = ADAPTERS[base.__name__].own_cache if base is not None else None
+        own = _ADAPTER_OF[type(module)].own_cache if base is not None else None
         if own is not None:
             return own if isinstance(own, type) else getattr(sys.modules[base.__module__], own)
     return None
@@ -99,12 +101,15 @@ def own_cache_class(model: nn.Module) -> Optional[type]:
 # a class shares it and `type(a) is type(b)` still holds between them), and back
 _ADAPTED_CLASSES: Dict[type, type] = {}
 _BASE_CLASSES: Dict[type, type] = {}
+# adapted subclass -> the adapter it was made from (a module adapted under a users' declaration
+# since taken back or replaced keeps its adapter, whatever ADAPTERS holds now)
+_ADAPTER_OF: Dict[type, Adapter] = {}
 
 
 def adapted_kind(module: nn.Module) -> Optional[str]:
     """The adapter kind of an adapted module (None: not adapted)."""
-    base = _BASE_CLASSES.get(type(module))
-    return ADAPTERS[base.__name__].kind if base is not None else None
+    adapter = _ADAPTER_OF.get(type(module))
+    return adapter.kind if adapter is not None else None
 
 
 def _refuse_hub_kernels(module: nn.Module) -> bool:
@@ -125,6 +130,7 @@ def adapted_class(base: type) -> type:
             "__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__})
         _ADAPTED_CLASSES[base] = made
         _BASE_CLASSES[made] = base
+        _ADAPTER_OF[made] = adapter
     return made
 
 
@@ -183,7 +189,7 @@ def generation_problem(model: nn.Module) -> Optional[str]:
     """Why `model` cannot generate with the package's decoding cache (None: it can): a layer of
     a users' declaration, which says nothing of what the layer keeps between steps."""
     for name, module in model.named_modules():
-        if adapted_kind(module) is not None and not ADAPTERS[type(module).__name__].generates:
+        if adapted_kind(module) is not None and not _ADAPTER_OF[type(module)].generates:
             return (f"{name} ({type(module).__name__}) is a layer of a users' declaration, which says how it mixes "
                     "a whole sequence, not what it keeps between decoding steps")
     return None
@@ -194,7 +200,7 @@ def prepare_cache(model: nn.Module, cache) -> None:
     adapter's `prepare_cache(module, cache)`: Qwen4-Exp's indexer positions)."""
     for module in model.modules():
         if adapted_kind(module) is not None:
-            prepare = ADAPTERS[type(module).__name__].prepare_cache
+            prepare = _ADAPTER_OF[type(module)].prepare_cache
             if prepare is not None:
                 prepare(module, cache)
 
@@ -206,10 +212,10 @@ def adapted_problem(model: nn.Module, world: int, ring: int) -> Optional[str]:
         kind = adapted_kind(module)
         if kind is None:
             continue
-        if ring > 1 and not ADAPTERS[type(module).__name__].runs_on_a_ring:
+        if ring > 1 and not _ADAPTER_OF[type(module)].runs_on_a_ring:
             return (f"{name} ({type(module).__name__}) is a token mixer whose adapter does not run across the "
                     f"chunks of a ring (ring size {ring}); use Ulysses only (ring_size=1)")
-        problem = ADAPTERS[type(module).__name__].problem
+        problem = _ADAPTER_OF[type(module)].problem
         found = problem(module, world) if problem is not None else None
         if found:
             return f"{name} ({type(module).__name__}): {found}"

@@ -49,10 +49,9 @@ arguments)` inside `generate` / `prefill` (the context's decoding cache set), el
 A family writes only what is its own: the sequence forward and the generation forward.
 
 A users' declaration (`adapters.declare_family`; by_heads/declared.py, halo/declared.py) is
-an `Adapter` too: its forward is the layer's own (`declared_forward`), during which the
-method it names runs by heads or with the halo, and its generation a refusal."""
+an `Adapter` too: its forward is the layer's own (`mixers.declared_forward`), during which
+the method it names runs by heads or with the halo, and its generation a refusal."""
 
-import contextvars
 import inspect
 import sys
 from dataclasses import dataclass
@@ -287,10 +286,6 @@ def _refuse_placement(module, adapter: Adapter, world: int) -> None:
 
 # ------------------------------------ users' declarations (by_heads/declared.py, halo/declared.py)
 
-# [module, MixerCall, calls of its declared method] of each declared layer whose forward is running
-_DECLARED_CALLS = contextvars.ContextVar("ulysses_declared_calls", default=())
-
-
 def class_names(classes) -> Tuple[str, ...]:
     """Class names from a class, a name or a sequence of them (the registry is keyed by name)."""
     items = (classes,) if isinstance(classes, (str, type)) else tuple(classes)
@@ -309,40 +304,3 @@ def interface_attention(classes) -> InterfaceAttention:
     """The declaration of attention layers of a users' model (`classes`, types or names) that
     look their attention up in transformers' `ALL_ATTENTION_FUNCTIONS`, for `declare_family`."""
     return InterfaceAttention(class_names(classes))
-
-
-def declared_forward(module, call: MixerCall, hidden_states, method: str = "", **others):
-    """The sequence forward of a layer of a users' declaration: the layer's own forward,
-    during which the method the declaration names (`declared_call`) runs sequence-parallel.
-    A forward that never called that method mixed its tokens some other way, on this rank's
-    slice only: refused (the same on every rank, whose layers run the same code)."""
-    entry = [module, call, 0]
-    token = _DECLARED_CALLS.set(_DECLARED_CALLS.get() + (entry,))
-    try:
-        out = original_forward(module)(hidden_states, **others)
-    finally:
-        _DECLARED_CALLS.reset(token)
-    if entry[2] == 0:
-        raise refusal(None, f"{type(module).__name__}'s forward did not call {method}, the method its declaration "
-                            "names, so it mixed its tokens another way, on this rank's slice only",
-                      "Declare the method the layer's forward calls to mix tokens.")
-    return out
-
-
-def declared_call(module) -> Optional[MixerCall]:
-    """The MixerCall of `module`'s running sequence forward, counting the call of its declared
-    method (None: one device, or the method called outside the layer's forward, which then
-    runs as the layer wrote it)."""
-    entry = next((e for e in reversed(_DECLARED_CALLS.get()) if e[0] is module), None)
-    if entry is None:
-        return None
-    entry[2] += 1
-    return entry[1]
-
-
-def refuse_declared_generation(module, hidden_states, cache, **_):
-    """Generation of a layer of a users' declaration: refused on every rank (make_cache
-    refuses first; this is the layer that got a decoding cache anyway)."""
-    raise refusal(None, f"{type(module).__name__} is a layer of a users' declaration: a declaration says how the "
-                        "layer mixes a whole sequence, not what it keeps between decoding steps",
-                  "Generate on one device, or with the package's own families.")

@@ -30,8 +30,11 @@ documents, then the cache, placement, padding and ring rules) is family.py's
 `protocol_forward`, for the families that declare their generation forward.
 """
 
+import contextlib
+import contextvars
 import types
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +43,8 @@ from torch import nn
 from ...api import ulysses_head_parallel
 from ...distributed.collectives import all_gather_tensor
 from ...layout import LocalHeads, place_heads
-from ..context import DecodingCache
-from ..model import record_of, refusal
+from ..context import DecodingCache, context_of
+from ..model import record_of, refusal, torch_sequence_mixer
 
 
 def original_forward(module: nn.Module):
@@ -192,3 +195,86 @@ def over_documents(fn: Callable, tensors: List[torch.Tensor], cu_seqlens) -> tor
         return fn(*tensors)
     parts = [fn(*(t[:, start:stop] for t in tensors)) for start, stop in zip(bounds[:-1], bounds[1:]) if stop > start]
     return torch.cat(parts, dim=1)
+
+
+# ---------------------------------------- users' declarations (by_heads/declared.py, halo/declared.py)
+
+@dataclass
+class _DeclaredForward:
+    """A declared layer's sequence forward in progress."""
+    module: nn.Module
+    call: Any             # family.MixerCall
+    method: str           # the name of the method its declaration names
+    calls: int = 0        # of that method so far
+    inside: int = 0       # > 0 while that method runs
+
+
+_DECLARED_FORWARDS = contextvars.ContextVar("ulysses_declared_forwards", default=())
+
+
+def declared_forward(method: str) -> Callable:
+    """The sequence forward of a layer of a users' declaration naming `method`: the layer's own
+    forward, during which `method` runs sequence-parallel (`declared_method`). Refused, the same
+    on every rank (whose layers run the same code): a forward that never called `method`, and
+    a convolution, token shift or recurrent module of the layer run outside `method` (both
+    would mix tokens on this rank's slice only)."""
+    def forward(module, call, hidden_states, /, **others):
+        running = _DeclaredForward(module, call, method)
+        token = _DECLARED_FORWARDS.set(_DECLARED_FORWARDS.get() + (running,))
+        hooks = [sub.register_forward_pre_hook(_mixing_outside(running, name, what))
+                 for name, sub in module.named_modules() if sub is not module
+                 for what in [torch_sequence_mixer(sub)] if what]
+        try:
+            out = original_forward(module)(hidden_states, **others)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            _DECLARED_FORWARDS.reset(token)
+        if running.calls == 0:
+            raise refusal(None, f"{type(module).__name__}'s forward did not call {method}, the method its "
+                                "declaration names, so it mixed its tokens another way, on this rank's slice only",
+                          "Declare the method the layer's forward calls to mix tokens.")
+        return out
+    return forward
+
+
+def _mixing_outside(running: _DeclaredForward, name: str, what: str) -> Callable:
+    def hook(sub, args):
+        if running.inside == 0:
+            raise refusal(None, f"{type(running.module).__name__}.{name} is {what}, run outside {running.method} "
+                                "(the method the declaration names): it would mix this rank's slice only",
+                          "Mix tokens inside the declared method only.")
+    return hook
+
+
+@contextlib.contextmanager
+def declared_method(module: nn.Module):
+    """The MixerCall (counted) while `module`'s declared method runs inside its layer's
+    sequence forward; None on one device (no context, or one rank), where the method runs as
+    written. Called outside the layer's forward on several ranks (the method checkpointed by
+    itself, so recomputed in the backward; a call from another module): refused, the same on
+    every rank, since it would mix this rank's slice only."""
+    running = next((r for r in reversed(_DECLARED_FORWARDS.get()) if r.module is module), None)
+    if running is None:
+        context = context_of(module)
+        if context is not None and context.sp_size > 1:
+            raise refusal(None, f"a declared method of {type(module).__name__} was called outside the layer's "
+                                "forward (checkpointed by itself and recomputed in the backward, or called by "
+                                "another module): it would mix this rank's slice only",
+                          "Call it from the layer's forward; checkpoint the whole layer or decoder layer.")
+        yield None
+        return
+    running.calls += 1
+    running.inside += 1
+    try:
+        yield running.call
+    finally:
+        running.inside -= 1
+
+
+def refuse_declared_generation(module, hidden_states, cache, **_):
+    """Generation of a layer of a users' declaration: refused on every rank (make_cache
+    refuses first; this is the layer that got a decoding cache anyway)."""
+    raise refusal(None, f"{type(module).__name__} is a layer of a users' declaration: a declaration says how the "
+                        "layer mixes a whole sequence, not what it keeps between decoding steps",
+                  "Generate on one device, or with the package's own families.")

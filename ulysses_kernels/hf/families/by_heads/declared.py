@@ -5,21 +5,21 @@ layer the package does not know.
 The layer's forward calls a method of its own, named by the declaration, with its per-head
 tensors `[B, S, H, D]` (dim 1 the sequence, dim 2 the heads); the method mixes tokens within
 each head and returns one tensor `[B, S, H_out, D_out]`. Under sequence parallelism, while the
-layer's forward runs (family.py's protocol, then `declared_forward`), that method goes through
+layer's forward runs (family.py's protocol, then `mixers.declared_forward`), that method goes through
 `ulysses_head_parallel`: the tensors to the head layout in one exchange, the method over the
 whole sequence of this rank's heads, the output back. Packed documents run one by one, as the
 package's attention and mixers run them.
 
 A method with parameters per head (a decay, a gate bias) takes a `heads` argument: the range
 of global heads it holds (of its first tensor), `range(H)` where the layer calls it itself.
-That the method mixes within heads and reads `heads` is checked, not trusted: the first time
-a layer runs on `P` ranks, the method runs on a small fixed probe over all heads and over each
-rank's heads alone, and any difference refuses the model on every rank (the probe is the same
-everywhere, and so is the answer)."""
+That the method mixes within heads and reads `heads` is checked, not trusted: before a layer's
+method runs on `P` ranks, and again whenever its parameters changed since (`probe_key`), the
+method runs on a small fixed probe over all heads and over each rank's heads alone, and any
+difference refuses the model on every rank (the probe is the same everywhere, and so is the
+answer)."""
 
 import inspect
 import weakref
-from functools import partial
 from typing import Callable, Dict
 
 import torch
@@ -27,8 +27,8 @@ import torch
 from ....api import ulysses_head_parallel
 from ....layout import LocalHeads, place_heads
 from ...model import refusal
-from ..family import BY_HEADS, Adapter, class_names, declared_call, declared_forward, refuse_declared_generation
-from ..mixers import over_documents
+from ..family import BY_HEADS, Adapter, class_names
+from ..mixers import declared_forward, declared_method, over_documents, refuse_declared_generation
 
 PROBE_TOKENS = 6
 # a method that mixes within heads gives its heads' outputs alone up to rounding; one that
@@ -41,7 +41,7 @@ def by_heads(classes, method: str) -> Adapter:
     """The declaration of layers (`classes`, types or names) whose `method` mixes tokens within
     each head (the module doc), for `declare_family`."""
     names = class_names(classes)
-    return Adapter(names, "declared by heads", partial(declared_forward, method=method), BY_HEADS,
+    return Adapter(names, "declared by heads", declared_forward(method), BY_HEADS,
                    generation=refuse_declared_generation, generates=False,
                    members=lambda base: {method: head_parallel_method(base, method)},
                    cache_kept="a declaration says nothing of the layer's cache")
@@ -63,32 +63,44 @@ def head_parallel_method(base: type, method: str) -> Callable:
     forward runs (as written elsewhere)."""
     own, signature = _parameters(base, method)
     takes_heads = "heads" in signature.parameters
-    checked = weakref.WeakKeyDictionary()   # module -> the exchanges its probe passed
+    probed = weakref.WeakKeyDictionary()      # module -> what its last probe passed on (probe_key)
+    exchanged = weakref.WeakSet()               # modules whose first exchange checked what the ranks pass
 
     def run(self, *args, **kwargs):
-        call = declared_call(self)
-        if call is None:
-            return own(self, *args, **kwargs)
-        tensors, others = _split_arguments(signature, self, args, kwargs)
-        first = next(iter(tensors), None)
-        placements = _placements(base, method, tensors, call.world)
-        key = (call.world, tuple((n, tuple(t.shape[2:]), t.dtype) for n, t in tensors.items()))
-        if key not in checked.setdefault(self, set()):
-            _probe(self, own, f"{base.__name__}.{method}", tensors, others, placements, call.world, takes_heads)
+        with declared_method(self) as call:
+            if call is None:
+                return own(self, *args, **kwargs)
+            tensors, others = _split_arguments(signature, self, args, kwargs)
+            first = next(iter(tensors), None)
+            placements = _placements(base, method, tensors, call.world)
+            key = probe_key(self, call.world, tensors, others)
+            if probed.get(self) != key:
+                _probe(self, own, f"{base.__name__}.{method}", tensors, others, placements, call.world, takes_heads)
+                probed[self] = key
 
-        def mixer(local, heads: LocalHeads):
-            extra = {"heads": heads.heads(first)} if takes_heads else {}
-            return over_documents(lambda *pieces: own(self, **dict(zip(tensors, pieces)), **others, **extra),
-                                  [local[name] for name in tensors], call.cu_seqlens)
+            def mixer(local, heads: LocalHeads):
+                extra = {"heads": heads.heads(first)} if takes_heads else {}
+                return over_documents(lambda *pieces: own(self, **dict(zip(tensors, pieces)), **others, **extra),
+                                      [local[name] for name in tensors], call.cu_seqlens)
 
-        # the first exchange of a layer checks what the ranks pass (names, heads, lengths); then trusted
-        out = ulysses_head_parallel(mixer, tensors, call.group,
-                                    seq_lens=call.ulysses_lens if key in checked[self] else None)
-        checked[self].add(key)
-        return out
+            # a layer's first exchange checks what the ranks pass (names, heads, lengths); then trusted
+            out = ulysses_head_parallel(mixer, tensors, call.group,
+                                        seq_lens=call.ulysses_lens if self in exchanged else None)
+            exchanged.add(self)
+            return out
 
     run.__name__, run.__doc__ = own.__name__, own.__doc__
     return run
+
+
+def probe_key(module, world: int, tensors: Dict[str, torch.Tensor], others: dict) -> tuple:
+    """What a probe's verdict holds for: the world, the tensors' shapes but the sequence's and
+    dtypes, the other arguments, and the module's parameters as they are now (an optimizer step
+    changes their versions: per-head parameters equal at initialisation would let a method
+    that ignores `heads` pass, until they differ)."""
+    return (world, tuple((n, tuple(t.shape[2:]), t.dtype) for n, t in tensors.items()),
+            tuple(sorted((name, repr(value)) for name, value in others.items())),
+            tuple((id(p), p._version) for p in module.parameters()))
 
 
 def _split_arguments(signature, module, args, kwargs):

@@ -6,26 +6,28 @@ The layer's forward calls a method of its own, named by the declaration, on inpu
 (dim 1 the sequence); the method is causal and reads at most `width` earlier inputs (a causal
 convolution of kernel `width + 1`, a token shift of `width`, a stack of them), from zeros before
 the first token, and returns `[B, S, C']`. Under sequence parallelism, while the layer's forward
-runs (family.py's protocol, then `declared_forward`), that method runs on each of this rank's
+runs (family.py's protocol, then `mixers.declared_forward`), that method runs on each of this rank's
 ranges with the `width` inputs before it prepended (`halo_map`: one all-gather of every rank's
 last `width` inputs), and the prepended outputs are dropped. Packed documents run one by one
 (zeros before each document's start), as the package's attention and mixers run them.
 
-That the method is causal and reads no more than `width` earlier inputs is checked, not
-trusted: the first time a layer runs, the method runs on a small fixed probe and on the probe
-with one token changed; an output before that token, or more than `width` after it, that
-changes refuses the model on every rank (the probe is the same everywhere, and so is the answer).
+That the method is what `halo_map` needs is checked, not trusted: before a layer's method
+first runs sequence-parallel, and again whenever its parameters changed since, the method runs
+on a small fixed probe (`_probe`): it must be causal, read no more than `width` earlier
+inputs, read zeros before the first token as its history, and depend on nothing but its
+inputs (no absolute position). Anything else refuses the model on every rank (the probe is
+the same everywhere, and so is the answer).
 """
 
 import inspect
 import weakref
-from functools import partial
 from typing import Callable, Union
 
 import torch
 
 from ...model import refusal
-from ..family import HALO, Adapter, class_names, declared_call, declared_forward, refuse_declared_generation
+from ..family import HALO, Adapter, class_names
+from ..mixers import declared_forward, declared_method, refuse_declared_generation
 from .halo import halo_map, training_layout
 
 PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -37,7 +39,7 @@ def halo(classes, method: str, *, width: Union[int, Callable]) -> Adapter:
     `width` earlier inputs (an int, or a function of the module: `lambda m: m.conv.kernel_size[0] - 1`),
     for `declare_family` (the module doc)."""
     names = class_names(classes)
-    return Adapter(names, "declared halo", partial(declared_forward, method=method), HALO,
+    return Adapter(names, "declared halo", declared_forward(method), HALO,
                    generation=refuse_declared_generation, generates=False,
                    members=lambda base: {method: halo_method(base, method, width)},
                    cache_kept="a declaration says nothing of the layer's cache")
@@ -50,20 +52,22 @@ def halo_method(base: type, method: str, width: Union[int, Callable]) -> Callabl
     if not callable(own):
         raise ValueError(f"ulysses_kernels.hf: {base.__name__} has no method {method!r} to run with the halo")
     where = f"{base.__name__}.{method}"
-    checked = weakref.WeakKeyDictionary()   # module -> the widths its probe passed
+    probed = weakref.WeakKeyDictionary()   # module -> what its last probe passed on
 
     def run(self, x, *args, **kwargs):
-        call = declared_call(self)
-        if call is None:
-            return own(self, x, *args, **kwargs)
-        reach = int(width(self) if callable(width) else width)
-        _check_arguments(where, x, args, kwargs)
-        if reach not in checked.setdefault(self, set()):
-            _probe(where, lambda inputs: own(self, inputs, *args, **kwargs), x, reach)
-            checked[self].add(reach)
-        out, _ = halo_map(x, lambda extended: own(self, extended, *args, **kwargs)[:, reach:], reach,
-                          training_layout(call.context, call.lens), cu_seqlens=call.cu_seqlens)
-        return out
+        with declared_method(self) as call:
+            if call is None:
+                return own(self, x, *args, **kwargs)
+            reach = int(width(self) if callable(width) else width)
+            _check_arguments(where, x, args, kwargs)
+            key = (reach, x.shape[2], x.dtype, repr(args), tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
+                   tuple((id(p), p._version) for p in self.parameters()))   # as by_heads/declared.py's probe_key
+            if probed.get(self) != key:
+                _probe(where, lambda inputs: own(self, inputs, *args, **kwargs), x, reach)
+                probed[self] = key
+            out, _ = halo_map(x, lambda extended: own(self, extended, *args, **kwargs)[:, reach:], reach,
+                              training_layout(call.context, call.lens), cu_seqlens=call.cu_seqlens)
+            return out
 
     run.__name__, run.__doc__, run.__signature__ = own.__name__, own.__doc__, inspect.signature(own)
     return run
@@ -82,23 +86,43 @@ def _check_arguments(where: str, x, args, kwargs) -> None:
 
 
 def _probe(where: str, method: Callable, x: torch.Tensor, reach: int) -> None:
-    """The module doc's check, on `2 x reach + 3` tokens with the middle one changed."""
-    tokens, changed = 2 * reach + 3, reach + 1
+    """The module doc's checks, on `8 x reach + 16` random tokens: one changed in the middle
+    (no output before it changes: causal; none more than `reach` after it: the reach), zeros
+    prepended (the outputs stay: zeros are its history before the first token, as `halo_map`
+    gives it), and more tokens prepended before the `reach` it reads (the outputs stay: no
+    absolute position)."""
+    tokens = 8 * reach + 16
+    changed = tokens // 2
     generator = torch.Generator().manual_seed(0)
-    probe = torch.randn((1, tokens, x.shape[2]), generator=generator, dtype=torch.float64)
+    probe, before = (torch.randn((1, n, x.shape[2]), generator=generator, dtype=torch.float64)
+                     for n in (tokens, reach + 5))
     moved = probe.clone()
     moved[:, changed] += 1.0
-    tolerance = PROBE_TOLERANCE.get(x.dtype, PROBE_TOLERANCE_LOW)
-    with torch.no_grad():
-        before, after = (method(p.to(device=x.device, dtype=x.dtype)).double() for p in (probe, moved))
-    if before.dim() != 3 or before.shape[1] != tokens:
-        raise refusal(None, f"{where} returned {tuple(before.shape)} for inputs of {tokens} tokens: a method "
-                            "declared with the halo returns one output per token [batch, sequence, channels]")
-    scale = float(before.norm().clamp(min=1e-30))
-    if float((after[:, :changed] - before[:, :changed]).norm()) > tolerance * scale:
+    zeros = probe[:, :reach] * 0
+
+    def run(*pieces):   # the outputs for the probe's tokens, after what comes before them
+        inputs = torch.cat(pieces, dim=1)
+        with torch.no_grad():
+            out = method(inputs.to(device=x.device, dtype=x.dtype)).double()
+        if out.dim() != 3 or out.shape[1] != inputs.shape[1]:
+            raise refusal(None, f"{where} returned {tuple(out.shape)} for inputs of {inputs.shape[1]} tokens: a "
+                                "method declared with the halo returns one output per token [batch, sequence, channels]")
+        return out[:, inputs.shape[1] - tokens:]
+
+    plain = run(probe)
+    scale = float(plain.norm().clamp(min=1e-30)) * PROBE_TOLERANCE.get(x.dtype, PROBE_TOLERANCE_LOW)
+    differs = lambda a, b: float((a - b).norm()) > scale   # noqa: E731
+    after = run(moved)
+    if differs(after[:, :changed], plain[:, :changed]):
         raise refusal(None, f"{where} is not causal: changing the input at position {changed} changed an earlier "
                             "output (on a probe)")
-    if float((after[:, changed + reach + 1:] - before[:, changed + reach + 1:]).norm()) > tolerance * scale:
+    if differs(after[:, changed + reach + 1:], plain[:, changed + reach + 1:]):
         raise refusal(None, f"{where} reads more than its declared width of {reach} earlier inputs: changing the "
-                            f"input at position {changed} changed the output at position {changed + reach + 1} or "
-                            "later (on a probe); declare the width it reads")
+                            f"input at position {changed} changed an output {reach + 1} or more positions after it (on a "
+                            "probe); declare the width it reads")
+    if differs(run(zeros, probe), plain):
+        raise refusal(None, f"{where} does not read zeros as its history before the first token (a learned or "
+                            "special start): its outputs change when zeros are prepended (on a probe)")
+    if differs(run(before, probe), run(before[:, before.shape[1] - reach:], probe)):
+        raise refusal(None, f"{where} depends on more than its inputs (a token's absolute position): its outputs "
+                            f"change with the tokens before the {reach} it reads (on a probe)")
