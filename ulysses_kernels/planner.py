@@ -687,10 +687,12 @@ def _mamba2_shape(cfg, layers, kinds):
 
 
 # The token-mixer layers' shape of each family the package adapts (hf/families: a family's
-# `FAMILY` declaration, by its name), from the config. tests/test_planner.py holds this table to
-# the declarations: every family that mixes tokens has its entry, and every model type a
-# family declares (`Family.model_types`) is in MIXER_MODEL_TYPES under it. The planner imports
-# nothing of hf/ (it runs without transformers), hence the table here.
+# `FAMILY` declaration, by its name), from the config. The planner imports nothing of hf/ (it
+# runs without transformers), hence the tables here, which tests/hf/families/
+# test_hf_family_declarations.py holds to the declarations: every family that mixes tokens has
+# its shape, every entry of MIXER_MODEL_TYPES is a model type its family declares
+# (`Family.model_types`), and the tests' tiny models of the others read as their family by
+# their fields (`mixer_family`).
 MIXER_SHAPES = {
     "gated_deltanet": _gated_deltanet_shape, "kimi_delta": _kimi_delta_shape, "lightning": _lightning_shape,
     "mamba2": _mamba2_shape, "xlstm": _mlstm_shape, "short_conv": _short_conv_shape, "cca": _cca_shape,

@@ -154,17 +154,22 @@ def test_the_planner_has_a_mixer_shape_for_every_family():
 
     names = {family.name for family in adapters.FAMILIES}
     assert set(MIXER_SHAPES) == names - NOT_PLANNED and NOT_PLANNED <= names
-    assert set(MIXER_MODEL_TYPES.values()) <= set(MIXER_SHAPES)
+    declared = {(model_type, family.name) for family in adapters.FAMILIES for model_type in family.model_types}
+    assert set(MIXER_MODEL_TYPES.items()) <= declared, set(MIXER_MODEL_TYPES.items()) - declared
+    assert all(family.model_types for family in adapters.FAMILIES)
 
 
 def _check_the_planner_reads_each_model_as_its_family(models, held):
-    """Each tiny hybrid model's config, read by the planner (`planner.mixer_family`: its model
-    type, else its fields), names the family whose classes the model holds (the planner's
-    table and the declarations agree on every model type the tests build)."""
+    """Each tiny hybrid model holds classes of the families that declare its model type
+    (`Family.model_types`) only, and its config, read by the planner (`planner.mixer_family`:
+    its model type, else its fields), names the family whose classes it holds (the planner's
+    tables and the declarations agree on every model type the tests build)."""
     from ulysses_kernels.planner import language_model_config, mixer_family
 
     family_of = {name: family.name for family in adapters.FAMILIES for name in family.classes}
     for model_type, model in models.items():
-        families = {family_of[name] for name in held[model_type]} - NOT_PLANNED
+        families = {family_of[name] for name in held[model_type]}
+        declaring = {family.name for family in adapters.FAMILIES if model_type in family.model_types}
+        assert families and families <= declaring, (model_type, families, declaring)
         config = language_model_config(model.config.to_dict())
-        assert families == {mixer_family(config)}, (model_type, families, mixer_family(config))
+        assert families - NOT_PLANNED == {mixer_family(config)}, (model_type, families, mixer_family(config))

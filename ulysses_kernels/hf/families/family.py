@@ -147,10 +147,13 @@ class Adapter:
 
 @dataclass(frozen=True)
 class Family:
-    """One family module's adapters, under the family's name."""
+    """One family module's adapters, under the family's name, and the model types it serves."""
     name: str
     adapters: Tuple[Adapter, ...]
     attention: Tuple[str, ...] = ()   # a users' declaration: its attention classes (InterfaceAttention)
+    # the transformers model types whose decoder layers hold its classes (the tests' tiny models
+    # are keyed by them; the planner's MIXER_MODEL_TYPES is held to them)
+    model_types: Tuple[str, ...] = ()
 
     @property
     def classes(self) -> Tuple[str, ...]:

@@ -204,4 +204,5 @@ def gated_deltanet_forward(self, call, hidden_states: torch.Tensor, **_):
 FAMILY = Family("gated_deltanet", (Adapter(GATED_DELTANET_CLASSES, "gated_deltanet", gated_deltanet_forward, BY_HEADS,
                                            problem=placement_problem, runs_on_a_ring=True,
                                            generation=generation_forward, pads=True,
-                                           cache_kept="its conv and recurrent states are sharded by heads there only"),))
+                                           cache_kept="its conv and recurrent states are sharded by heads there only"),),
+                model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lara_mini", "olmo_hybrid", "qwen4_exp_text", "qwen4_exp"))

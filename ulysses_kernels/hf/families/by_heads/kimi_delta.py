@@ -115,4 +115,5 @@ def kimi_delta_forward(self, call, hidden_states: torch.Tensor, **_):
 FAMILY = Family("kimi_delta", (Adapter(KDA_CLASSES, "kimi_delta", kimi_delta_forward, BY_HEADS,
                                        problem=placement_problem, runs_on_a_ring=True, generation=generation_forward,
                                        pads=True, cache_kept="its conv and recurrent states are sharded by heads "
-                                                             "there only"),))
+                                                             "there only"),),
+                model_types=("kimi_linear", "bailing_hybrid"))

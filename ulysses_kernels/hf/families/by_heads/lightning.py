@@ -146,4 +146,5 @@ def lightning_forward(self, call, hidden_states: torch.Tensor, position_embeddin
 FAMILY = Family("lightning", (Adapter(LIGHTNING_CLASSES, "lightning", lightning_forward, BY_HEADS,
                                       problem=placement_problem, runs_on_a_ring=True, own_cache="MiniMaxCache",
                                       generation=generation_forward,
-                                      cache_kept="its states are sharded by heads there only"),))
+                                      cache_kept="its states are sharded by heads there only"),),
+                model_types=("minimax",))

@@ -286,4 +286,5 @@ FAMILY = Family("mamba2", (Adapter(MAMBA2_CLASSES, "mamba2", mamba2_forward, BY_
                                    placement_advice=_PLACEMENT_ADVICE),
                            Adapter(FALCON_H1_CLASSES, "mamba2", falcon_h1_forward, BY_HEADS, problem=adapter_problem,
                                    runs_on_a_ring=True, generation=falcon_h1_generation, cache_kept=_CACHE_KEPT,
-                                   placement_advice=_PLACEMENT_ADVICE)))
+                                   placement_advice=_PLACEMENT_ADVICE)),
+                model_types=("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "mamba2"))

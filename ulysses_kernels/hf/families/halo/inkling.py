@@ -239,4 +239,5 @@ FAMILY = Family("inkling", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv
                                     generation=short_conv_generation, refuse_first=refuse_padding, cache_kept=CONV_KEPT),
                             Adapter(ATTENTION_CLASSES, "inkling_attention", attention_forward, BY_HEADS,
                                     problem=placement_problem, generation=attention_generation,
-                                    refuse_first=refuse_padding_and_dropout, cache_kept=KEYS_KEPT)))
+                                    refuse_first=refuse_padding_and_dropout, cache_kept=KEYS_KEPT)),
+                model_types=("inkling_text",))

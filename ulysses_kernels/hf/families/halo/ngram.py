@@ -103,4 +103,5 @@ def refuse_padding(module, conv_mask=None, **_):
 
 
 FAMILY = Family("ngram", (Adapter(PLE_CLASSES, "short_conv", ple_forward, HALO, generation=generation_forward,
-                                  refuse_first=refuse_padding, cache_kept="its convolution state is kept there only"),))
+                                  refuse_first=refuse_padding, cache_kept="its convolution state is kept there only"),),
+                model_types=("qwen4_exp_text", "qwen4_exp"))

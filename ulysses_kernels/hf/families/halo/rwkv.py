@@ -179,4 +179,5 @@ _OWN_STATES = dict(runs_on_a_ring=True, decoding_from_context=True, cache_refuse
 FAMILY = Family("rwkv", (Adapter(TIME_MIX_CLASSES, "rwkv", time_mix_forward, STATE_PASSING,
                                  generation=time_mix_generation, **_OWN_STATES),
                          Adapter(CHANNEL_MIX_CLASSES, "rwkv", channel_mix_forward, HALO,
-                                 generation=channel_mix_generation, **_OWN_STATES)))
+                                 generation=channel_mix_generation, **_OWN_STATES)),
+                model_types=("rwkv",))

@@ -191,4 +191,5 @@ def dense_layer(module) -> bool:
 
 FAMILY = Family("block_sparse", (Adapter(M3_CLASSES, "sparse_attention", m3_forward, SPARSE_ATTENTION,
                                          problem=placement_problem, generation=generation_forward,
-                                         runs_as_written=dense_layer),))
+                                         runs_as_written=dense_layer),),
+                model_types=("minimax_m3_vl_text",))

@@ -346,4 +346,5 @@ def v4_generation(self, hidden_states: torch.Tensor, cache, position_embeddings,
 # generation: the training forward's attention over the keys the decoding cache keeps
 # (`_generation_keys`) instead of the gathered ones (`_training_keys`)
 FAMILY = Family("compressed", (Adapter(V4_CLASSES, "sparse_attention", v4_forward, SPARSE_ATTENTION,
-                                       generation=v4_generation),))
+                                       generation=v4_generation),),
+                model_types=("deepseek_v4",))

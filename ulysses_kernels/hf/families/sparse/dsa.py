@@ -296,4 +296,5 @@ FAMILY = Family("dsa", (Adapter(DSA_CLASSES, "sparse_attention", dsa_forward, SP
                                 SPARSE_ATTENTION, generation=shared_selection_generation),
                         Adapter(DOTS3_CLASSES, "sparse_attention", dsa_forward, SPARSE_ATTENTION,
                                 problem=dots3_placement_problem, generation=dsa_generation,
-                                runs_as_written=sliding_window_layer)))
+                                runs_as_written=sliding_window_layer)),
+                model_types=("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "dots3_note_text"))

@@ -208,4 +208,5 @@ def qsa_forward(self, call, hidden_states: torch.Tensor, position_embeddings, **
 
 # a new decoding cache gets the indexer's positions first (_prepare_cache)
 FAMILY = Family("qsa", (Adapter(QSA_CLASSES, "sparse_attention", qsa_forward, SPARSE_ATTENTION,
-                                prepare_cache=_prepare_cache, generation=generation_forward),))
+                                prepare_cache=_prepare_cache, generation=generation_forward),),
+                model_types=("qwen4_exp_text", "qwen4_exp"))
