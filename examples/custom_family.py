@@ -16,6 +16,7 @@ import argparse
 import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm
 
 
@@ -73,8 +74,9 @@ class ToyLinearMixer(nn.Module):
         return torch.einsum("bhts,bshd->bthd", scores, v)
 
 
-class ToyBlock(nn.Module):
-    """A pre-norm residual block: a token mixer, then Llama's MLP."""
+class ToyBlock(GradientCheckpointingLayer):
+    """A pre-norm residual block: a token mixer, then Llama's MLP (checkpointed whole by
+    `gradient_checkpointing_enable()`, as transformers' decoder layers are)."""
 
     def __init__(self, config, mixer):
         super().__init__()

@@ -7,7 +7,8 @@ process running each document on its own in float64: the loss and every gradient
 
 And what a declaration must not let through, each the same error on every rank (MUTATIONS):
 the model undeclared (the guard); a method declared by heads that ignores which heads it
-holds, also when its per-head parameters are equal until an optimizer step; a halo narrower
+holds, also when its per-head parameters are equal (their gradients go astray) or frozen and
+equal until set through `.data` (the probe runs again on new values); a halo narrower
 than what the method reads (a plain and a dilated convolution); a method that is not causal,
 or starts from a learned token instead of zeros; a declared method the layer's forward never
 calls; a convolution of the layer run outside its declared method; the method checkpointed by
@@ -49,7 +50,7 @@ def _example():
     return custom_family
 
 
-def _sp_worker(rank, world):
+def _sp_worker(rank, world, checkpointing=None):
     import ulysses_kernels as uk
 
     example = _example()
@@ -57,6 +58,9 @@ def _sp_worker(rank, world):
     ukhf.register(groups)
     example.declare()
     model = example.tiny_model("ulysses", dtype=torch.float64)
+    if checkpointing is not None:   # every block recomputed in the backward, the probes not again
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=checkpointing))
+        model.train()
     out = {}
     for case, documents in DOCUMENTS.items():
         model.zero_grad(set_to_none=True)
@@ -85,6 +89,19 @@ def test_the_declared_model_trains_as_on_one_process(world):
             error, where = largest_error(step, reference[case])
             print(f"SP {world} rank {rank}, {case}: worst rel err {error:.1e} ({where})")
             assert error < TOLERANCE, (world, rank, case, where, error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_the_declared_model_trains_with_activation_checkpointing(reentrant):
+    """transformers' gradient checkpointing of every block (the declared layers recomputed in the
+    backward, non-reentrant: the same tensors saved as in the forward, which the probes' own
+    must not add to) at SP 2, against one process."""
+    reference = _references()
+    for rank, steps in enumerate(spawn(_sp_worker, 2, args=(reentrant,), timeout=SLOW_SPAWN_TIMEOUT)):
+        for case, step in steps.items():
+            error, where = largest_error(step, reference[case])
+            assert error < TOLERANCE, (reentrant, rank, case, where, error)
 
 
 def test_the_declaration_adapts_only_the_declared_classes():
@@ -118,7 +135,10 @@ def test_the_declaration_adapts_only_the_declared_classes():
 MUTATIONS = {
     "undeclared": "config.layer_types has layers of kind 'linear_mixer', 'short_conv'",
     "heads ignored": "ToyLinearMixer.mix_heads on heads 3..5 alone gives another result than over all heads",
-    "heads ignored, decays equal until a step": "ToyLinearMixer.mix_heads on heads 3..5 alone gives another result",
+    "heads ignored, decays equal": "ToyLinearMixer.mix_heads on each rank's heads alone gives its parameters other "
+                                   "gradients than over all heads",
+    "heads ignored, frozen decays equal until set through .data": "ToyLinearMixer.mix_heads on heads 3..5 alone "
+                                                                  "gives another result",
     "halo too narrow": "ToyShortConv.convolve reads more than its declared width of 1 earlier inputs",
     "dilated convolution": "ToyShortConv.convolve reads more than its declared width of 3 earlier inputs",
     "not causal": "ToyShortConv.convolve is not causal",
@@ -167,9 +187,10 @@ def _mutate(example, mutation):
             module.conv = nn.Conv1d(48, 48, 4, groups=48, padding=9, dilation=3, dtype=torch.float64)
         if mutation == "convolution outside the method" and isinstance(module, mixer):
             module.v_conv = nn.Conv1d(48, 48, 3, groups=48, padding=2, dtype=torch.float64)
-        if mutation == "heads ignored, decays equal until a step" and isinstance(module, mixer):
+        if mutation.startswith("heads ignored, ") and isinstance(module, mixer):
             with torch.no_grad():
                 module.log_decay.fill_(-0.1)
+            module.log_decay.requires_grad_("frozen" not in mutation)
     restore = dict(mix_heads=mix_heads, convolve=convolve, forward=mixer_forward)
     return declarations, model, restore
 
@@ -189,11 +210,10 @@ def _mutated_worker(rank, world):
             ukhf.declare_family("toy_hybrid", *declarations)
         try:
             sp_step(model, None, groups.sp_group)
-            if mutation == "heads ignored, decays equal until a step":   # the decays move apart
-                with torch.no_grad():
-                    for module in model.modules():
-                        if isinstance(module, example.ToyLinearMixer):
-                            module.log_decay.sub_(module.log_decay.grad * 10)
+            if "through .data" in mutation:   # the decays set apart the way a hand-written loop may
+                for module in model.modules():
+                    if isinstance(module, example.ToyLinearMixer):
+                        module.log_decay.data.copy_(-torch.linspace(0.05, 0.5, 6, dtype=torch.float64))
                 sp_step(model, None, groups.sp_group)
             said[mutation] = "ran"
         except NotSequenceParallelError as error:
@@ -273,3 +293,24 @@ def test_declared_attention_passes_the_guard_by_its_name():
     finally:
         ukhf.undeclare_family("toy_retention")
     assert "ToyRetention" in module_problem(anatomy_of(model))
+
+
+def test_a_declared_layer_watches_its_own_modules_only():
+    """The modules a declared layer's forward watches (mixers._watched): its own convolutions,
+    not those inside another adapted layer it holds, whose adapter answers for them."""
+    from torch import nn
+
+    from ulysses_kernels.hf.families.mixers import _watched
+
+    example = _example()
+    example.declare()
+    try:
+        outer = nn.Module()
+        outer.own = nn.Conv1d(48, 48, 3, padding=2)
+        outer.inner = example.ToyShortConv(example.tiny_model("sdpa").config)
+        install_adapters(outer)
+        assert adapted_kind(outer.inner) == "declared halo"
+        assert [name for name, _, _ in _watched(outer)] == ["own"]
+        assert [name for name, _, _ in _watched(outer.inner)] == ["conv"]
+    finally:
+        ukhf.undeclare_family("toy_hybrid")

@@ -14,6 +14,7 @@ from ..model import ensure_record, record_of
 from .by_heads import gated_deltanet, kimi_delta, lightning, mamba2, xlstm
 from .family import Adapter, Family, InterfaceAttention, protocol_forward
 from .halo import cca, inkling, inkling2, mamba1, ngram, rg_lru, rwkv, short_conv
+from .mixers import ADAPTED_CLASSES
 from .sparse import block_sparse, compressed, dsa, qsa
 
 # Every family module's declaration (family.py): the registry below is derived from them.
@@ -131,6 +132,7 @@ def adapted_class(base: type) -> type:
         _ADAPTED_CLASSES[base] = made
         _BASE_CLASSES[made] = base
         _ADAPTER_OF[made] = adapter
+        ADAPTED_CLASSES.add(made)
     return made
 
 

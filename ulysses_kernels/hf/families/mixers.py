@@ -33,6 +33,7 @@ documents, then the cache, placement, padding and ring rules) is family.py's
 import contextlib
 import contextvars
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -210,6 +211,70 @@ class _DeclaredForward:
 
 
 _DECLARED_FORWARDS = contextvars.ContextVar("ulysses_declared_forwards", default=())
+# every adapted class (adapters.adapted_class adds it): its own adapter answers for what is inside it
+ADAPTED_CLASSES = weakref.WeakSet()
+
+
+def _watched(module: nn.Module) -> List[tuple]:
+    """(name, submodule, what) of `module`'s torch modules that mix tokens along the sequence
+    (`torch_sequence_mixer`), but those inside another adapted module."""
+    found = []
+
+    def walk(parent, prefix):
+        for name, child in parent.named_children():
+            if type(child) in ADAPTED_CLASSES:
+                continue
+            what = torch_sequence_mixer(child)
+            if what:
+                found.append((prefix + name, child, what))
+            walk(child, prefix + name + ".")
+    walk(module, "")
+    return found
+
+
+def parameters_fingerprint(module: nn.Module) -> tuple:
+    """The values of `module`'s parameters, summed with weights by position (one host read):
+    any update (an optimizer's, FSDP's, through `.data`) changes it, a permutation too."""
+    sums = [(p.detach().double().flatten() * torch.linspace(1, 2, p.numel(), device=p.device,
+                                                             dtype=torch.float64)).sum()
+            for p in module.parameters() if p.numel()]
+    return tuple(torch.stack(sums).tolist()) if sums else ()
+
+
+def arguments_key(values: dict) -> tuple:
+    """What of a call's other arguments a probe's verdict holds for: tensors by shape and dtype,
+    plain values by value, anything else by type (never a repr that reads a device or an address)."""
+    def key(value):
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (tuple, list)):
+            return tuple(key(v) for v in value)
+        return type(value).__name__
+    return tuple(sorted((name, key(value)) for name, value in values.items()))
+
+
+def _kept(tensor):
+    return tensor
+
+
+@contextlib.contextmanager
+def probing(module: nn.Module):
+    """How a declared method runs on its probe, the same on every rank: in eval mode (no dropout)
+    and from a fixed random state (the caller's restored after); what its gradients save kept
+    as it is, outside an activation checkpoint's count (which a recomputed forward, probed no
+    more, must match)."""
+    modes = [(m, m.training) for m in module.modules()]
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(_kept, _kept):
+        torch.manual_seed(0)
+        module.train(False)
+        try:
+            yield
+        finally:
+            for m, training in modes:
+                m.training = training
 
 
 def declared_forward(method: str) -> Callable:
@@ -217,13 +282,13 @@ def declared_forward(method: str) -> Callable:
     forward, during which `method` runs sequence-parallel (`declared_method`). Refused, the same
     on every rank (whose layers run the same code): a forward that never called `method`, and
     a convolution, token shift or recurrent module of the layer run outside `method` (both
-    would mix tokens on this rank's slice only)."""
+    would mix tokens on this rank's slice only; a functional call, `F.conv1d` or `cumsum`, is
+    not seen: docs/hf_custom.md)."""
     def forward(module, call, hidden_states, /, **others):
         running = _DeclaredForward(module, call, method)
         token = _DECLARED_FORWARDS.set(_DECLARED_FORWARDS.get() + (running,))
         hooks = [sub.register_forward_pre_hook(_mixing_outside(running, name, what))
-                 for name, sub in module.named_modules() if sub is not module
-                 for what in [torch_sequence_mixer(sub)] if what]
+                 for name, sub, what in _watched(module)]
         try:
             out = original_forward(module)(hidden_states, **others)
         finally:

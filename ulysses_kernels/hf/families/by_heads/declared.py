@@ -13,10 +13,11 @@ package's attention and mixers run them.
 A method with parameters per head (a decay, a gate bias) takes a `heads` argument: the range
 of global heads it holds (of its first tensor), `range(H)` where the layer calls it itself.
 That the method mixes within heads and reads `heads` is checked, not trusted: before a layer's
-method runs on `P` ranks, and again whenever its parameters changed since (`probe_key`), the
-method runs on a small fixed probe over all heads and over each rank's heads alone, and any
-difference refuses the model on every rank (the probe is the same everywhere, and so is the
-answer)."""
+method runs on `P` ranks, and again whenever its parameters' values changed since (`probe_key`:
+one host read per layer and forward), the method runs on a small fixed probe over all heads and
+over each rank's heads alone, in eval mode from a fixed random state; a difference in the
+outputs, or in its parameters' gradients (where gradients are on), refuses the model on every
+rank (the probe is the same everywhere, and so is the answer)."""
 
 import inspect
 import weakref
@@ -28,7 +29,15 @@ from ....api import ulysses_head_parallel
 from ....layout import LocalHeads, place_heads
 from ...model import refusal
 from ..family import BY_HEADS, Adapter, class_names
-from ..mixers import declared_forward, declared_method, over_documents, refuse_declared_generation
+from ..mixers import (
+    arguments_key,
+    declared_forward,
+    declared_method,
+    over_documents,
+    parameters_fingerprint,
+    probing,
+    refuse_declared_generation,
+)
 
 PROBE_TOKENS = 6
 # a method that mixes within heads gives its heads' outputs alone up to rounding; one that
@@ -63,7 +72,7 @@ def head_parallel_method(base: type, method: str) -> Callable:
     forward runs (as written elsewhere)."""
     own, signature = _parameters(base, method)
     takes_heads = "heads" in signature.parameters
-    probed = weakref.WeakKeyDictionary()      # module -> what its last probe passed on (probe_key)
+    probed = weakref.WeakKeyDictionary()      # module -> what its last probe passed on (probe_key, gradients)
     exchanged = weakref.WeakSet()               # modules whose first exchange checked what the ranks pass
 
     def run(self, *args, **kwargs):
@@ -73,10 +82,11 @@ def head_parallel_method(base: type, method: str) -> Callable:
             tensors, others = _split_arguments(signature, self, args, kwargs)
             first = next(iter(tensors), None)
             placements = _placements(base, method, tensors, call.world)
-            key = probe_key(self, call.world, tensors, others)
-            if probed.get(self) != key:
+            key, grads = probe_key(self, call.world, tensors, others), torch.is_grad_enabled()
+            last = probed.get(self)   # (key, whether that probe compared gradients)
+            if last is None or last[0] != key or (grads and not last[1]):
                 _probe(self, own, f"{base.__name__}.{method}", tensors, others, placements, call.world, takes_heads)
-                probed[self] = key
+                probed[self] = (key, grads or (last is not None and last[0] == key and last[1]))
 
             def mixer(local, heads: LocalHeads):
                 extra = {"heads": heads.heads(first)} if takes_heads else {}
@@ -95,12 +105,11 @@ def head_parallel_method(base: type, method: str) -> Callable:
 
 def probe_key(module, world: int, tensors: Dict[str, torch.Tensor], others: dict) -> tuple:
     """What a probe's verdict holds for: the world, the tensors' shapes but the sequence's and
-    dtypes, the other arguments, and the module's parameters as they are now (an optimizer step
-    changes their versions: per-head parameters equal at initialisation would let a method
-    that ignores `heads` pass, until they differ)."""
-    return (world, tuple((n, tuple(t.shape[2:]), t.dtype) for n, t in tensors.items()),
-            tuple(sorted((name, repr(value)) for name, value in others.items())),
-            tuple((id(p), p._version) for p in module.parameters()))
+    dtypes, the other arguments, and the module's parameters' values (`parameters_fingerprint`:
+    a method that ignores `heads` gives the right output while per-head parameters are equal,
+    and the wrong one once any update makes them differ)."""
+    return (world, tuple((n, tuple(t.shape[2:]), t.dtype) for n, t in tensors.items()), arguments_key(others),
+            parameters_fingerprint(module))
 
 
 def _split_arguments(signature, module, args, kwargs):
@@ -135,33 +144,63 @@ def _placements(base, method, tensors: Dict[str, torch.Tensor], world: int):
 
 def _probe(module, own, where: str, tensors, others, placements, world: int, takes_heads: bool) -> None:
     """The module doc's check: the method on a fixed probe, over all heads and over each rank's
-    heads alone, must agree."""
+    heads alone, must agree, and so must the gradients of its parameters (where gradients are
+    on: per-head parameters equal in value still send a method that ignores `heads` the wrong
+    heads' gradients)."""
     generator = torch.Generator().manual_seed(0)
     probe = {name: torch.randn((1, PROBE_TOKENS) + tuple(t.shape[2:]), generator=generator,
                                dtype=torch.float64).to(device=t.device, dtype=t.dtype) for name, t in tensors.items()}
     first = next(iter(tensors))
     tolerance = PROBE_TOLERANCE.get(probe[first].dtype, PROBE_TOLERANCE_LOW)
-    with torch.no_grad():
+    hint = "" if takes_heads else "; a method with parameters per head takes a `heads` argument"
+    params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+    with probing(module), torch.enable_grad() if params else torch.no_grad():
         whole = own(module, **probe, **others)
         if not isinstance(whole, torch.Tensor) or whole.dim() != 4 or whole.shape[2] % world:
             shape = tuple(whole.shape) if isinstance(whole, torch.Tensor) else type(whole).__name__
             raise refusal(None, f"{where} returned {shape}: a method declared by heads returns one tensor "
                                 f"[batch, sequence, heads, head_dim] whose heads split over {world} ranks")
+        cotangent = torch.randn(whole.shape, generator=generator, dtype=torch.float64).to(whole)
+        want_grads = _grads(whole, cotangent, params)
+        got_grads = [torch.zeros_like(g) for g in want_grads]
         for rank in range(world):
             heads = LocalHeads(rank, world, (PROBE_TOKENS,), placements)
             local = {name: _heads_of(p, heads.heads(name)) for name, p in probe.items()}
-            hint = "" if takes_heads else "; a method with parameters per head takes a `heads` argument"
             try:
                 part = own(module, **local, **others, **({"heads": heads.heads(first)} if takes_heads else {}))
             except (RuntimeError, IndexError, ValueError) as error:   # a shape that does not fit its parameters
                 raise refusal(None, f"{where} failed on heads {_span(heads.heads(first))} alone ({error}){hint}") \
                     from None
-            want = _heads_of(whole, heads.output_heads(whole.shape[2]))
-            error = float((part.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30))
+            output_heads = heads.output_heads(whole.shape[2])
+            error = _relative_error([part], [_heads_of(whole, output_heads)])
             if error > tolerance:
                 raise refusal(None, f"{where} on heads {_span(heads.heads(first))} alone gives another result than "
                                     f"over all heads (relative error {error:.1e} on a probe): it mixes across heads, "
                                     f"or reads the parameters of other heads{hint}")
+            got_grads = [a + b for a, b in zip(got_grads, _grads(part, _heads_of(cotangent, output_heads), params))]
+    error = _relative_error(got_grads, want_grads)
+    if error > tolerance:
+        raise refusal(None, f"{where} on each rank's heads alone gives its parameters other gradients than over all "
+                            f"heads (relative error {error:.1e} on a probe): it reads the parameters of other "
+                            f"heads{hint}")
+
+
+def _grads(out: torch.Tensor, cotangent: torch.Tensor, params) -> list:
+    """The gradients of `(out * cotangent).sum()` for `params` (zeros for those it does not read)."""
+    if not params:
+        return []
+    if not out.requires_grad:   # it reads none of them (frozen, or parameters of the layer's other parts)
+        return [torch.zeros_like(p) for p in params]
+    grads = torch.autograd.grad((out * cotangent).sum(), params, allow_unused=True)
+    return [torch.zeros_like(p) if g is None else g.detach() for g, p in zip(grads, params)]
+
+
+def _relative_error(got, want) -> float:
+    if not want:
+        return 0.0
+    diff = sum(float((g.detach().double() - w.detach().double()).norm()) ** 2 for g, w in zip(got, want)) ** 0.5
+    scale = sum(float(w.detach().double().norm()) ** 2 for w in want) ** 0.5
+    return diff / max(scale, 1e-30)
 
 
 def _heads_of(x: torch.Tensor, heads: range) -> torch.Tensor:

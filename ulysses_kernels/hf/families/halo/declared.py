@@ -12,8 +12,8 @@ last `width` inputs), and the prepended outputs are dropped. Packed documents ru
 (zeros before each document's start), as the package's attention and mixers run them.
 
 That the method is what `halo_map` needs is checked, not trusted: before a layer's method
-first runs sequence-parallel, and again whenever its parameters changed since, the method runs
-on a small fixed probe (`_probe`): it must be causal, read no more than `width` earlier
+first runs sequence-parallel, and again whenever its parameters' values changed since, the
+method runs on a small fixed probe (`_probe`, in eval mode from a fixed random state): it must be causal, read no more than `width` earlier
 inputs, read zeros before the first token as its history, and depend on nothing but its
 inputs (no absolute position). Anything else refuses the model on every rank (the probe is
 the same everywhere, and so is the answer).
@@ -27,7 +27,14 @@ import torch
 
 from ...model import refusal
 from ..family import HALO, Adapter, class_names
-from ..mixers import declared_forward, declared_method, refuse_declared_generation
+from ..mixers import (
+    arguments_key,
+    declared_forward,
+    declared_method,
+    parameters_fingerprint,
+    probing,
+    refuse_declared_generation,
+)
 from .halo import halo_map, training_layout
 
 PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -60,10 +67,11 @@ def halo_method(base: type, method: str, width: Union[int, Callable]) -> Callabl
                 return own(self, x, *args, **kwargs)
             reach = int(width(self) if callable(width) else width)
             _check_arguments(where, x, args, kwargs)
-            key = (reach, x.shape[2], x.dtype, repr(args), tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
-                   tuple((id(p), p._version) for p in self.parameters()))   # as by_heads/declared.py's probe_key
+            key = (reach, x.shape[2], x.dtype, arguments_key({**{str(i): a for i, a in enumerate(args)}, **kwargs}),
+                   parameters_fingerprint(self))   # as by_heads/declared.py's probe_key
             if probed.get(self) != key:
-                _probe(where, lambda inputs: own(self, inputs, *args, **kwargs), x, reach)
+                with probing(self):
+                    _probe(where, lambda inputs: own(self, inputs, *args, **kwargs), x, reach)
                 probed[self] = key
             out, _ = halo_map(x, lambda extended: own(self, extended, *args, **kwargs)[:, reach:], reach,
                               training_layout(call.context, call.lens), cu_seqlens=call.cu_seqlens)
