@@ -686,31 +686,29 @@ def _mamba2_shape(cfg, layers, kinds):
                       norm=bool(cfg.get("mamba_rms_norm", True)))
 
 
-# The token-mixer layers' shape of each family the package adapts (hf/families: a family's
-# `FAMILY` declaration, by its name), from the config. The planner imports nothing of hf/ (it
-# runs without transformers), hence the tables here, which tests/hf/families/
-# test_hf_family_declarations.py holds to the declarations: every family that mixes tokens has
-# its shape, every entry of MIXER_MODEL_TYPES is a model type its family declares
-# (`Family.model_types`), and the tests' tiny models of the others read as their family by
-# their fields (`mixer_family`).
+# The token-mixer layers' shape of each kind, from the config, keyed by the `planner_shape` the
+# families declare (hf/families: each family module's `FAMILY`). The planner imports nothing of
+# hf/ (it runs without transformers), hence the tables here, which tests/hf/families/
+# test_hf_family_declarations.py holds to the declarations: one shape per declared
+# `planner_shape`, every entry of MIXER_MODEL_TYPES a model type (`Family.model_types`) of a
+# family of that shape, and the tests' tiny models of the others read as theirs by their fields.
 MIXER_SHAPES = {
     "gated_deltanet": _gated_deltanet_shape, "kimi_delta": _kimi_delta_shape, "lightning": _lightning_shape,
-    "mamba2": _mamba2_shape, "xlstm": _mlstm_shape, "short_conv": _short_conv_shape, "cca": _cca_shape,
+    "mamba2": _mamba2_shape, "mlstm": _mlstm_shape, "short_conv": _short_conv_shape, "cca": _cca_shape,
     "mamba1": _mamba1_shape, "rg_lru": _rg_lru_shape, "rwkv": _rwkv_shape, "inkling": _inkling_shape,
-    "inkling2": _inkling_shape,
 }
-# model type -> its family (the declarations' `model_types`, for the planner: see MIXER_SHAPES)
+# model type -> its mixers' shape (see MIXER_SHAPES)
 MIXER_MODEL_TYPES = {
     "zaya": "cca", "minimax": "lightning", "rwkv": "rwkv", "inkling_text": "inkling",
-    "inkling2_text": "inkling2", "inkling2_loop_text": "inkling2", "xlstm": "xlstm",
+    "inkling2_text": "inkling", "inkling2_loop_text": "inkling", "xlstm": "mlstm",
     "recurrent_gemma": "rg_lru", "mamba": "mamba1", "falcon_mamba": "mamba1", "jamba": "mamba1", "zamba": "mamba1",
     "kimi_linear": "kimi_delta", "bailing_hybrid": "kimi_delta", "mamba2": "mamba2",
 }
 
 
-def mixer_family(cfg: dict) -> str:
-    """The family of a hybrid config's token mixers: by its model type (MIXER_MODEL_TYPES),
-    else by its fields (a model type the planner does not list: LFM's `conv_L_cache`, Gated
+def mixer_shape_kind(cfg: dict) -> str:
+    """The shape of a hybrid config's token mixers: by its model type (MIXER_MODEL_TYPES), else
+    by its fields (a model type the planner does not list: LFM's `conv_L_cache`, Gated
     DeltaNet's `linear_*`, else Mamba2's `mamba_*`)."""
     known = MIXER_MODEL_TYPES.get(cfg.get("model_type"))
     if known:
@@ -721,12 +719,12 @@ def mixer_family(cfg: dict) -> str:
 
 
 def mixer_from_dict(cfg: dict, kinds) -> Optional[MixerShape]:
-    """The token-mixer layers of a hybrid config (its family's entry of MIXER_SHAPES), None
+    """The token-mixer layers of a hybrid config (its shape's entry of MIXER_SHAPES), None
     without any."""
     layers = sum(k in MIXER_KINDS for k in kinds)
     if not layers:
         return None
-    return MIXER_SHAPES[mixer_family(cfg)](cfg, layers, kinds)
+    return MIXER_SHAPES[mixer_shape_kind(cfg)](cfg, layers, kinds)
 
 
 def mlp_tile_tokens(hidden: int) -> int:

@@ -141,35 +141,30 @@ def test_the_hybrid_tests_cover_the_registry_and_its_ring_flags():
 
 
 
-# The families the planner has no mixer shape for: sparse attention is planned as the attention
-# it is (its indexer's keys counted with the attention's), and Qwen4-Exp's n-gram convolution
-# (a few channels per token) has no preset to plan.
-NOT_PLANNED = {"dsa", "block_sparse", "qsa", "compressed", "ngram"}
-
-
 def test_the_planner_has_a_mixer_shape_for_every_family():
-    """planner.MIXER_SHAPES is keyed by the families' declared names: one entry per family
-    that mixes tokens (NOT_PLANNED aside), none for a family that is not declared."""
+    """planner.MIXER_SHAPES holds one shape per `planner_shape` the families declare and no
+    other; every entry of MIXER_MODEL_TYPES is a model type of a family of that shape; every
+    family declares its model types."""
     from ulysses_kernels.planner import MIXER_MODEL_TYPES, MIXER_SHAPES
 
-    names = {family.name for family in adapters.FAMILIES}
-    assert set(MIXER_SHAPES) == names - NOT_PLANNED and NOT_PLANNED <= names
-    declared = {(model_type, family.name) for family in adapters.FAMILIES for model_type in family.model_types}
+    assert set(MIXER_SHAPES) == {f.planner_shape for f in adapters.FAMILIES} - {None}
+    declared = {(model_type, f.planner_shape) for f in adapters.FAMILIES for model_type in f.model_types}
     assert set(MIXER_MODEL_TYPES.items()) <= declared, set(MIXER_MODEL_TYPES.items()) - declared
     assert all(family.model_types for family in adapters.FAMILIES)
 
 
 def _check_the_planner_reads_each_model_as_its_family(models, held):
     """Each tiny hybrid model holds classes of the families that declare its model type
-    (`Family.model_types`) only, and its config, read by the planner (`planner.mixer_family`:
-    its model type, else its fields), names the family whose classes it holds (the planner's
-    tables and the declarations agree on every model type the tests build)."""
-    from ulysses_kernels.planner import language_model_config, mixer_family
+    (`Family.model_types`) only, and its config, read by the planner (`planner.mixer_shape_kind`:
+    its model type, else its fields), names the `planner_shape` those families declare (the
+    planner's tables and the declarations agree on every model type the tests build)."""
+    from ulysses_kernels.planner import language_model_config, mixer_shape_kind
 
-    family_of = {name: family.name for family in adapters.FAMILIES for name in family.classes}
+    family_of = {name: family for family in adapters.FAMILIES for name in family.classes}
     for model_type, model in models.items():
         families = {family_of[name] for name in held[model_type]}
-        declaring = {family.name for family in adapters.FAMILIES if model_type in family.model_types}
+        declaring = {family for family in adapters.FAMILIES if model_type in family.model_types}
         assert families and families <= declaring, (model_type, families, declaring)
-        config = language_model_config(model.config.to_dict())
-        assert families - NOT_PLANNED == {mixer_family(config)}, (model_type, families, mixer_family(config))
+        shapes = {family.planner_shape for family in families} - {None}
+        kind = mixer_shape_kind(language_model_config(model.config.to_dict()))
+        assert shapes == {kind}, (model_type, shapes, kind)

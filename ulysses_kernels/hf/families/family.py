@@ -154,6 +154,9 @@ class Family:
     # the transformers model types whose decoder layers hold its classes (the tests' tiny models
     # are keyed by them; the planner's MIXER_MODEL_TYPES is held to them)
     model_types: Tuple[str, ...] = ()
+    # its layers' shape in the planner's memory model (planner.MIXER_SHAPES, keyed by it; None:
+    # planned as the attention it is, a sparse attention, or not planned, said at its declaration)
+    planner_shape: Optional[str] = None
 
     @property
     def classes(self) -> Tuple[str, ...]:

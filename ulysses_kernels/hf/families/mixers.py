@@ -232,6 +232,23 @@ def _watched(module: nn.Module) -> List[tuple]:
     return found
 
 
+# a declared method that keeps to its declaration gives the probe's answers up to rounding; one
+# that does not is off by order one
+_PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+
+
+def probe_tolerance(dtype) -> float:
+    return _PROBE_TOLERANCE.get(dtype, 2e-2)   # bfloat16, float16
+
+
+def probe_key(module: nn.Module, shapes: tuple, arguments: dict) -> tuple:
+    """What a probe's verdict on `module`'s declared method holds for: the call's shapes (but the
+    sequence's), its other arguments (`arguments_key`) and the module's parameters' values
+    (`parameters_fingerprint`: a method that ignores `heads` gives the right output while
+    per-head parameters are equal, and the wrong one once any update makes them differ)."""
+    return shapes, arguments_key(arguments), parameters_fingerprint(module)
+
+
 def parameters_fingerprint(module: nn.Module) -> tuple:
     """The values of `module`'s parameters, summed with weights by position (one host read):
     any update (an optimizer's, FSDP's, through `.data`) changes it, a permutation too."""

@@ -13,7 +13,7 @@ package's attention and mixers run them.
 A method with parameters per head (a decay, a gate bias) takes a `heads` argument: the range
 of global heads it holds (of its first tensor), `range(H)` where the layer calls it itself.
 That the method mixes within heads and reads `heads` is checked, not trusted: before a layer's
-method runs on `P` ranks, and again whenever its parameters' values changed since (`probe_key`:
+method runs on `P` ranks, and again whenever its parameters' values changed since (`mixers.probe_key`:
 one host read per layer and forward), the method runs on a small fixed probe over all heads and
 over each rank's heads alone, in eval mode from a fixed random state; a difference in the
 outputs, or in its parameters' gradients (where gradients are on), refuses the model on every
@@ -30,11 +30,11 @@ from ....layout import LocalHeads, place_heads
 from ...model import refusal
 from ..family import BY_HEADS, Adapter, class_names
 from ..mixers import (
-    arguments_key,
     declared_forward,
     declared_method,
     over_documents,
-    parameters_fingerprint,
+    probe_key,
+    probe_tolerance,
     probing,
     refuse_declared_generation,
 )
@@ -42,8 +42,6 @@ from ..mixers import (
 PROBE_TOKENS = 6
 # a method that mixes within heads gives its heads' outputs alone up to rounding; one that
 # mixes heads, or ignores `heads`, is off by order one
-PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-PROBE_TOLERANCE_LOW = 2e-2   # bfloat16, float16
 
 
 def by_heads(classes, method: str) -> Adapter:
@@ -82,7 +80,8 @@ def head_parallel_method(base: type, method: str) -> Callable:
             tensors, others = _split_arguments(signature, self, args, kwargs)
             first = next(iter(tensors), None)
             placements = _placements(base, method, tensors, call.world)
-            key, grads = probe_key(self, call.world, tensors, others), torch.is_grad_enabled()
+            shapes = (call.world, tuple((n, tuple(t.shape[2:]), t.dtype) for n, t in tensors.items()))
+            key, grads = probe_key(self, shapes, others), torch.is_grad_enabled()
             last = probed.get(self)   # (key, whether that probe compared gradients)
             if last is None or last[0] != key or (grads and not last[1]):
                 _probe(self, own, f"{base.__name__}.{method}", tensors, others, placements, call.world, takes_heads)
@@ -101,15 +100,6 @@ def head_parallel_method(base: type, method: str) -> Callable:
 
     run.__name__, run.__doc__ = own.__name__, own.__doc__
     return run
-
-
-def probe_key(module, world: int, tensors: Dict[str, torch.Tensor], others: dict) -> tuple:
-    """What a probe's verdict holds for: the world, the tensors' shapes but the sequence's and
-    dtypes, the other arguments, and the module's parameters' values (`parameters_fingerprint`:
-    a method that ignores `heads` gives the right output while per-head parameters are equal,
-    and the wrong one once any update makes them differ)."""
-    return (world, tuple((n, tuple(t.shape[2:]), t.dtype) for n, t in tensors.items()), arguments_key(others),
-            parameters_fingerprint(module))
 
 
 def _split_arguments(signature, module, args, kwargs):
@@ -151,7 +141,7 @@ def _probe(module, own, where: str, tensors, others, placements, world: int, tak
     probe = {name: torch.randn((1, PROBE_TOKENS) + tuple(t.shape[2:]), generator=generator,
                                dtype=torch.float64).to(device=t.device, dtype=t.dtype) for name, t in tensors.items()}
     first = next(iter(tensors))
-    tolerance = PROBE_TOLERANCE.get(probe[first].dtype, PROBE_TOLERANCE_LOW)
+    tolerance = probe_tolerance(probe[first].dtype)
     hint = "" if takes_heads else "; a method with parameters per head takes a `heads` argument"
     params = [p for p in module.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
     with probing(module), torch.enable_grad() if params else torch.no_grad():

@@ -205,4 +205,5 @@ FAMILY = Family("gated_deltanet", (Adapter(GATED_DELTANET_CLASSES, "gated_deltan
                                            problem=placement_problem, runs_on_a_ring=True,
                                            generation=generation_forward, pads=True,
                                            cache_kept="its conv and recurrent states are sharded by heads there only"),),
-                model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lara_mini", "olmo_hybrid", "qwen4_exp_text", "qwen4_exp"))
+                model_types=("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe", "lara_mini", "olmo_hybrid", "qwen4_exp_text", "qwen4_exp"),
+                planner_shape="gated_deltanet")

@@ -116,4 +116,5 @@ FAMILY = Family("kimi_delta", (Adapter(KDA_CLASSES, "kimi_delta", kimi_delta_for
                                        problem=placement_problem, runs_on_a_ring=True, generation=generation_forward,
                                        pads=True, cache_kept="its conv and recurrent states are sharded by heads "
                                                              "there only"),),
-                model_types=("kimi_linear", "bailing_hybrid"))
+                model_types=("kimi_linear", "bailing_hybrid"),
+                planner_shape="kimi_delta")

@@ -147,4 +147,5 @@ FAMILY = Family("lightning", (Adapter(LIGHTNING_CLASSES, "lightning", lightning_
                                       problem=placement_problem, runs_on_a_ring=True, own_cache="MiniMaxCache",
                                       generation=generation_forward,
                                       cache_kept="its states are sharded by heads there only"),),
-                model_types=("minimax",))
+                model_types=("minimax",),
+                planner_shape="lightning")

@@ -255,36 +255,26 @@ def _falcon_h1_parts(module):
     return project, gated_norm
 
 
-# Both forwards read conv1d's weights directly (not through its forward): its accelerate
-# hooks (device_map, offloading) are fired around them, as transformers' own forward does.
-@force_accelerate_hooks("conv1d")
-def mamba2_forward(self, call, hidden_states: torch.Tensor, attention_mask=None, **_):
-    return _sequence_forward(self, call, hidden_states, attention_mask, *_mamba2_parts(self))
+def _adapter(classes, parts) -> Adapter:
+    """The adapter of `classes`, whose projection and gated norm are `parts(module)`. Both
+    forwards read conv1d's weights directly (not through its forward): its accelerate hooks
+    (device_map, offloading) are fired around them, as transformers' own forward does."""
+    @force_accelerate_hooks("conv1d")
+    def forward(self, call, hidden_states: torch.Tensor, attention_mask=None, **_):
+        return _sequence_forward(self, call, hidden_states, attention_mask, *parts(self))
 
+    @force_accelerate_hooks("conv1d")
+    def generation(self, hidden_states: torch.Tensor, cache, **_):
+        return _generation_forward(self, hidden_states, cache, *parts(self))
 
-@force_accelerate_hooks("conv1d")
-def mamba2_generation(self, hidden_states: torch.Tensor, cache, **_):
-    return _generation_forward(self, hidden_states, cache, *_mamba2_parts(self))
-
-
-@force_accelerate_hooks("conv1d")
-def falcon_h1_forward(self, call, hidden_states: torch.Tensor, attention_mask=None, **_):
-    return _sequence_forward(self, call, hidden_states, attention_mask, *_falcon_h1_parts(self))
-
-
-@force_accelerate_hooks("conv1d")
-def falcon_h1_generation(self, hidden_states: torch.Tensor, cache, **_):
-    return _generation_forward(self, hidden_states, cache, *_falcon_h1_parts(self))
+    return Adapter(classes, "mamba2", forward, BY_HEADS, problem=adapter_problem, runs_on_a_ring=True,
+                   generation=generation, cache_kept="its conv and recurrent states are sharded by heads there only",
+                   placement_advice=_PLACEMENT_ADVICE)
 
 
 # The protocol (family.py) refuses the layer's configuration and placement (`adapter_problem`,
 # with the placement advice) and a cache outside generation; mixer_ring.py passes their
 # state across the ring's chunks.
-_CACHE_KEPT = "its conv and recurrent states are sharded by heads there only"
-FAMILY = Family("mamba2", (Adapter(MAMBA2_CLASSES, "mamba2", mamba2_forward, BY_HEADS, problem=adapter_problem,
-                                   runs_on_a_ring=True, generation=mamba2_generation, cache_kept=_CACHE_KEPT,
-                                   placement_advice=_PLACEMENT_ADVICE),
-                           Adapter(FALCON_H1_CLASSES, "mamba2", falcon_h1_forward, BY_HEADS, problem=adapter_problem,
-                                   runs_on_a_ring=True, generation=falcon_h1_generation, cache_kept=_CACHE_KEPT,
-                                   placement_advice=_PLACEMENT_ADVICE)),
-                model_types=("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "mamba2"))
+FAMILY = Family("mamba2", (_adapter(MAMBA2_CLASSES, _mamba2_parts), _adapter(FALCON_H1_CLASSES, _falcon_h1_parts)),
+                model_types=("bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "zamba2", "mamba2"),
+                planner_shape="mamba2")

@@ -180,4 +180,5 @@ _STATE_REFUSED = ("a recurrent state (a cache, or the model's chunked inference 
 FAMILY = Family("xlstm", (Adapter(XLSTM_CLASSES, "mlstm", xlstm_forward, BY_HEADS, problem=placement_problem,
                                   own_cache=XlstmCacheFields, generation=generation_forward,
                                   cache_refused=_STATE_REFUSED),),
-                model_types=("xlstm",))
+                model_types=("xlstm",),
+                planner_shape="mlstm")

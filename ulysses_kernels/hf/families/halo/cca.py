@@ -99,4 +99,5 @@ def cca_projection_forward(self, call, hidden_states: torch.Tensor, conv_mask=No
 # the halo reads the ring's chunks in their global order
 FAMILY = Family("cca", (Adapter(CCA_CLASSES, "cca", cca_projection_forward, HALO, runs_on_a_ring=True,
                                 generation=generation_forward, cache_kept="its convolution state is kept there only"),),
-                model_types=("zaya",))
+                model_types=("zaya",),
+                planner_shape="cca")

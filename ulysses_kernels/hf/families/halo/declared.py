@@ -28,17 +28,14 @@ import torch
 from ...model import refusal
 from ..family import HALO, Adapter, class_names
 from ..mixers import (
-    arguments_key,
     declared_forward,
     declared_method,
-    parameters_fingerprint,
+    probe_key,
+    probe_tolerance,
     probing,
     refuse_declared_generation,
 )
 from .halo import halo_map, training_layout
-
-PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-PROBE_TOLERANCE_LOW = 2e-2   # bfloat16, float16
 
 
 def halo(classes, method: str, *, width: Union[int, Callable]) -> Adapter:
@@ -67,8 +64,7 @@ def halo_method(base: type, method: str, width: Union[int, Callable]) -> Callabl
                 return own(self, x, *args, **kwargs)
             reach = int(width(self) if callable(width) else width)
             _check_arguments(where, x, args, kwargs)
-            key = (reach, x.shape[2], x.dtype, arguments_key({**{str(i): a for i, a in enumerate(args)}, **kwargs}),
-                   parameters_fingerprint(self))   # as by_heads/declared.py's probe_key
+            key = probe_key(self, (reach, x.shape[2], x.dtype), {**{str(i): a for i, a in enumerate(args)}, **kwargs})
             if probed.get(self) != key:
                 with probing(self):
                     _probe(where, lambda inputs: own(self, inputs, *args, **kwargs), x, reach)
@@ -118,7 +114,7 @@ def _probe(where: str, method: Callable, x: torch.Tensor, reach: int) -> None:
         return out[:, inputs.shape[1] - tokens:]
 
     plain = run(probe)
-    scale = float(plain.norm().clamp(min=1e-30)) * PROBE_TOLERANCE.get(x.dtype, PROBE_TOLERANCE_LOW)
+    scale = float(plain.norm().clamp(min=1e-30)) * probe_tolerance(x.dtype)
     differs = lambda a, b: float((a - b).norm()) > scale   # noqa: E731
     after = run(moved)
     if differs(after[:, :changed], plain[:, :changed]):

@@ -240,4 +240,5 @@ FAMILY = Family("inkling", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv
                             Adapter(ATTENTION_CLASSES, "inkling_attention", attention_forward, BY_HEADS,
                                     problem=placement_problem, generation=attention_generation,
                                     refuse_first=refuse_padding_and_dropout, cache_kept=KEYS_KEPT)),
-                model_types=("inkling_text",))
+                model_types=("inkling_text",),
+                planner_shape="inkling")

@@ -224,4 +224,5 @@ FAMILY = Family("inkling2", (Adapter(STATIC_CONV_CLASSES, "short_conv", static_c
                                      generation=block_residual_forward),
                              Adapter(MESSAGE_CLASSES, "depth_attention", message_residual_forward, DEPTH,
                                      generation=message_residual_forward)),
-                model_types=("inkling2_text", "inkling2_loop_text"))
+                model_types=("inkling2_text", "inkling2_loop_text"),
+                planner_shape="inkling")

@@ -165,4 +165,5 @@ def placement_problem(module, world: int) -> Optional[str]:
 FAMILY = Family("mamba1", (Adapter(MAMBA1_CLASSES, "mamba1", mamba1_forward, STATE_PASSING, problem=placement_problem,
                                    runs_on_a_ring=True, generation=generation_forward,
                                    cache_kept="its conv and scan states are kept there only"),),
-                model_types=("mamba", "falcon_mamba", "jamba", "zamba"))
+                model_types=("mamba", "falcon_mamba", "jamba", "zamba"),
+                planner_shape="mamba1")

@@ -102,6 +102,8 @@ def refuse_padding(module, conv_mask=None, **_):
     refuse_conv_padding(module, conv_mask)
 
 
+# No planner shape: its n-gram convolution (a few channels per token) is left out of the
+# planner's memory model, which has no Qwen4-Exp preset.
 FAMILY = Family("ngram", (Adapter(PLE_CLASSES, "short_conv", ple_forward, HALO, generation=generation_forward,
                                   refuse_first=refuse_padding, cache_kept="its convolution state is kept there only"),),
                 model_types=("qwen4_exp_text", "qwen4_exp"))

@@ -144,4 +144,5 @@ def recurrent_block_forward(self, call, input_states: torch.Tensor, position_ids
 FAMILY = Family("rg_lru", (Adapter(RG_LRU_CLASSES, "rg_lru", recurrent_block_forward, STATE_PASSING,
                                    runs_on_a_ring=True, generation=generation_forward,
                                    decoding_from_context=True, cache_rule=refuse_module_states),),
-                model_types=("recurrent_gemma",))
+                model_types=("recurrent_gemma",),
+                planner_shape="rg_lru")

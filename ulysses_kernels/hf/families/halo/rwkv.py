@@ -180,4 +180,5 @@ FAMILY = Family("rwkv", (Adapter(TIME_MIX_CLASSES, "rwkv", time_mix_forward, STA
                                  generation=time_mix_generation, **_OWN_STATES),
                          Adapter(CHANNEL_MIX_CLASSES, "rwkv", channel_mix_forward, HALO,
                                  generation=channel_mix_generation, **_OWN_STATES)),
-                model_types=("rwkv",))
+                model_types=("rwkv",),
+                planner_shape="rwkv")

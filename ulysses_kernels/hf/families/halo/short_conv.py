@@ -62,4 +62,5 @@ def short_conv_forward(self, call, hidden_states: torch.Tensor, **_):
 FAMILY = Family("short_conv", (Adapter(SHORT_CONV_CLASSES, "short_conv", short_conv_forward, HALO,
                                        runs_on_a_ring=True, generation=generation_forward, pads=True,
                                        cache_kept="its convolution state is kept there only"),),
-                model_types=("lfm2", "lfm2_moe", "lfm3"))
+                model_types=("lfm2", "lfm2_moe", "lfm3"),
+                planner_shape="short_conv")
